@@ -1,0 +1,1 @@
+"""The `dali` command line."""

@@ -1,0 +1,68 @@
+"""``dali trace``: import, generate, validate and describe routing traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dali_sim.cli.common import UserErrorGroup, command_line, echo_json
+from dali_sim.trace import read_meta, read_trace
+from dali_sim.trace.importers import IMPORTERS, import_trace
+
+
+@click.group(cls=UserErrorGroup)
+def trace() -> None:
+    """Routing traces: one Parquet row per (sequence, token, MoE layer). See docs/trace-format.md."""
+
+
+@trace.command("import")
+@click.option("--format", "fmt", required=True, type=click.Choice(IMPORTERS.names()),
+              help="Input format (see `dali trace formats`).")
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Trace to write (.parquet).")
+def import_cmd(fmt: str, files: tuple[Path, ...], output: Path) -> None:
+    """Convert public routing traces (FILES or folders of them) into a dali trace."""
+    path = import_trace(fmt, files, output, command_line())
+    t = read_trace(path)
+    click.echo(f"wrote {path}: {len(t)} rows, {t.num_sequences} sequences, model {t.model.name}")
+
+
+@trace.command("formats")
+def formats() -> None:
+    """List the import formats."""
+    for name in IMPORTERS.names():
+        click.echo(f"{name}: {IMPORTERS.get(name).description}")
+
+
+@trace.command("validate")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--allow-partial", is_flag=True, help="Accept a partial trace left by an interrupted writer.")
+def validate(path: Path, allow_partial: bool) -> None:
+    """Check a trace fully; print the first offending row if it is bad (exit code 1)."""
+    t = read_trace(path, allow_partial=allow_partial)
+    click.echo(f"{path}: ok ({len(t)} rows, {t.num_sequences} sequences, status {t.meta.status})")
+
+
+@trace.command("info")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole metadata as JSON.")
+def info(path: Path, as_json: bool) -> None:
+    """Show a trace's metadata (model, provenance, columns) without reading its rows."""
+    meta = read_meta(path)
+    if as_json:
+        import json
+
+        echo_json(json.loads(meta.to_json()))
+        return
+    m = meta.model
+    click.echo(f"{path}: schema v{meta.schema_version}, {meta.status}, {meta.num_rows} rows")
+    click.echo(f"  model: {m.name} ({m.num_moe_layers} MoE layers {list(m.moe_layers)[:4]}..., "
+               f"{m.num_experts} experts, top-{m.top_k})")
+    click.echo(f"  weights: {meta.weights_note if meta.has_weights else 'none'}")
+    click.echo(f"  router logits: {'yes' if meta.has_router_logits else 'no'}")
+    preds = ", ".join(f"{p.name} (layer+{p.target_offset})" for p in meta.predictors.values()) or "none"
+    click.echo(f"  lookahead predictors: {preds}")
+    click.echo(f"  hidden states: {meta.hidden_states.file if meta.hidden_states else 'none'}")
+    click.echo(f"  sequences: {len(meta.sequences)} described")
+    click.echo(f"  source: {meta.provenance.get('source')}  command: {meta.provenance.get('command')}")
