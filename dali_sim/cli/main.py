@@ -6,6 +6,7 @@ import click
 
 from dali_sim import __version__
 from dali_sim.cli.common import UserErrorGroup
+from dali_sim.cli.hw import hw
 from dali_sim.cli.model import model
 from dali_sim.cli.trace import trace
 
@@ -24,10 +25,4 @@ def cli() -> None:
 
 cli.add_command(trace)
 cli.add_command(model)
-
-try:  # the hardware group lives in its own module
-    from dali_sim.cli.hw import hw
-
-    cli.add_command(hw)
-except ImportError:  # pragma: no cover
-    pass
+cli.add_command(hw)
