@@ -1,0 +1,145 @@
+"""``dali hw``: list and show hardware profiles, and tabulate the costs they give for a model."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from dali_sim.hardware.cost import CostModel
+from dali_sim.hardware.profile import HardwareProfile, ProfileError, load_profile, profile_names
+from dali_sim.models.presets import get_model
+from dali_sim.registry import UnknownNameError
+
+DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512"
+CROSSOVER_SEARCH_TOKENS = 8192  # display range of the CLI, not a cost
+_USER_ERRORS = (ProfileError, UnknownNameError, ValueError, OSError)
+
+
+def _load(name_or_path: str):
+    try:
+        return load_profile(name_or_path)
+    except _USER_ERRORS as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--tokens") from None
+    if not tokens or min(tokens) < 0:
+        raise click.BadParameter(f"expected non-negative integers, got {text!r}", param_hint="--tokens")
+    return tokens
+
+
+@click.group(name="hw")
+def hw() -> None:
+    """Hardware profiles and the cost model."""
+
+
+@hw.command(name="list")
+def list_cmd() -> None:
+    """List the shipped hardware profiles."""
+    for name in profile_names():
+        p = load_profile(name)
+        click.echo(f"{name:24s} {p.kind:9s} {p.description}")
+
+
+@hw.command(name="show")
+@click.argument("profile")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+def show_cmd(profile: str, as_json: bool) -> None:
+    """Show a profile (shipped NAME or a .toml/.json PATH) with the source of every number."""
+    p = _load(profile)
+    if as_json:
+        click.echo(json.dumps(p.to_dict(), indent=2))
+        return
+    click.echo(f"{p.name} ({p.kind}): {p.description}")
+    if p.path:
+        click.echo(f"file: {p.path}")
+    if isinstance(p, HardwareProfile):
+        for part in ("gpu", "cpu", "link"):
+            spec = getattr(p, part)
+            click.echo(f"{part}: {spec.name}")
+            for f in spec.__dataclass_fields__:
+                if f == "name":
+                    continue
+                value = getattr(spec, f)
+                shown = ", ".join(f"{k}={v:g}" for k, v in value.items()) if isinstance(value, dict) else f"{value:g}"
+                click.echo(f"  {f:20s} {shown}")
+                src = p.sources.get(f"{part}.{f}")
+                if src:
+                    click.echo(f"  {'':20s} source: {src}")
+    else:
+        click.echo(f"gpu: {p.gpu.name} ({p.gpu.memory_gib:g} GiB)")
+        click.echo(f"cpu: {p.cpu.name} ({p.cpu.memory_gib:g} GiB)")
+        click.echo(f"link: {p.link_name}")
+        click.echo(f"measured for: {p.model.model} at {p.model.precision} (expert_bytes={p.model.expert_bytes})")
+        for k, v in p.to_dict()["tables"].items():
+            axis = next(a for a in v if a not in ("seconds", "context_lens"))
+            extra = f" x {len(v['context_lens'])} context lengths" if "context_lens" in v else ""
+            click.echo(f"  table {k}: {len(v[axis])} {axis} points{extra}")
+        click.echo(f"provenance: {json.dumps(dict(p.provenance))}")
+
+
+@hw.command(name="cost")
+@click.argument("profile")
+@click.option("--model", "model_name", required=True, help="Model preset name (see `dali model list`).")
+@click.option("--precision", default=None, help="Weight precision (default: the preset's).")
+@click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="Comma-separated token counts.")
+@click.option("--context-len", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Cached tokens each query attends to, for the dense time (decode layout).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def cost_cmd(profile: str, model_name: str, precision: str | None, tokens: str, context_len: int, as_json: bool) -> None:
+    """Expert time on GPU and CPU per token count, one expert's transfer, dense time, crossover."""
+    counts = _parse_tokens(tokens)
+    limit = max(CROSSOVER_SEARCH_TOKENS, max(counts))
+    p = _load(profile)
+    try:
+        model = get_model(model_name, precision)
+        cm = CostModel(p, model, lookup_tokens=limit)
+        crossover = cm.crossover_tokens(max_tokens=limit)
+        crossover_overlap = cm.crossover_tokens(overlap=True, max_tokens=limit)
+        rows = [
+            {
+                "tokens": n,
+                "gpu_s": cm.expert_time("gpu", n),
+                "cpu_s": cm.expert_time("cpu", n),
+                "gpu_uncached_s": cm.uncached_gpu_time(n),
+                "dense_gpu_s": cm.dense_time("gpu", n, context_len),
+                "dense_cpu_s": cm.dense_time("cpu", n, context_len),
+            }
+            for n in counts
+        ]
+    except _USER_ERRORS as e:
+        raise click.ClickException(str(e)) from None
+    result = {
+        "profile": p.name,
+        "kind": p.kind,
+        "model": model.name,
+        "precision": model.precision.name,
+        "expert_bytes": model.expert_bytes,
+        "expert_transfer_s": cm.expert_transfer_time(),
+        "context_len": context_len,
+        "crossover_tokens": crossover,
+        "crossover_tokens_overlap": crossover_overlap,
+        "rows": rows,
+    }
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"{p.name} ({p.kind}), {model.name} at {model.precision.name}: one expert = "
+               f"{model.expert_bytes / 1e6:.1f} MB, transfer {cm.expert_transfer_time() * 1e3:.3f} ms")
+    click.echo(f"dense part of one MoE layer at context_len={context_len}")
+    header = ("tokens", "gpu_ms", "cpu_ms", "gpu+h2d_ms", "dense_gpu_ms", "dense_cpu_ms")
+    click.echo("".join(f"{h:>14s}" for h in header))
+    for r in rows:
+        values = (r["gpu_s"], r["cpu_s"], r["gpu_uncached_s"], r["dense_gpu_s"], r["dense_cpu_s"])
+        click.echo(f"{r['tokens']:>14d}" + "".join(f"{v * 1e3:>14.3f}" for v in values))
+
+    def said(n: int | None) -> str:
+        return f"from {n} tokens" if n is not None else f"never (up to {limit} tokens)"
+
+    click.echo(f"crossover: an uncached expert is faster on the GPU (transfer + compute) {said(crossover)}; "
+               f"with transfer overlapped (max) {said(crossover_overlap)}")

@@ -1,0 +1,321 @@
+"""Measured hardware profiles: tables of timings written by the executor's calibration (JSON).
+
+The format (``docs/hardware.md``) records what was measured (devices, the model shape, provenance)
+and the tables; :class:`TableCosts` turns them into the same cost functions the roofline gives.
+
+Interpolation rule, the same on every axis: below the first point the first value (fixed costs
+dominate there), linear between points, and past the last point the line through the last two
+points, with a negative slope treated as flat so times never fall below the last measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from dali_sim.hardware.profile import FieldReader, ProfileError, check_device, check_number
+from dali_sim.models.spec import ModelSpec
+
+FORMAT_VERSION = 1
+CURVE_TABLES = {"gpu_expert": "tokens", "cpu_expert": "tokens", "h2d": "bytes"}
+DENSE_TABLES = ("gpu_dense", "cpu_dense")
+OPTIONAL_DENSE_TABLES = ("gpu_dense_block", "cpu_dense_block")
+
+
+@dataclass(frozen=True)
+class CurveTable:
+    """Seconds at increasing positive ``x`` (tokens or bytes)."""
+
+    x: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class DenseTable:
+    """``seconds[i][j]``: time at ``context_lens[i]`` and ``tokens[j]`` (decode layout: each of the
+    ``tokens`` queries attends to ``context_lens[i]`` cached tokens of its own sequence)."""
+
+    tokens: tuple[float, ...]
+    context_lens: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class MeasuredDevice:
+    name: str
+    memory_gib: float
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model shape a measured profile was taken for; every field but ``model`` must match the
+    simulated model (a fine-tune of the same shape may reuse the tables)."""
+
+    model: str
+    precision: str
+    expert_params: int
+    expert_bytes: int
+    hidden_size: int
+    expert_intermediate_size: int
+    dense_params_per_moe_layer: int
+    kv_cache_elements_per_token: int
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> "ModelShape":
+        return cls(
+            model=spec.name, precision=spec.precision.name, expert_params=spec.expert_params,
+            expert_bytes=spec.expert_bytes, hidden_size=spec.hidden_size,
+            expert_intermediate_size=spec.expert_intermediate_size,
+            dense_params_per_moe_layer=spec.dense_params_per_moe_layer(),
+            kv_cache_elements_per_token=spec.attention.kv_cache_elements_per_token(),
+        )
+
+
+@dataclass(frozen=True)
+class MeasuredProfile:
+    name: str
+    description: str
+    gpu: MeasuredDevice
+    cpu: MeasuredDevice
+    link_name: str
+    model: ModelShape
+    gpu_expert: CurveTable
+    cpu_expert: CurveTable
+    h2d: CurveTable
+    gpu_dense: DenseTable
+    cpu_dense: DenseTable
+    provenance: Mapping[str, Any]
+    gpu_dense_block: DenseTable | None = None
+    cpu_dense_block: DenseTable | None = None
+    path: str = field(default="", compare=False)
+
+    kind = "measured"
+
+    @property
+    def gpu_memory_bytes(self) -> int:
+        return int(self.gpu.memory_gib * (1 << 30))
+
+    def check_model(self, spec: ModelSpec) -> None:
+        """Raise :class:`ProfileError` if ``spec`` differs in shape from what was measured."""
+        want = ModelShape.of(spec)
+        for f in ModelShape.__dataclass_fields__:
+            if f == "model":
+                continue
+            have, need = getattr(self.model, f), getattr(want, f)
+            if have != need:
+                raise ProfileError(
+                    f"{self.path or self.name}: model.{f}: measured for {have!r} ({self.model.model}), but the "
+                    f"simulated model {spec.name!r} at {spec.precision.name} has {need!r}; calibrate for this "
+                    "model or use an analytic profile"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        def curve(t: CurveTable, axis: str) -> dict[str, Any]:
+            return {axis: list(t.x), "seconds": list(t.seconds)}
+
+        def dense(t: DenseTable) -> dict[str, Any]:
+            return {"tokens": list(t.tokens), "context_lens": list(t.context_lens), "seconds": [list(r) for r in t.seconds]}
+
+        tables: dict[str, Any] = {k: curve(getattr(self, k), axis) for k, axis in CURVE_TABLES.items()}
+        for k in DENSE_TABLES + OPTIONAL_DENSE_TABLES:
+            if getattr(self, k) is not None:
+                tables[k] = dense(getattr(self, k))
+        return {
+            "kind": self.kind,
+            "format_version": FORMAT_VERSION,
+            "name": self.name,
+            "description": self.description,
+            "gpu": {"name": self.gpu.name, "memory_gib": self.gpu.memory_gib},
+            "cpu": {"name": self.cpu.name, "memory_gib": self.cpu.memory_gib},
+            "link": {"name": self.link_name},
+            "model": dataclasses.asdict(self.model),
+            "tables": tables,
+            "provenance": dict(self.provenance),
+        }
+
+
+# ---- parsing and validation ------------------------------------------------------------------
+def _axis(r: FieldReader, key: str, *, minimum: float, strict: bool, min_len: int) -> tuple[float, ...]:
+    values = r.raw(key)
+    if not isinstance(values, list) or len(values) < min_len:
+        raise r.error(key, f"must be a list of at least {min_len} numbers, got {values!r}")
+    out = tuple(check_number(v, r, f"{key}[{i}]", minimum=minimum, strict=strict) for i, v in enumerate(values))
+    for i in range(1, len(out)):
+        if out[i] <= out[i - 1]:
+            raise r.error(key, f"must be strictly increasing, but [{i - 1}]={out[i - 1]:g} >= [{i}]={out[i]:g}")
+    return out
+
+
+def _seconds(r: FieldReader, key: str, values: Any, n: int) -> tuple[float, ...]:
+    if not isinstance(values, list) or len(values) != n:
+        raise r.error(key, f"must be a list of {n} numbers (one per point), got {values!r}")
+    return tuple(check_number(v, r, f"{key}[{i}]", strict=False) for i, v in enumerate(values))
+
+
+def _curve(r: FieldReader, axis: str) -> CurveTable:
+    r.reject_unknown({axis, "seconds"})
+    x = _axis(r, axis, minimum=0.0, strict=True, min_len=2)
+    return CurveTable(x, _seconds(r, "seconds", r.raw("seconds"), len(x)))
+
+
+def _dense(r: FieldReader) -> DenseTable:
+    r.reject_unknown({"tokens", "context_lens", "seconds"})
+    tokens = _axis(r, "tokens", minimum=0.0, strict=True, min_len=2)
+    ctx = _axis(r, "context_lens", minimum=0.0, strict=False, min_len=1)
+    rows = r.raw("seconds")
+    if not isinstance(rows, list) or len(rows) != len(ctx):
+        raise r.error("seconds", f"must be a list of {len(ctx)} rows (one per context_lens entry)")
+    return DenseTable(tokens, ctx, tuple(_seconds(r, f"seconds[{i}]", row, len(tokens)) for i, row in enumerate(rows)))
+
+
+def _integer(r: FieldReader, key: str) -> int:
+    v = r.raw(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise r.error(key, f"must be a non-negative integer, got {v!r}")
+    return v
+
+
+def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> MeasuredProfile:
+    """Validate and build a measured profile from its JSON structure."""
+    top = FieldReader(source, data)
+    if top.string("kind") != "measured":
+        raise top.error("kind", f"must be 'measured' in a JSON profile, got {top.raw('kind')!r}")
+    if top.raw("format_version") != FORMAT_VERSION:
+        raise top.error("format_version", f"must be {FORMAT_VERSION}, got {top.raw('format_version')!r}")
+    top.reject_unknown({"kind", "format_version", "name", "description", "gpu", "cpu", "link", "model", "tables",
+                        "provenance"})
+
+    devices = {}
+    for dev in ("gpu", "cpu"):
+        dr = top.table(dev)
+        dr.reject_unknown({"name", "memory_gib"})
+        devices[dev] = MeasuredDevice(dr.string("name"), dr.number("memory_gib"))
+    lr = top.table("link")
+    lr.reject_unknown({"name"})
+
+    mr = top.table("model")
+    mr.reject_unknown(set(ModelShape.__dataclass_fields__))
+    shape = ModelShape(
+        model=mr.string("model"), precision=mr.string("precision"),
+        **{f: _integer(mr, f) for f in ModelShape.__dataclass_fields__ if f not in ("model", "precision")},
+    )
+
+    tr = top.table("tables")
+    tr.reject_unknown(set(CURVE_TABLES) | set(DENSE_TABLES) | set(OPTIONAL_DENSE_TABLES))
+    curves = {k: _curve(tr.table(k), axis) for k, axis in CURVE_TABLES.items()}
+    dense = {k: _dense(tr.table(k)) for k in DENSE_TABLES}
+    dense.update({k: _dense(tr.table(k)) for k in OPTIONAL_DENSE_TABLES if tr.has(k)})
+
+    pr = top.table("provenance")
+    pr.string("command")
+    pr.string("date")
+    versions = pr.table("versions")
+    for k in versions.data:
+        versions.string(k)
+
+    return MeasuredProfile(
+        name=top.string("name"), description=top.string("description", default="", nonempty=False),
+        gpu=devices["gpu"], cpu=devices["cpu"], link_name=lr.string("name"), model=shape,
+        provenance=dict(pr.data), path=source if source != "<dict>" else "", **curves, **dense,
+    )
+
+
+def read_measured_profile(path: str | Path) -> MeasuredProfile:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not valid JSON: {e}") from None
+    return measured_profile_from_dict(data, str(path))
+
+
+def write_measured_profile(path: str | Path, profile: MeasuredProfile) -> Path:
+    """Validate ``profile`` and write it as JSON, atomically (a temp file renamed into place)."""
+    path = Path(path)
+    data = profile.to_dict()
+    measured_profile_from_dict(data, str(path))  # same checks as the reader
+    text = json.dumps(data, indent=1, allow_nan=False) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ---- interpolation -----------------------------------------------------------------------------
+def interp_extrap(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
+    """The module's interpolation rule along one axis (``xp`` increasing, at least 2 points)."""
+    y = np.interp(x, xp, fp)
+    slope = max((fp[-1] - fp[-2]) / (xp[-1] - xp[-2]), 0.0)
+    return np.where(x > xp[-1], fp[-1] + slope * (x - xp[-1]), y)
+
+
+def _interp_rows(c: np.ndarray, cp: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Interpolate ``rows`` (shape ``(len(cp), *c.shape)``) along the context axis at ``c``."""
+    if len(cp) == 1:
+        return rows[0]
+    i = np.clip(np.searchsorted(cp, c, side="right") - 1, 0, len(cp) - 2)
+    lo, hi = np.take_along_axis(rows, i[None], 0)[0], np.take_along_axis(rows, i[None] + 1, 0)[0]
+    t = np.maximum((c - cp[i]) / (cp[i + 1] - cp[i]), 0.0)
+    inside = lo + np.minimum(t, 1.0) * (hi - lo)
+    return inside + np.maximum(t - 1.0, 0.0) * np.maximum(hi - lo, 0.0)
+
+
+class TableCosts:
+    """Cost functions interpolated from a measured profile; same interface as ``RooflineCosts``.
+
+    Dense tables are in decode layout (see :class:`DenseTable`), so ``kv_tokens`` is not used: for
+    steps where queries share a context (prefill) the tables' KV reads are an over-estimate.
+    """
+
+    def __init__(self, profile: MeasuredProfile, model: ModelSpec):
+        profile.check_model(model)
+        self.profile = profile
+        self._curves = {}
+        for k in CURVE_TABLES:
+            t: CurveTable = getattr(profile, k)
+            self._curves[k] = (np.asarray(t.x, float), np.asarray(t.seconds, float))
+        self._dense = {k: self._dense_arrays(getattr(profile, k)) for k in DENSE_TABLES + OPTIONAL_DENSE_TABLES}
+
+    @staticmethod
+    def _dense_arrays(t: DenseTable | None):
+        if t is None:
+            return None
+        return np.asarray(t.tokens, float), np.asarray(t.context_lens, float), np.asarray(t.seconds, float)
+
+    def expert(self, device: str, n: np.ndarray) -> np.ndarray:
+        check_device(device)
+        return interp_extrap(n, *self._curves[f"{device}_expert"])
+
+    def transfer(self, n_bytes: np.ndarray) -> np.ndarray:
+        return interp_extrap(n_bytes, *self._curves["h2d"])
+
+    def _dense_lookup(self, key: str, n: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+        arrays = self._dense[key]
+        if arrays is None:
+            raise ProfileError(f"{self.profile.path or self.profile.name}: tables.{key}: missing; the model has dense "
+                               "(non-MoE) blocks, so calibrate them or use an analytic profile")
+        tokens, cp, seconds = arrays
+        n, ctx = np.broadcast_arrays(n, ctx)
+        rows = np.stack([interp_extrap(n, tokens, row) for row in seconds])
+        return _interp_rows(ctx, cp, rows)
+
+    def dense(self, device: str, n: np.ndarray, ctx: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        check_device(device)
+        return self._dense_lookup(f"{device}_dense", n, ctx)
+
+    def dense_block(self, device: str, n: np.ndarray, ctx: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        check_device(device)
+        return self._dense_lookup(f"{device}_dense_block", n, ctx)
