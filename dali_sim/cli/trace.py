@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from dali_sim.cli.common import UserErrorGroup, command_line, echo_json
+from dali_sim.cli.trace_stats import stats
 from dali_sim.trace import read_meta, read_trace
 from dali_sim.trace.importers import IMPORTERS, import_trace
 
@@ -66,3 +67,6 @@ def info(path: Path, as_json: bool) -> None:
     click.echo(f"  hidden states: {meta.hidden_states.file if meta.hidden_states else 'none'}")
     click.echo(f"  sequences: {len(meta.sequences)} described")
     click.echo(f"  source: {meta.provenance.get('source')}  command: {meta.provenance.get('command')}")
+
+
+trace.add_command(stats)

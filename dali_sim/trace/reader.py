@@ -42,6 +42,7 @@ class Trace:
         self.table = table
         self.meta = meta
         self.path = path
+        self._lookahead: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -125,8 +126,10 @@ class Trace:
                 "`dali trace record` records real ones (next-gate, residual), "
                 "`dali trace synth --lookahead NAME=ACCURACY` makes synthetic ones"
             )
-        col = self.meta.predictors[predictor].column
-        return fixed_list_to_numpy(self.table.column(col), self.num_experts, np.float32)
+        if predictor not in self._lookahead:
+            col = self.meta.predictors[predictor].column
+            self._lookahead[predictor] = fixed_list_to_numpy(self.table.column(col), self.num_experts, np.float32)
+        return self._lookahead[predictor]
 
     def row_arrays(self) -> RowArrays:
         floats = {p.column: self.lookahead(p.name) for p in self.meta.predictors.values()}
