@@ -58,20 +58,24 @@ def _common(c: _Config, inter_key: str) -> dict[str, Any]:
     }
 
 
-@HF_READERS.register("mixtral")
-def _mixtral(c: _Config) -> dict[str, Any]:
-    d = _common(c, "intermediate_size")
-    return d | {"moe_layers": tuple(range(d["num_layers"])), "attention": _gqa(c), "norm_topk_prob": True}
+def _every_block_moe(norm_topk_default: bool, **fixed: Any) -> ConfigReader:
+    """Reader for architectures whose every block is MoE with a plain ``intermediate_size``."""
+
+    def read(c: _Config) -> dict[str, Any]:
+        d = _common(c, "intermediate_size")
+        return d | {
+            "moe_layers": tuple(range(d["num_layers"])),
+            "attention": _gqa(c),
+            "norm_topk_prob": bool(c("norm_topk_prob", default=norm_topk_default)),
+            **fixed,
+        }
+
+    return read
 
 
-@HF_READERS.register("olmoe")
-def _olmoe(c: _Config) -> dict[str, Any]:
-    d = _common(c, "intermediate_size")
-    return d | {
-        "moe_layers": tuple(range(d["num_layers"])),
-        "attention": _gqa(c),
-        "norm_topk_prob": bool(c("norm_topk_prob", default=False)),
-    }
+HF_READERS.add("mixtral", _every_block_moe(True))
+HF_READERS.add("olmoe", _every_block_moe(False))
+HF_READERS.add("gpt_oss", _every_block_moe(True, expert_bias=True))
 
 
 def _dense_size(c: _Config, num_layers: int, moe: tuple[int, ...]) -> int:
@@ -130,17 +134,6 @@ def _deepseek(c: _Config) -> dict[str, Any]:
 
 HF_READERS.add("deepseek_v2", _deepseek)
 HF_READERS.add("deepseek_v3", _deepseek)
-
-
-@HF_READERS.register("gpt_oss")
-def _gpt_oss(c: _Config) -> dict[str, Any]:
-    d = _common(c, "intermediate_size")
-    return d | {
-        "moe_layers": tuple(range(d["num_layers"])),
-        "attention": _gqa(c),
-        "expert_bias": True,
-        "norm_topk_prob": True,
-    }
 
 
 @HF_READERS.register("switch_transformers")
