@@ -2,4 +2,5 @@
 
 from dali_sim.cli.main import cli
 
-cli(prog_name="dali")
+if __name__ == "__main__":
+    cli(prog_name="dali")

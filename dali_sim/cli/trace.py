@@ -8,6 +8,7 @@ import click
 
 from dali_sim.cli.common import UserErrorGroup, command_line, echo_json
 from dali_sim.cli.trace_stats import stats
+from dali_sim.cli.trace_synth import synth
 from dali_sim.trace import read_meta, read_trace
 from dali_sim.trace.importers import IMPORTERS, import_trace
 
@@ -70,3 +71,4 @@ def info(path: Path, as_json: bool) -> None:
 
 
 trace.add_command(stats)
+trace.add_command(synth)

@@ -1,0 +1,350 @@
+"""Expert popularity from real routing data, and the routing statistics the generator is tuned to.
+
+Two sources give per-layer selection counts:
+
+* a dali trace (``.parquet``): counts of every (token, MoE layer) row's top-k ids; its model must have
+  the same MoE layers and number of experts as the model being generated;
+* OLMoE-style aggregate counts (``routing_counts/<model>/expert_counts/<domain>.json`` of
+  github.com/allenai/OLMoE): a JSON list with one ``{"expert id": count}`` object per measured layer, or
+  a folder of such files (summed). A list as long as the model's MoE layers covers every layer; a list
+  of 3 is the OLMoE script's layers **0, 7, 15** (MoE-layer ordinals); ``{"<ordinal>": {...}}`` or
+  ``{"layer_<ordinal>": {...}}`` names the layers explicitly.
+
+Counts become a *popularity* vector per layer (what the generator samples top-k from, see
+``docs/synthetic-traces.md``): with inclusion frequency ``f_i = count_i / tokens`` (tokens = layer
+total / top_k), ``p_i ∝ -log(1 - f_i)``, the inverse of the inclusion probability of successive
+sampling without replacement (the exponential-race approximation ``f_i ≈ 1 - exp(-τ p_i)``), so that
+the generated traces reproduce the measured per-expert frequencies, not a flattened version of them.
+Layers that were not measured take the sorted profile of the nearest measured layer (the lower one on
+a tie), laid onto a seeded random permutation of the expert ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from dali_sim.models.spec import ModelSpec
+from dali_sim.trace.importers.jsonio import load_json
+from dali_sim.trace.reader import Trace, fixed_list_to_numpy, read_meta
+from dali_sim.trace.schema import STATUS_PARTIAL, TraceError
+
+#: the layers of a 3-entry counts list, as written by OLMoE's scripts/run_routing_analysis.py
+OLMOE_COUNT_LAYERS = (0, 7, 15)
+#: popularity floor relative to the most popular expert (an expert never seen stays possible, barely)
+POPULARITY_FLOOR = 1e-9
+_MAX_FREQUENCY = 1.0 - 1e-6
+
+
+@dataclass
+class LayerCounts:
+    """Selection counts of the measured MoE layers (ordinals) and where they came from."""
+
+    counts: dict[int, np.ndarray]  # MoE-layer ordinal -> (num_experts,) counts of (token, rank) selections
+    num_experts: int
+    sources: list[dict[str, Any]] = field(default_factory=list)  # {"path", "sha256"} per file read
+    kind: str = ""  # "trace" or "counts-json"
+
+
+@dataclass
+class Calibration:
+    """Per-layer popularity (rows sum to 1) plus what it was made from, for provenance."""
+
+    popularity: np.ndarray  # (num_moe_layers, num_experts)
+    measured_layers: tuple[int, ...]  # MoE-layer ordinals taken from data; the others were filled
+    filled_from: dict[int, int]  # unmeasured ordinal -> measured ordinal whose profile it uses
+    sources: list[dict[str, Any]]
+    kind: str
+    spread: float = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "sources": self.sources,
+            "measured_layers": list(self.measured_layers),
+            "filled_layers": {str(k): v for k, v in sorted(self.filled_from.items())},
+            "inversion": "p ∝ g^-1(f), f = count / tokens, g(x) = E_z[1 - exp(-x e^(spread z))]",
+            "spread": self.spread,
+        }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- reading counts ----------------------------------------------------------------------------------
+def counts_from_trace(path: str | Path, model: ModelSpec) -> LayerCounts:
+    """Per-layer selection counts of a dali trace; its layers and experts must match ``model``."""
+    path = Path(path)
+    meta = read_meta(path)
+    where = str(path)
+    if meta.status == STATUS_PARTIAL:
+        raise TraceError(f"{where}: partial trace; calibrate from a complete one")
+    src = meta.model
+    if src.num_experts != model.num_experts or tuple(src.moe_layers) != tuple(model.moe_layers):
+        raise ValueError(
+            f"{where}: trace of model {src.name!r} ({src.num_experts} experts, MoE layers "
+            f"{_short(src.moe_layers)}) does not match {model.name!r} ({model.num_experts} experts, MoE layers "
+            f"{_short(model.moe_layers)}); calibrate from a trace of the same model shape"
+        )
+    layers = np.asarray(model.moe_layers)
+    counts = np.zeros((len(layers), model.num_experts), dtype=np.int64)
+    pf = pq.ParquetFile(path)
+    for batch in pf.iter_batches(columns=["layer", "experts"], batch_size=1 << 18):
+        lo = np.searchsorted(layers, batch.column(0).to_numpy())
+        ex = fixed_list_to_numpy(batch.column(1), src.top_k, np.int64)
+        np.add.at(counts, (np.repeat(lo, src.top_k), ex.reshape(-1)), 1)
+    if counts.sum() == 0:
+        raise ValueError(f"{where}: trace has no rows to calibrate from")
+    return LayerCounts({i: counts[i] for i in range(len(layers))}, model.num_experts,
+                       [{"path": str(path), "sha256": _sha256(path)}], "trace")
+
+
+def _short(layers) -> str:
+    layers = list(layers)
+    return str(layers) if len(layers) <= 6 else f"[{layers[0]}, {layers[1]}, ..., {layers[-1]}] ({len(layers)})"
+
+
+def _parse_layer_dict(obj: Any, where: str) -> dict[int, int]:
+    if not isinstance(obj, dict) or not obj:
+        raise ValueError(f"{where}: expected a non-empty object mapping expert id -> count")
+    out: dict[int, int] = {}
+    for key, value in obj.items():
+        if isinstance(key, str) and "," in key:
+            raise ValueError(f"{where}: key {key!r} is a layer pair; this looks like an expert_counts_crosslayer "
+                             "file, not per-layer expert counts")
+        try:
+            eid = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: key {key!r} is not an expert id") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+            raise ValueError(f"{where}: count of expert {key} must be a non-negative integer, got {value!r}")
+        if eid < 0:
+            raise ValueError(f"{where}: expert id {eid} is negative")
+        out[eid] = int(value)
+    return out
+
+
+def counts_from_json(path: str | Path, model: ModelSpec) -> LayerCounts:
+    """Counts from one OLMoE-style JSON file (see the module docstring for the accepted layouts)."""
+    path = Path(path)
+    where = str(path)
+    doc = load_json(path)
+    num_layers = model.num_moe_layers
+    if isinstance(doc, list):
+        if len(doc) == num_layers:
+            ordinals = list(range(num_layers))
+        elif len(doc) == len(OLMOE_COUNT_LAYERS):
+            ordinals = list(OLMOE_COUNT_LAYERS)
+        else:
+            raise ValueError(
+                f"{where}: a list of {len(doc)} layer counts; expected {num_layers} (one per MoE layer of "
+                f"{model.name}) or 3 (OLMoE's layers {list(OLMOE_COUNT_LAYERS)}); name the layers explicitly "
+                "with an object {\"<MoE layer ordinal>\": {\"<expert>\": count, ...}}"
+            )
+        items = list(zip(ordinals, doc))
+    elif isinstance(doc, dict):
+        items = []
+        for key, value in doc.items():
+            text = key[len("layer_"):] if isinstance(key, str) and key.startswith("layer_") else key
+            try:
+                items.append((int(text), value))
+            except ValueError:
+                raise ValueError(f"{where}: key {key!r} is not a MoE-layer ordinal ('<i>' or 'layer_<i>'); "
+                                 "expected per-layer expert counts") from None
+    else:
+        raise ValueError(f"{where}: expected a JSON list or object of per-layer expert counts, "
+                         f"got {type(doc).__name__}")
+    parsed: dict[int, dict[int, int]] = {}
+    for ordinal, obj in items:
+        if not 0 <= ordinal < num_layers:
+            raise ValueError(f"{where}: counts for MoE layer {ordinal}, but {model.name} has MoE layers "
+                             f"0..{num_layers - 1}")
+        parsed[ordinal] = _parse_layer_dict(obj, f"{where}: layer {ordinal}")
+    file_experts = 1 + max(max(d) for d in parsed.values())
+    if file_experts != model.num_experts:
+        raise ValueError(
+            f"{where}: counts name {file_experts} experts (ids 0..{file_experts - 1}) but {model.name} has "
+            f"{model.num_experts}; these counts are from another model"
+        )
+    counts = {}
+    for ordinal, d in parsed.items():
+        c = np.zeros(model.num_experts, dtype=np.int64)
+        c[list(d)] = list(d.values())
+        if c.sum() == 0:
+            raise ValueError(f"{where}: layer {ordinal} has no selections")
+        counts[ordinal] = c
+    return LayerCounts(counts, model.num_experts, [{"path": str(path), "sha256": _sha256(path)}], "counts-json")
+
+
+def load_counts(path: str | Path, model: ModelSpec) -> LayerCounts:
+    """Counts from a dali trace (``.parquet``), a counts JSON file, or a folder of counts JSON files (summed)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder (--popularity-from)")
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.json") if p.is_file())
+        if not files:
+            raise ValueError(f"{path}: folder has no *.json counts files")
+        parts = [counts_from_json(f, model) for f in files]
+        layers = set(parts[0].counts)
+        for f, part in zip(files, parts):
+            if set(part.counts) != layers:
+                raise ValueError(f"{f}: measures MoE layers {sorted(part.counts)} but {files[0].name} measures "
+                                 f"{sorted(layers)}; a folder's files must measure the same layers")
+        total = {l: sum(p.counts[l] for p in parts) for l in sorted(layers)}
+        return LayerCounts(total, model.num_experts, [s for p in parts for s in p.sources], "counts-json")
+    if path.suffix == ".parquet":
+        return counts_from_trace(path, model)
+    if path.suffix == ".json":
+        return counts_from_json(path, model)
+    raise ValueError(f"{path}: not a dali trace (.parquet), a counts file (.json) or a folder of counts files")
+
+
+# ---- counts -> popularity ----------------------------------------------------------------------------
+def inclusion_curve(spread: float, grid: np.ndarray) -> np.ndarray:
+    """g(x) = E_z[1 - exp(-x e^{spread z})], z ~ N(0, 1): the exponential-race inclusion probability of an
+    expert with (threshold-scaled) popularity x whose log popularity carries N(0, spread^2) noise."""
+    if spread == 0:
+        return -np.expm1(-grid)
+    nodes, w = np.polynomial.hermite_e.hermegauss(61)
+    w = w / w.sum()
+    return (-np.expm1(-grid[:, None] * np.exp(spread * nodes)[None, :]) * w).sum(axis=1)
+
+
+def popularity_from_frequencies(freq: np.ndarray, spread: float = 0.0) -> np.ndarray:
+    """Inclusion frequencies (sum = top_k) -> sampling popularity (sum = 1).
+
+    Without per-token noise (``spread`` = 0) ``p ∝ -log(1 - f)``; with the generator's log-normal topic
+    and drift factors (total sigma ``spread``) ``p ∝ g^-1(f)`` for the averaged curve ``g`` of
+    :func:`inclusion_curve`, so pooled frequencies still come out as measured.
+    """
+    f = np.clip(np.asarray(freq, dtype=np.float64), 0.0, _MAX_FREQUENCY)
+    if spread == 0:
+        p = -np.log1p(-f)
+    else:
+        grid = np.logspace(-12, 12, 2401)
+        g = inclusion_curve(spread, grid)
+        p = np.exp(np.interp(f, g, np.log(grid)))  # g is increasing; f beyond the grid clamps to its ends
+        p[f == 0] = 0.0
+    p = np.maximum(p, p.max() * POPULARITY_FLOOR)
+    return p / p.sum()
+
+
+def calibrate(counts: LayerCounts, model: ModelSpec, rng: np.random.Generator, spread: float = 0.0) -> Calibration:
+    """Popularity for every MoE layer of ``model`` from the measured layers in ``counts``; ``spread`` is the
+    total sigma of the generator's per-token log-popularity noise (hypot(topic_spread, drift_spread))."""
+    num_layers, e, k = model.num_moe_layers, model.num_experts, model.top_k
+    measured = sorted(counts.counts)
+    pop = np.empty((num_layers, e))
+    for ordinal in measured:
+        c = counts.counts[ordinal].astype(np.float64)
+        tokens = c.sum() / k
+        pop[ordinal] = popularity_from_frequencies(c / tokens, spread)
+    filled: dict[int, int] = {}
+    m = np.asarray(measured)
+    for ordinal in range(num_layers):  # in order, so the permutations draw from rng deterministically
+        if ordinal in counts.counts:
+            continue
+        src = int(m[np.argmin(np.abs(m - ordinal))])  # argmin takes the first (lower) on a tie
+        profile = np.sort(pop[src])[::-1]
+        pop[ordinal, rng.permutation(e)] = profile
+        filled[ordinal] = src
+    return Calibration(pop, tuple(measured), filled, counts.sources, counts.kind, spread)
+
+
+# ---- statistics of a trace (used to tune and test the generator) -------------------------------------
+def expert_counts(trace: Trace) -> np.ndarray:
+    """(num_moe_layers, num_experts) counts of (token, rank) selections."""
+    counts = np.zeros((len(trace.layers), trace.num_experts), dtype=np.int64)
+    k = trace.top_k
+    np.add.at(counts, (np.repeat(trace.layer_index.astype(np.int64), k), trace.experts.reshape(-1).astype(np.int64)), 1)
+    return counts
+
+
+def gini(counts: np.ndarray) -> np.ndarray:
+    """Gini coefficient of each row of counts (0 = every expert equally used, -> 1 = one expert)."""
+    c = np.sort(np.atleast_2d(np.asarray(counts, dtype=np.float64)), axis=1)
+    n = c.shape[1]
+    i = np.arange(1, n + 1)
+    return ((2 * i - n - 1) * c).sum(axis=1) / (n * c.sum(axis=1))
+
+
+def normalized_entropy(counts: np.ndarray) -> np.ndarray:
+    """Entropy of each row's selection distribution divided by log(num_experts) (1 = uniform)."""
+    c = np.atleast_2d(np.asarray(counts, dtype=np.float64))
+    p = c / c.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
+    return h / np.log(c.shape[1])
+
+
+def _token_grid(trace: Trace):
+    """Rows sorted by (seq, pos, layer) -> (experts (T, L, k), seq (T,), pos (T,), phase (T,))."""
+    t = trace.sorted()
+    num_layers = len(t.layers)
+    ex = t.experts.reshape(-1, num_layers, t.top_k)
+    return ex, t.seq_id[::num_layers], t.pos[::num_layers], t.phase[::num_layers]
+
+
+def reuse_fraction(trace: Trace, phase: str | None = "decode", lag: int = 1) -> np.ndarray:
+    """Per MoE layer: mean |experts(t) ∩ experts(t-lag)| / top_k over tokens whose position t-lag of the
+    same sequence is in the trace (``phase`` filters the later token: "decode", "prefill" or None = all)."""
+    ex, seq, pos, ph = _token_grid(trace)
+    ok = (seq[lag:] == seq[:-lag]) & (pos[lag:] == pos[:-lag] + lag)
+    if phase is not None:
+        ok &= ph[lag:] == ("prefill", "decode").index(phase)
+    cur, prev = ex[lag:][ok], ex[:-lag][ok]
+    if not len(cur):
+        return np.full(ex.shape[1], np.nan)
+    same = (cur[..., :, None] == prev[..., None, :]).any(axis=-1)  # (n, L, k)
+    return same.mean(axis=(0, 2))
+
+
+def chance_reuse(counts: np.ndarray, top_k: int) -> np.ndarray:
+    """Reuse fraction expected if consecutive tokens were independent: sum_i f_i^2 / k per layer."""
+    c = np.atleast_2d(np.asarray(counts, dtype=np.float64))
+    f = c / (c.sum(axis=1, keepdims=True) / top_k)
+    return (f ** 2).sum(axis=1) / top_k
+
+
+def successor_hit_rate(trace: Trace) -> np.ndarray:
+    """Per adjacent MoE-layer pair (l-1, l): P(succ(a) in experts_l | a in experts_{l-1}) where succ(a) is a's
+    most frequent companion at layer l in this trace (an in-sample, slightly optimistic measure of how
+    predictable layer l is from layer l-1)."""
+    ex, _, _, _ = _token_grid(trace)
+    n, num_layers, k = ex.shape
+    e = trace.num_experts
+    out = np.empty(max(num_layers - 1, 0))
+    for l in range(1, num_layers):
+        a = np.repeat(ex[:, l - 1, :], k, axis=1).reshape(-1).astype(np.int64)
+        b = np.tile(ex[:, l, :], (1, k)).reshape(-1).astype(np.int64)
+        co = np.bincount(a * e + b, minlength=e * e).reshape(e, e)
+        out[l - 1] = co.max(axis=1).sum() / co.sum() * k
+    return out
+
+
+def lookahead_recall(trace: Trace, predictor: str) -> float:
+    """Fraction of true target experts that are among the top-k of the predicted logits (rows with a target)."""
+    info = trace.meta.predictors.get(predictor)
+    if info is None:
+        trace.lookahead(predictor)  # raises the uniform message
+    t = trace.sorted()
+    num_layers, k = len(t.layers), t.top_k
+    pred = t.lookahead(predictor).reshape(-1, num_layers, t.num_experts)
+    ex = t.experts.reshape(-1, num_layers, k)
+    off = info.target_offset
+    pred = pred[:, : num_layers - off]
+    target = ex[:, off:]
+    top = np.argpartition(-pred, k - 1, axis=-1)[..., :k]
+    hit = (target[..., :, None] == top[..., None, :]).any(axis=-1)
+    return float(hit.mean())
