@@ -155,6 +155,35 @@ def test_golden_summary_json_keys_and_pooled_reuse(golden):
     json.dumps(s, allow_nan=False)  # strict JSON
 
 
+
+def test_golden_reuse_at_longer_lags(golden):
+    # lag 2 pairs (token, same sequence pos - 2): s0p2<-s0p0, s0p3<-s0p1, s1p2<-s1p0; all three later
+    # tokens are decode, so no prefill pair.
+    # layer 0: [0,1]v[0,1] 1, [1,0]v[0,2] 1/2, [3,0]v[2,3] 1/2 -> 2/3
+    # layer 1: [1,3]v[1,3] 1, [3,1]v[1,2] 1/2, [0,2]v[0,2] 1   -> 5/6
+    # layer 2: [0,2]v[2,0] 1, [2,1]v[2,0] 1/2, [2,1]v[2,3] 1/2 -> 2/3
+    r2 = S.reuse(golden, lag=2)
+    assert r2.index.tolist() == [0, 1, 2] and r2.columns.tolist() == S.REUSE_COLUMNS
+    assert r2["overall"].tolist() == pytest.approx([2 / 3, 5 / 6, 2 / 3])
+    assert r2["decode"].tolist() == pytest.approx([2 / 3, 5 / 6, 2 / 3])
+    assert r2["prefill"].isna().all()  # no pairs -> NaN, not 0
+    assert r2["pairs"].tolist() == [3, 3, 3] and r2["pairs_prefill"].tolist() == [0, 0, 0]
+    assert r2["pairs_decode"].tolist() == [3, 3, 3]
+    # lag 3: only s0p3<-s0p0: [1,0]v[0,1] 1, [3,1]v[1,3] 1, [2,1]v[2,0] 1/2
+    r3 = S.reuse(golden, lag=3)
+    assert r3["overall"].tolist() == pytest.approx([1.0, 1.0, 0.5])
+    assert r3["pairs"].tolist() == [1, 1, 1]
+    # lag 4: no sequence is that long
+    r4 = S.reuse(golden, lag=4)
+    assert r4["pairs"].tolist() == [0, 0, 0] and r4[["overall", "prefill", "decode"]].isna().all().all()
+    # the baseline does not depend on the lag; lag 1 is the default
+    assert r2["indep_baseline"].tolist() == pytest.approx([66 / 128, 0.5, 88 / 128])
+    pd.testing.assert_frame_equal(S.reuse(golden, lag=1), S.reuse(golden))
+    pd.testing.assert_frame_equal(S.reuse(_shuffled(golden), lag=2), r2)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="lag must be an integer >= 1"):
+            S.reuse(golden, lag=bad)
+
 # ---- cross-layer --------------------------------------------------------------------------------
 def test_golden_crosslayer(golden):
     c = S.crosslayer(golden)
@@ -504,6 +533,28 @@ def test_matches_brute_force_reference(tmp_path, seed):
     for name in a:
         pd.testing.assert_frame_equal(a[name], b[name], check_exact=False, rtol=1e-12)
 
+
+@pytest.mark.parametrize("lag", [2, 3])
+def test_reuse_lag_matches_brute_force(tmp_path, lag):
+    trace = _random_trace(tmp_path / "r.parquet", 5, seqs=6)
+    rows = {(int(trace.seq_id[i]), int(trace.pos[i]), int(trace.layer_index[i])): i for i in range(len(trace))}
+    ex, k = trace.experts, trace.top_k
+    total, n = {}, {}
+    for (s, p, l), i in rows.items():
+        j = rows.get((s, p - lag, l))
+        if j is not None:
+            key = (l, int(trace.phase[i]))
+            total[key] = total.get(key, 0.0) + len(set(ex[i]) & set(ex[j])) / k
+            n[key] = n.get(key, 0) + 1
+    assert sum(n.values()) > 0  # the reference is not vacuous
+    r = S.reuse(trace, lag=lag)
+    for li, layer in enumerate(trace.layers):
+        for ph, col in ((0, "prefill"), (1, "decode")):
+            assert r.loc[layer, "pairs_" + col] == n.get((li, ph), 0)
+            if n.get((li, ph)):
+                assert r.loc[layer, col] == pytest.approx(total[(li, ph)] / n[(li, ph)])
+            else:
+                assert math.isnan(r.loc[layer, col])
 
 def test_accepts_a_path_and_never_imports_torch():
     import subprocess

@@ -10,18 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from dali_sim.cli.trace_synth import synth
-from dali_sim.trace import TraceError, read_trace
-from dali_sim.trace.calibrate import (
-    chance_reuse,
-    expert_counts,
-    gini,
-    load_counts,
-    lookahead_recall,
-    normalized_entropy,
-    popularity_from_frequencies,
-    reuse_fraction,
-    successor_hit_rate,
-)
+from dali_sim.trace import Trace, TraceError, read_trace
+from dali_sim.trace import stats as S
+from dali_sim.trace.calibrate import load_counts, popularity_from_frequencies
 from dali_sim.trace.synth import LookaheadSpec, SynthConfig, synthesize
 
 OLMOE_COUNTS = Path(__file__).resolve().parents[2] / "shared/validation-traces/OLMoE/routing_counts"
@@ -38,6 +29,42 @@ def make(tmp_path: Path, name: str = "t.parquet", **kw):
     kw.setdefault("gen_len", 24)
     path = synthesize(SynthConfig(**kw), tmp_path / name, progress=False)
     return read_trace(path)
+
+
+# ---- statistics: dali_sim.trace.stats (docs/statistics.md), plus what only these tests need ----------
+def counts(t: Trace) -> np.ndarray:
+    """(MoE-layer ordinal, expert) selection counts."""
+    return S.expert_counts(t).to_numpy()
+
+
+def gini_of_counts(c: np.ndarray) -> float:
+    """Gini of one count vector that is not a trace's (the stats module's definition)."""
+    return float(S.popularity_from_counts(np.atleast_2d(c), 1)["gini"][0])
+
+
+def decode_reuse(t: Trace, lag: int = 1) -> np.ndarray:
+    """Per layer: mean |E(t) ∩ E(t - lag)| / k over decode tokens t."""
+    return S.reuse(t, lag=lag)["decode"].to_numpy()
+
+
+def lookahead_recall(t: Trace, predictor: str) -> float:
+    """Top-k recall of a lookahead column, pooled over all rows scored."""
+    return S.summary(t)["lookahead"][predictor]["recall"]
+
+
+def successor_hit_rate(t: Trace) -> np.ndarray:
+    """Per adjacent MoE-layer pair (l-1, l): P(succ(a) in E_l | a in E_{l-1}), succ(a) = a's most frequent
+    companion at layer l in this trace (every rank pair counts; in-sample, so slightly optimistic).
+    Needs a complete trace (every token has every layer)."""
+    ex = t.sorted().experts.astype(np.int64).reshape(-1, len(t.layers), t.top_k)
+    e, k = t.num_experts, t.top_k
+    out = []
+    for l in range(1, ex.shape[1]):
+        a = np.repeat(ex[:, l - 1, :], k, axis=1).reshape(-1)
+        b = np.tile(ex[:, l, :], (1, k)).reshape(-1)
+        co = np.bincount(a * e + b, minlength=e * e).reshape(e, e)
+        out.append(co.max(axis=1).sum() / co.sum() * k)
+    return np.array(out)
 
 
 # ---- files ------------------------------------------------------------------------------------------
@@ -128,8 +155,9 @@ def test_reuse_tracks_parameter(tmp_path):
     for r in (0.0, 0.3, 0.6, 0.9):
         t = make(tmp_path, f"r{r}.parquet", sequences=16, prompt_len=0, gen_len=96, reuse=r, crosslayer=0.0,
                  skew=0.0, **PLAIN)
-        measured.append(float(reuse_fraction(t).mean()))
-        chance.append(float(chance_reuse(expert_counts(t), t.top_k).mean()))
+        frame = S.reuse(t)
+        measured.append(float(frame["decode"].mean()))
+        chance.append(float(frame["indep_baseline"].mean()))
     assert np.all(np.diff(measured) > 0.1)
     for r, m, c in zip((0.0, 0.3, 0.6, 0.9), measured, chance):
         # a kept expert plus independent draws that hit the previous set by chance
@@ -140,8 +168,9 @@ def test_reuse_tracks_parameter(tmp_path):
 def test_prefill_reuse_separate(tmp_path):
     t = make(tmp_path, sequences=8, prompt_len=64, gen_len=64, reuse=0.8, prefill_reuse=0.0, skew=0.0,
              crosslayer=0.0, **PLAIN)
-    assert reuse_fraction(t, "decode").mean() > 0.75
-    assert reuse_fraction(t, "prefill").mean() < 0.2
+    r = S.reuse(t)
+    assert r["decode"].mean() > 0.75
+    assert r["prefill"].mean() < 0.2
 
 
 @pytest.mark.parametrize("shape", ["lognormal", "zipf"])
@@ -150,9 +179,9 @@ def test_skew_raises_concentration(tmp_path, shape):
     for s in (0.0, 0.8, 1.6):
         t = make(tmp_path, f"s{s}.parquet", sequences=16, prompt_len=32, gen_len=32, skew=s, reuse=0.0,
                  crosslayer=0.0, popularity_shape=shape, **PLAIN)
-        c = expert_counts(t)
-        ginis.append(float(gini(c).mean()))
-        ents.append(float(normalized_entropy(c).mean()))
+        pop = S.popularity(t)
+        ginis.append(float(pop["gini"].mean()))
+        ents.append(float(pop["entropy_norm"].mean()))
     assert ginis[0] < 0.1 and ginis[0] < ginis[1] - 0.1 < ginis[2] - 0.2
     assert ents[0] > 0.99 and ents[0] > ents[1] > ents[2]
 
@@ -172,7 +201,7 @@ def test_topic_spread_makes_sequences_differ(tmp_path):
     for spread in (0.0, 2.0):
         t = make(tmp_path, f"z{spread}.parquet", sequences=16, prompt_len=0, gen_len=96, skew=0.0, reuse=0.0,
                  crosslayer=0.0, topic_spread=spread, drift_spread=0.0)
-        far[spread] = float(reuse_fraction(t, lag=48).mean())
+        far[spread] = float(decode_reuse(t, lag=48).mean())
     assert far[0.0] == pytest.approx(4 / 32, abs=0.02)
     assert far[2.0] > 0.2
 
@@ -215,13 +244,13 @@ def test_calibrate_from_olmoe_counts_reproduces_layer0_order(tmp_path):
     t = make(tmp_path, model="olmoe-1b-7b", sequences=48, prompt_len=64, gen_len=0, popularity_from=str(src),
              **PLAIN)
     real = np.array([json.loads(src.read_text())[0].get(str(i), 0) for i in range(64)], dtype=float)
-    got = expert_counts(t)[0].astype(float)
+    got = counts(t)[0].astype(float)
     rank = lambda x: np.argsort(np.argsort(-x))  # noqa: E731
     spearman = np.corrcoef(rank(real), rank(got))[0, 1]
     assert spearman > 0.9
     top_real = set(np.argsort(-real)[:5])
     assert np.argmax(got) == np.argmax(real) and len(top_real & set(np.argsort(-got)[:5])) >= 4
-    assert gini(got)[0] == pytest.approx(gini(real)[0], abs=0.05)
+    assert S.popularity(t)["gini"].iloc[0] == pytest.approx(gini_of_counts(real), abs=0.05)
     calib = t.meta.provenance["calibration"]
     assert calib["measured_layers"] == [0, 7, 15] and calib["filled_layers"]["3"] == 0
     assert calib["filled_layers"]["4"] == 7 and len(calib["sources"][0]["sha256"]) == 64
@@ -232,10 +261,10 @@ def test_calibrate_with_default_topic_spread_keeps_order(tmp_path):
     src = OLMOE_COUNTS / "olmoe/expert_counts/arxiv.json"
     t = make(tmp_path, model="olmoe-1b-7b", sequences=96, prompt_len=32, gen_len=0, popularity_from=str(src))
     real = np.array([json.loads(src.read_text())[0].get(str(i), 0) for i in range(64)], dtype=float)
-    got = expert_counts(t)[0].astype(float)
+    got = counts(t)[0].astype(float)
     rank = lambda x: np.argsort(np.argsort(-x))  # noqa: E731
     assert np.corrcoef(rank(real), rank(got))[0, 1] > 0.8
-    assert gini(got)[0] == pytest.approx(gini(real)[0], abs=0.1)
+    assert S.popularity(t)["gini"].iloc[0] == pytest.approx(gini_of_counts(real), abs=0.1)
 
 
 @needs_olmoe
@@ -255,7 +284,7 @@ def test_calibrate_from_trace(tmp_path):
                **PLAIN)
     t = make(tmp_path, "copy.parquet", sequences=24, prompt_len=32, gen_len=32, seed=9, reuse=0.0, crosslayer=0.0,
              popularity_from=str(src.path), **PLAIN)
-    a, b = expert_counts(src).astype(float), expert_counts(t).astype(float)
+    a, b = counts(src).astype(float), counts(t).astype(float)
     for layer in (0, 11, 23):
         assert np.corrcoef(a[layer], b[layer])[0, 1] > 0.9
     assert t.meta.provenance["calibration"]["kind"] == "trace"
@@ -326,7 +355,7 @@ def test_bad_parameters(kw, msg):
 def test_per_layer_probabilities(tmp_path):
     reuse = tuple([0.0] * 12 + [0.95] * 12)
     t = make(tmp_path, sequences=8, prompt_len=0, gen_len=64, reuse=reuse, skew=0.0, crosslayer=0.0, **PLAIN)
-    r = reuse_fraction(t)
+    r = decode_reuse(t)
     assert r[:12].mean() < 0.2 and r[12:].mean() > 0.9
 
 
@@ -392,11 +421,10 @@ def test_defaults_resemble_gpt_oss(tmp_path):
     stats = {"lag1": [], "lag8": [], "lag64": [], "chance": [], "gini": [], "succ": []}
     for seed in range(3):
         t = make(tmp_path, f"d{seed}.parquet", sequences=12, prompt_len=0, gen_len=230, seed=seed)
-        c = expert_counts(t)
         for lag in (1, 8, 64):
-            stats[f"lag{lag}"].append(reuse_fraction(t, lag=lag).mean())
-        stats["chance"].append(chance_reuse(c, t.top_k).mean())
-        stats["gini"].append(gini(c).mean())
+            stats[f"lag{lag}"].append(decode_reuse(t, lag=lag).mean())
+        stats["chance"].append(S.reuse(t)["indep_baseline"].mean())
+        stats["gini"].append(S.popularity(t)["gini"].mean())
         stats["succ"].append(successor_hit_rate(t).mean())
     m = {k: float(np.mean(v)) for k, v in stats.items()}
     real = {"lag1": 0.421, "lag8": 0.346, "lag64": 0.306, "chance": 0.204, "gini": 0.434}

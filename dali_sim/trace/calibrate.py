@@ -1,4 +1,6 @@
-"""Expert popularity from real routing data, and the routing statistics the generator is tuned to.
+"""Expert popularity from real routing data, for the synthetic trace generator.
+
+Statistics of a trace (counts, skew, reuse, lookahead recall) are in :mod:`dali_sim.trace.stats`.
 
 Two sources give per-layer selection counts:
 
@@ -31,7 +33,7 @@ import pyarrow.parquet as pq
 
 from dali_sim.models.spec import ModelSpec
 from dali_sim.trace.importers.jsonio import load_json
-from dali_sim.trace.reader import Trace, fixed_list_to_numpy, read_meta
+from dali_sim.trace.reader import fixed_list_to_numpy, read_meta
 from dali_sim.trace.schema import STATUS_PARTIAL, TraceError
 
 #: the layers of a 3-entry counts list, as written by OLMoE's scripts/run_routing_analysis.py
@@ -260,91 +262,3 @@ def calibrate(counts: LayerCounts, model: ModelSpec, rng: np.random.Generator, s
         pop[ordinal, rng.permutation(e)] = profile
         filled[ordinal] = src
     return Calibration(pop, tuple(measured), filled, counts.sources, counts.kind, spread)
-
-
-# ---- statistics of a trace (used to tune and test the generator) -------------------------------------
-def expert_counts(trace: Trace) -> np.ndarray:
-    """(num_moe_layers, num_experts) counts of (token, rank) selections."""
-    counts = np.zeros((len(trace.layers), trace.num_experts), dtype=np.int64)
-    k = trace.top_k
-    np.add.at(counts, (np.repeat(trace.layer_index.astype(np.int64), k), trace.experts.reshape(-1).astype(np.int64)), 1)
-    return counts
-
-
-def gini(counts: np.ndarray) -> np.ndarray:
-    """Gini coefficient of each row of counts (0 = every expert equally used, -> 1 = one expert)."""
-    c = np.sort(np.atleast_2d(np.asarray(counts, dtype=np.float64)), axis=1)
-    n = c.shape[1]
-    i = np.arange(1, n + 1)
-    return ((2 * i - n - 1) * c).sum(axis=1) / (n * c.sum(axis=1))
-
-
-def normalized_entropy(counts: np.ndarray) -> np.ndarray:
-    """Entropy of each row's selection distribution divided by log(num_experts) (1 = uniform)."""
-    c = np.atleast_2d(np.asarray(counts, dtype=np.float64))
-    p = c / c.sum(axis=1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
-    return h / np.log(c.shape[1])
-
-
-def _token_grid(trace: Trace):
-    """Rows sorted by (seq, pos, layer) -> (experts (T, L, k), seq (T,), pos (T,), phase (T,))."""
-    t = trace.sorted()
-    num_layers = len(t.layers)
-    ex = t.experts.reshape(-1, num_layers, t.top_k)
-    return ex, t.seq_id[::num_layers], t.pos[::num_layers], t.phase[::num_layers]
-
-
-def reuse_fraction(trace: Trace, phase: str | None = "decode", lag: int = 1) -> np.ndarray:
-    """Per MoE layer: mean |experts(t) ∩ experts(t-lag)| / top_k over tokens whose position t-lag of the
-    same sequence is in the trace (``phase`` filters the later token: "decode", "prefill" or None = all)."""
-    ex, seq, pos, ph = _token_grid(trace)
-    ok = (seq[lag:] == seq[:-lag]) & (pos[lag:] == pos[:-lag] + lag)
-    if phase is not None:
-        ok &= ph[lag:] == ("prefill", "decode").index(phase)
-    cur, prev = ex[lag:][ok], ex[:-lag][ok]
-    if not len(cur):
-        return np.full(ex.shape[1], np.nan)
-    same = (cur[..., :, None] == prev[..., None, :]).any(axis=-1)  # (n, L, k)
-    return same.mean(axis=(0, 2))
-
-
-def chance_reuse(counts: np.ndarray, top_k: int) -> np.ndarray:
-    """Reuse fraction expected if consecutive tokens were independent: sum_i f_i^2 / k per layer."""
-    c = np.atleast_2d(np.asarray(counts, dtype=np.float64))
-    f = c / (c.sum(axis=1, keepdims=True) / top_k)
-    return (f ** 2).sum(axis=1) / top_k
-
-
-def successor_hit_rate(trace: Trace) -> np.ndarray:
-    """Per adjacent MoE-layer pair (l-1, l): P(succ(a) in experts_l | a in experts_{l-1}) where succ(a) is a's
-    most frequent companion at layer l in this trace (an in-sample, slightly optimistic measure of how
-    predictable layer l is from layer l-1)."""
-    ex, _, _, _ = _token_grid(trace)
-    n, num_layers, k = ex.shape
-    e = trace.num_experts
-    out = np.empty(max(num_layers - 1, 0))
-    for l in range(1, num_layers):
-        a = np.repeat(ex[:, l - 1, :], k, axis=1).reshape(-1).astype(np.int64)
-        b = np.tile(ex[:, l, :], (1, k)).reshape(-1).astype(np.int64)
-        co = np.bincount(a * e + b, minlength=e * e).reshape(e, e)
-        out[l - 1] = co.max(axis=1).sum() / co.sum() * k
-    return out
-
-
-def lookahead_recall(trace: Trace, predictor: str) -> float:
-    """Fraction of true target experts that are among the top-k of the predicted logits (rows with a target)."""
-    info = trace.meta.predictors.get(predictor)
-    if info is None:
-        trace.lookahead(predictor)  # raises the uniform message
-    t = trace.sorted()
-    num_layers, k = len(t.layers), t.top_k
-    pred = t.lookahead(predictor).reshape(-1, num_layers, t.num_experts)
-    ex = t.experts.reshape(-1, num_layers, k)
-    off = info.target_offset
-    pred = pred[:, : num_layers - off]
-    target = ex[:, off:]
-    top = np.argpartition(-pred, k - 1, axis=-1)[..., :k]
-    hit = (target[..., :, None] == top[..., None, :]).any(axis=-1)
-    return float(hit.mean())

@@ -250,7 +250,8 @@ def expert_counts(trace: Trace | str | Path, phase: str | None = None) -> pd.Dat
                         columns=pd.RangeIndex(p.num_experts, name="expert"))
 
 
-def _popularity_from_counts(counts: np.ndarray, k: int) -> dict[str, np.ndarray]:
+def popularity_from_counts(counts: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    """The :func:`popularity` columns for a (layers, experts) count matrix from any source."""
     L, E = counts.shape
     total = counts.sum(axis=1)  # = k x rows
     tokens = total // k
@@ -291,17 +292,21 @@ def popularity(trace: Trace | str | Path, phase: str | None = None) -> pd.DataFr
     """
     p = _prepare(trace)
     counts = expert_counts(p, phase).to_numpy()
-    return pd.DataFrame(_popularity_from_counts(counts, p.top_k), index=_layer_index(p))[POPULARITY_COLUMNS]
+    return pd.DataFrame(popularity_from_counts(counts, p.top_k), index=_layer_index(p))[POPULARITY_COLUMNS]
 
 
-def reuse(trace: Trace | str | Path) -> pd.DataFrame:
-    """Per layer temporal reuse: mean of |E(t) ∩ E(t-1)| / k over rows whose predecessor (same sequence,
-    pos - 1, same layer) is in the trace; split by the phase of row t. ``pairs*`` count those rows.
+def reuse(trace: Trace | str | Path, lag: int = 1) -> pd.DataFrame:
+    """Per layer temporal reuse: mean of |E(t) ∩ E(t-lag)| / k over rows whose predecessor (same sequence,
+    pos - lag, same layer) is in the trace; split by the phase of row t. ``pairs*`` count those rows.
+    ``lag`` (default 1, what :func:`summary` reports) is the distance in positions.
     ``indep_baseline`` = sum_e f_e^2 / k with f_e = count_e / rows: the expected reuse if consecutive
-    tokens were independent draws with the layer's (in-sample) expert frequencies."""
+    tokens were independent draws with the layer's (in-sample) expert frequencies (it does not depend
+    on ``lag``)."""
+    if isinstance(lag, bool) or not isinstance(lag, (int, np.integer)) or lag < 1:
+        raise ValueError(f"lag must be an integer >= 1, got {lag!r}")
     p = _prepare(trace)
     L, k = p.L, p.top_k
-    prev = p.find(p.key - L, p.pos >= 1, shift=-L)
+    prev = p.find(p.key - L * int(lag), p.pos >= lag, shift=-L * int(lag))
     has = prev >= 0
     ov = _overlap(p.experts[has], p.experts[prev[has]])
     li, ph = p.li[has], p.phase[has]
