@@ -1,0 +1,23 @@
+"""Offloading policies (placement, prefetch, cache), their registries and the system presets.
+
+Importing this package registers every built-in policy.
+"""
+
+from dali_sim.policies import cache, placement, prefetch  # noqa: F401  (registration)
+from dali_sim.policies.base import (
+    CACHES,
+    PLACEMENTS,
+    PREFETCHERS,
+    CachePolicy,
+    LayerView,
+    PlacementPolicy,
+    PolicyConfig,
+    PrefetchPolicy,
+    SetupContext,
+)
+from dali_sim.policies.systems import SystemConfig, parse_overrides, resolve_system, system_names
+
+__all__ = [
+    "CACHES", "PLACEMENTS", "PREFETCHERS", "CachePolicy", "LayerView", "PlacementPolicy", "PolicyConfig",
+    "PrefetchPolicy", "SetupContext", "SystemConfig", "parse_overrides", "resolve_system", "system_names",
+]

@@ -1,0 +1,216 @@
+"""The policy interface shared by the simulator and the executor (see docs/policies.md).
+
+Three families, each with a registry: *placement* (GPU or CPU for each activated expert), *prefetch*
+(experts of later layers to start moving to the GPU), *cache* (what stays resident per layer). A
+policy sees a read-only :class:`LayerView` and returns decisions. It never reads a clock, never
+touches a tensor and never imports torch; it may keep its own bookkeeping (LRU order, counters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
+
+import numpy as np
+
+from dali_sim.hardware.cost import CostModel
+from dali_sim.registry import Registry
+
+
+def readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """What a policy may see at the start of one (step, MoE layer). Arrays are read-only.
+
+    ``experts`` are the activated experts in touch order (see the cache semantics), ``counts`` their
+    workloads (tokens routed), ``ranks`` their best rank among the step's tokens. ``resident`` is the
+    layer's cache contents at the start of the layer, ``pending`` the experts prefetched for this
+    layer (in flight or arrived). ``lookahead(name, layer)`` gives the predicted per-expert token
+    counts of a later MoE layer, as known now.
+    """
+
+    step: int
+    layer: int  # MoE-layer ordinal 0..num_layers-1
+    phase: int  # 0 prefill, 1 decode
+    tokens: int
+    experts: np.ndarray
+    counts: np.ndarray
+    ranks: np.ndarray
+    resident: np.ndarray  # (E,) bool
+    pending: np.ndarray  # (E,) bool
+    num_layers: int
+    num_experts: int
+    costs: CostModel
+    lookahead: Callable[[str, int], np.ndarray]
+    true_counts: Callable[[int], np.ndarray] | None = None  # only for bounds (oracle); None otherwise
+
+    def workload(self) -> np.ndarray:
+        """(E,) tokens routed to each expert of this layer in this step."""
+        out = np.zeros(self.num_experts, np.int64)
+        out[self.experts] = self.counts
+        return out
+
+
+# ---- configs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Base of the typed per-policy configs; fields carry ``metadata={"help": ...}``."""
+
+    def with_overrides(self, values: Mapping[str, str], where: str) -> "PolicyConfig":
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        changes: dict[str, Any] = {}
+        for key, raw in values.items():
+            if key not in fields:
+                known = ", ".join(sorted(fields)) or "(none)"
+                raise ValueError(f"unknown parameter {where}.{key}; {where} parameters: {known}")
+            changes[key] = _parse_value(raw, fields[key].type, f"{where}.{key}")
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self)}
+
+
+def _parse_value(raw: Any, typ: Any, where: str) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    t = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    try:
+        if t.startswith("int"):
+            return int(raw)
+        if t.startswith("float"):
+            return float(raw)
+        if t.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+    except ValueError:
+        raise ValueError(f"{where}: cannot read {raw!r} as {t}") from None
+    return raw
+
+
+@dataclass(frozen=True)
+class NoConfig(PolicyConfig):
+    pass
+
+
+C = TypeVar("C", bound=PolicyConfig)
+
+
+class Policy(ABC, Generic[C]):
+    """Common base: a registered name, a typed config class and a config instance."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Config: ClassVar[type[PolicyConfig]] = NoConfig
+
+    def __init__(self, config: C | None = None):
+        self.config: C = config if config is not None else self.Config()  # type: ignore[assignment]
+
+    def setup(self, ctx: "SetupContext") -> None:
+        """Called once before the run with static facts (shape, capacities, frequencies, seed)."""
+
+
+@dataclass(frozen=True)
+class SetupContext:
+    num_layers: int
+    num_experts: int
+    top_k: int
+    capacities: np.ndarray  # (L,) cache slots per layer
+    frequencies: np.ndarray  # (L, E) total workload per expert over the trace (for frequency-based choices)
+    costs: CostModel
+    seed: int
+    block_of_layer: tuple[int, ...]  # MoE ordinal -> block index
+
+
+class PlacementPolicy(Policy[C]):
+    #: whether this policy can put a non-resident expert on the GPU (then staging buffers are needed)
+    may_fetch: ClassVar[bool] = True
+
+    @abstractmethod
+    def place(self, view: LayerView) -> np.ndarray:
+        """Bool mask aligned with ``view.experts``: True = run on the GPU, False = on the CPU."""
+
+
+class PrefetchPolicy(Policy[C]):
+    def required_predictors(self) -> tuple[str, ...]:
+        """Lookahead columns this policy reads (the trace must have them)."""
+        return ()
+
+    @abstractmethod
+    def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
+        """(target MoE layer, expert) pairs to start moving to the GPU now, most wanted first.
+        Targets must be later layers of the same step; the runtime skips resident or pending ones
+        and drops what does not fit the prefetch buffers."""
+
+
+class CachePolicy(Policy[C]):
+    """Eviction and admission for the per-layer GPU expert caches (semantics in docs/policies.md).
+
+    The runtime owns the contents; the policy is told what happens and chooses victims.
+    """
+
+    def initial(self, layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:
+        """Initial contents of a layer's cache (``init`` is empty | random | frequency)."""
+        return initial_contents(layer, capacity, ctx, init, rng)
+
+    def observe(self, view: LayerView) -> None:
+        """Start of every (step, layer), before any touch (frequency counters, windows)."""
+
+    def on_hit(self, layer: int, expert: int, view: LayerView) -> None:
+        """An activated expert was resident: refresh it."""
+
+    def accepts(self, layer: int, expert: int, view: LayerView) -> bool:
+        """Admit a fetched expert into a free slot? (LRU and LFU: always.)"""
+        return True
+
+    @abstractmethod
+    def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
+        """The cache is full: name a victim among ``evictable`` (resident, not activated this step),
+        or None to decline ``expert`` (it is then used from a staging buffer)."""
+
+    def on_admit(self, layer: int, expert: int, view: LayerView) -> None:
+        """``expert`` entered the cache."""
+
+    def on_evict(self, layer: int, expert: int) -> None:
+        """``expert`` left the cache."""
+
+    def rebalance(self, view: LayerView, resident: np.ndarray) -> list[tuple[int, int]]:
+        """After the layer's touches: (expert_in, expert_out) swaps the policy wants (each a PCIe
+        transfer, resident from the next step's visit of this layer). Default: none."""
+        return []
+
+
+def initial_contents(layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:
+    if capacity <= 0 or init == "empty":
+        return []
+    if init == "random":
+        return sorted(rng.choice(ctx.num_experts, size=min(capacity, ctx.num_experts), replace=False).tolist())
+    if init == "frequency":
+        freq = ctx.frequencies[layer]
+        order = np.lexsort((np.arange(ctx.num_experts), -freq))  # most used first, ties: lower id
+        return sorted(order[:capacity].tolist())
+    raise ValueError(f"cache init must be empty, random or frequency, got {init!r}")
+
+
+PLACEMENTS: Registry[type[PlacementPolicy]] = Registry("placement policy")
+PREFETCHERS: Registry[type[PrefetchPolicy]] = Registry("prefetch policy")
+CACHES: Registry[type[CachePolicy]] = Registry("cache policy")
+
+
+def registered(registry: Registry):
+    """Class decorator: ``@registered(CACHES)`` adds the class under its ``name``."""
+
+    def add(cls):
+        registry.add(cls.name, cls)
+        return cls
+
+    return add

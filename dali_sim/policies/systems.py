@@ -1,0 +1,124 @@
+"""System presets (``systems.toml``): named combinations of the three policies and memory settings.
+
+``--set section.key=value`` overrides a parameter; the resolved :class:`SystemConfig` is what a
+result's manifest records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Mapping
+
+from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS, Policy, PolicyConfig
+from dali_sim.registry import Registry, UnknownNameError
+from dali_sim.runtime.memory import MemoryConfig
+
+DEVICES = ("gpu", "cpu")
+FAMILIES: dict[str, Registry] = {"placement": PLACEMENTS, "cache": CACHES, "prefetch": PREFETCHERS}
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    family: str
+    name: str
+    config: PolicyConfig
+
+    def build(self) -> Policy:
+        return FAMILIES[self.family].get(self.name)(self.config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.name, **dataclasses.asdict(self.config)}
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    name: str
+    description: str
+    placement: PolicyChoice
+    cache: PolicyChoice
+    prefetch: PolicyChoice
+    memory: MemoryConfig
+    dense_device: str = "gpu"  # where attention, router and shared experts run
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "placement": self.placement.to_dict(),
+            "cache": self.cache.to_dict(),
+            "prefetch": self.prefetch.to_dict(),
+            "memory": dataclasses.asdict(self.memory),
+            "system": {"dense_device": self.dense_device},
+        }
+
+
+@functools.lru_cache(maxsize=1)
+def _presets() -> dict[str, dict[str, Any]]:
+    text = resources.files("dali_sim.policies").joinpath("systems.toml").read_text(encoding="utf-8")
+    return tomllib.loads(text)
+
+
+def system_names() -> list[str]:
+    return sorted(_presets())
+
+
+def system_description(name: str) -> str:
+    return _presets()[name]["description"]
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """``["cache.policy=lfu", "memory.cache_experts=4"]`` -> ``{"cache": {...}, "memory": {...}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        section, dot, field = key.strip().partition(".")
+        if not sep or not dot or not field:
+            raise ValueError(f"--set {item!r}: expected section.key=value, e.g. memory.cache_experts=4")
+        out.setdefault(section, {})[field] = value.strip()
+    return out
+
+
+def _choice(family: str, preset: Mapping[str, Any], overrides: Mapping[str, str], system: str) -> PolicyChoice:
+    merged = {**preset, **overrides}
+    name = merged.pop("policy", None)
+    if name is None:
+        raise ValueError(f"system {system!r}: no {family} policy")
+    cls = FAMILIES[family].get(name)
+    config = cls.Config().with_overrides(merged, family)
+    return PolicyChoice(family, name, config)
+
+
+def resolve_system(name: str, overrides: Mapping[str, Mapping[str, str]] | None = None) -> SystemConfig:
+    """A preset with ``overrides`` (section -> key -> value) applied and every value typed and checked."""
+    presets = _presets()
+    if name not in presets:
+        raise UnknownNameError(f"unknown system {name!r}; known: {', '.join(sorted(presets))}")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - {"placement", "cache", "prefetch", "memory", "system"})
+    if unknown:
+        raise ValueError(f"unknown --set section(s) {unknown}; sections: placement, cache, prefetch, memory, system")
+    p = presets[name]
+    choices = {}
+    for family in FAMILIES:
+        preset_part = dict(p[family])
+        if "policy" in overrides.get(family, {}) and overrides[family]["policy"] != preset_part["policy"]:
+            preset_part = {"policy": overrides[family]["policy"]}  # a new policy starts from its defaults
+        choices[family] = _choice(family, preset_part, overrides.get(family, {}), name)
+    memory = MemoryConfig().with_overrides({**p.get("memory", {}), **overrides.get("memory", {})}, "memory")
+    system = {"dense_device": "gpu", **p.get("system", {})}
+    sys_over = dict(overrides.get("system", {}))
+    bad = sorted(set(sys_over) - {"dense_device"})
+    if bad:
+        raise ValueError(f"unknown parameter system.{bad[0]}; system parameters: dense_device")
+    system.update(sys_over)
+    if system["dense_device"] not in DEVICES:
+        raise ValueError(f"system.dense_device must be gpu or cpu, got {system['dense_device']!r}")
+    return SystemConfig(name, p["description"], choices["placement"], choices["cache"], choices["prefetch"],
+                        memory, system["dense_device"])
+
+
+__all__ = ["PolicyChoice", "SystemConfig", "parse_overrides", "resolve_system", "system_names"]

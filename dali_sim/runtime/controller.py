@@ -1,0 +1,218 @@
+"""The controller: turns policy decisions into a timing-free plan for each (step, MoE layer).
+
+It owns the cache contents and the prefetch bookkeeping and applies the cache semantics of
+docs/policies.md. The simulator times a plan, the executor performs it, the no-timing replay only
+counts it: all three share this code, so they agree on every hit, admission and transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dali_sim.hardware.cost import CostModel
+from dali_sim.policies.base import (
+    CachePolicy,
+    LayerView,
+    PlacementPolicy,
+    PrefetchPolicy,
+    SetupContext,
+    readonly,
+)
+from dali_sim.workload.builder import Workload
+
+# where the weights of an activated expert come from
+HIT, PREFETCHED, FETCH, CPU = 0, 1, 2, 3
+SOURCE_NAMES = ("cache", "prefetched", "on-demand", "cpu")
+
+
+@dataclass
+class LayerPlan:
+    """Everything decided for one (step, layer), in the order the runtime must honour it."""
+
+    step: int
+    layer: int
+    phase: int
+    tokens: int
+    experts: np.ndarray  # activated experts, touch order
+    counts: np.ndarray  # their workloads
+    on_gpu: np.ndarray  # bool, aligned with experts
+    source: np.ndarray  # int8 HIT | PREFETCHED | FETCH | CPU, aligned with experts
+    hit: np.ndarray  # bool: resident in the layer's cache at the start of the layer
+    admitted: np.ndarray  # bool: entered the cache in this layer
+    staged: np.ndarray  # bool: fetched but not admitted (used from a staging buffer)
+    evicted: list[int] = field(default_factory=list)
+    prefetches: list[tuple[int, int]] = field(default_factory=list)  # issued now: (target layer, expert)
+    prefetch_used: list[int] = field(default_factory=list)  # experts prefetched for this layer and used on the GPU
+    prefetch_wasted: list[int] = field(default_factory=list)  # prefetched for this layer, not used
+    swaps: list[tuple[int, int]] = field(default_factory=list)  # cache-initiated (in, out) transfers
+
+
+class Controller:
+    """Runs the three policies over a workload, one (step, layer) at a time, in order."""
+
+    def __init__(self, workload: Workload, costs: CostModel, placement: PlacementPolicy, cache: CachePolicy,
+                 prefetch: PrefetchPolicy, capacities: np.ndarray, *, cache_init: str = "empty",
+                 prefetch_slots: int = 0, staging_slots: int = 1, seed: int = 0):
+        self.w = workload
+        self.costs = costs
+        self.placement, self.cache, self.prefetcher = placement, cache, prefetch
+        L, E = workload.num_layers, workload.num_experts
+        self.capacities = np.asarray(capacities, dtype=np.int64)
+        if self.capacities.shape != (L,) or (self.capacities < 0).any() or (self.capacities > E).any():
+            raise ValueError(f"cache capacities must be {L} values in 0..{E}, got {self.capacities.tolist()}")
+        self.prefetch_slots = prefetch_slots
+        self.staging_slots = staging_slots
+        ctx = SetupContext(
+            num_layers=L, num_experts=E, top_k=workload.top_k, capacities=readonly(self.capacities),
+            frequencies=readonly(workload.frequencies()), costs=costs, seed=seed,
+            block_of_layer=workload.model.moe_layers,
+        )
+        self.ctx = ctx
+        rng = np.random.default_rng(seed)
+        for policy in (placement, cache, prefetch):
+            policy.setup(ctx)
+        self.resident = np.zeros((L, E), dtype=bool)
+        for layer in range(L):
+            init = cache.initial(layer, int(self.capacities[layer]), ctx, cache_init, rng)
+            if len(init) > self.capacities[layer] or len(set(init)) != len(init):
+                raise ValueError(f"cache policy {cache.name!r} gave layer {layer} an invalid initial set {init}")
+            self.resident[layer, init] = True
+        self.initial_resident = self.resident.copy()
+        self.n_resident = self.resident.sum(axis=1)
+        self.pending = np.zeros((L, E), dtype=bool)  # prefetched (in flight or arrived) for each layer
+        self.n_pending = np.zeros(L, dtype=np.int64)
+        self._predictors = tuple(workload.predicted)
+
+    def _lookahead(self, step: int, layer: int):
+        def get(name: str, target: int) -> np.ndarray:
+            if name not in self._predictors:
+                known = ", ".join(self._predictors) or "none"
+                raise ValueError(f"prefetch needs lookahead column {name!r}; loaded: {known}. "
+                                 "`dali trace record` records real ones; `dali trace synth --lookahead` makes synthetic ones")
+            offset = self.w.predictor_offsets[name]
+            if not layer < target <= layer + offset:
+                raise ValueError(f"lookahead {name!r} made at layer {target - offset} is not known at layer {layer}")
+            return readonly(self.w.predicted_counts(name, step, target))
+        return get
+
+    def view(self, step: int, layer: int) -> LayerView:
+        experts, counts, ranks = self.w.activated(step, layer)
+        return LayerView(
+            step=step, layer=layer, phase=int(self.w.step_phase[step]), tokens=int(self.w.step_tokens[step]),
+            experts=readonly(experts), counts=readonly(counts), ranks=readonly(ranks),
+            resident=readonly(self.resident[layer].copy()), pending=readonly(self.pending[layer].copy()),
+            num_layers=self.w.num_layers, num_experts=self.w.num_experts, costs=self.costs,
+            lookahead=self._lookahead(step, layer),
+        )
+
+    def plan(self, step: int, layer: int) -> LayerPlan:
+        view = self.view(step, layer)
+        cache = self.cache
+        cache.observe(view)
+        experts = view.experts
+        n = len(experts)
+        on_gpu = np.asarray(self.placement.place(view), dtype=bool)
+        if on_gpu.shape != (n,):
+            raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
+        resident = self.resident[layer]
+        pending = self.pending[layer]
+        hit = resident[experts].copy()
+        source = np.full(n, CPU, dtype=np.int8)
+        source[on_gpu & hit] = HIT
+        source[on_gpu & ~hit & pending[experts]] = PREFETCHED
+        source[on_gpu & ~hit & ~pending[experts]] = FETCH
+        if (source == FETCH).any() and not self.placement.may_fetch:
+            e = int(experts[source == FETCH][0])
+            raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {e} of layer {layer} "
+                             "on the GPU while it is not resident: the cache must hold every expert this placement "
+                             "runs on the GPU (check memory.layout and memory.cache_init)")
+
+        admitted = np.zeros(n, dtype=bool)
+        staged = np.zeros(n, dtype=bool)
+        evicted: list[int] = []
+        activated = np.zeros(self.w.num_experts, dtype=bool)
+        activated[experts] = True
+        cap = int(self.capacities[layer])
+        for i, e in enumerate(experts.tolist()):
+            if hit[i]:
+                cache.on_hit(layer, e, view)
+                continue
+            if source[i] == CPU:
+                continue  # its weights never reach the GPU: nothing to admit
+            if self.n_resident[layer] < cap:
+                ok = cache.accepts(layer, e, view)
+            else:
+                evictable = np.flatnonzero(resident & ~activated)
+                victim = cache.victim(layer, e, view, readonly(evictable)) if evictable.size else None
+                if victim is not None:
+                    if not resident[victim] or activated[victim]:
+                        raise ValueError(f"cache policy {cache.name!r} chose victim {victim} at step {step} layer "
+                                         f"{layer}, which is not an evictable entry {evictable.tolist()}")
+                    resident[victim] = False
+                    self.n_resident[layer] -= 1
+                    cache.on_evict(layer, int(victim))
+                    evicted.append(int(victim))
+                ok = victim is not None
+            if ok:
+                resident[e] = True
+                self.n_resident[layer] += 1
+                admitted[i] = True
+                cache.on_admit(layer, e, view)
+            else:
+                staged[i] = True
+        if self.staging_slots < 1 and staged.any():
+            raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
+
+        prefetch_used: list[int] = []
+        prefetch_wasted: list[int] = []
+        if self.n_pending[layer]:
+            used = set(experts[source == PREFETCHED].tolist())
+            for e in np.flatnonzero(pending).tolist():
+                (prefetch_used if e in used else prefetch_wasted).append(e)
+            pending[:] = False
+            self.n_pending[layer] = 0
+
+        prefetches = self._issue_prefetches(view)
+        swaps = self._apply_swaps(view, layer)
+        return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, hit,
+                         admitted, staged, evicted, prefetches, prefetch_used, prefetch_wasted, swaps)
+
+    def _issue_prefetches(self, view: LayerView) -> list[tuple[int, int]]:
+        issued: list[tuple[int, int]] = []
+        free = self.prefetch_slots - int(self.n_pending.sum())
+        if free <= 0:
+            return issued
+        for target, e in self.prefetcher.prefetch(view):
+            target, e = int(target), int(e)
+            if not view.layer < target < self.w.num_layers or not 0 <= e < self.w.num_experts:
+                raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {target}, expert {e}) "
+                                 f"at layer {view.layer}; targets must be later layers of the same step")
+            if self.resident[target, e] or self.pending[target, e]:
+                continue
+            self.pending[target, e] = True
+            self.n_pending[target] += 1
+            issued.append((target, e))
+            if len(issued) == free:
+                break
+        return issued
+
+    def _apply_swaps(self, view: LayerView, layer: int) -> list[tuple[int, int]]:
+        resident = self.resident[layer]
+        swaps = self.cache.rebalance(view, readonly(resident.copy()))
+        for e_in, e_out in swaps:
+            if resident[e_in] or not resident[e_out]:
+                raise ValueError(f"cache policy {self.cache.name!r} swap ({e_in} in, {e_out} out) at layer {layer} "
+                                 "must bring in a non-resident expert for a resident one")
+            resident[e_out] = False
+            resident[e_in] = True
+            self.cache.on_evict(layer, int(e_out))
+            self.cache.on_admit(layer, int(e_in), view)
+        return [(int(a), int(b)) for a, b in swaps]
+
+    def plans(self):
+        """All plans in execution order: step by step, layer by layer."""
+        for step in range(self.w.num_steps):
+            for layer in range(self.w.num_layers):
+                yield self.plan(step, layer)

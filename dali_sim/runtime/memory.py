@@ -1,0 +1,107 @@
+"""GPU memory accounting: what the budget must hold, and how many cache slots each layer gets.
+
+Budget = dense weights (everything but routed experts) + KV cache of the largest step
++ staging buffers + prefetch buffers + cache slots. Activations and the framework's own memory are
+not modelled: leave headroom in ``gpu_memory_gib``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dali_sim.models.spec import ModelSpec
+from dali_sim.policies.base import PolicyConfig
+
+GIB = 2**30
+LAYOUTS = ("uniform", "whole-layers", "none")
+
+
+@dataclass(frozen=True)
+class MemoryConfig(PolicyConfig):
+    gpu_memory_gib: float = field(default=0.0, metadata={
+        "help": "GPU memory budget in GiB; 0 = the hardware profile's GPU memory"})
+    layout: str = field(default="uniform", metadata={
+        "help": "cache slots: uniform (same per layer), whole-layers (all experts of the last layers that "
+                "fit, none elsewhere: llama.cpp), none (no cache)"})
+    cache_ratio: float = field(default=-1.0, metadata={
+        "help": "uniform layout: slots per layer as a fraction of the layer's experts; -1 = unset"})
+    cache_experts: int = field(default=-1, metadata={
+        "help": "uniform layout: slots per layer; -1 = unset (if both unset: as many as the budget holds)"})
+    cache_init: str = field(default="empty", metadata={"help": "initial cache contents: empty | random | frequency"})
+    staging_slots: int = field(default=2, metadata={
+        "help": "expert-sized buffers for fetched experts that are not admitted to the cache"})
+    prefetch_slots: int = field(default=0, metadata={"help": "expert-sized buffers for prefetched experts"})
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"memory.layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.cache_init not in ("empty", "random", "frequency"):
+            raise ValueError(f"memory.cache_init must be empty, random or frequency, got {self.cache_init!r}")
+        if self.cache_ratio != -1.0 and not 0.0 <= self.cache_ratio <= 1.0:
+            raise ValueError(f"memory.cache_ratio must lie in [0, 1], got {self.cache_ratio}")
+        if self.cache_ratio != -1.0 and self.cache_experts != -1:
+            raise ValueError("give memory.cache_ratio or memory.cache_experts, not both")
+        if self.cache_experts < -1 or self.staging_slots < 0 or self.prefetch_slots < 0 or self.gpu_memory_gib < 0:
+            raise ValueError("memory sizes must not be negative")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    capacities: np.ndarray  # (L,) cache slots per MoE layer
+    budget_bytes: int
+    breakdown: dict[str, int]  # bytes per item
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.breakdown.values())
+
+    def describe(self) -> dict:
+        return {
+            "budget_gib": self.budget_bytes / GIB,
+            "used_gib": self.used_bytes / GIB,
+            "breakdown_gib": {k: v / GIB for k, v in self.breakdown.items()},
+            "cache_slots_per_layer": self.capacities.tolist(),
+        }
+
+
+def kv_cache_bytes(model: ModelSpec, kv_tokens: int, activation_bytes: int = 2) -> int:
+    return int(kv_tokens * model.attention.kv_cache_elements_per_token() * model.num_layers * activation_bytes)
+
+
+def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max_kv_tokens: int) -> MemoryPlan:
+    """Cache slots per layer within the budget; a budget below the minimum working set is an error."""
+    L, E, xb = model.num_moe_layers, model.num_experts, model.expert_bytes
+    budget = int(cfg.gpu_memory_gib * GIB) if cfg.gpu_memory_gib > 0 else int(profile_gpu_bytes)
+    fixed = {
+        "dense_weights": model.bytes_of(model.non_expert_params),
+        "kv_cache": kv_cache_bytes(model, max_kv_tokens),
+        "staging_buffers": cfg.staging_slots * xb,
+        "prefetch_buffers": cfg.prefetch_slots * xb,
+    }
+    free = budget - sum(fixed.values())
+    if free < 0:
+        need = ", ".join(f"{k} {v / GIB:.2f}" for k, v in fixed.items())
+        raise ValueError(f"GPU memory budget {budget / GIB:.2f} GiB cannot hold the minimum working set "
+                         f"({sum(fixed.values()) / GIB:.2f} GiB: {need}); raise memory.gpu_memory_gib or use "
+                         "fewer staging/prefetch buffers or a smaller batch")
+    if cfg.layout == "none":
+        caps = np.zeros(L, dtype=np.int64)
+    elif cfg.layout == "whole-layers":
+        gpu_layers = min(L, free // (E * xb))
+        caps = np.where(np.arange(L) >= L - gpu_layers, E, 0).astype(np.int64)
+    elif cfg.cache_experts >= 0 or cfg.cache_ratio >= 0:
+        k = cfg.cache_experts if cfg.cache_experts >= 0 else int(round(cfg.cache_ratio * E))
+        if k > E:
+            raise ValueError(f"memory.cache_experts={k} exceeds the {E} experts of a layer")
+        caps = np.full(L, k, dtype=np.int64)
+        if caps.sum() * xb > free:
+            raise ValueError(
+                f"{k} cache slots x {L} layers x {xb / 2**20:.1f} MiB = {caps.sum() * xb / GIB:.2f} GiB do not fit "
+                f"the {free / GIB:.2f} GiB left of the {budget / GIB:.2f} GiB budget; at most "
+                f"{free // (L * xb)} slots per layer fit")
+    else:
+        caps = np.full(L, min(E, free // (L * xb)), dtype=np.int64)
+    breakdown = fixed | {"expert_cache": int(caps.sum() * xb)}
+    return MemoryPlan(caps, budget, breakdown)

@@ -1,0 +1,296 @@
+"""The SimPy engine: times each plan on GPU, CPU and the PCIe host-to-device link.
+
+Resources: ``gpu`` and ``cpu`` (one expert or dense part at a time each; the CPU runs one expert with
+all its cores; each has one user at a time by construction, so they are timed directly), ``pcie`` (a
+SimPy priority resource: on-demand copies before prefetches and cache swaps, non-preemptive),
+``staging`` (a SimPy resource: buffers for fetched experts that are not admitted to the cache).
+
+Per MoE layer: the layer's prefetches start (they share the link and run in the background); the
+dense part (attention, router, shared experts) runs on the dense device; then the GPU lane and the
+CPU lane run in parallel. On-demand copies start in touch order as soon as routing is known; the GPU
+lane computes whichever of its experts has its weights present, first in touch order, so later
+copies overlap earlier computes; a prefetched expert still in flight is waited for. The next layer
+starts when both lanes are done. Cache swaps chosen after a layer must land before that layer's next
+visit. Events are coarse: one per dense part, expert compute and copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from dali_sim.hardware.cost import CostModel
+from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, Controller, LayerPlan
+from dali_sim.sim.counters import PlanCounters
+from dali_sim.workload.builder import Workload
+
+ON_DEMAND, BACKGROUND = 0, 1  # PCIe priorities (lower first)
+TRACKS = ("gpu", "cpu", "pcie")
+
+
+@dataclass
+class Interval:
+    track: str
+    name: str
+    start: float
+    end: float
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineOutput:
+    step_start: np.ndarray
+    step_end: np.ndarray
+    layer_time: np.ndarray  # (L,) seconds spent in each MoE layer (from its start to both lanes done)
+    layer_wait: np.ndarray  # (L,) seconds the GPU lane waited for weights
+    busy: dict[str, float]  # seconds each track was busy
+    events: int  # intervals simulated (dense parts + expert computes + copies)
+    intervals: list[Interval]
+
+
+class SimEngine:
+    def __init__(self, workload: Workload, controller: Controller, costs: CostModel, counters: PlanCounters,
+                 *, dense_device: str = "gpu", staging_slots: int = 1, record: bool = False,
+                 shortcut: bool = True):
+        self.w, self.ctl, self.costs, self.counters = workload, controller, costs, counters
+        self.shortcut = shortcut  # compute uncontended layers directly (same times, fewer SimPy events)
+        self.dense_device = dense_device
+        self.record = record
+        self.env = simpy.Environment()
+        # GPU and CPU have one user at a time by construction (the layer's dense part, then one lane
+        # each), so they are timed directly; only the link is contended (on-demand vs background).
+        self.pcie = simpy.PriorityResource(self.env, 1)
+        self.staging = simpy.Resource(self.env, max(1, staging_slots))
+        self.xfer = costs.expert_transfer_time()
+        self.gpu_table = costs.expert_time_table("gpu")
+        self.cpu_table = costs.expert_time_table("cpu")
+        args = (workload.step_tokens, workload.step_context, workload.step_kv)
+        self.dense_moe = np.asarray(costs.dense_time(dense_device, *args), dtype=float)
+        self.dense_block = (np.asarray(costs.dense_block_time(dense_device, *args), dtype=float)
+                            if workload.model.num_dense_layers else None)
+        L = workload.num_layers
+        self.layer_time = np.zeros(L)
+        self.layer_wait = np.zeros(L)
+        self.busy = dict.fromkeys(TRACKS, 0.0)
+        self.events = 0
+        self.intervals: list[Interval] = []
+        self.arrivals: dict[tuple[int, int], simpy.Event] = {}
+        self.swaps_landing: dict[int, list[simpy.Event]] = {}
+
+    # ---- primitives ---------------------------------------------------------------------------
+    def _log(self, track: str, name: str, start: float, end: float, args: dict | None = None) -> None:
+        self.busy[track] += end - start
+        self.events += 1
+        if self.record:
+            self.intervals.append(Interval(track, name, start, end, args or {}))
+
+    def _expert_time(self, device: str, n: int) -> float:
+        table = self.gpu_table if device == "gpu" else self.cpu_table
+        return float(table[n]) if n < len(table) else float(self.costs.expert_time(device, n))
+
+    def _compute(self, track: str, name: str, duration: float, args: dict | None = None):
+        start = self.env.now
+        yield self.env.timeout(duration)
+        self._log(track, name, start, self.env.now, args)
+
+    def _copy(self, priority: int, name: str, args: dict):
+        with self.pcie.request(priority=priority) as req:
+            yield req
+            start = self.env.now
+            yield self.env.timeout(self.xfer)
+            self._log("pcie", name, start, self.env.now, args)
+
+    # ---- lanes --------------------------------------------------------------------------------
+    def _on_demand(self, plan: LayerPlan, fetches: list, staging: dict[int, object], signal: list):
+        """Copies of FETCH experts in touch order, holding the link between consecutive copies (on-demand
+        first: a queued prefetch never slips in between); a staged one first takes a staging buffer,
+        and while it waits for one the link is released for background copies."""
+        link = None
+        for e, staged, done in fetches:
+            if staged:
+                if self.staging.count >= self.staging.capacity and link is not None:
+                    self.pcie.release(link)
+                    link = None
+                req = self.staging.request()
+                yield req
+                staging[e] = req
+            if link is None:
+                link = self.pcie.request(priority=ON_DEMAND)
+                yield link
+            start = self.env.now
+            yield self.env.timeout(self.xfer)
+            self._log("pcie", f"fetch L{plan.layer} E{e}", start, self.env.now, {"step": plan.step, "kind": "on-demand"})
+            done.succeed()
+            if not signal[0].triggered:
+                signal[0].succeed()
+        if link is not None:
+            self.pcie.release(link)
+
+    def _cpu_lane_end(self, plan: LayerPlan) -> float:
+        """The CPU lane has no dependencies: its experts run back to back from now."""
+        t = self.env.now
+        for i in np.flatnonzero(plan.source == CPU):
+            e, n = int(plan.experts[i]), int(plan.counts[i])
+            d = self._expert_time("cpu", n)
+            self._log("cpu", f"L{plan.layer} E{e}", t, t + d, {"step": plan.step, "tokens": n})
+            t += d
+        return t
+
+    def _gpu_lane(self, plan: LayerPlan):
+        env = self.env
+        ready: dict[int, simpy.Event | None] = {}
+        fetches: list[tuple[int, bool, simpy.Event | None]] = []
+        for i in np.flatnonzero(plan.on_gpu):
+            e, src = int(plan.experts[i]), plan.source[i]
+            if src == HIT:
+                ready[e] = None
+            elif src == PREFETCHED:
+                ready[e] = self.arrivals.pop((plan.layer, e))
+            else:
+                ready[e] = None  # replaced by an event on the general path
+                fetches.append((e, bool(plan.staged[i]), None))
+        counts = dict(zip(plan.experts.tolist(), plan.counts.tolist()))
+        if self.shortcut and self._uncontended(ready):
+            yield from self._gpu_lane_direct(plan, list(ready), counts, [(e, st) for e, st, _ in fetches])
+            return
+        fetches = [(e, staged, env.event()) for e, staged, _ in fetches]
+        for e, _, ev in fetches:
+            ready[e] = ev
+        staging: dict[int, object] = {}
+        signal = [env.event()]  # fires when any of this layer's copies lands; re-armed after each wait
+        if fetches:
+            env.process(self._on_demand(plan, fetches, staging, signal))
+        remaining = list(ready)  # touch order
+        while remaining:
+            e = next((x for x in remaining if ready[x] is None or ready[x].triggered), None)
+            if e is None:
+                start = env.now
+                waits = [ready[x] for x in remaining if ready[x] not in (None,) and not ready[x].triggered]
+                prefetched = [ev for ev in waits if all(ev is not f for _, _, f in fetches)]
+                yield env.any_of(prefetched + [signal[0]]) if prefetched else signal[0]
+                if signal[0].triggered:
+                    signal[0] = env.event()
+                self.layer_wait[plan.layer] += env.now - start
+                continue
+            remaining.remove(e)
+            yield from self._compute("gpu", f"L{plan.layer} E{e}", self._expert_time("gpu", counts[e]),
+                                     {"step": plan.step, "tokens": counts[e]})
+            if e in staging:
+                self.staging.release(staging.pop(e))
+
+    def _uncontended(self, ready) -> bool:
+        """True when this layer's copies cannot meet any other copy: the link is idle with nothing
+        queued (no other copy can be issued before the layer ends) and every prefetched expert has
+        arrived. The layer's times then follow from the rules alone, without SimPy events."""
+        if self.pcie.count or self.pcie.queue:
+            return False
+        return all(ev is None or ev.triggered for ev in ready.values())
+
+    def _gpu_lane_direct(self, plan: LayerPlan, order: list[int], counts: dict[int, int],
+                         fetches: list[tuple[int, bool]]):
+        """The general path's rules computed directly: copies back to back in touch order from now, a
+        staged one starting only when a staging buffer is free (buffers free up when their expert's
+        GPU compute ends); the GPU runs, in touch order, the first expert whose weights are present,
+        else waits for the next arrival."""
+        now = self.env.now
+        inf = float("inf")
+        arrive = dict.fromkeys(order, now)
+        for e, _ in fetches:
+            arrive[e] = inf
+        staged_of = dict(fetches)
+        free = self.staging.capacity - self.staging.count
+        releases: list[float] = []  # buffer release times known so far (all <= the GPU's time)
+        link_t, ci = now, 0
+        t = now
+        remaining = list(order)
+        while remaining:
+            while ci < len(fetches):  # start every copy whose start time is known
+                e, staged = fetches[ci]
+                start = link_t
+                if staged:
+                    if free == 0:
+                        if not releases:
+                            break
+                        start = max(start, releases.pop(0))
+                        free += 1
+                    free -= 1
+                self._log("pcie", f"fetch L{plan.layer} E{e}", start, start + self.xfer,
+                          {"step": plan.step, "kind": "on-demand"})
+                link_t = arrive[e] = start + self.xfer
+                ci += 1
+            e = next((x for x in remaining if arrive[x] <= t), None)
+            if e is None:
+                nxt = min(arrive[x] for x in remaining)
+                if nxt == inf:
+                    raise AssertionError("direct GPU lane: no expert can ever arrive")
+                self.layer_wait[plan.layer] += nxt - t
+                t = nxt
+                continue
+            remaining.remove(e)
+            d = self._expert_time("gpu", counts[e])
+            self._log("gpu", f"L{plan.layer} E{e}", t, t + d, {"step": plan.step, "tokens": counts[e]})
+            t += d
+            if staged_of.get(e):
+                releases.append(t)
+        if t > now:
+            yield self.env.timeout(t - now)
+
+    # ---- steps --------------------------------------------------------------------------------
+    def _background(self, name: str, args: dict) -> simpy.Event:
+        done = self.env.event()
+
+        def copy():
+            yield from self._copy(BACKGROUND, name, args)
+            done.succeed()
+
+        self.env.process(copy())
+        return done
+
+    def _layer(self, step: int, layer: int):
+        env = self.env
+        start = env.now
+        for ev in self.swaps_landing.pop(layer, []):
+            if not ev.triggered:
+                yield ev
+        plan = self.ctl.plan(step, layer)
+        self.counters.add(plan)
+        for target, e in plan.prefetches:
+            self.arrivals[(target, e)] = self._background(f"prefetch L{target} E{e}", {"step": step, "kind": "prefetch"})
+        yield from self._compute(self.dense_device, f"dense L{layer}", self.dense_moe[step], {"step": step})
+        for e in plan.prefetch_wasted:
+            self.arrivals.pop((layer, e), None)
+        cpu_end = self._cpu_lane_end(plan)
+        yield from self._gpu_lane(plan)
+        if cpu_end > env.now:
+            yield env.timeout(cpu_end - env.now)
+        if plan.swaps:
+            self.swaps_landing[layer] = [
+                self._background(f"swap L{layer} +E{a} -E{b}", {"step": step, "kind": "swap"}) for a, b in plan.swaps]
+        self.layer_time[layer] += env.now - start
+
+    def _run(self, out: dict):
+        w = self.w
+        moe_blocks = set(w.model.moe_layers)
+        starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
+        for step in range(w.num_steps):
+            starts[step] = self.env.now
+            layer = 0
+            for block in range(w.model.num_layers):
+                if block in moe_blocks:
+                    yield from self._layer(step, layer)
+                    layer += 1
+                else:
+                    yield from self._compute(self.dense_device, f"dense block {block}", self.dense_block[step],
+                                             {"step": step})
+            ends[step] = self.env.now
+        out["starts"], out["ends"] = starts, ends
+
+    def run(self) -> EngineOutput:
+        out: dict = {}
+        self.env.process(self._run(out))
+        self.env.run()
+        # background copies may still run after the last layer: the makespan is the last step's end
+        return EngineOutput(out["starts"], out["ends"], self.layer_time, self.layer_wait, self.busy, self.events,
+                            self.intervals)

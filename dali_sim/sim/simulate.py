@@ -1,0 +1,187 @@
+"""``simulate()``: trace + system + hardware -> :class:`SimResult` (metrics in docs/metrics.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from dali_sim import __version__
+from dali_sim.hardware.cost import CostModel
+from dali_sim.hardware.profile import load_profile
+from dali_sim.models.presets import get_precision
+from dali_sim.policies.systems import SystemConfig, resolve_system
+from dali_sim.runtime.controller import Controller
+from dali_sim.runtime.memory import plan_memory
+from dali_sim.sim.counters import PlanCounters, derived
+from dali_sim.sim.engine import TRACKS, EngineOutput, Interval, SimEngine
+from dali_sim.trace.reader import Trace, read_trace
+from dali_sim.trace.schema import DECODE, PREFILL
+from dali_sim.workload.builder import Workload, WorkloadConfig
+
+DEFAULT_HARDWARE = "rtx3090-epyc7532"  # the DALI paper's testbed
+
+
+@dataclass
+class SimResult:
+    summary: dict[str, Any]
+    per_layer: pd.DataFrame
+    per_sequence: pd.DataFrame
+    per_step: pd.DataFrame
+    config: dict[str, Any]
+    manifest: dict[str, Any]
+    intervals: list[Interval] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.summary, "config": self.config, "manifest": self.manifest}
+
+    def to_json(self) -> str:
+        return json.dumps(_clean(self.to_dict()), indent=2, allow_nan=False)
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return None if math.isnan(v) or math.isinf(v) else float(v)
+    return v
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _per_sequence(w: Workload, out: EngineOutput | None) -> pd.DataFrame:
+    seq = w.sequences.copy()
+    if out is None:
+        return seq
+    start, end = out.step_start, out.step_end
+    batch_start = np.array([start[w.step_batch == b].min() for b in seq["batch"]])
+    has_pre = seq["first_prefill_step"] >= 0
+    has_dec = seq["first_decode_step"] >= 0
+    pre_end = np.where(has_pre, end[seq["last_prefill_step"].clip(lower=0)], np.nan)
+    pre_time = pre_end - batch_start
+    dec_start = np.where(has_dec, start[seq["first_decode_step"].clip(lower=0)], np.nan)
+    dec_end = np.where(has_dec, end[seq["last_decode_step"].clip(lower=0)], np.nan)
+    dec_time = dec_end - dec_start
+    seq["ttft_s"] = np.where(has_pre, pre_time, np.nan)
+    seq["prefill_tokens_per_s"] = np.where(has_pre, seq["prompt_tokens_traced"] / pre_time, np.nan)
+    seq["decode_time_s"] = np.where(has_dec, dec_time, np.nan)
+    seq["tpot_s"] = np.where(has_dec, dec_time / seq["decode_tokens"].clip(lower=1), np.nan)
+    seq["decode_tokens_per_s"] = np.where(has_dec, seq["decode_tokens"] / dec_time, np.nan)
+    return seq
+
+
+def _mean(x) -> float:
+    x = np.asarray(x, dtype=float)
+    x = x[~np.isnan(x)]
+    return float(x.mean()) if x.size else float("nan")
+
+
+def simulate(
+    trace: Trace | str | Path,
+    system: str | SystemConfig,
+    *,
+    hardware: str | Path = DEFAULT_HARDWARE,
+    batch_size: int = 1,
+    prefill_chunk: int = 0,
+    seed: int = 0,
+    overrides: Mapping[str, Mapping[str, str]] | None = None,
+    precision: str | None = None,
+    timing: bool = True,
+    timeline: bool = False,
+    progress: bool | None = None,
+) -> SimResult:
+    """Replay ``trace`` under ``system`` on ``hardware``. ``timing=False`` is the fast no-timing path:
+    the same decisions and counts, no SimPy, no times."""
+    if not isinstance(trace, Trace):
+        trace = read_trace(trace)
+    sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides)
+    model = trace.model if precision is None else trace.model.with_precision(get_precision(precision))
+    profile = load_profile(hardware)
+    costs = CostModel(profile, model)
+    placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
+    workload = Workload(trace, WorkloadConfig(batch_size, prefill_chunk), predictors=prefetch.required_predictors())
+    mem = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, workload.max_batch_context)
+    controller = Controller(workload, costs, placement, cache, prefetch, mem.capacities,
+                            cache_init=sysconf.memory.cache_init, prefetch_slots=sysconf.memory.prefetch_slots,
+                            staging_slots=sysconf.memory.staging_slots, seed=seed)
+    counters = PlanCounters(workload.num_layers)
+    show = progress if progress is not None else False
+    out: EngineOutput | None = None
+    if timing:
+        engine = SimEngine(workload, controller, costs, counters, dense_device=sysconf.dense_device,
+                           staging_slots=sysconf.memory.staging_slots, record=timeline)
+        out = engine.run()
+    else:
+        bar = tqdm(total=workload.num_steps, desc=f"replay {sysconf.name}", unit="step", disable=not show)
+        for step in range(workload.num_steps):
+            for layer in range(workload.num_layers):
+                counters.add(controller.plan(step, layer))
+            bar.update()
+        bar.close()
+
+    totals = counters.totals()
+    per_layer = counters.frame(model.moe_layers)
+    per_layer["hit_rate"] = per_layer["hits"] / per_layer["activated"].replace(0, np.nan)
+    summary: dict[str, Any] = {"system": sysconf.name, "hardware": profile.name, "model": model.name,
+                               "batch_size": batch_size, **workload.describe(), **totals,
+                               **derived(totals, model.expert_bytes)}
+    per_seq = _per_sequence(workload, out)
+    per_step = pd.DataFrame({"phase": np.where(workload.step_phase == PREFILL, "prefill", "decode"),
+                             "batch": workload.step_batch, "tokens": workload.step_tokens})
+    if out is not None:
+        dur = out.step_end - out.step_start
+        per_step["start_s"], per_step["time_s"] = out.step_start, dur
+        per_layer["time_s"] = out.layer_time
+        per_layer["gpu_wait_s"] = out.layer_wait
+        makespan = float(out.step_end[-1])
+        pre, dec = workload.step_phase == PREFILL, workload.step_phase == DECODE
+        summary |= {
+            "makespan_s": makespan,
+            "prefill_s": float(dur[pre].sum()),
+            "decode_s": float(dur[dec].sum()),
+            "prefill_tokens_per_s": _mean(per_seq["prefill_tokens_per_s"]),
+            "decode_tokens_per_s": _mean(per_seq["decode_tokens_per_s"]),
+            "prefill_throughput": _ratio(workload.step_tokens[pre].sum(), dur[pre].sum()),
+            "decode_throughput": _ratio(workload.step_tokens[dec].sum(), dur[dec].sum()),
+            "ttft_s": _mean(per_seq["ttft_s"]),
+            "tpot_s": _mean(per_seq["tpot_s"]),
+            "busy": {k: _ratio(v, makespan) for k, v in out.busy.items()},
+            "events": out.events,
+        }
+    manifest = {
+        "dali_version": __version__,
+        "trace": str(trace.path) if trace.path else None,
+        "trace_sha256": file_sha256(trace.path) if trace.path else None,
+        "seed": seed,
+        "hardware": {"name": profile.name, "path": str(getattr(profile, "path", "") or "")},
+        "model": model.to_dict(),
+        "memory": mem.describe(),
+        "timing": timing,
+    }
+    config = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": batch_size,
+              "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": timing}
+    return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
+
+
+def _ratio(a, b) -> float:
+    return float(a) / float(b) if b else float("nan")
+
+
+__all__ = ["DEFAULT_HARDWARE", "SimResult", "TRACKS", "simulate"]
