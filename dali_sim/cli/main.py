@@ -8,6 +8,7 @@ from dali_sim import __version__
 from dali_sim.cli.common import UserErrorGroup
 from dali_sim.cli.hw import hw
 from dali_sim.cli.model import model
+from dali_sim.cli.sim import sim
 from dali_sim.cli.trace import trace
 
 
@@ -20,9 +21,11 @@ def cli() -> None:
     trace   make, import, check and describe routing traces (Parquet)
     model   model shape presets and specs read from Hugging Face configs
     hw      hardware profiles and the cost model built on them
+    sim     simulate offloading systems (placement, prefetch, cache) on a trace
     """
 
 
 cli.add_command(trace)
 cli.add_command(model)
 cli.add_command(hw)
+cli.add_command(sim)

@@ -53,9 +53,10 @@ class EngineOutput:
 class SimEngine:
     def __init__(self, workload: Workload, controller: Controller, costs: CostModel, counters: PlanCounters,
                  *, dense_device: str = "gpu", staging_slots: int = 1, record: bool = False,
-                 shortcut: bool = True):
+                 shortcut: bool = True, on_step=None):
         self.w, self.ctl, self.costs, self.counters = workload, controller, costs, counters
         self.shortcut = shortcut  # compute uncontended layers directly (same times, fewer SimPy events)
+        self.on_step = on_step  # progress callback, called after each step
         self.dense_device = dense_device
         self.record = record
         self.env = simpy.Environment()
@@ -285,6 +286,8 @@ class SimEngine:
                     yield from self._compute(self.dense_device, f"dense block {block}", self.dense_block[step],
                                              {"step": step})
             ends[step] = self.env.now
+            if self.on_step:
+                self.on_step()
         out["starts"], out["ends"] = starts, ends
 
     def run(self) -> EngineOutput:

@@ -105,7 +105,7 @@ def simulate(
     precision: str | None = None,
     timing: bool = True,
     timeline: bool = False,
-    progress: bool | None = None,
+    progress: bool = False,
 ) -> SimResult:
     """Replay ``trace`` under ``system`` on ``hardware``. ``timing=False`` is the fast no-timing path:
     the same decisions and counts, no SimPy, no times."""
@@ -122,19 +122,20 @@ def simulate(
                             cache_init=sysconf.memory.cache_init, prefetch_slots=sysconf.memory.prefetch_slots,
                             staging_slots=sysconf.memory.staging_slots, seed=seed)
     counters = PlanCounters(workload.num_layers)
-    show = progress if progress is not None else False
+    # the bar appears only for runs longer than 2 s
+    bar = tqdm(total=workload.num_steps, desc=f"{'sim' if timing else 'replay'} {sysconf.name}", unit="step",
+               disable=not progress, delay=2, leave=False)
     out: EngineOutput | None = None
     if timing:
         engine = SimEngine(workload, controller, costs, counters, dense_device=sysconf.dense_device,
-                           staging_slots=sysconf.memory.staging_slots, record=timeline)
+                           staging_slots=sysconf.memory.staging_slots, record=timeline, on_step=bar.update)
         out = engine.run()
     else:
-        bar = tqdm(total=workload.num_steps, desc=f"replay {sysconf.name}", unit="step", disable=not show)
         for step in range(workload.num_steps):
             for layer in range(workload.num_layers):
                 counters.add(controller.plan(step, layer))
             bar.update()
-        bar.close()
+    bar.close()
 
     totals = counters.totals()
     per_layer = counters.frame(model.moe_layers)

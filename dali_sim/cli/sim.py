@@ -1,0 +1,200 @@
+"""``dali sim``: replay traces against offloading systems on a hardware profile."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import click
+import pandas as pd
+
+from dali_sim.cli.common import UserErrorGroup, echo_json
+from dali_sim.hardware.profile import load_profile, profile_names
+from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS
+from dali_sim.policies.systems import parse_overrides, resolve_system, system_description, system_names
+from dali_sim.sim.simulate import DEFAULT_HARDWARE, SimResult, simulate
+from dali_sim.sim.timeline import write_timeline
+from dali_sim.trace import read_trace
+
+
+@click.group(cls=UserErrorGroup)
+def sim() -> None:
+    """Simulate offloading systems on a trace: SimPy model of GPU, CPU and PCIe (docs/simulator.md)."""
+
+
+def common_options(f):
+    """Options shared by `run` and `compare`."""
+    options = [
+        click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path),
+                     help="Trace to replay (.parquet)."),
+        click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True,
+                     help="Hardware profile: a name from `dali sim profiles` or a profile file."),
+        click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch."),
+        click.option("--prefill-chunk", default=0, show_default=True, type=int,
+                     help="Prompt positions per prefill step (0 = whole prompt in one step)."),
+        click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts."),
+        click.option("--cache-experts", type=int, help="Cache slots per layer."),
+        click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]),
+                     help="Initial cache contents (default: the system's)."),
+        click.option("--gpu-memory", type=float, help="GPU memory budget in GiB (default: the profile's GPU)."),
+        click.option("--precision", help="Weight format of the experts, e.g. bf16, q8_0, q4_0, mxfp4."),
+        click.option("--seed", default=0, show_default=True, type=int, help="Seed for random choices."),
+        click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
+                     help="Override a system parameter, e.g. --set cache.policy=lfu (repeatable)."),
+        click.option("--no-timing", is_flag=True,
+                     help="Fast replay: cache hits and transfer counts only, no SimPy, no times."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+
+    @functools.wraps(f)
+    def wrapper(**kw):
+        if kw["cache_ratio"] is not None and kw["cache_experts"] is not None:
+            raise click.UsageError("give --cache-ratio or --cache-experts, not both")
+        return f(**kw)
+
+    return wrapper
+
+
+def _overrides(kw) -> dict[str, dict[str, str]]:
+    over = parse_overrides(kw["sets"])
+    memory = over.setdefault("memory", {})
+    for flag, key in (("cache_ratio", "cache_ratio"), ("cache_experts", "cache_experts"),
+                      ("cache_init", "cache_init"), ("gpu_memory", "gpu_memory_gib")):
+        if kw[flag] is not None:
+            memory[key] = str(kw[flag])
+    return over
+
+
+def _run(trace, system: str, kw, timeline: bool = False) -> SimResult:
+    return simulate(trace, system, hardware=kw["hardware"], batch_size=kw["batch_size"],
+                    prefill_chunk=kw["prefill_chunk"], seed=kw["seed"], overrides=_overrides(kw),
+                    precision=kw["precision"], timing=not kw["no_timing"], timeline=timeline, progress=True)
+
+
+def _fmt(v, unit: str = "", digits: int = 3) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:,.{digits}f}{unit}" if isinstance(v, float) else f"{v:,}{unit}"
+
+
+def format_run(r: SimResult) -> str:
+    s, mem = r.summary, r.manifest["memory"]
+    caps = mem["cache_slots_per_layer"]
+    caps_txt = f"{caps[0]} slots/layer" if len(set(caps)) == 1 else f"slots per layer {caps}"
+    lines = [
+        f"system {s['system']} on {s['hardware']}: {s['model']} ({r.config['precision']}), batch {s['batch_size']}, "
+        f"{s['steps']} steps ({s['prefill_steps']} prefill, {s['decode_steps']} decode), {s['tokens']:,} tokens",
+        "GPU memory: " + ", ".join(f"{k} {v:.2f}" for k, v in mem["breakdown_gib"].items())
+        + f" of {mem['budget_gib']:.2f} GiB ({caps_txt})",
+        f"cache: hit rate {_fmt(100 * s['hit_rate'], '%', 1)}, on GPU {_fmt(100 * s['gpu_fraction'], '%', 1)} of "
+        f"{s['activated']:,} activated experts; {s['on_demand']:,} on-demand copies, {s['prefetch_issued']:,} "
+        f"prefetches ({_fmt(s['prefetch_precision'])} precision), {s['bytes_h2d'] / 2**30:,.2f} GiB host-to-GPU",
+    ]
+    if "makespan_s" in s:
+        lines += [
+            f"time: prefill {_fmt(s['prefill_s'], ' s')}, decode {_fmt(s['decode_s'], ' s')} "
+            f"(makespan {_fmt(s['makespan_s'], ' s')}, {s['events']:,} events)",
+            f"per sequence: prefill {_fmt(s['prefill_tokens_per_s'], ' tok/s', 2)}, decode "
+            f"{_fmt(s['decode_tokens_per_s'], ' tok/s', 2)}, TTFT {_fmt(s['ttft_s'], ' s')}, "
+            f"TPOT {_fmt(s['tpot_s'] * 1e3 if s['tpot_s'] == s['tpot_s'] else float('nan'), ' ms', 1)}",
+            "busy: " + ", ".join(f"{k.upper()} {_fmt(100 * v, '%', 1)}" for k, v in s["busy"].items()),
+        ]
+    else:
+        lines.append("time: not simulated (--no-timing)")
+    return "\n".join(lines)
+
+
+@sim.command("run")
+@common_options
+@click.option("--system", required=True, help="System preset (see `dali sim systems`).")
+@click.option("--timeline", type=click.Path(path_type=Path), help="Write a Chrome/Perfetto trace JSON here.")
+def run_cmd(system: str, timeline: Path | None, **kw) -> None:
+    """Simulate one system on a trace and print its metrics (docs/metrics.md)."""
+    if timeline and kw["no_timing"]:
+        raise click.UsageError("--timeline needs timing; drop --no-timing")
+    result = _run(read_trace(kw["trace_path"]), system, kw, timeline=timeline is not None)
+    if timeline:
+        write_timeline(timeline, result.intervals, f"{system} on {kw['trace_path']}")
+    if kw["as_json"]:
+        click.echo(result.to_json())
+    else:
+        click.echo(format_run(result))
+        if timeline:
+            click.echo(f"timeline: {timeline} (open in ui.perfetto.dev)")
+
+
+COMPARE_COLUMNS = ["hit_rate", "gpu_fraction", "on_demand", "bytes_h2d", "prefill_s", "decode_s",
+                   "prefill_tokens_per_s", "decode_tokens_per_s"]
+
+
+def compare_table(results: dict[str, SimResult], baseline: str) -> pd.DataFrame:
+    rows = {name: {c: r.summary.get(c, float("nan")) for c in COMPARE_COLUMNS} for name, r in results.items()}
+    df = pd.DataFrame.from_dict(rows, orient="index")
+    df.index.name = "system"
+    if "decode_s" in results[baseline].summary:
+        base = df.loc[baseline]
+        for phase in ("prefill", "decode"):
+            df[f"{phase}_speedup"] = base[f"{phase}_s"] / df[f"{phase}_s"]
+    return df
+
+
+@sim.command("compare")
+@common_options
+@click.option("--systems", required=True, help="Comma-separated system presets.")
+@click.option("--baseline", help="System the speedups are relative to (default: the first).")
+@click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Also write the table as CSV.")
+def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw) -> None:
+    """Run several systems on identical inputs and print a table with speedups over a baseline."""
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    if not names:
+        raise click.UsageError("--systems is empty")
+    baseline = baseline or names[0]
+    if baseline not in names:
+        names.append(baseline)
+    for name in names:
+        resolve_system(name, _overrides(kw))  # fail fast on a bad name or parameter
+    trace = read_trace(kw["trace_path"])
+    results = {name: _run(trace, name, kw) for name in names}
+    table = compare_table(results, baseline)
+    if csv_path:
+        table.to_csv(csv_path)
+    if kw["as_json"]:
+        echo_json({"baseline": baseline, "systems": {n: r.to_dict() for n, r in results.items()},
+                   "table": table.reset_index().to_dict(orient="records")})
+        return
+    first = results[names[0]]
+    s = first.summary
+    click.echo(f"{s['model']} on {s['hardware']}, batch {s['batch_size']}, {s['tokens']:,} tokens; "
+               f"speedups over {baseline}")
+    show = table.copy()
+    show["hit_rate"] = (100 * show["hit_rate"]).round(1)
+    show["gpu_fraction"] = (100 * show["gpu_fraction"]).round(1)
+    show["bytes_h2d"] = (show["bytes_h2d"] / 2**30).round(2)
+    show = show.rename(columns={"hit_rate": "hit %", "gpu_fraction": "GPU %", "bytes_h2d": "H2D GiB",
+                                "prefill_tokens_per_s": "prefill tok/s", "decode_tokens_per_s": "decode tok/s"})
+    click.echo(show.to_string(float_format=lambda v: f"{v:,.3f}"))
+
+
+@sim.command("systems")
+@click.option("--verbose", "-v", is_flag=True, help="Also show each system's resolved parameters.")
+def systems_cmd(verbose: bool) -> None:
+    """List the system presets with a line of description each."""
+    for name in system_names():
+        click.echo(f"{name:<14} {system_description(name)}")
+        if verbose:
+            for section, values in resolve_system(name).to_dict().items():
+                if isinstance(values, dict):
+                    click.echo(f"{'':<16}{section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    click.echo("\npolicies: placement " + ", ".join(PLACEMENTS.names()) + "; cache " + ", ".join(CACHES.names())
+               + "; prefetch " + ", ".join(PREFETCHERS.names()))
+
+
+@sim.command("profiles")
+def profiles_cmd() -> None:
+    """List the shipped hardware profiles with a line of description each."""
+    for name in profile_names():
+        mark = " (default)" if name == DEFAULT_HARDWARE else ""
+        click.echo(f"{name:<24} {load_profile(name).description}{mark}")
