@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from dali_sim.jsonsafe import json_safe
 from dali_sim.registry import UnknownNameError
 from dali_sim.trace.schema import TraceError
 
@@ -29,7 +30,8 @@ def command_line() -> str:
 
 
 def echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    """Strict JSON (NaN -> null) on stdout."""
+    click.echo(json.dumps(json_safe(data), indent=2, allow_nan=False, default=str))
 
 
 class UserErrorGroup(click.Group):

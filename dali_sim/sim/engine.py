@@ -22,7 +22,7 @@ import numpy as np
 import simpy
 
 from dali_sim.hardware.cost import CostModel
-from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, Controller, LayerPlan
+from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, Controller, LayerPlan
 from dali_sim.sim.counters import PlanCounters
 from dali_sim.workload.builder import Workload
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -15,6 +14,7 @@ from tqdm import tqdm
 
 from dali_sim import __version__
 from dali_sim.hardware.cost import CostModel
+from dali_sim.jsonsafe import json_safe
 from dali_sim.hardware.profile import load_profile
 from dali_sim.models.presets import get_precision
 from dali_sim.policies.systems import SystemConfig, resolve_system
@@ -43,19 +43,7 @@ class SimResult:
         return {**self.summary, "config": self.config, "manifest": self.manifest}
 
     def to_json(self) -> str:
-        return json.dumps(_clean(self.to_dict()), indent=2, allow_nan=False)
-
-
-def _clean(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
-    if isinstance(v, (np.integer,)):
-        return int(v)
-    if isinstance(v, (float, np.floating)):
-        return None if math.isnan(v) or math.isinf(v) else float(v)
-    return v
+        return json.dumps(json_safe(self.to_dict()), indent=2, allow_nan=False)
 
 
 def file_sha256(path: Path) -> str:

@@ -30,6 +30,7 @@ import pandas as pd
 
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.schema import PHASES, TraceError
+from dali_sim.jsonsafe import json_safe
 
 __all__ = [
     "crosslayer", "expert_counts", "format_text", "lookahead_accuracy", "popularity", "reuse", "summary",
@@ -231,7 +232,7 @@ def token_counts(trace: Trace | str | Path) -> dict[str, int]:
 
 def _counts_by_phase(p: _Prepared) -> np.ndarray:
     """(phases, L, E) expert counts."""
-    L, E, k = p.L, p.num_experts, p.top_k
+    L, E = p.L, p.num_experts
     flat = ((p.phase.astype(np.int64)[:, None] * L + p.li[:, None]) * E + p.experts).reshape(-1)
     return np.bincount(flat, minlength=len(PHASES) * L * E).reshape(len(PHASES), L, E)
 
@@ -475,22 +476,6 @@ def lookahead_accuracy(trace: Trace | str | Path) -> pd.DataFrame:
 
 
 # ---- summary and rendering ----------------------------------------------------------------------
-def _clean(value: Any) -> Any:
-    """numpy scalars -> Python, NaN -> None (strict JSON)."""
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return [_clean(v) for v in value.tolist()]
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        v = float(value)
-        return None if math.isnan(v) else v
-    return value
-
-
 def _columns(frame: pd.DataFrame) -> dict[str, list]:
     return {c: frame[c].tolist() for c in frame.columns}
 
@@ -535,7 +520,7 @@ def summary(trace: Trace | str | Path) -> dict[str, Any]:
         "crosslayer": {"layer": cross.index.tolist(), **_columns(cross)},
         "lookahead": lookahead,
     }
-    return _clean(out)
+    return json_safe(out)
 
 
 def _fmt(v: Any, width: int = 6, digits: int = 3) -> str:
