@@ -118,28 +118,25 @@ class Controller:
             raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
         resident = self.resident[layer]
         pending = self.pending[layer]
-        hit = resident[experts].copy()
-        source = np.full(n, CPU, dtype=np.int8)
-        source[on_gpu & hit] = HIT
-        source[on_gpu & ~hit & pending[experts]] = PREFETCHED
-        source[on_gpu & ~hit & ~pending[experts]] = FETCH
+        hit = resident[experts]  # fancy indexing copies: the contents at the start of the layer
+        source = np.where(on_gpu, np.where(hit, HIT, np.where(pending[experts], PREFETCHED, FETCH)), CPU).astype(np.int8)
         if (source == FETCH).any() and not self.placement.may_fetch:
             e = int(experts[source == FETCH][0])
             raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {e} of layer {layer} "
                              "on the GPU while it is not resident: the cache must hold every expert this placement "
                              "runs on the GPU (check memory.layout and memory.cache_init)")
 
-        admitted = np.zeros(n, dtype=bool)
-        staged = np.zeros(n, dtype=bool)
+        admitted = [False] * n
+        staged = [False] * n
         evicted: list[int] = []
         activated = np.zeros(self.w.num_experts, dtype=bool)
         activated[experts] = True
         cap = int(self.capacities[layer])
-        for i, e in enumerate(experts.tolist()):
-            if hit[i]:
+        for i, (e, is_hit, src) in enumerate(zip(experts.tolist(), hit.tolist(), source.tolist())):
+            if is_hit:
                 cache.on_hit(layer, e, view)
                 continue
-            if source[i] == CPU:
+            if src == CPU:
                 continue  # its weights never reach the GPU: nothing to admit
             if self.n_resident[layer] < cap:
                 ok = cache.accepts(layer, e, view)
@@ -162,6 +159,7 @@ class Controller:
                 cache.on_admit(layer, e, view)
             else:
                 staged[i] = True
+        admitted, staged = np.array(admitted, dtype=bool), np.array(staged, dtype=bool)
         if self.staging_slots < 1 and staged.any():
             raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
 
@@ -199,6 +197,8 @@ class Controller:
         return issued
 
     def _apply_swaps(self, view: LayerView, layer: int) -> list[tuple[int, int]]:
+        if type(self.cache).rebalance is CachePolicy.rebalance:
+            return []  # the policy never swaps
         resident = self.resident[layer]
         swaps = self.cache.rebalance(view, readonly(resident.copy()))
         for e_in, e_out in swaps:

@@ -129,9 +129,8 @@ class SimEngine:
         if link is not None:
             self.pcie.release(link)
 
-    def _cpu_lane_end(self, plan: LayerPlan) -> float:
-        """The CPU lane has no dependencies: its experts run back to back from now."""
-        t = self.env.now
+    def _cpu_lane_end(self, plan: LayerPlan, t: float) -> float:
+        """The CPU lane has no dependencies: its experts run back to back from ``t``."""
         for i in np.flatnonzero(plan.source == CPU):
             e, n = int(plan.experts[i]), int(plan.counts[i])
             d = self._expert_time("cpu", n)
@@ -139,37 +138,37 @@ class SimEngine:
             t += d
         return t
 
-    def _gpu_lane(self, plan: LayerPlan):
-        env = self.env
+    def _gpu_sources(self, plan: LayerPlan):
+        """GPU experts in touch order -> arrival event (None = present), on-demand copies, workloads."""
         ready: dict[int, simpy.Event | None] = {}
-        fetches: list[tuple[int, bool, simpy.Event | None]] = []
+        fetches: list[tuple[int, bool]] = []
         for i in np.flatnonzero(plan.on_gpu):
             e, src = int(plan.experts[i]), plan.source[i]
-            if src == HIT:
-                ready[e] = None
-            elif src == PREFETCHED:
+            if src == PREFETCHED:
                 ready[e] = self.arrivals.pop((plan.layer, e))
             else:
-                ready[e] = None  # replaced by an event on the general path
-                fetches.append((e, bool(plan.staged[i]), None))
-        counts = dict(zip(plan.experts.tolist(), plan.counts.tolist()))
-        if self.shortcut and self._uncontended(ready):
-            yield from self._gpu_lane_direct(plan, list(ready), counts, [(e, st) for e, st, _ in fetches])
-            return
-        fetches = [(e, staged, env.event()) for e, staged, _ in fetches]
-        for e, _, ev in fetches:
+                ready[e] = None  # HIT; a FETCH gets its event on the event-by-event path
+                if src != HIT:
+                    fetches.append((e, bool(plan.staged[i])))
+        return ready, fetches, dict(zip(plan.experts.tolist(), plan.counts.tolist()))
+
+    def _gpu_lane(self, plan: LayerPlan, ready, fetches, counts):
+        """Event-by-event GPU lane (the link may be contended)."""
+        env = self.env
+        events = [(e, staged, env.event()) for e, staged in fetches]
+        for e, _, ev in events:
             ready[e] = ev
         staging: dict[int, object] = {}
         signal = [env.event()]  # fires when any of this layer's copies lands; re-armed after each wait
-        if fetches:
-            env.process(self._on_demand(plan, fetches, staging, signal))
+        if events:
+            env.process(self._on_demand(plan, events, staging, signal))
+        own = {id(ev) for _, _, ev in events}
         remaining = list(ready)  # touch order
         while remaining:
             e = next((x for x in remaining if ready[x] is None or ready[x].triggered), None)
             if e is None:
                 start = env.now
-                waits = [ready[x] for x in remaining if ready[x] not in (None,) and not ready[x].triggered]
-                prefetched = [ev for ev in waits if all(ev is not f for _, _, f in fetches)]
+                prefetched = [ready[x] for x in remaining if id(ready[x]) not in own and not ready[x].triggered]
                 yield env.any_of(prefetched + [signal[0]]) if prefetched else signal[0]
                 if signal[0].triggered:
                     signal[0] = env.event()
@@ -185,17 +184,16 @@ class SimEngine:
         """True when this layer's copies cannot meet any other copy: the link is idle with nothing
         queued (no other copy can be issued before the layer ends) and every prefetched expert has
         arrived. The layer's times then follow from the rules alone, without SimPy events."""
-        if self.pcie.count or self.pcie.queue:
+        if not self.shortcut or self.pcie.count or self.pcie.queue:
             return False
         return all(ev is None or ev.triggered for ev in ready.values())
 
-    def _gpu_lane_direct(self, plan: LayerPlan, order: list[int], counts: dict[int, int],
-                         fetches: list[tuple[int, bool]]):
+    def _gpu_lane_end(self, plan: LayerPlan, now: float, order: list[int], counts: dict[int, int],
+                      fetches: list[tuple[int, bool]]) -> float:
         """The general path's rules computed directly: copies back to back in touch order from now, a
         staged one starting only when a staging buffer is free (buffers free up when their expert's
         GPU compute ends); the GPU runs, in touch order, the first expert whose weights are present,
-        else waits for the next arrival."""
-        now = self.env.now
+        else waits for the next arrival. Returns the lane's end; logs its intervals from ``now``."""
         inf = float("inf")
         arrive = dict.fromkeys(order, now)
         for e, _ in fetches:
@@ -235,8 +233,7 @@ class SimEngine:
             t += d
             if staged_of.get(e):
                 releases.append(t)
-        if t > now:
-            yield self.env.timeout(t - now)
+        return t
 
     # ---- steps --------------------------------------------------------------------------------
     def _background(self, name: str, args: dict) -> simpy.Event:
@@ -259,13 +256,26 @@ class SimEngine:
         self.counters.add(plan)
         for target, e in plan.prefetches:
             self.arrivals[(target, e)] = self._background(f"prefetch L{target} E{e}", {"step": step, "kind": "prefetch"})
-        yield from self._compute(self.dense_device, f"dense L{layer}", self.dense_moe[step], {"step": step})
         for e in plan.prefetch_wasted:
             self.arrivals.pop((layer, e), None)
-        cpu_end = self._cpu_lane_end(plan)
-        yield from self._gpu_lane(plan)
-        if cpu_end > env.now:
-            yield env.timeout(cpu_end - env.now)
+        ready, fetches, counts = self._gpu_sources(plan)
+        dense = float(self.dense_moe[step])
+        if self._uncontended(ready):
+            # nothing can change while the dense part runs: the whole layer is computed directly
+            now = env.now
+            self._log(self.dense_device, f"dense L{layer}", now, now + dense, {"step": step})
+            lanes = now + dense
+            end = max(self._cpu_lane_end(plan, lanes), self._gpu_lane_end(plan, lanes, list(ready), counts, fetches))
+            yield env.timeout(end - now)
+        else:
+            yield from self._compute(self.dense_device, f"dense L{layer}", dense, {"step": step})
+            cpu_end = self._cpu_lane_end(plan, env.now)
+            if self._uncontended(ready):
+                yield env.timeout(self._gpu_lane_end(plan, env.now, list(ready), counts, fetches) - env.now)
+            else:
+                yield from self._gpu_lane(plan, ready, fetches, counts)
+            if cpu_end > env.now:
+                yield env.timeout(cpu_end - env.now)
         if plan.swaps:
             self.swaps_landing[layer] = [
                 self._background(f"swap L{layer} +E{a} -E{b}", {"step": step, "kind": "swap"}) for a, b in plan.swaps]
