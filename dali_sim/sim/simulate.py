@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.memory import plan_memory
 from dali_sim.sim.counters import PlanCounters, derived
 from dali_sim.sim.engine import TRACKS, EngineOutput, Interval, SimEngine
+from dali_sim.trace.provenance import file_sha256
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
 from dali_sim.workload.builder import Workload, WorkloadConfig
@@ -44,14 +44,6 @@ class SimResult:
 
     def to_json(self) -> str:
         return json.dumps(json_safe(self.to_dict()), indent=2, allow_nan=False)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _per_sequence(w: Workload, out: EngineOutput | None) -> pd.DataFrame:

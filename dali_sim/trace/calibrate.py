@@ -23,7 +23,6 @@ a tie), laid onto a seeded random permutation of the expert ids.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from dali_sim.models.spec import ModelSpec
 from dali_sim.trace.importers.jsonio import load_json
 from dali_sim.trace.reader import fixed_list_to_numpy, read_meta
 from dali_sim.trace.schema import STATUS_PARTIAL, TraceError
+from dali_sim.trace.provenance import file_sha256
 
 #: the layers of a 3-entry counts list, as written by OLMoE's scripts/run_routing_analysis.py
 OLMOE_COUNT_LAYERS = (0, 7, 15)
@@ -75,14 +75,6 @@ class Calibration:
         }
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ---- reading counts ----------------------------------------------------------------------------------
 def counts_from_trace(path: str | Path, model: ModelSpec) -> LayerCounts:
     """Per-layer selection counts of a dali trace; its layers and experts must match ``model``."""
@@ -108,7 +100,7 @@ def counts_from_trace(path: str | Path, model: ModelSpec) -> LayerCounts:
     if counts.sum() == 0:
         raise ValueError(f"{where}: trace has no rows to calibrate from")
     return LayerCounts({i: counts[i] for i in range(len(layers))}, model.num_experts,
-                       [{"path": str(path), "sha256": _sha256(path)}], "trace")
+                       [{"path": str(path), "sha256": file_sha256(path)}], "trace")
 
 
 def _short(layers) -> str:
@@ -185,7 +177,7 @@ def counts_from_json(path: str | Path, model: ModelSpec) -> LayerCounts:
         if c.sum() == 0:
             raise ValueError(f"{where}: layer {ordinal} has no selections")
         counts[ordinal] = c
-    return LayerCounts(counts, model.num_experts, [{"path": str(path), "sha256": _sha256(path)}], "counts-json")
+    return LayerCounts(counts, model.num_experts, [{"path": str(path), "sha256": file_sha256(path)}], "counts-json")
 
 
 def load_counts(path: str | Path, model: ModelSpec) -> LayerCounts:

@@ -5,8 +5,10 @@ No timestamps: the same inputs give byte-identical files.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 _PACKAGES = ("dali", "numpy", "pyarrow", "pandas")
@@ -30,3 +32,12 @@ def default_provenance(source: str, command: str | None = None, **details: Any) 
         "versions": software_versions(),
         **details,
     }
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file's bytes, read in blocks (inputs named in provenance and manifests)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
