@@ -16,6 +16,7 @@ visit. Events are coarse: one per dense part, expert compute and copy.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,37 @@ class Interval:
     start: float
     end: float
     args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What an interval was, formatted into a name only when a timeline is recorded."""
+
+    kind: str  # dense | block | expert | fetch | prefetch | swap
+    step: int
+    layer: int = -1  # MoE ordinal (block index for kind "block")
+    expert: int = -1
+    other: int = -1  # the evicted expert of a swap
+    tokens: int = 0
+
+    def name(self) -> str:
+        if self.kind == "dense":
+            return f"dense L{self.layer}"
+        if self.kind == "block":
+            return f"dense block {self.layer}"
+        if self.kind == "expert":
+            return f"L{self.layer} E{self.expert}"
+        if self.kind == "swap":
+            return f"swap L{self.layer} +E{self.expert} -E{self.other}"
+        return f"{self.kind} L{self.layer} E{self.expert}"
+
+    def args(self) -> dict:
+        a = {"step": self.step}
+        if self.kind == "expert":
+            a["tokens"] = self.tokens
+        elif self.kind in ("fetch", "prefetch", "swap"):
+            a["kind"] = "on-demand" if self.kind == "fetch" else self.kind
+        return a
 
 
 @dataclass
@@ -81,27 +113,35 @@ class SimEngine:
         self.swaps_landing: dict[int, list[simpy.Event]] = {}
 
     # ---- primitives ---------------------------------------------------------------------------
-    def _log(self, track: str, name: str, start: float, end: float, args: dict | None = None) -> None:
+    def _log(self, track: str, start: float, end: float, what: Activity) -> None:
         self.busy[track] += end - start
         self.events += 1
         if self.record:
-            self.intervals.append(Interval(track, name, start, end, args or {}))
+            self.intervals.append(Interval(track, what.name(), start, end, what.args()))
 
     def _expert_time(self, device: str, n: int) -> float:
         table = self.gpu_table if device == "gpu" else self.cpu_table
         return float(table[n]) if n < len(table) else float(self.costs.expert_time(device, n))
 
-    def _compute(self, track: str, name: str, duration: float, args: dict | None = None):
+    def _compute(self, track: str, duration: float, what: Activity):
         start = self.env.now
         yield self.env.timeout(duration)
-        self._log(track, name, start, self.env.now, args)
+        self._log(track, start, self.env.now, what)
 
-    def _copy(self, priority: int, name: str, args: dict):
-        with self.pcie.request(priority=priority) as req:
-            yield req
-            start = self.env.now
-            yield self.env.timeout(self.xfer)
-            self._log("pcie", name, start, self.env.now, args)
+    def _background(self, what: Activity) -> simpy.Event:
+        """A prefetch or swap copy at background priority; the event fires when it has landed."""
+        done = self.env.event()
+
+        def copy():
+            with self.pcie.request(priority=BACKGROUND) as req:
+                yield req
+                start = self.env.now
+                yield self.env.timeout(self.xfer)
+                self._log("pcie", start, self.env.now, what)
+            done.succeed()
+
+        self.env.process(copy())
+        return done
 
     # ---- lanes --------------------------------------------------------------------------------
     def _on_demand(self, plan: LayerPlan, fetches: list, staging: dict[int, object], signal: list):
@@ -122,7 +162,7 @@ class SimEngine:
                 yield link
             start = self.env.now
             yield self.env.timeout(self.xfer)
-            self._log("pcie", f"fetch L{plan.layer} E{e}", start, self.env.now, {"step": plan.step, "kind": "on-demand"})
+            self._log("pcie", start, self.env.now, Activity("fetch", plan.step, plan.layer, e))
             done.succeed()
             if not signal[0].triggered:
                 signal[0].succeed()
@@ -134,7 +174,7 @@ class SimEngine:
         for i in np.flatnonzero(plan.source == CPU):
             e, n = int(plan.experts[i]), int(plan.counts[i])
             d = self._expert_time("cpu", n)
-            self._log("cpu", f"L{plan.layer} E{e}", t, t + d, {"step": plan.step, "tokens": n})
+            self._log("cpu", t, t + d, Activity("expert", plan.step, plan.layer, e, tokens=n))
             t += d
         return t
 
@@ -151,6 +191,9 @@ class SimEngine:
                 if src != HIT:
                     fetches.append((e, bool(plan.staged[i])))
         return ready, fetches, dict(zip(plan.experts.tolist(), plan.counts.tolist()))
+
+    def _gpu_compute(self, plan: LayerPlan, e: int, n: int):
+        return self._compute("gpu", self._expert_time("gpu", n), Activity("expert", plan.step, plan.layer, e, tokens=n))
 
     def _gpu_lane(self, plan: LayerPlan, ready, fetches, counts):
         """Event-by-event GPU lane (the link may be contended)."""
@@ -175,8 +218,7 @@ class SimEngine:
                 self.layer_wait[plan.layer] += env.now - start
                 continue
             remaining.remove(e)
-            yield from self._compute("gpu", f"L{plan.layer} E{e}", self._expert_time("gpu", counts[e]),
-                                     {"step": plan.step, "tokens": counts[e]})
+            yield from self._gpu_compute(plan, e, counts[e])
             if e in staging:
                 self.staging.release(staging.pop(e))
 
@@ -190,21 +232,22 @@ class SimEngine:
 
     def _gpu_lane_end(self, plan: LayerPlan, now: float, order: list[int], counts: dict[int, int],
                       fetches: list[tuple[int, bool]]) -> float:
-        """The general path's rules computed directly: copies back to back in touch order from now, a
-        staged one starting only when a staging buffer is free (buffers free up when their expert's
+        """The event-by-event rules computed directly: copies back to back in touch order from ``now``,
+        a staged one starting only when a staging buffer is free (buffers free up when their expert's
         GPU compute ends); the GPU runs, in touch order, the first expert whose weights are present,
-        else waits for the next arrival. Returns the lane's end; logs its intervals from ``now``."""
-        inf = float("inf")
-        arrive = dict.fromkeys(order, now)
-        for e, _ in fetches:
-            arrive[e] = inf
+        else waits for the next arrival. Returns the lane's end."""
+        rank = {e: i for i, e in enumerate(order)}
+        fetched = {e for e, _ in fetches}
+        present = [rank[e] for e in order if e not in fetched]  # heap of touch positions
+        heapq.heapify(present)
+        landed: list[tuple[float, int]] = []  # (arrival, touch position) of started copies, in time order
         staged_of = dict(fetches)
         free = self.staging.capacity - self.staging.count
         releases: list[float] = []  # buffer release times known so far (all <= the GPU's time)
-        link_t, ci = now, 0
+        link_t, ci, li = now, 0, 0
         t = now
-        remaining = list(order)
-        while remaining:
+        left = len(order)
+        while left:
             while ci < len(fetches):  # start every copy whose start time is known
                 e, staged = fetches[ci]
                 start = link_t
@@ -215,37 +258,29 @@ class SimEngine:
                         start = max(start, releases.pop(0))
                         free += 1
                     free -= 1
-                self._log("pcie", f"fetch L{plan.layer} E{e}", start, start + self.xfer,
-                          {"step": plan.step, "kind": "on-demand"})
-                link_t = arrive[e] = start + self.xfer
+                self._log("pcie", start, start + self.xfer, Activity("fetch", plan.step, plan.layer, e))
+                link_t = start + self.xfer
+                landed.append((link_t, rank[e]))
                 ci += 1
-            e = next((x for x in remaining if arrive[x] <= t), None)
-            if e is None:
-                nxt = min(arrive[x] for x in remaining)
-                if nxt == inf:
+            while li < len(landed) and landed[li][0] <= t:
+                heapq.heappush(present, landed[li][1])
+                li += 1
+            if not present:
+                if li == len(landed):
                     raise AssertionError("direct GPU lane: no expert can ever arrive")
-                self.layer_wait[plan.layer] += nxt - t
-                t = nxt
+                self.layer_wait[plan.layer] += landed[li][0] - t
+                t = landed[li][0]
                 continue
-            remaining.remove(e)
+            e = order[heapq.heappop(present)]
+            left -= 1
             d = self._expert_time("gpu", counts[e])
-            self._log("gpu", f"L{plan.layer} E{e}", t, t + d, {"step": plan.step, "tokens": counts[e]})
+            self._log("gpu", t, t + d, Activity("expert", plan.step, plan.layer, e, tokens=counts[e]))
             t += d
             if staged_of.get(e):
                 releases.append(t)
         return t
 
     # ---- steps --------------------------------------------------------------------------------
-    def _background(self, name: str, args: dict) -> simpy.Event:
-        done = self.env.event()
-
-        def copy():
-            yield from self._copy(BACKGROUND, name, args)
-            done.succeed()
-
-        self.env.process(copy())
-        return done
-
     def _layer(self, step: int, layer: int):
         env = self.env
         start = env.now
@@ -255,20 +290,21 @@ class SimEngine:
         plan = self.ctl.plan(step, layer)
         self.counters.add(plan)
         for target, e in plan.prefetches:
-            self.arrivals[(target, e)] = self._background(f"prefetch L{target} E{e}", {"step": step, "kind": "prefetch"})
+            self.arrivals[(target, e)] = self._background(Activity("prefetch", step, target, e))
         for e in plan.prefetch_wasted:
             self.arrivals.pop((layer, e), None)
         ready, fetches, counts = self._gpu_sources(plan)
         dense = float(self.dense_moe[step])
+        what = Activity("dense", step, layer)
         if self._uncontended(ready):
             # nothing can change while the dense part runs: the whole layer is computed directly
             now = env.now
-            self._log(self.dense_device, f"dense L{layer}", now, now + dense, {"step": step})
+            self._log(self.dense_device, now, now + dense, what)
             lanes = now + dense
             end = max(self._cpu_lane_end(plan, lanes), self._gpu_lane_end(plan, lanes, list(ready), counts, fetches))
             yield env.timeout(end - now)
         else:
-            yield from self._compute(self.dense_device, f"dense L{layer}", dense, {"step": step})
+            yield from self._compute(self.dense_device, dense, what)
             cpu_end = self._cpu_lane_end(plan, env.now)
             if self._uncontended(ready):
                 yield env.timeout(self._gpu_lane_end(plan, env.now, list(ready), counts, fetches) - env.now)
@@ -277,8 +313,8 @@ class SimEngine:
             if cpu_end > env.now:
                 yield env.timeout(cpu_end - env.now)
         if plan.swaps:
-            self.swaps_landing[layer] = [
-                self._background(f"swap L{layer} +E{a} -E{b}", {"step": step, "kind": "swap"}) for a, b in plan.swaps]
+            self.swaps_landing[layer] = [self._background(Activity("swap", step, layer, a, other=b))
+                                         for a, b in plan.swaps]
         self.layer_time[layer] += env.now - start
 
     def _run(self, out: dict):
@@ -293,8 +329,7 @@ class SimEngine:
                     yield from self._layer(step, layer)
                     layer += 1
                 else:
-                    yield from self._compute(self.dense_device, f"dense block {block}", self.dense_block[step],
-                                             {"step": step})
+                    yield from self._compute(self.dense_device, self.dense_block[step], Activity("block", step, block))
             ends[step] = self.env.now
             if self.on_step:
                 self.on_step()
