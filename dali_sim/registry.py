@@ -7,8 +7,10 @@ from typing import Callable, Generic, Iterator, TypeVar
 T = TypeVar("T")
 
 
-class UnknownNameError(KeyError):
-    """Raised for a name that is not registered; the message lists the known names."""
+class UnknownNameError(KeyError, ValueError):
+    """Raised for a name that is not registered; the message lists the known names.
+
+    A ``KeyError`` (a failed lookup) and a ``ValueError`` (bad input), so either catch works."""
 
     def __str__(self) -> str:  # KeyError quotes its argument; we want plain text
         return str(self.args[0])

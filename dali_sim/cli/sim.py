@@ -93,6 +93,7 @@ def format_run(r: SimResult) -> str:
         f"{s['activated']:,} activated experts; {s['on_demand']:,} on-demand copies, {s['prefetch_issued']:,} "
         f"prefetches ({_fmt(s['prefetch_precision'])} precision), {s['bytes_h2d'] / 2**30:,.2f} GiB host-to-GPU",
     ]
+    lines += [f"note: {n}" for n in mem["notes"]]
     if "makespan_s" in s:
         lines += [
             f"time: prefill {_fmt(s['prefill_s'], ' s')}, decode {_fmt(s['decode_s'], ' s')} "
@@ -176,6 +177,9 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
     show = show.rename(columns={"hit_rate": "hit %", "gpu_fraction": "GPU %", "bytes_h2d": "H2D GiB",
                                 "prefill_tokens_per_s": "prefill tok/s", "decode_tokens_per_s": "decode tok/s"})
     click.echo(show.to_string(float_format=lambda v: f"{v:,.3f}"))
+    for name, r in results.items():
+        for note in r.manifest["memory"]["notes"]:
+            click.echo(f"note ({name}): {note}")
 
 
 @sim.command("systems")

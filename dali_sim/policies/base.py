@@ -135,6 +135,10 @@ class PlacementPolicy(Policy[C]):
     #: whether this policy can put a non-resident expert on the GPU (then staging buffers are needed)
     may_fetch: ClassVar[bool] = True
 
+    def required_capacities(self, num_layers: int, num_experts: int) -> np.ndarray | None:
+        """Cache slots per layer this placement depends on (None: the memory layout decides)."""
+        return None
+
     @abstractmethod
     def place(self, view: LayerView) -> np.ndarray:
         """Bool mask aligned with ``view.experts``: True = run on the GPU, False = on the CPU."""

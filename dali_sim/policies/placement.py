@@ -42,6 +42,14 @@ class StaticLayers(PlacementPolicy[StaticLayersConfig]):
     Config = StaticLayersConfig
     may_fetch = False
 
+    def required_capacities(self, num_layers: int, num_experts: int) -> np.ndarray | None:
+        n = self.config.cpu_layers
+        if n < 0:
+            return None  # as many whole layers as the budget holds (memory.layout=whole-layers)
+        if n > num_layers:
+            raise ValueError(f"placement.cpu_layers={n} is not in 0..{num_layers}")
+        return np.where(np.arange(num_layers) < n, 0, num_experts)
+
     def setup(self, ctx: SetupContext) -> None:
         full = ctx.capacities >= ctx.num_experts
         n = self.config.cpu_layers

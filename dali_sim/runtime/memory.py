@@ -43,8 +43,11 @@ class MemoryConfig(PolicyConfig):
             raise ValueError(f"memory.cache_ratio must lie in [0, 1], got {self.cache_ratio}")
         if self.cache_ratio != -1.0 and self.cache_experts != -1:
             raise ValueError("give memory.cache_ratio or memory.cache_experts, not both")
-        if self.cache_experts < -1 or self.staging_slots < 0 or self.prefetch_slots < 0 or self.gpu_memory_gib < 0:
-            raise ValueError("memory sizes must not be negative")
+        for name in ("staging_slots", "prefetch_slots", "gpu_memory_gib"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"memory.{name} must not be negative, got {getattr(self, name)}")
+        if self.cache_experts < -1:
+            raise ValueError(f"memory.cache_experts must be >= 0 (or -1 = unset), got {self.cache_experts}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class MemoryPlan:
     capacities: np.ndarray  # (L,) cache slots per MoE layer
     budget_bytes: int
     breakdown: dict[str, int]  # bytes per item
+    notes: tuple[str, ...] = ()  # settings that did not apply, said out loud
 
     @property
     def used_bytes(self) -> int:
@@ -63,6 +67,7 @@ class MemoryPlan:
             "used_gib": self.used_bytes / GIB,
             "breakdown_gib": {k: v / GIB for k, v in self.breakdown.items()},
             "cache_slots_per_layer": self.capacities.tolist(),
+            "notes": list(self.notes),
         }
 
 
@@ -70,8 +75,11 @@ def kv_cache_bytes(model: ModelSpec, kv_tokens: int, activation_bytes: int = 2) 
     return int(kv_tokens * model.attention.kv_cache_elements_per_token() * model.num_layers * activation_bytes)
 
 
-def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max_kv_tokens: int) -> MemoryPlan:
-    """Cache slots per layer within the budget; a budget below the minimum working set is an error."""
+def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max_kv_tokens: int,
+                required: np.ndarray | None = None) -> MemoryPlan:
+    """Cache slots per layer within the budget; a budget below the minimum working set is an error.
+
+    ``required`` (from the placement, e.g. static-layers with a given N) fixes the slots per layer."""
     L, E, xb = model.num_moe_layers, model.num_experts, model.expert_bytes
     budget = int(cfg.gpu_memory_gib * GIB) if cfg.gpu_memory_gib > 0 else int(profile_gpu_bytes)
     fixed = {
@@ -86,12 +94,22 @@ def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max
         raise ValueError(f"GPU memory budget {budget / GIB:.2f} GiB cannot hold the minimum working set "
                          f"({sum(fixed.values()) / GIB:.2f} GiB: {need}); raise memory.gpu_memory_gib or use "
                          "fewer staging/prefetch buffers or a smaller batch")
-    if cfg.layout == "none":
+    notes: list[str] = []
+    cache_request = cfg.cache_experts >= 0 or cfg.cache_ratio >= 0
+    if cache_request and (required is not None or cfg.layout != "uniform"):
+        notes.append(f"memory.cache_experts / cache_ratio ignored: the {cfg.layout} layout"
+                     + (" with the placement's fixed layers" if required is not None else "") + " sets the cache")
+    if required is not None:
+        caps = np.asarray(required, dtype=np.int64)
+        if caps.sum() * xb > free:
+            raise ValueError(f"the placement needs {int(caps.sum())} cached experts ({caps.sum() * xb / GIB:.2f} GiB) "
+                             f"but only {free / GIB:.2f} GiB of the {budget / GIB:.2f} GiB budget are left")
+    elif cfg.layout == "none":
         caps = np.zeros(L, dtype=np.int64)
     elif cfg.layout == "whole-layers":
         gpu_layers = min(L, free // (E * xb))
         caps = np.where(np.arange(L) >= L - gpu_layers, E, 0).astype(np.int64)
-    elif cfg.cache_experts >= 0 or cfg.cache_ratio >= 0:
+    elif cache_request:
         k = cfg.cache_experts if cfg.cache_experts >= 0 else int(round(cfg.cache_ratio * E))
         if k > E:
             raise ValueError(f"memory.cache_experts={k} exceeds the {E} experts of a layer")
@@ -104,4 +122,4 @@ def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max
     else:
         caps = np.full(L, min(E, free // (L * xb)), dtype=np.int64)
     breakdown = fixed | {"expert_cache": int(caps.sum() * xb)}
-    return MemoryPlan(caps, budget, breakdown)
+    return MemoryPlan(caps, budget, breakdown, tuple(notes))

@@ -97,7 +97,8 @@ def simulate(
     costs = CostModel(profile, model)
     placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
     workload = Workload(trace, WorkloadConfig(batch_size, prefill_chunk), predictors=prefetch.required_predictors())
-    mem = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, workload.max_batch_context)
+    mem = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, workload.max_batch_context,
+                      required=placement.required_capacities(workload.num_layers, workload.num_experts))
     controller = Controller(workload, costs, placement, cache, prefetch, mem.capacities,
                             cache_init=sysconf.memory.cache_init, prefetch_slots=sysconf.memory.prefetch_slots,
                             staging_slots=sysconf.memory.staging_slots, seed=seed)

@@ -1,0 +1,418 @@
+"""The simulator's two paths, determinism, the result's manifest, timelines, bad input and the CLI.
+
+* ``timing=False`` (the fast replay) and the SimPy path take the same decisions: every counter of the
+  summary and of ``per_layer`` agrees, for every preset, on the shipped traces and a synthetic one,
+  at batch sizes 1 and 8 (the whole GPT-OSS trace only under ``-m slow``; a 2-sequence slice here).
+* same inputs and seed -> identical results; ``random`` cache init depends on the seed.
+* results carry the resolved config and a manifest (trace SHA-256, seed, package version).
+* timelines are valid Chrome trace JSON, one track per resource, no overlap within a track.
+* bad input gives a clear error naming the parameter, file or numbers.
+* ``dali sim run --json`` and ``dali sim compare`` through click's CliRunner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+from conftest import random_rows, tiny_model
+
+import dali_sim
+from dali_sim.cli.main import cli
+from dali_sim.policies.systems import parse_overrides, resolve_system, system_names
+from dali_sim.registry import UnknownNameError
+from dali_sim.sim.counters import COUNTERS
+from dali_sim.sim.engine import TRACKS
+from dali_sim.sim.simulate import simulate
+from dali_sim.sim.timeline import chrome_trace, write_timeline
+from dali_sim.trace import TraceWriter, read_trace
+
+REPO = Path(__file__).resolve().parents[1]
+GPT_OSS = REPO / "traces" / "gpt-oss-20b.parquet"
+SWITCH = REPO / "traces" / "switch-base-8.parquet"
+GOLDEN = REPO / "tests" / "data" / "sim-golden.parquet"
+PRESETS = ["cpu-only", "gpu-lfu", "gpu-lru", "gpu-static", "llamacpp"]
+TIMING_KEYS = {"makespan_s", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
+               "prefill_throughput", "decode_throughput", "ttft_s", "tpot_s", "busy", "events"}
+
+
+def write_subset(src, path: Path, seqs) -> Path:
+    t = read_trace(src)
+    keep = np.isin(t.seq_id, list(seqs))
+    with TraceWriter(path, t.model, provenance={"source": str(src), "command": "tests/test_sim_paths.py"}) as w:
+        w.write(seq_id=t.seq_id[keep], phase=t.phase[keep], pos=t.pos[keep], layer=t.layer[keep],
+                experts=t.experts[keep], weights=t.weights[keep])
+    return path
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """name -> path: a 2-sequence slice of GPT-OSS (213 decode tokens), switch-base-8 (prefill only,
+    dense blocks between MoE blocks), and a synthetic trace (a dense block 0, MoE blocks 1-3, 8 experts,
+    top-2, 10 sequences of 12 tokens, half prefill)."""
+    d = tmp_path_factory.mktemp("paths")
+    model = tiny_model(num_layers=4, moe_layers=(1, 2, 3), num_experts=8, top_k=2)
+    synth = d / "synth.parquet"
+    with TraceWriter(synth, model, provenance={"source": "random_rows", "command": "tests/test_sim_paths.py"}) as w:
+        w.write(**random_rows(model, 10, 12, seed=5))
+    return {"gpt-oss-slice": write_subset(GPT_OSS, d / "gpt-oss-0-7.parquet", (0, 7)), "switch": SWITCH,
+            "synth": synth}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def assert_paths_agree(trace, system: str, batch: int, overrides=None):
+    timed = simulate(trace, system, batch_size=batch, overrides=overrides)
+    fast = simulate(trace, system, batch_size=batch, overrides=overrides, timing=False)
+    assert set(fast.summary) == set(timed.summary) - TIMING_KEYS
+    for k, v in fast.summary.items():
+        assert same(v, timed.summary[k]), (k, v, timed.summary[k])
+    assert list(fast.per_layer.columns) == list(COUNTERS) + ["hit_rate"]
+    pd.testing.assert_frame_equal(fast.per_layer, timed.per_layer[fast.per_layer.columns])
+    assert "makespan_s" in timed.summary and "makespan_s" not in fast.summary
+    assert fast.config["timing"] is False and fast.manifest["timing"] is False
+    assert fast.config["system"] == timed.config["system"]
+    return timed, fast
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("system", PRESETS)
+@pytest.mark.parametrize("name", ["gpt-oss-slice", "switch", "synth"])
+def test_no_timing_agrees_with_simpy(traces, name, system, batch):
+    timed, _ = assert_paths_agree(traces[name], system, batch)
+    s = timed.summary
+    assert s["activated"] == s["gpu_experts"] + s["cpu_experts"]
+    assert s["on_demand"] == s["admitted"] + s["staged"]
+    if system == "cpu-only":
+        assert s["gpu_experts"] == 0 and s["transfers"] == 0
+    if name == "gpt-oss-slice" and system == "llamacpp":
+        # 24 GiB holds the experts of only some layers: both lanes are used
+        assert s["cpu_experts"] > 0 and s["gpu_experts"] > 0 and s["on_demand"] == 0
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("system", ["gpu-lfu", "gpu-lru", "gpu-static"])
+@pytest.mark.parametrize("name", ["switch", "synth"])
+def test_no_timing_agrees_with_small_caches(traces, name, system, batch):
+    """A quarter of the experts cached (2 of 8): staged experts, and (synth, LRU/LFU) evictions happen.
+    (switch-base-8 is prefill only: nearly every expert is activated in every step, so nothing is
+    ever evictable.)"""
+    timed, _ = assert_paths_agree(traces[name], system, batch, {"memory": {"cache_ratio": "0.25"}})
+    assert timed.manifest["memory"]["cache_slots_per_layer"][0] == 2
+    assert timed.summary["staged"] > 0
+    if system != "gpu-static" and name == "synth":
+        assert timed.summary["evicted"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("system", PRESETS)
+def test_no_timing_agrees_full_gpt_oss(system, batch):
+    assert_paths_agree(GPT_OSS, system, batch)
+
+
+# ---- determinism ---------------------------------------------------------------------------------
+def test_same_inputs_same_results(traces):
+    over = {"memory": {"cache_ratio": "0.25", "cache_init": "random"}}
+    a = simulate(traces["synth"], "gpu-lru", batch_size=8, seed=7, overrides=over, timeline=True)
+    b = simulate(traces["synth"], "gpu-lru", batch_size=8, seed=7, overrides=over, timeline=True)
+    assert a.to_json() == b.to_json()
+    pd.testing.assert_frame_equal(a.per_layer, b.per_layer)
+    pd.testing.assert_frame_equal(a.per_step, b.per_step)
+    pd.testing.assert_frame_equal(a.per_sequence, b.per_sequence)
+    assert [(i.track, i.name, i.start, i.end, i.args) for i in a.intervals] == \
+           [(i.track, i.name, i.start, i.end, i.args) for i in b.intervals]
+
+
+@pytest.mark.parametrize("system", ["gpu-lru", "gpu-static"])
+def test_random_cache_init_depends_on_seed(traces, system):
+    over = {"memory": {"cache_ratio": "0.25", "cache_init": "random"}}
+    runs = {seed: simulate(traces["synth"], system, seed=seed, overrides=over, timing=False) for seed in range(5)}
+    hits = {seed: tuple(r.per_layer["hits"]) for seed, r in runs.items()}
+    assert len(set(hits.values())) > 1  # different seeds, different initial caches, different hits
+    again = simulate(traces["synth"], system, seed=3, overrides=over, timing=False)
+    assert tuple(again.per_layer["hits"]) == hits[3]
+    assert again.manifest["seed"] == 3 and again.config["seed"] == 3
+    # empty init ignores the seed
+    empty = {"memory": {"cache_ratio": "0.25", "cache_init": "empty"}}
+    assert len({simulate(traces["synth"], "gpu-lru", seed=s, overrides=empty, timing=False).summary["hits"]
+                for s in range(3)}) == 1
+
+
+# ---- config and manifest -------------------------------------------------------------------------
+def test_result_carries_config_and_manifest(traces):
+    path = traces["synth"]
+    over = {"memory": {"cache_experts": "3"}, "cache": {"policy": "lfu", "count": "activations"}}
+    r = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, precision="q8_0")
+    c = r.config
+    assert c["system"] == resolve_system("gpu-lru", over).to_dict()
+    assert c["system"]["cache"] == {"policy": "lfu", "count": "activations"}
+    assert c["system"]["memory"]["cache_experts"] == 3
+    assert (c["batch_size"], c["prefill_chunk"], c["seed"], c["precision"], c["timing"]) == (8, 4, 11, "q8_0", True)
+    assert c["hardware"] == "rtx3090-epyc7532"
+    m = r.manifest
+    assert m["dali_version"] == dali_sim.__version__
+    assert m["trace"] == str(path)
+    assert m["trace_sha256"] == hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    assert m["seed"] == 11
+    assert m["hardware"]["name"] == "rtx3090-epyc7532" and m["hardware"]["path"].endswith("rtx3090-epyc7532.toml")
+    assert m["model"]["precision"]["name"] == "q8_0"
+    assert m["memory"]["cache_slots_per_layer"] == [3, 3, 3]
+    assert m["timing"] is True
+    # the JSON form carries both, and is strict JSON (NaN written as null)
+    d = json.loads(r.to_json())
+    assert d["config"] == json.loads(json.dumps(c)) and d["manifest"]["trace_sha256"] == m["trace_sha256"]
+    assert d["prefetch_precision"] is None
+    # q8_0 experts are about half the bf16 bytes: fewer bytes per transfer
+    bf16 = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, timing=False)
+    assert bf16.summary["on_demand"] == r.summary["on_demand"] > 0
+    assert r.summary["bytes_h2d"] < bf16.summary["bytes_h2d"]
+
+
+# ---- timelines -----------------------------------------------------------------------------------
+def check_chrome(doc: dict, n_intervals: int) -> dict[str, int]:
+    """Validate a Trace Event Format document; returns X events per track name."""
+    assert set(doc) >= {"traceEvents"}
+    events = doc["traceEvents"]
+    meta = [e for e in events if e["ph"] == "M"]
+    threads = {e["args"]["name"]: e["tid"] for e in meta if e["name"] == "thread_name"}
+    assert sorted(threads) == sorted(t.upper() for t in TRACKS)
+    assert len(set(threads.values())) == len(TRACKS)  # one track (thread) per resource
+    assert [e for e in meta if e["name"] == "process_name"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == n_intervals
+    assert len(events) == len(meta) + len(spans)
+    per_track: dict[str, list] = {}
+    for e in spans:
+        assert {"name", "ph", "ts", "dur", "pid", "tid", "cat", "args"} <= set(e)
+        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0 and e["dur"] >= 0
+        assert e["tid"] == threads[e["cat"].upper()]
+        per_track.setdefault(e["cat"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for track, iv in per_track.items():  # each resource does one thing at a time
+        iv.sort()
+        for (_, e0), (s1, _) in itertools.pairwise(iv):
+            assert s1 >= e0 - 1e-6, (track, e0, s1)
+    return {k: len(v) for k, v in per_track.items()}
+
+
+def test_timeline_chrome_format(traces, tmp_path):
+    r = simulate(traces["gpt-oss-slice"], "llamacpp", timeline=True)  # CPU and GPU lanes
+    assert len(r.intervals) == r.summary["events"]
+    counts = check_chrome(chrome_trace(r.intervals), r.summary["events"])
+    assert counts["cpu"] == r.summary["cpu_experts"]
+    # GPU: one interval per GPU expert and per dense part (24 MoE layers x 213 steps)
+    assert counts["gpu"] == r.summary["gpu_experts"] + 24 * 213
+    out = write_timeline(tmp_path / "sub" / "t.json", r.intervals, "test")
+    assert out.exists() and not list(out.parent.glob("*.partial"))
+    doc = json.loads(out.read_text())
+    check_chrome(doc, len(r.intervals))
+    assert doc["traceEvents"][0]["args"]["name"] == "test"
+    # busy fractions are the per-track sums of the intervals over the makespan
+    for track in TRACKS:
+        busy = sum(i.end - i.start for i in r.intervals if i.track == track)
+        assert r.summary["busy"][track] == pytest.approx(busy / r.summary["makespan_s"], rel=1e-9)
+
+
+def test_timeline_via_cli(traces, tmp_path):
+    out = tmp_path / "timeline.json"
+    res = CliRunner().invoke(cli, ["sim", "run", "--trace", str(traces["synth"]), "--system", "gpu-lru",
+                                   "--cache-experts", "2", "--timeline", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output)
+    counts = check_chrome(json.loads(out.read_text()), summary["events"])
+    assert counts["pcie"] == summary["on_demand"] and "cpu" not in counts
+    res = CliRunner().invoke(cli, ["sim", "run", "--trace", str(traces["synth"]), "--system", "gpu-lru",
+                                   "--timeline", str(tmp_path / "x.json"), "--no-timing"])
+    assert res.exit_code == 2 and "--timeline needs timing" in res.output
+
+
+def test_no_timeline_unless_asked(traces):
+    assert simulate(traces["synth"], "gpu-lru").intervals == []
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("system, over, error, pattern", [
+    ("nope", None, UnknownNameError, r"unknown system 'nope'; known: cpu-only, gpu-lfu, gpu-lru"),
+    ("gpu-lru", {"cache": {"foo": "1"}}, ValueError, r"unknown parameter cache\.foo"),
+    ("gpu-lru", {"memory": {"cache_size": "1"}}, ValueError, r"unknown parameter memory\.cache_size; memory parameters: .*cache_experts"),
+    ("gpu-lru", {"foo": {"bar": "1"}}, ValueError, r"unknown --set section\(s\) \['foo'\]"),
+    ("gpu-lru", {"system": {"bogus": "x"}}, ValueError, r"unknown parameter system\.bogus"),
+    ("gpu-lru", {"system": {"dense_device": "tpu"}}, ValueError, r"system\.dense_device must be gpu or cpu, got 'tpu'"),
+    ("gpu-lru", {"memory": {"cache_ratio": "2"}}, ValueError, r"memory\.cache_ratio must lie in \[0, 1\], got 2\.0"),
+    ("gpu-lru", {"memory": {"cache_experts": "abc"}}, ValueError, r"memory\.cache_experts: cannot read 'abc' as int"),
+    ("gpu-lru", {"memory": {"cache_experts": "6"}}, ValueError, r"memory\.cache_experts=6 exceeds the 5 experts"),
+    ("gpu-lru", {"memory": {"layout": "diagonal"}}, ValueError, r"memory\.layout must be one of uniform, whole-layers, none"),
+    ("gpu-lru", {"memory": {"cache_init": "best"}}, ValueError, r"memory\.cache_init must be empty, random or frequency"),
+    ("gpu-lru", {"memory": {"cache_ratio": "0.5", "cache_experts": "2"}}, ValueError, r"cache_ratio or memory\.cache_experts, not both"),
+    ("gpu-lru", {"memory": {"staging_slots": "-1"}}, ValueError, r"memory.staging_slots must not be negative, got -1"),
+    ("gpu-lru", {"cache": {"policy": "nope"}}, UnknownNameError, r"unknown cache policy 'nope'; known: lfu, lru, static"),
+    ("gpu-lfu", {"cache": {"count": "bytes"}}, ValueError, r"cache\.count must be 'tokens' or 'activations', got 'bytes'"),
+    ("gpu-lru", {"memory": {"cache_experts": "0", "staging_slots": "0"}}, ValueError, r"memory\.staging_slots is 0"),
+    ("llamacpp", {"placement": {"cpu_layers": "5"}}, ValueError, r"placement\.cpu_layers=5 is not in 0\.\.2"),
+])
+def test_bad_system_parameters(system, over, error, pattern):
+    for timing in (False, True):
+        with pytest.raises(error, match=pattern):
+            simulate(GOLDEN, system, overrides=over, timing=timing)
+
+
+def test_unknown_hardware_profile():
+    with pytest.raises(UnknownNameError, match=r"unknown hardware profile 'nope'; known: rtx3090-epyc7532"):
+        simulate(GOLDEN, "gpu-lru", hardware="nope")
+    with pytest.raises(Exception, match=r"no-such-file\.json"):
+        simulate(GOLDEN, "gpu-lru", hardware=str(REPO / "no-such-file.json"))
+
+
+def test_measured_profile_of_another_model_is_refused():
+    with pytest.raises(ValueError, match=r"hw-measured-example\.json: model\.\w+: measured for .*golden-moe"):
+        simulate(GOLDEN, "gpu-lru", hardware=str(REPO / "tests" / "data" / "hw-measured-example.json"))
+
+
+def test_impossible_budget_names_the_numbers(traces):
+    with pytest.raises(ValueError, match=r"GPU memory budget 1\.00 GiB cannot hold the minimum working set "
+                                         r"\(\d+\.\d\d GiB: dense_weights \d+\.\d\d, kv_cache .*memory\.gpu_memory_gib"):
+        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"gpu_memory_gib": "1"}}, timing=False)
+    with pytest.raises(ValueError, match=r"32 cache slots x 24 layers x \d+\.\d MiB = \d+\.\d\d GiB do not fit .* "
+                                         r"at most 18 slots per layer fit"):
+        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "32"}}, timing=False)
+    # 18 slots do fit the default 24 GiB
+    r = simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "18"}}, timing=False)
+    assert r.manifest["memory"]["cache_slots_per_layer"] == [18] * 24
+
+
+def test_bad_workload_arguments(tmp_path):
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        simulate(GOLDEN, "gpu-lru", batch_size=0, timing=False)
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 0"):
+        simulate(GOLDEN, "gpu-lru", prefill_chunk=-2, timing=False)
+    empty = tmp_path / "empty.parquet"
+    with TraceWriter(empty, read_trace(GOLDEN).model, provenance={"source": "test"}):
+        pass
+    for timing in (False, True):
+        with pytest.raises(ValueError, match=r"empty\.parquet: the trace has no rows"):
+            simulate(empty, "gpu-lru", timing=timing)
+
+
+@pytest.mark.parametrize("item", ["memory.cache_experts", "cache_experts=2", "memory=2", "memory.=2"])
+def test_parse_overrides_rejects_malformed(item):
+    with pytest.raises(ValueError, match=r"expected section\.key=value"):
+        parse_overrides([item])
+
+
+def test_parse_overrides():
+    assert parse_overrides(["cache.policy=lfu", "memory.cache_experts = 4", "memory.cache_init=random"]) == {
+        "cache": {"policy": "lfu"}, "memory": {"cache_experts": "4", "cache_init": "random"}}
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+def invoke(*args):
+    return CliRunner().invoke(cli, ["sim", *args])
+
+
+def test_cli_run_json(traces):
+    res = invoke("run", "--trace", str(GOLDEN), "--system", "gpu-lru", "--cache-experts", "2", "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    for key in ("hit_rate", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "bytes_h2d",
+                "busy", "config", "manifest", "makespan_s", "events"):
+        assert key in d, key
+    assert d["hit_rate"] == 8 / 33 and d["bytes_h2d"] == 25 * 768  # the golden numbers (test_sim_golden.py)
+    assert set(d["busy"]) == set(TRACKS)
+    assert d["config"]["system"]["memory"]["cache_experts"] == 2
+    assert d["prefill_s"] + d["decode_s"] == pytest.approx(d["makespan_s"], rel=1e-12)
+    api = simulate(GOLDEN, "gpu-lru", overrides={"memory": {"cache_experts": "2"}})
+    assert d == json.loads(api.to_json())
+
+
+def test_cli_run_set_and_text(traces):
+    res = invoke("run", "--trace", str(GOLDEN), "--system", "gpu-lru", "--set", "cache.policy=static",
+                 "--set", "memory.cache_init=frequency", "--cache-experts", "2", "--no-timing", "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["hits"] == 15 and "makespan_s" not in d  # = gpu-static with 2 slots (test_sim_golden.py)
+    res = invoke("run", "--trace", str(GOLDEN), "--system", "cpu-only")
+    assert res.exit_code == 0, res.output
+    assert "hit rate 0.0%" in res.output and "busy: GPU" in res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--system", "nope"], "Error: unknown system 'nope'"),
+    (["--system", "gpu-lru", "--hardware", "nope"], "Error: unknown hardware profile 'nope'"),
+    (["--system", "gpu-lru", "--set", "cache.foo=1"], "Error: unknown parameter cache.foo"),
+    (["--system", "gpu-lru", "--set", "foo.bar=1"], "Error: unknown --set section(s) ['foo']"),
+    (["--system", "gpu-lru", "--set", "cache_experts"], "Error: --set 'cache_experts': expected section.key=value"),
+    (["--system", "gpu-lru", "--cache-ratio", "2"], "Error: memory.cache_ratio must lie in [0, 1], got 2.0"),
+])
+def test_cli_errors(args, message):
+    res = invoke("run", "--trace", str(GOLDEN), *args)
+    assert res.exit_code == 1
+    assert message in res.output
+    assert "Traceback" not in res.output
+
+
+def test_cli_both_cache_sizes_is_a_usage_error():
+    res = invoke("run", "--trace", str(GOLDEN), "--system", "gpu-lru", "--cache-ratio", "0.5", "--cache-experts", "2")
+    assert res.exit_code == 2 and "not both" in res.output
+
+
+def test_cli_compare(tmp_path):
+    csv = tmp_path / "cmp.csv"
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only,gpu-static",
+                 "--cache-experts", "2", "--csv", str(csv), "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["baseline"] == "gpu-lru"
+    rows = {row["system"]: row for row in d["table"]}
+    assert list(rows) == ["gpu-lru", "cpu-only", "gpu-static"]
+    assert rows["gpu-lru"]["prefill_speedup"] == 1.0 and rows["gpu-lru"]["decode_speedup"] == 1.0
+    for name, row in rows.items():
+        base = rows["gpu-lru"]
+        assert row["decode_speedup"] == pytest.approx(base["decode_s"] / row["decode_s"], rel=1e-12)
+        assert row["prefill_speedup"] == pytest.approx(base["prefill_s"] / row["prefill_s"], rel=1e-12)
+        assert d["systems"][name]["decode_s"] == row["decode_s"]
+    assert rows["gpu-lru"]["on_demand"] == 25 and rows["gpu-static"]["on_demand"] == 18
+    assert rows["cpu-only"]["on_demand"] == 0
+    table = pd.read_csv(csv, index_col="system")
+    assert table.loc["gpu-lru", "decode_speedup"] == 1.0 and table.loc["gpu-lru", "prefill_speedup"] == 1.0
+    assert table.loc["cpu-only", "decode_speedup"] == pytest.approx(rows["cpu-only"]["decode_speedup"])
+
+
+def test_cli_compare_text_and_baseline():
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,gpu-static", "--baseline", "cpu-only")
+    assert res.exit_code == 0, res.output
+    assert "speedups over cpu-only" in res.output
+    lines = {line.split()[0]: line.split() for line in res.output.splitlines()[1:] if line.strip()}
+    header = res.output.splitlines()[1].split()
+    assert header[-2:] == ["prefill_speedup", "decode_speedup"]
+    assert set(lines) >= {"gpu-lru", "gpu-static", "cpu-only"}  # the baseline is added as a row
+    assert lines["cpu-only"][-2:] == ["1.000", "1.000"]
+    # --no-timing: no times, hence no speedup columns
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only", "--no-timing", "--json")
+    assert res.exit_code == 0, res.output
+    assert "decode_speedup" not in json.loads(res.output)["table"][0]
+
+
+def test_cli_compare_fails_fast_on_a_bad_name():
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,nope")
+    assert res.exit_code == 1 and "unknown system 'nope'" in res.output
+
+
+def test_cli_lists_systems_and_profiles():
+    res = invoke("systems")
+    assert res.exit_code == 0
+    for name in system_names():
+        assert name in res.output
+    assert set(PRESETS) == set(system_names())
+    res = invoke("profiles")
+    assert res.exit_code == 0 and "rtx3090-epyc7532" in res.output and "(default)" in res.output
