@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import numpy as np
 import pytest
 
+from dali_sim.hardware.measured import ModelShape
 from dali_sim.models.spec import AttentionSpec, ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,3 +50,27 @@ def random_rows(model: ModelSpec, seqs: int, tokens: int, seed: int = 0):
     weights = rng.dirichlet(np.ones(model.top_k), size=n).astype(np.float32)
     weights = -np.sort(-weights, axis=1)
     return dict(seq_id=seq, phase=phase, pos=pos, layer=layer, experts=experts, weights=weights)
+
+
+def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), xfer=2.0, dense=0.5) -> Path:
+    """A measured profile of round numbers for ``model``'s shape (all exact in binary floating point):
+    GPU expert = 1 s per token (table 1 s at 1 token, 2 s at 2, extended linearly), CPU expert = 3 s
+    per token, one expert's copy = ``xfer`` s, dense part of a layer = ``dense`` s at any size."""
+    shape = ModelShape.of(model)
+    data = {
+        "kind": "measured", "format_version": 1, "name": "simple-numbers",
+        "description": "round numbers for hand-computed tests (not a measurement)",
+        "gpu": {"name": "test GPU", "memory_gib": 24}, "cpu": {"name": "test CPU", "memory_gib": 64},
+        "link": {"name": "test link"},
+        "model": {f: getattr(shape, f) for f in ModelShape.__dataclass_fields__},
+        "tables": {
+            "gpu_expert": {"tokens": [1, 2], "seconds": list(gpu)},
+            "cpu_expert": {"tokens": [1, 2], "seconds": list(cpu)},
+            "h2d": {"bytes": [1, model.expert_bytes], "seconds": [xfer, xfer]},
+            "gpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[dense, dense]]},
+            "cpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[dense, dense]]},
+        },
+        "provenance": {"command": "tests (hand-computed timelines)", "date": "2025-01-01", "versions": {}},
+    }
+    path.write_text(json.dumps(data))
+    return path

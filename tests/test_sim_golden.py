@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 import runpy
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import round_number_profile
 
-from dali_sim.hardware.measured import ModelShape
 from dali_sim.runtime.memory import kv_cache_bytes
 from dali_sim.sim.engine import SimEngine
 from dali_sim.sim.simulate import simulate
@@ -349,33 +348,12 @@ def test_llamacpp_explicit_cpu_layers(trace):
 
 
 # ---- timed golden run ----------------------------------------------------------------------------
-def simple_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), xfer=2.0, dense=0.5) -> Path:
-    """A measured profile of round numbers for ``model``'s shape (all exact in binary floating point):
-    GPU expert = 1 s per token (table 1 s at 1 token, 2 s at 2, extended linearly), CPU expert = 3 s
-    per token, one expert's copy = ``xfer`` s, dense part of a layer = ``dense`` s at any size."""
-    shape = ModelShape.of(model)
-    data = {
-        "kind": "measured", "format_version": 1, "name": "simple-numbers",
-        "description": "round numbers for hand-computed tests (not a measurement)",
-        "gpu": {"name": "test GPU", "memory_gib": 24}, "cpu": {"name": "test CPU", "memory_gib": 64},
-        "link": {"name": "test link"},
-        "model": {f: getattr(shape, f) for f in ModelShape.__dataclass_fields__},
-        "tables": {
-            "gpu_expert": {"tokens": [1, 2], "seconds": list(gpu)},
-            "cpu_expert": {"tokens": [1, 2], "seconds": list(cpu)},
-            "h2d": {"bytes": [1, model.expert_bytes], "seconds": [xfer, xfer]},
-            "gpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[dense, dense]]},
-            "cpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[dense, dense]]},
-        },
-        "provenance": {"command": "tests/test_sim_golden.py", "date": "2025-01-01", "versions": {}},
-    }
-    path.write_text(json.dumps(data))
-    return path
+
 
 
 @pytest.fixture
 def profile(tmp_path, trace):
-    return simple_profile(tmp_path / "simple.json", trace.model)
+    return round_number_profile(tmp_path / "simple.json", trace.model)
 
 
 def _general_path(monkeypatch):

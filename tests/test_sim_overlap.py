@@ -28,16 +28,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import simpy
-from conftest import tiny_model
+from conftest import round_number_profile, tiny_model
 
-from dali_sim.hardware.measured import ModelShape
 from dali_sim.policies.base import PlacementPolicy
 from dali_sim.policies.systems import PolicyChoice, resolve_system
 from dali_sim.sim.engine import SimEngine
@@ -65,25 +63,8 @@ def overlap_trace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
-    shape = ModelShape.of(MODEL)
-    data = {
-        "kind": "measured", "format_version": 1, "name": "overlap-simple",
-        "description": "round numbers for hand-computed timelines (not a measurement)",
-        "gpu": {"name": "test GPU", "memory_gib": 24}, "cpu": {"name": "test CPU", "memory_gib": 64},
-        "link": {"name": "test link"},
-        "model": {f: getattr(shape, f) for f in ModelShape.__dataclass_fields__},
-        "tables": {
-            "gpu_expert": {"tokens": [1, 2], "seconds": [1.0, 2.0]},  # 1 s per token (extended linearly)
-            "cpu_expert": {"tokens": [1, 2], "seconds": [3.0, 6.0]},  # 3 s per token
-            "h2d": {"bytes": [1, MODEL.expert_bytes], "seconds": [2.0, 2.0]},  # 2 s per expert
-            "gpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[0.5, 0.5]]},
-            "cpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[0.5, 0.5]]},
-        },
-        "provenance": {"command": "tests/test_sim_overlap.py", "date": "2025-01-01", "versions": {}},
-    }
-    path = tmp_path_factory.mktemp("hw") / "overlap-simple.json"
-    path.write_text(json.dumps(data))
-    return path
+    """GPU 1 s per token, CPU 3 s per token, 2 s per expert copy, dense part 0.5 s."""
+    return round_number_profile(tmp_path_factory.mktemp("hw") / "overlap-simple.json", MODEL)
 
 
 # ---- a placement that splits a layer between the lanes (no preset does) ----------------------------
