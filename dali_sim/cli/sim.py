@@ -94,6 +94,9 @@ def format_run(r: SimResult) -> str:
         f"prefetches ({_fmt(s['prefetch_precision'])} precision), {s['bytes_h2d'] / 2**30:,.2f} GiB host-to-GPU",
     ]
     lines += [f"note: {n}" for n in mem["notes"]]
+    if s["bounds"]:
+        lines.append("BOUND: " + ", ".join(f"{k} {v}" for k, v in s["bounds"].items())
+                     + " sees the future; this is a limit, not an achievable system")
     if "makespan_s" in s:
         lines += [
             f"time: prefill {_fmt(s['prefill_s'], ' s')}, decode {_fmt(s['decode_s'], ' s')} "
@@ -180,6 +183,9 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
     for name, r in results.items():
         for note in r.manifest["memory"]["notes"]:
             click.echo(f"note ({name}): {note}")
+        if r.summary["bounds"]:
+            click.echo(f"BOUND ({name}): " + ", ".join(f"{k} {v}" for k, v in r.summary["bounds"].items())
+                       + " sees the future")
 
 
 @sim.command("systems")

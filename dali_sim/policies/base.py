@@ -49,7 +49,8 @@ class LayerView:
     num_experts: int
     costs: CostModel
     lookahead: Callable[[str, int], np.ndarray]
-    true_counts: Callable[[int], np.ndarray] | None = None  # only for bounds (oracle); None otherwise
+    #: the true (E,) workload of a later layer of this step: given only to policies that are bounds
+    true_counts: Callable[[int], np.ndarray] | None = None
 
     def workload(self) -> np.ndarray:
         """(E,) tokens routed to each expert of this layer in this step."""
@@ -111,6 +112,8 @@ class Policy(ABC, Generic[C]):
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Config: ClassVar[type[PolicyConfig]] = NoConfig
+    #: a bound sees the future (``LayerView.true_counts``); results are labelled as bounds
+    is_bound: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None):
         self.config: C = config if config is not None else self.Config()  # type: ignore[assignment]

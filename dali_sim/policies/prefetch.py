@@ -1,8 +1,12 @@
-"""Baseline prefetch policy: none."""
+"""Prefetch policies: none, and the oracle bound."""
 
 from __future__ import annotations
 
-from dali_sim.policies.base import PREFETCHERS, LayerView, PrefetchPolicy, registered
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dali_sim.policies.base import PREFETCHERS, LayerView, PolicyConfig, PrefetchPolicy, registered
 
 
 @registered(PREFETCHERS)
@@ -12,3 +16,28 @@ class NoPrefetch(PrefetchPolicy):
 
     def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
         return []
+
+
+@dataclass(frozen=True)
+class OracleConfig(PolicyConfig):
+    k: int = field(default=0, metadata={
+        "help": "prefetch the k experts of the next layer with the largest true workload; 0 = all activated"})
+
+
+@registered(PREFETCHERS)
+class OraclePrefetch(PrefetchPolicy[OracleConfig]):
+    name = "oracle"
+    description = "BOUND: prefetch the next layer's truly activated experts, largest workload first (sees the future)"
+    Config = OracleConfig
+    is_bound = True
+
+    def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
+        target = view.layer + 1
+        if target >= view.num_layers:
+            return []
+        counts = view.true_counts(target)
+        order = np.lexsort((np.arange(view.num_experts), -counts))  # largest workload, then lower id
+        wanted = order[counts[order] > 0]
+        if self.config.k > 0:
+            wanted = wanted[: self.config.k]
+        return [(target, int(e)) for e in wanted]

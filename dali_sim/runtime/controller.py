@@ -7,6 +7,7 @@ counts it: all three share this code, so they agree on every hit, admission and 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,6 +63,8 @@ class Controller:
         self.capacities = np.asarray(capacities, dtype=np.int64)
         if self.capacities.shape != (L,) or (self.capacities < 0).any() or (self.capacities > E).any():
             raise ValueError(f"cache capacities must be {L} values in 0..{E}, got {self.capacities.tolist()}")
+        if prefetch.name != "none" and prefetch_slots < 1:
+            raise ValueError(f"prefetch policy {prefetch.name!r} needs prefetch buffers: set memory.prefetch_slots >= 1")
         self.prefetch_slots = prefetch_slots
         self.staging_slots = staging_slots
         ctx = SetupContext(
@@ -84,6 +87,9 @@ class Controller:
         self.pending = np.zeros((L, E), dtype=bool)  # prefetched (in flight or arrived) for each layer
         self.n_pending = np.zeros(L, dtype=np.int64)
         self._predictors = tuple(workload.predicted)
+        #: the families whose policy is a bound (sees the future); results are labelled with it
+        self.bounds = {family: p.name for family, p in (("placement", placement), ("cache", cache),
+                                                        ("prefetch", prefetch)) if p.is_bound}
 
     def _lookahead(self, step: int, layer: int):
         def get(name: str, target: int) -> np.ndarray:
@@ -97,7 +103,18 @@ class Controller:
             return readonly(self.w.predicted_counts(name, step, target))
         return get
 
+    def _true_counts(self, step: int, layer: int):
+        def get(target: int) -> np.ndarray:
+            if not layer < target < self.w.num_layers:
+                raise ValueError(f"true counts of layer {target} asked at layer {layer}: later layers only")
+            e, c, _ = self.w.activated(step, target)
+            out = np.zeros(self.w.num_experts, np.int64)
+            out[e] = c
+            return readonly(out)
+        return get
+
     def view(self, step: int, layer: int) -> LayerView:
+        """The policies' view of the start of (step, layer)."""
         experts, counts, ranks = self.w.activated(step, layer)
         return LayerView(
             step=step, layer=layer, phase=int(self.w.step_phase[step]), tokens=int(self.w.step_tokens[step]),
@@ -107,13 +124,19 @@ class Controller:
             lookahead=self._lookahead(step, layer),
         )
 
+    def _view_for(self, policy, view: LayerView) -> LayerView:
+        """Bounds get the true later workloads; every other policy the plain view."""
+        if not policy.is_bound:
+            return view
+        return dataclasses.replace(view, true_counts=self._true_counts(view.step, view.layer))
+
     def plan(self, step: int, layer: int) -> LayerPlan:
         view = self.view(step, layer)
         cache = self.cache
         cache.observe(view)
         experts = view.experts
         n = len(experts)
-        on_gpu = np.asarray(self.placement.place(view), dtype=bool)
+        on_gpu = np.asarray(self.placement.place(self._view_for(self.placement, view)), dtype=bool)
         if on_gpu.shape != (n,):
             raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
         resident = self.resident[layer]
@@ -182,7 +205,7 @@ class Controller:
         free = self.prefetch_slots - int(self.n_pending.sum())
         if free <= 0:
             return issued
-        for target, e in self.prefetcher.prefetch(view):
+        for target, e in self.prefetcher.prefetch(self._view_for(self.prefetcher, view)):
             target, e = int(target), int(e)
             if not view.layer < target < self.w.num_layers or not 0 <= e < self.w.num_experts:
                 raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {target}, expert {e}) "

@@ -111,6 +111,7 @@ class SimEngine:
         self.intervals: list[Interval] = []
         self.arrivals: dict[tuple[int, int], simpy.Event] = {}
         self.swaps_landing: dict[int, list[simpy.Event]] = {}
+        self.background_open = 0  # background copies issued and not yet landed (started or not)
 
     # ---- primitives ---------------------------------------------------------------------------
     def _log(self, track: str, start: float, end: float, what: Activity) -> None:
@@ -131,6 +132,7 @@ class SimEngine:
     def _background(self, what: Activity) -> simpy.Event:
         """A prefetch or swap copy at background priority; the event fires when it has landed."""
         done = self.env.event()
+        self.background_open += 1
 
         def copy():
             with self.pcie.request(priority=BACKGROUND) as req:
@@ -138,6 +140,7 @@ class SimEngine:
                 start = self.env.now
                 yield self.env.timeout(self.xfer)
                 self._log("pcie", start, self.env.now, what)
+            self.background_open -= 1
             done.succeed()
 
         self.env.process(copy())
@@ -223,10 +226,11 @@ class SimEngine:
                 self.staging.release(staging.pop(e))
 
     def _uncontended(self, ready) -> bool:
-        """True when this layer's copies cannot meet any other copy: the link is idle with nothing
-        queued (no other copy can be issued before the layer ends) and every prefetched expert has
-        arrived. The layer's times then follow from the rules alone, without SimPy events."""
-        if not self.shortcut or self.pcie.count or self.pcie.queue:
+        """True when this layer's copies cannot meet any other copy: no background copy is open (issued
+        and not landed, including ones whose process has not started yet), the link is idle (no other
+        copy can be issued before the layer ends) and every prefetched expert has arrived. The layer's
+        times then follow from the rules alone, without SimPy events."""
+        if not self.shortcut or self.background_open or self.pcie.count or self.pcie.queue:
             return False
         return all(ev is None or ev.triggered for ev in ready.values())
 

@@ -122,7 +122,8 @@ def simulate(
     per_layer = counters.frame(model.moe_layers)
     per_layer["hit_rate"] = per_layer["hits"] / per_layer["activated"].replace(0, np.nan)
     summary: dict[str, Any] = {"system": sysconf.name, "hardware": profile.name, "model": model.name,
-                               "batch_size": batch_size, **workload.describe(), **totals,
+                               "batch_size": batch_size, "bounds": controller.bounds,
+                               **workload.describe(), **totals,
                                **derived(totals, model.expert_bytes)}
     per_seq = _per_sequence(workload, out)
     per_step = pd.DataFrame({"phase": np.where(workload.step_phase == PREFILL, "prefill", "decode"),
