@@ -120,6 +120,15 @@ class SimEngine:
         if self.record:
             self.intervals.append(Interval(track, what.name(), start, end, what.args()))
 
+    def _log_expert(self, track: str, start: float, end: float, kind: str, plan: LayerPlan, e: int,
+                    tokens: int = 0) -> None:
+        """``_log`` for the hot path: the Activity is built only when a timeline is recorded."""
+        self.busy[track] += end - start
+        self.events += 1
+        if self.record:
+            what = Activity(kind, plan.step, plan.layer, e, tokens=tokens)
+            self.intervals.append(Interval(track, what.name(), start, end, what.args()))
+
     def _expert_time(self, device: str, n: int) -> float:
         table = self.gpu_table if device == "gpu" else self.cpu_table
         return float(table[n]) if n < len(table) else float(self.costs.expert_time(device, n))
@@ -165,7 +174,7 @@ class SimEngine:
                 yield link
             start = self.env.now
             yield self.env.timeout(self.xfer)
-            self._log("pcie", start, self.env.now, Activity("fetch", plan.step, plan.layer, e))
+            self._log_expert("pcie", start, self.env.now, "fetch", plan, e)
             done.succeed()
             if not signal[0].triggered:
                 signal[0].succeed()
@@ -177,7 +186,7 @@ class SimEngine:
         for i in np.flatnonzero(plan.source == CPU):
             e, n = int(plan.experts[i]), int(plan.counts[i])
             d = self._expert_time("cpu", n)
-            self._log("cpu", t, t + d, Activity("expert", plan.step, plan.layer, e, tokens=n))
+            self._log_expert("cpu", t, t + d, "expert", plan, e, n)
             t += d
         return t
 
@@ -262,7 +271,7 @@ class SimEngine:
                         start = max(start, releases.pop(0))
                         free += 1
                     free -= 1
-                self._log("pcie", start, start + self.xfer, Activity("fetch", plan.step, plan.layer, e))
+                self._log_expert("pcie", start, start + self.xfer, "fetch", plan, e)
                 link_t = start + self.xfer
                 landed.append((link_t, rank[e]))
                 ci += 1
@@ -278,7 +287,7 @@ class SimEngine:
             e = order[heapq.heappop(present)]
             left -= 1
             d = self._expert_time("gpu", counts[e])
-            self._log("gpu", t, t + d, Activity("expert", plan.step, plan.layer, e, tokens=counts[e]))
+            self._log_expert("gpu", t, t + d, "expert", plan, e, counts[e])
             t += d
             if staged_of.get(e):
                 releases.append(t)
