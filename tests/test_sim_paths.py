@@ -396,7 +396,7 @@ def test_cli_compare_text_and_baseline():
     header = res.output.splitlines()[1].split()
     assert header[-2:] == ["prefill_speedup", "decode_speedup"]
     assert set(lines) >= {"gpu-lru", "gpu-static", "cpu-only"}  # the baseline is added as a row
-    assert lines["cpu-only"][-2:] == ["1.000", "1.000"]
+    assert lines["cpu-only"][-2:] == ["1.00x", "1.00x"]
     # --no-timing: no times, hence no speedup columns
     res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only", "--no-timing", "--json")
     assert res.exit_code == 0, res.output

@@ -174,12 +174,16 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
     click.echo(f"{s['model']} on {s['hardware']}, batch {s['batch_size']}, {s['tokens']:,} tokens; "
                f"speedups over {baseline}")
     show = table.copy()
-    show["hit_rate"] = (100 * show["hit_rate"]).round(1)
-    show["gpu_fraction"] = (100 * show["gpu_fraction"]).round(1)
-    show["bytes_h2d"] = (show["bytes_h2d"] / 2**30).round(2)
-    show = show.rename(columns={"hit_rate": "hit %", "gpu_fraction": "GPU %", "bytes_h2d": "H2D GiB",
-                                "prefill_tokens_per_s": "prefill tok/s", "decode_tokens_per_s": "decode tok/s"})
-    click.echo(show.to_string(float_format=lambda v: f"{v:,.3f}"))
+    show["hit_rate"] = 100 * show["hit_rate"]
+    show["gpu_fraction"] = 100 * show["gpu_fraction"]
+    show["bytes_h2d"] = show["bytes_h2d"] / 2**30
+    digits = {"hit_rate": 1, "gpu_fraction": 1, "on_demand": 0, "bytes_h2d": 2, "prefill_s": 3, "decode_s": 3,
+              "prefill_tokens_per_s": 2, "decode_tokens_per_s": 2, "prefill_speedup": 2, "decode_speedup": 2}
+    formats = {c: (lambda d, x: lambda v: f"{v:,.{d}f}{x}")(d, "x" if c.endswith("speedup") else "")
+               for c, d in digits.items() if c in show}
+    headers = {"hit_rate": "hit %", "gpu_fraction": "GPU %", "bytes_h2d": "H2D GiB",
+               "prefill_tokens_per_s": "prefill tok/s", "decode_tokens_per_s": "decode tok/s"}
+    click.echo(show.to_string(formatters=formats, na_rep="-", header=[headers.get(c, c) for c in show.columns]))
     for name, r in results.items():
         for note in r.manifest["memory"]["notes"]:
             click.echo(f"note ({name}): {note}")
