@@ -19,8 +19,8 @@ from dali_sim.models.presets import get_precision
 from dali_sim.policies.systems import SystemConfig, resolve_system
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.memory import plan_memory
-from dali_sim.sim.counters import PlanCounters, derived
-from dali_sim.sim.engine import TRACKS, EngineOutput, Interval, SimEngine
+from dali_sim.sim.counters import PlanCounters, derived, ratio
+from dali_sim.sim.engine import EngineOutput, Interval, SimEngine
 from dali_sim.trace.provenance import file_sha256
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
@@ -51,7 +51,7 @@ def _per_sequence(w: Workload, out: EngineOutput | None) -> pd.DataFrame:
     if out is None:
         return seq
     start, end = out.step_start, out.step_end
-    batch_start = np.array([start[w.step_batch == b].min() for b in seq["batch"]])
+    batch_start = start[np.searchsorted(w.step_batch, seq["batch"])]  # steps are ordered by batch
     has_pre = seq["first_prefill_step"] >= 0
     has_dec = seq["first_decode_step"] >= 0
     pre_end = np.where(has_pre, end[seq["last_prefill_step"].clip(lower=0)], np.nan)
@@ -129,25 +129,10 @@ def simulate(
     per_step = pd.DataFrame({"phase": np.where(workload.step_phase == PREFILL, "prefill", "decode"),
                              "batch": workload.step_batch, "tokens": workload.step_tokens})
     if out is not None:
-        dur = out.step_end - out.step_start
-        per_step["start_s"], per_step["time_s"] = out.step_start, dur
+        per_step["start_s"], per_step["time_s"] = out.step_start, out.step_end - out.step_start
         per_layer["time_s"] = out.layer_time
         per_layer["gpu_wait_s"] = out.layer_wait
-        makespan = float(out.step_end[-1])
-        pre, dec = workload.step_phase == PREFILL, workload.step_phase == DECODE
-        summary |= {
-            "makespan_s": makespan,
-            "prefill_s": float(dur[pre].sum()),
-            "decode_s": float(dur[dec].sum()),
-            "prefill_tokens_per_s": _mean(per_seq["prefill_tokens_per_s"]),
-            "decode_tokens_per_s": _mean(per_seq["decode_tokens_per_s"]),
-            "prefill_throughput": _ratio(workload.step_tokens[pre].sum(), dur[pre].sum()),
-            "decode_throughput": _ratio(workload.step_tokens[dec].sum(), dur[dec].sum()),
-            "ttft_s": _mean(per_seq["ttft_s"]),
-            "tpot_s": _mean(per_seq["tpot_s"]),
-            "busy": {k: _ratio(v, makespan) for k, v in out.busy.items()},
-            "events": out.events,
-        }
+        summary |= _timed_summary(workload, out, per_seq)
     manifest = {
         "dali_version": __version__,
         "trace": str(trace.path) if trace.path else None,
@@ -163,8 +148,24 @@ def simulate(
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
 
 
-def _ratio(a, b) -> float:
-    return float(a) / float(b) if b else float("nan")
+def _timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict[str, Any]:
+    """The time metrics of docs/metrics.md."""
+    dur = out.step_end - out.step_start
+    makespan = float(out.step_end[-1])
+    pre, dec = w.step_phase == PREFILL, w.step_phase == DECODE
+    return {
+        "makespan_s": makespan,
+        "prefill_s": float(dur[pre].sum()),
+        "decode_s": float(dur[dec].sum()),
+        "prefill_tokens_per_s": _mean(per_seq["prefill_tokens_per_s"]),
+        "decode_tokens_per_s": _mean(per_seq["decode_tokens_per_s"]),
+        "prefill_throughput": ratio(w.step_tokens[pre].sum(), dur[pre].sum()),
+        "decode_throughput": ratio(w.step_tokens[dec].sum(), dur[dec].sum()),
+        "ttft_s": _mean(per_seq["ttft_s"]),
+        "tpot_s": _mean(per_seq["tpot_s"]),
+        "busy": {k: ratio(v, makespan) for k, v in out.busy.items()},
+        "events": out.events,
+    }
 
 
-__all__ = ["DEFAULT_HARDWARE", "SimResult", "TRACKS", "simulate"]
+__all__ = ["DEFAULT_HARDWARE", "SimResult", "simulate"]
