@@ -3,7 +3,7 @@
 Importing this package registers every built-in policy.
 """
 
-from dali_sim.policies import cache, placement, prefetch  # noqa: F401  (registration)
+from dali_sim.policies import cache, placement, placement_dali, placement_optimal, prefetch  # noqa: F401  (registration)
 from dali_sim.policies.base import (
     CACHES,
     PLACEMENTS,

@@ -132,6 +132,8 @@ class SetupContext:
     costs: CostModel
     seed: int
     block_of_layer: tuple[int, ...]  # MoE ordinal -> block index
+    staging_slots: int = 0  # expert buffers for fetched experts that are not admitted
+    prefetch_slots: int = 0  # expert buffers for prefetched experts
 
 
 class PlacementPolicy(Policy[C]):

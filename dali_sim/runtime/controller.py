@@ -70,7 +70,7 @@ class Controller:
         ctx = SetupContext(
             num_layers=L, num_experts=E, top_k=workload.top_k, capacities=readonly(self.capacities),
             frequencies=readonly(workload.frequencies()), costs=costs, seed=seed,
-            block_of_layer=workload.model.moe_layers,
+            block_of_layer=workload.model.moe_layers, staging_slots=staging_slots, prefetch_slots=prefetch_slots,
         )
         self.ctx = ctx
         rng = np.random.default_rng(seed)
