@@ -3,7 +3,15 @@
 Importing this package registers every built-in policy.
 """
 
-from dali_sim.policies import cache, placement, placement_dali, placement_optimal, prefetch  # noqa: F401  (registration)
+from dali_sim.policies import (  # noqa: F401  (registration)
+    cache,
+    cache_dali,
+    placement,
+    placement_dali,
+    placement_optimal,
+    prefetch,
+    prefetch_lookahead,
+)
 from dali_sim.policies.base import (
     CACHES,
     PLACEMENTS,

@@ -42,7 +42,7 @@ class LayerPlan:
     source: np.ndarray  # int8 HIT | PREFETCHED | FETCH | CPU, aligned with experts
     hit: np.ndarray  # bool: resident in the layer's cache at the start of the layer
     admitted: np.ndarray  # bool: entered the cache in this layer
-    staged: np.ndarray  # bool: fetched but not admitted (used from a staging buffer)
+    staged: np.ndarray  # bool: copied on demand but not admitted (used from a staging buffer)
     evicted: list[int] = field(default_factory=list)
     prefetches: list[tuple[int, int]] = field(default_factory=list)  # issued now: (target layer, expert)
     prefetch_used: list[int] = field(default_factory=list)  # experts prefetched for this layer and used on the GPU
@@ -180,8 +180,8 @@ class Controller:
                 self.n_resident[layer] += 1
                 admitted[i] = True
                 cache.on_admit(layer, e, view)
-            else:
-                staged[i] = True
+            elif src == FETCH:
+                staged[i] = True  # a declined prefetched expert is used from its prefetch buffer
         admitted, staged = np.array(admitted, dtype=bool), np.array(staged, dtype=bool)
         if self.staging_slots < 1 and staged.any():
             raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")

@@ -18,7 +18,7 @@ COUNTERS = (
     "prefetch_wasted",  # prefetched experts never used at their target layer
     "admitted",  # fetched experts that entered the cache
     "evicted",
-    "staged",  # fetched experts used from a staging buffer (declined or no evictable entry)
+    "staged",  # on-demand copies used from a staging buffer (declined or no evictable entry)
     "swaps",  # cache-initiated transfers (policy rebalancing)
     "gpu_tokens",  # expert-token pairs computed on the GPU
     "cpu_tokens",  # ... on the CPU

@@ -1,0 +1,105 @@
+"""DALI's Workload-Aware Cache Replacement (arXiv 2602.03495): per-layer windowed workload scores.
+
+Per MoE layer, the policy sums each expert's workload (tokens routed to it) over a window of ``w``
+consecutive visits of the layer (one visit per step). At the end of the window (after the layer's
+touches in its ``w``-th step) it swaps the ``u`` highest-scoring non-resident experts in for the ``u``
+lowest-scoring resident ones, pairing the best outsider with the worst resident, the second best with
+the second worst, and so on; a pair is swapped only if the outsider's score is strictly higher than
+the resident's. Then the window starts afresh (tumbling windows, not sliding).
+
+Readings where the paper is silent (also in docs/policies.md):
+
+* ties: among outsiders the lower id comes in first; among residents the lower id goes out first;
+* equal scores never swap (a swap costs a PCIe copy and gains nothing on the window's evidence), so
+  an outsider needs a positive score to come in;
+* between window ends a full cache never changes: ``victim`` declines every fetched expert, which is
+  then used from a staging buffer. A *free* slot takes a fetched expert (``accepts``), which costs no
+  extra copy; this only matters when the cache starts with free slots (``memory.cache_init=empty``).
+  With the paper's start, ``memory.cache_init=random`` (seeded by the run's seed), every slot is
+  full from the first step and contents change only at window ends;
+* windows count visits of the layer from the first step of the run; they are not reset at batch,
+  sequence or phase boundaries, and a prefill step (many tokens) weighs as its token count;
+* an unfinished window at the end of the run never swaps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dali_sim.policies.base import CACHES, CachePolicy, LayerView, PolicyConfig, SetupContext, registered
+
+
+@dataclass(frozen=True)
+class DaliWindowConfig(PolicyConfig):
+    w: int = field(default=4, metadata={
+        "help": "window length in steps (visits of the layer); the workloads of the window are summed "
+                "and swaps happen at its end (paper: 4)"})
+    u: int = field(default=1, metadata={
+        "help": "at most this many swaps per layer at each window end (paper: 1 for Mixtral, 8 for "
+                "DeepSeek and Qwen); 0 = never swap (a fixed set)"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.w, bool) or not isinstance(self.w, int) or self.w < 1:
+            raise ValueError(f"cache.w must be an integer >= 1 (steps per window), got {self.w!r}")
+        if isinstance(self.u, bool) or not isinstance(self.u, int) or self.u < 0:
+            raise ValueError(f"cache.u must be an integer >= 0 (swaps per window), got {self.u!r}")
+
+
+def window_swaps(score: np.ndarray, resident: np.ndarray, u: int) -> list[tuple[int, int]]:
+    """The swaps at a window end: ``(expert_in, expert_out)`` pairs, at most ``u``.
+
+    Outsiders by descending score (ties: lower id first) are paired with residents by ascending
+    score (ties: lower id first); pairs are taken while the outsider's score is strictly higher.
+    """
+    ids = np.arange(score.shape[0])
+    outsiders = ids[~resident]
+    insiders = ids[resident]
+    if u <= 0 or outsiders.size == 0 or insiders.size == 0:
+        return []
+    best_out = outsiders[np.lexsort((outsiders, -score[outsiders]))]
+    worst_in = insiders[np.lexsort((insiders, score[insiders]))]
+    swaps: list[tuple[int, int]] = []
+    for e_in, e_out in zip(best_out[:u].tolist(), worst_in[:u].tolist()):
+        # later pairs only have lower incoming and higher outgoing scores: stop at the first failure
+        if not score[e_in] > score[e_out]:
+            break
+        swaps.append((e_in, e_out))
+    return swaps
+
+
+@registered(CACHES)
+class DaliWindow(CachePolicy[DaliWindowConfig]):
+    name = "dali-window"
+    description = ("DALI's workload-aware replacement: per layer, sum workloads over a window of w steps; at the "
+                   "window end swap up to u top-scoring outsiders in for the lowest-scoring residents "
+                   "(strictly higher scores only); a full cache changes only then")
+    Config = DaliWindowConfig
+
+    def setup(self, ctx: SetupContext) -> None:
+        self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=np.int64)  # the current window's sums
+        self.visits = np.zeros(ctx.num_layers, dtype=np.int64)  # visits of each layer in the current window
+
+    def observe(self, view: LayerView) -> None:
+        self.score[view.layer, view.experts] += view.counts
+        self.visits[view.layer] += 1
+
+    def accepts(self, layer: int, expert: int, view: LayerView) -> bool:
+        return True  # a free slot (only when the cache starts with free slots): keep the fetched copy
+
+    def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
+        return None  # a full cache changes only at window ends: the fetched expert is staged
+
+    def window_end(self, layer: int) -> bool:
+        """Whether the layer's current visit closes its window (call after ``observe``)."""
+        return int(self.visits[layer]) >= self.config.w
+
+    def rebalance(self, view: LayerView, resident: np.ndarray) -> list[tuple[int, int]]:
+        layer = view.layer
+        if not self.window_end(layer):
+            return []
+        swaps = window_swaps(self.score[layer], np.asarray(resident, dtype=bool), self.config.u)
+        self.score[layer] = 0
+        self.visits[layer] = 0
+        return swaps

@@ -1,0 +1,108 @@
+"""Lookahead prefetching: the next layer's experts with the largest *predicted* token count.
+
+One implementation, registered under several names that differ only in their default config:
+
+* ``lookahead``: the generic form, any column (``prefetch.predictor``, default ``residual``), every
+  predicted expert by default (``k=0``);
+
+* ``dali-residual``: DALI's Residual-Based Prefetching (arXiv 2602.03495). Layer l+1's gate applied to
+  (layer l's gate input + a per-layer residual vector calibrated on text) predicts each token's top-k
+  at layer l+1; the prefetcher takes the k experts with the largest predicted token count. Reads the
+  trace's ``lookahead:residual`` column (``dali trace record`` records it with a calibrated residual,
+  ``dali trace synth --lookahead residual=ACC`` makes a synthetic one).
+* ``next-gate``: the speculative prefetch of mixtral-offloading and AdapMoE: layer l+1's gate applied
+  to layer l's gate input as is (column ``lookahead:next-gate``); every predicted expert by default.
+
+The predicted count of an expert at layer l+1 is the number of the step's tokens whose predicted
+top-k at l+1 holds it (built by the workload builder from the column's logits). Experts predicted for
+no token are never prefetched; ties in the count go to the lower id. The runtime skips experts
+already resident or prefetched and drops what does not fit ``memory.prefetch_slots``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dali_sim.policies.base import PREFETCHERS, LayerView, PolicyConfig, PrefetchPolicy, registered
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # the trace format's predictor names
+
+
+@dataclass(frozen=True)
+class LookaheadConfig(PolicyConfig):
+    predictor: str = field(default="residual", metadata={
+        "help": "lookahead column of the trace to read (lookahead:<predictor>): residual, next-gate, ..."})
+    k: int = field(default=0, metadata={
+        "help": "prefetch the k experts of the next layer with the largest predicted token count; "
+                "0 = every expert predicted for at least one token"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.predictor, str) or not _NAME.match(self.predictor):
+            raise ValueError(f"prefetch.predictor must be a lookahead column name (letters, digits, '-', '_', '.'), "
+                             f"got {self.predictor!r}")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
+            raise ValueError(f"prefetch.k must be an integer >= 0 (0 = every predicted expert), got {self.k!r}")
+
+
+def top_predicted(counts: np.ndarray, k: int) -> np.ndarray:
+    """Experts by descending predicted count (ties: lower id), those with count 0 left out, at most
+    ``k`` (0 = all)."""
+    counts = np.asarray(counts)
+    order = np.lexsort((np.arange(counts.shape[0]), -counts))
+    order = order[counts[order] > 0]
+    return order[:k] if k > 0 else order
+
+
+@registered(PREFETCHERS)
+class LookaheadPrefetch(PrefetchPolicy[LookaheadConfig]):
+    """Top-k of the next MoE layer by predicted token count from any lookahead column (the shared
+    implementation; ``dali-residual`` and ``next-gate`` only change the defaults)."""
+
+    name = "lookahead"
+    description = ("the next layer's experts with the largest predicted token count from any lookahead column "
+                   "(prefetch.predictor); every predicted expert by default")
+    Config = LookaheadConfig
+
+    def required_predictors(self) -> tuple[str, ...]:
+        return (self.config.predictor,)
+
+    def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
+        target = view.layer + 1
+        if target >= view.num_layers:
+            return []
+        counts = view.lookahead(self.config.predictor, target)
+        return [(target, int(e)) for e in top_predicted(counts, self.config.k)]
+
+
+@dataclass(frozen=True)
+class DaliResidualConfig(LookaheadConfig):
+    predictor: str = field(default="residual", metadata={
+        "help": "lookahead column with the residual-corrected next-gate prediction (lookahead:<predictor>)"})
+    k: int = field(default=1, metadata={
+        "help": "prefetch the k experts of the next layer with the largest predicted token count "
+                "(paper: 1 for Mixtral, 4 for DeepSeek and Qwen); 0 = every predicted expert"})
+
+
+@registered(PREFETCHERS)
+class DaliResidualPrefetch(LookaheadPrefetch):
+    name = "dali-residual"
+    description = ("DALI's residual-based prefetching: the k experts of the next layer with the largest token count "
+                   "predicted by its gate on (gate input + calibrated residual); column lookahead:residual")
+    Config = DaliResidualConfig
+
+
+@dataclass(frozen=True)
+class NextGateConfig(LookaheadConfig):
+    predictor: str = field(default="next-gate", metadata={
+        "help": "lookahead column with the next layer's gate applied to this layer's gate input"})
+
+
+@registered(PREFETCHERS)
+class NextGatePrefetch(LookaheadPrefetch):
+    name = "next-gate"
+    description = ("speculative next-gate prefetching (mixtral-offloading, AdapMoE): the next layer's gate on this "
+                   "layer's gate input; every predicted expert by default; column lookahead:next-gate")
+    Config = NextGateConfig
