@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Mapping
 
+from dali_sim.models.spec import ModelSpec
 from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS, Policy, PolicyConfig
 from dali_sim.registry import Registry, UnknownNameError
 from dali_sim.runtime.memory import MemoryConfig
@@ -92,16 +93,33 @@ def _choice(family: str, preset: Mapping[str, Any], overrides: Mapping[str, str]
     return PolicyChoice(family, name, config)
 
 
-def resolve_system(name: str, overrides: Mapping[str, Mapping[str, str]] | None = None) -> SystemConfig:
-    """A preset with ``overrides`` (section -> key -> value) applied and every value typed and checked."""
+def _for_model(section: Mapping[str, Any], family: str | None) -> dict[str, Any]:
+    """Per-model preset values: ``{ default = X, mixtral = Y }`` picks by the model's family."""
+    out = {}
+    for key, value in section.items():
+        if isinstance(value, Mapping):
+            if "default" not in value:
+                raise ValueError(f"per-model preset value {key} = {dict(value)} needs a 'default'")
+            value = value.get(family, value["default"]) if family else value["default"]
+        out[key] = value
+    return out
+
+
+def resolve_system(name: str, overrides: Mapping[str, Mapping[str, str]] | None = None,
+                   model: ModelSpec | None = None) -> SystemConfig:
+    """A preset with ``overrides`` (section -> key -> value) applied and every value typed and checked.
+
+    Preset values given per model family (e.g. DALI's prefetch size) are taken for ``model``'s family,
+    or their ``default`` when no model is given."""
     presets = _presets()
     if name not in presets:
         raise UnknownNameError(f"unknown system {name!r}; known: {', '.join(sorted(presets))}")
+    family = model.family if model is not None else None
+    p = {k: _for_model(v, family) if isinstance(v, Mapping) else v for k, v in presets[name].items()}
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - {"placement", "cache", "prefetch", "memory", "system"})
     if unknown:
         raise ValueError(f"unknown --set section(s) {unknown}; sections: placement, cache, prefetch, memory, system")
-    p = presets[name]
     choices = {}
     for family in FAMILIES:
         preset_part = dict(p[family])

@@ -91,8 +91,8 @@ def simulate(
     the same decisions and counts, no SimPy, no times."""
     if not isinstance(trace, Trace):
         trace = read_trace(trace)
-    sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides)
     model = trace.model if precision is None else trace.model.with_precision(get_precision(precision))
+    sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides, model)
     profile = load_profile(hardware)
     costs = CostModel(profile, model)
     placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))

@@ -1,0 +1,270 @@
+"""HybriMoE (Zhong et al., DAC 2025, arXiv 2504.05897): hybrid CPU-GPU scheduling, the MRS score
+cache and impact-driven prefetching (readings and parameter choices in docs/policies.md).
+
+* ``hybrimoe`` (placement): dynamic intra-layer scheduling. Three queues per (step, layer): the GPU
+  takes the cached experts, highest load first; the CPU takes the uncached ones, lowest load first;
+  PCIe brings the uncached ones, highest load first, to the GPU. Because the CPU eats the uncached
+  list from the low end and PCIe from the high end, every schedule fetches a *prefix* of the uncached
+  experts sorted by descending load: :func:`hybrid_schedule` simulates the three queues with the cost
+  model for every prefix length m at once (O(n)) and keeps the m with the smallest makespan
+  (``mode=best``, the default), or the m at which the two ends meet when the CPU and the link each
+  take their next expert as soon as they are free (``mode=greedy``).
+* ``hybrimoe-mrs`` (cache): Minus Recent Score. Per layer, at every visit, ``S <- a * TopP(s) +
+  (1 - a) * S`` where ``TopP(s)`` is the step's routing score of each expert kept for the activated
+  experts only (here: the fraction of the step's tokens routed to it, since views carry workloads, not
+  router probabilities); a full cache evicts the evictable entry with the lowest score.
+* ``hybrimoe`` (prefetch): impact-driven prefetching from the predicted routing of the next 3 layers
+  (one lookahead column per distance): the gain of an expert is how much the target layer's simulated
+  makespan (the same three-queue schedule on the predicted workloads) drops if that expert were
+  already on the GPU; experts with a positive gain are requested, largest gain first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dali_sim.policies.base import (
+    CACHES,
+    PLACEMENTS,
+    PREFETCHERS,
+    CachePolicy,
+    LayerView,
+    PlacementPolicy,
+    PolicyConfig,
+    PrefetchPolicy,
+    SetupContext,
+    registered,
+)
+
+MODES = ("best", "greedy")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The outcome of :func:`hybrid_schedule` for one layer (arrays aligned with the inputs)."""
+
+    on_gpu: np.ndarray  # bool: cached experts and the fetched uncached ones
+    fetched: np.ndarray  # bool: uncached experts brought over PCIe
+    makespan: float  # max(GPU lane end, CPU lane end), both from 0
+    gpu_end: float
+    cpu_end: float
+    makespans: np.ndarray  # makespan for m = 0..U fetched (the U uncached in descending-load order)
+
+
+def hybrid_schedule(counts, cached, t_gpu, t_cpu, xfer: float, mode: str = "best") -> Schedule:
+    """HybriMoE's three-queue intra-layer schedule.
+
+    ``counts`` (n,) workloads, ``cached`` (n,) bool (weights on the GPU: resident or prefetched),
+    ``t_gpu``/``t_cpu`` (n,) compute times of each expert at its workload, ``xfer`` one expert's copy.
+    The GPU runs the cached experts first (all present at time 0), then the fetched ones in arrival
+    order; copies run back to back from time 0 in descending load (ties: lower index first); the CPU
+    runs the rest back to back. With m fetched: transfer i lands at (i+1) * xfer, the GPU lane ends at
+    ``g_m`` with ``g_0 = sum t_gpu(cached)`` and ``g_{i+1} = max(g_i, (i+1) * xfer) + t_gpu(u_i)``, the
+    CPU lane at the sum of t_cpu over the uncached experts not fetched.
+    ``best``: the m with the smallest makespan (ties: fewer copies). ``greedy``: the CPU (from the
+    low-load end) and the link (from the high-load end) each take the next remaining expert when free
+    (the CPU first on equal times) until none is left.
+    """
+    if mode not in MODES:
+        raise ValueError(f"hybrimoe schedule mode must be one of {', '.join(MODES)}, got {mode!r}")
+    counts = np.asarray(counts)
+    cached = np.asarray(cached, dtype=bool)
+    t_gpu = np.asarray(t_gpu, dtype=float)
+    t_cpu = np.asarray(t_cpu, dtype=float)
+    n = counts.shape[0]
+    idx = np.arange(n)
+    unc = idx[~cached]
+    unc = unc[np.lexsort((unc, -counts[unc]))]  # descending load, ties: lower index
+    g = float(t_gpu[cached].sum())
+    gpu_end = np.empty(unc.size + 1)
+    gpu_end[0] = g
+    for i, e in enumerate(unc.tolist()):
+        g = max(g, (i + 1) * xfer) + float(t_gpu[e])
+        gpu_end[i + 1] = g
+    # cpu_end[m] = sum of t_cpu over unc[m:]
+    cpu_end = np.concatenate([np.cumsum(t_cpu[unc][::-1])[::-1], [0.0]]) if unc.size else np.zeros(1)
+    makespans = np.maximum(gpu_end, cpu_end)
+    if mode == "best":
+        m = int(np.argmin(makespans))  # first minimum: fewest copies
+    else:
+        lo, hi = 0, unc.size  # remaining: unc[lo:hi]; the CPU takes unc[hi-1], the link unc[lo]
+        t_c = t_l = 0.0
+        while lo < hi:
+            if t_c <= t_l:
+                hi -= 1
+                t_c += float(t_cpu[unc[hi]])
+            else:
+                t_l += xfer
+                lo += 1
+        m = lo
+    fetched = np.zeros(n, dtype=bool)
+    fetched[unc[:m]] = True
+    return Schedule(on_gpu=cached | fetched, fetched=fetched, makespan=float(makespans[m]),
+                    gpu_end=float(gpu_end[m]), cpu_end=float(cpu_end[m]), makespans=makespans)
+
+
+def _times(costs, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    c = [int(x) for x in counts]
+    t_gpu = np.array([costs.expert_time("gpu", x) for x in c], dtype=float)
+    t_cpu = np.array([costs.expert_time("cpu", x) for x in c], dtype=float)
+    return t_gpu, t_cpu, float(costs.expert_transfer_time())
+
+
+# ---- placement ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HybriMoEPlacementConfig(PolicyConfig):
+    mode: str = field(default="best", metadata={
+        "help": "best: simulate the three queues for every number of fetched experts and keep the smallest "
+                "makespan; greedy: the CPU (lowest load first) and PCIe (highest load first) take experts "
+                "as they become free until none is left"})
+    pending_resident: bool = field(default=True, metadata={
+        "help": "a prefetched expert (in flight or landed) counts as cached (on the GPU, no copy)"})
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"placement.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+
+@registered(PLACEMENTS)
+class HybriMoEPlacement(PlacementPolicy[HybriMoEPlacementConfig]):
+    name = "hybrimoe"
+    description = ("HybriMoE's dynamic intra-layer scheduling: cached experts on the GPU, the uncached split "
+                   "between PCIe (highest load first) and the CPU (lowest load first) by simulating the three "
+                   "queues to minimise the layer's makespan")
+    Config = HybriMoEPlacementConfig
+
+    def schedule(self, view: LayerView) -> Schedule:
+        cached = view.resident[view.experts]
+        if self.config.pending_resident:
+            cached = cached | view.pending[view.experts]
+        t_gpu, t_cpu, xfer = _times(view.costs, view.counts)
+        return hybrid_schedule(view.counts, cached, t_gpu, t_cpu, xfer, self.config.mode)
+
+    def place(self, view: LayerView) -> np.ndarray:
+        return self.schedule(view).on_gpu
+
+
+# ---- cache ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MRSConfig(PolicyConfig):
+    a: float = field(default=0.5, metadata={
+        "help": "weight of the current step in S <- a * TopP(s) + (1 - a) * S (0 < a <= 1)"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.a, bool) or not isinstance(self.a, (int, float)) or not 0.0 < float(self.a) <= 1.0:
+            raise ValueError(f"cache.a must be a number in (0, 1], got {self.a!r}")
+
+
+def mrs_update(score: np.ndarray, experts: np.ndarray, counts: np.ndarray, tokens: int, a: float) -> np.ndarray:
+    """One MRS update of a layer's (E,) scores: ``a * TopP(s) + (1 - a) * S``, with ``TopP(s)`` = the
+    fraction of the step's tokens routed to each activated expert (0 for the others)."""
+    s = np.zeros_like(score, dtype=float)
+    if tokens > 0:
+        s[np.asarray(experts)] = np.asarray(counts, dtype=float) / tokens
+    return a * s + (1.0 - a) * score
+
+
+@registered(CACHES)
+class MRSCache(CachePolicy[MRSConfig]):
+    name = "hybrimoe-mrs"
+    description = ("HybriMoE's Minus Recent Score cache: per layer S <- a*TopP(s) + (1-a)*S at every visit; "
+                   "evict the evictable entry with the lowest score; always admit")
+    Config = MRSConfig
+
+    def setup(self, ctx: SetupContext) -> None:
+        self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=float)
+
+    def observe(self, view: LayerView) -> None:
+        self.score[view.layer] = mrs_update(self.score[view.layer], view.experts, view.counts, view.tokens,
+                                            float(self.config.a))
+
+    def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
+        s = self.score[layer, evictable]
+        return int(evictable[np.lexsort((evictable, s))[0]])  # lowest score, ties: lower id
+
+
+# ---- prefetch -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HybriMoEPrefetchConfig(PolicyConfig):
+    predictor1: str = field(default="next-gate", metadata={
+        "help": "lookahead column predicting layer l+1 ('' = skip this distance)"})
+    predictor2: str = field(default="gate2", metadata={
+        "help": "lookahead column predicting layer l+2 (target_offset >= 2; '' = skip)"})
+    predictor3: str = field(default="gate3", metadata={
+        "help": "lookahead column predicting layer l+3 (target_offset >= 3; '' = skip)"})
+    k: int = field(default=0, metadata={
+        "help": "request at most k experts per layer, largest gain first; 0 = every expert with a positive gain "
+                "(the runtime drops what does not fit memory.prefetch_slots)"})
+
+    def __post_init__(self) -> None:
+        for name in ("predictor1", "predictor2", "predictor3"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not _NAME.match(v):
+                raise ValueError(f"prefetch.{name} must be a lookahead column name or '', got {v!r}")
+        if not any((self.predictor1, self.predictor2, self.predictor3)):
+            raise ValueError("hybrimoe prefetch needs at least one of prefetch.predictor1..3")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
+            raise ValueError(f"prefetch.k must be an integer >= 0, got {self.k!r}")
+
+
+def impact_gains(pred: np.ndarray, cached: np.ndarray, costs) -> np.ndarray:
+    """(E,) makespan reduction of a layer (best three-queue schedule on the predicted workloads ``pred``)
+    if each expert were on the GPU already; 0 for cached or unpredicted experts."""
+    pred = np.asarray(pred)
+    experts = np.flatnonzero(pred > 0)
+    gains = np.zeros(pred.shape[0])
+    if experts.size == 0:
+        return gains
+    counts = pred[experts]
+    c = np.asarray(cached, dtype=bool)[experts]
+    t_gpu, t_cpu, xfer = _times(costs, counts)
+    base = hybrid_schedule(counts, c, t_gpu, t_cpu, xfer).makespan
+    for i in np.flatnonzero(~c).tolist():
+        c2 = c.copy()
+        c2[i] = True
+        gains[experts[i]] = base - hybrid_schedule(counts, c2, t_gpu, t_cpu, xfer).makespan
+    return gains
+
+
+@registered(PREFETCHERS)
+class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
+    name = "hybrimoe"
+    description = ("HybriMoE's impact-driven prefetching: from the predicted routing of layers l+1..l+3, the experts "
+                   "whose presence on the GPU most reduces that layer's simulated makespan, largest gain first")
+    Config = HybriMoEPrefetchConfig
+
+    def _columns(self) -> list[tuple[int, str]]:
+        c = self.config
+        return [(d, name) for d, name in ((1, c.predictor1), (2, c.predictor2), (3, c.predictor3)) if name]
+
+    def required_predictors(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(name for _, name in self._columns()))
+
+    def setup(self, ctx: SetupContext) -> None:
+        # a layer's cache contents as last seen at its own visit (the view shows only the current layer's)
+        self.seen = np.zeros((ctx.num_layers, ctx.num_experts), dtype=bool)
+
+    def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
+        self.seen[view.layer] = view.resident
+        cands: list[tuple[float, int, int, int]] = []  # (-gain, distance, -predicted, expert)
+        for d, name in self._columns():
+            target = view.layer + d
+            if target >= view.num_layers:
+                continue
+            pred = np.asarray(view.lookahead(name, target))
+            gains = impact_gains(pred, self.seen[target], view.costs)
+            for e in np.flatnonzero(gains > 0).tolist():
+                cands.append((-float(gains[e]), d, -int(pred[e]), e))
+        cands.sort()
+        out: list[tuple[int, int]] = []
+        taken: set[tuple[int, int]] = set()
+        for _, d, _, e in cands:
+            pair = (view.layer + d, e)
+            if pair not in taken:
+                taken.add(pair)
+                out.append(pair)
+        return out[: self.config.k] if self.config.k > 0 else out

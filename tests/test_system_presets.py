@@ -1,0 +1,62 @@
+"""System presets: every preset resolves and runs; per-model parameters; DALI and mixtral-offloading."""
+
+from __future__ import annotations
+
+import pytest
+
+from dali_sim.models import get_model
+from dali_sim.policies import resolve_system, system_names
+from dali_sim.sim import simulate
+from dali_sim.trace import TraceError, read_trace
+from dali_sim.trace.synth import SynthConfig, synthesize
+
+COUNTERS = ("hits", "on_demand", "prefetch_issued", "prefetch_used", "prefetch_wasted", "admitted",
+            "evicted", "staged", "swaps", "gpu_experts")
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    """A small Mixtral-shaped trace with both lookahead columns (prefill + decode)."""
+    path = tmp_path_factory.mktemp("presets") / "mix.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=4, prompt_len=16, gen_len=12, seed=5,
+                           lookahead=("residual=0.9", "next-gate=0.7")), path)
+    return read_trace(path)
+
+
+def test_dali_parameters_follow_the_model_family():
+    mixtral = resolve_system("dali", model=get_model("mixtral-8x7b"))
+    assert (mixtral.prefetch.config.k, mixtral.cache.config.w, mixtral.cache.config.u) == (1, 4, 1)
+    assert mixtral.memory.prefetch_slots == 1 and mixtral.memory.cache_init == "random"
+    for name in ("deepseek-v2-lite", "qwen3-30b-a3b"):
+        other = resolve_system("dali", model=get_model(name))
+        assert (other.prefetch.config.k, other.cache.config.u, other.memory.prefetch_slots) == (4, 8, 4)
+    # an override still wins over the per-model value
+    assert resolve_system("dali", {"prefetch": {"k": "2"}}, get_model("mixtral-8x7b")).prefetch.config.k == 2
+
+
+@pytest.mark.parametrize("name", system_names())
+def test_every_preset_runs_and_both_paths_agree(trace, name):
+    timed = simulate(trace, name, batch_size=2)
+    counted = simulate(trace, name, batch_size=2, timing=False)
+    for key in COUNTERS:
+        assert timed.summary[key] == counted.summary[key], key
+    assert timed.summary["makespan_s"] > 0
+    assert timed.config["system"]["name"] == name
+
+
+def test_dali_uses_its_three_techniques(trace):
+    r = simulate(trace, "dali", batch_size=2)
+    s = r.summary
+    assert s["swaps"] > 0  # the window cache rebalanced
+    assert s["prefetch_issued"] > 0 and s["prefetch_used"] > 0  # residual prefetching
+    assert 0 < s["gpu_fraction"] < 1  # greedy assignment split experts between the devices
+    assert r.config["system"]["prefetch"] == {"policy": "dali-residual", "predictor": "residual", "k": 1}
+
+
+def test_lookahead_presets_need_their_column(tmp_path):
+    path = tmp_path / "plain.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=1, prompt_len=4, gen_len=4, seed=1), path)
+    with pytest.raises(TraceError, match=r"no lookahead column 'residual'.*dali trace record.*dali trace synth"):
+        simulate(path, "dali", timing=False)
+    with pytest.raises(TraceError, match=r"no lookahead column 'next-gate'"):
+        simulate(path, "mixtral-offloading", timing=False)
