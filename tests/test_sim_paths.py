@@ -413,6 +413,6 @@ def test_cli_lists_systems_and_profiles():
     assert res.exit_code == 0
     for name in system_names():
         assert name in res.output
-    assert set(PRESETS) == set(system_names())
+    assert set(PRESETS) <= set(system_names())  # presets needing lookahead columns: test_system_presets.py
     res = invoke("profiles")
     assert res.exit_code == 0 and "rtx3090-epyc7532" in res.output and "(default)" in res.output
