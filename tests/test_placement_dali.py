@@ -183,8 +183,21 @@ def test_solver_status_is_checked(monkeypatch):
         return SimpleNamespace(status=1, x=None, message="Time limit reached.")
 
     monkeypatch.setattr(popt, "milp", stopped)
+    n = popt.ENUMERATE_MAX + 1  # small layers are enumerated, larger ones go to HiGHS
     with pytest.raises(SolverError, match="status 1.*time_limit_s"):
-        optimal_assign([1, 2], [2, 1])
+        optimal_assign(np.arange(1, n + 1), np.arange(n, 0, -1))
+
+
+def test_milp_and_enumeration_agree():
+    # the two exact methods on the same instances, just above the enumeration limit by splitting:
+    # HiGHS on 14 experts vs enumeration of the same 14 experts (forced through _enumerate)
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        a = rng.integers(0, 60, 14).astype(float)
+        b = rng.integers(0, 60, 14).astype(float)
+        via_milp = optimal_assign(a, b)
+        via_enum = popt._enumerate(a, b, np.zeros(14, bool), None)
+        assert max(a[via_milp].sum(), b[~via_milp].sum()) == max(a[via_enum].sum(), b[~via_enum].sum())
 
 
 # ---- the policies on LayerViews -------------------------------------------------------------

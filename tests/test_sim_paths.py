@@ -243,7 +243,7 @@ def test_no_timeline_unless_asked(traces):
 
 # ---- bad input -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("system, over, error, pattern", [
-    ("nope", None, UnknownNameError, r"unknown system 'nope'; known: cpu-only, dali, gpu-lfu, gpu-lru"),
+    ("nope", None, UnknownNameError, r"unknown system 'nope'; known: cpu-only, .*gpu-lru.*llamacpp"),
     ("gpu-lru", {"cache": {"foo": "1"}}, ValueError, r"unknown parameter cache\.foo"),
     ("gpu-lru", {"memory": {"cache_size": "1"}}, ValueError, r"unknown parameter memory\.cache_size; memory parameters: .*cache_experts"),
     ("gpu-lru", {"foo": {"bar": "1"}}, ValueError, r"unknown --set section\(s\) \['foo'\]"),

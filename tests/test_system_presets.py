@@ -16,10 +16,10 @@ COUNTERS = ("hits", "on_demand", "prefetch_issued", "prefetch_used", "prefetch_w
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
-    """A small Mixtral-shaped trace with both lookahead columns (prefill + decode)."""
+    """A small Mixtral-shaped trace with every lookahead column a preset reads (prefill + decode)."""
     path = tmp_path_factory.mktemp("presets") / "mix.parquet"
     synthesize(SynthConfig(model="mixtral-8x7b", sequences=4, prompt_len=16, gen_len=12, seed=5,
-                           lookahead=("residual=0.9", "next-gate=0.7")), path)
+                           lookahead=("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")), path)
     return read_trace(path)
 
 
@@ -60,3 +60,15 @@ def test_lookahead_presets_need_their_column(tmp_path):
         simulate(path, "dali", timing=False)
     with pytest.raises(TraceError, match=r"no lookahead column 'next-gate'"):
         simulate(path, "mixtral-offloading", timing=False)
+
+
+def test_moe_lightning_streams_whole_layers(trace):
+    r = simulate(trace, "moe-lightning", batch_size=2, timing=False)
+    mem = r.manifest["memory"]
+    # prefetch_slots = -1: one layer's experts (8 for Mixtral) of buffers
+    assert mem["breakdown_gib"]["prefetch_buffers"] * 2**30 == pytest.approx(8 * trace.model.expert_bytes)
+    assert r.config["system"]["system"]["dense_device"] == "cpu"
+    s = r.summary
+    # every expert of layers 1.. is prefetched each step: 8 per layer per step
+    assert s["prefetch_issued"] == s["steps"] * 8 * (trace.model.num_moe_layers - 1)
+    assert s["prefetch_used"] + s["prefetch_wasted"] == s["prefetch_issued"]

@@ -6,10 +6,13 @@ Importing this package registers every built-in policy.
 from dali_sim.policies import (  # noqa: F401  (registration)
     cache,
     cache_dali,
+    hybrimoe,
     placement,
+    placement_competitors,
     placement_dali,
     placement_optimal,
     prefetch,
+    prefetch_competitors,
     prefetch_lookahead,
 )
 from dali_sim.policies.base import (

@@ -14,9 +14,10 @@ cache and impact-driven prefetching (readings and parameter choices in docs/poli
   experts only (here: the fraction of the step's tokens routed to it, since views carry workloads, not
   router probabilities); a full cache evicts the evictable entry with the lowest score.
 * ``hybrimoe`` (prefetch): impact-driven prefetching from the predicted routing of the next 3 layers
-  (one lookahead column per distance): the gain of an expert is how much the target layer's simulated
-  makespan (the same three-queue schedule on the predicted workloads) drops if that expert were
-  already on the GPU; experts with a positive gain are requested, largest gain first.
+  (one lookahead column per distance): per target layer, the prefix of its predicted, uncached experts
+  (descending predicted load) whose presence on the GPU most lowers that layer's simulated makespan
+  (the same three-queue schedule on the predicted workloads); layers' prefixes are requested by gain
+  per copy, largest first (ties: the nearer layer).
 """
 
 from __future__ import annotations
@@ -199,6 +200,9 @@ class HybriMoEPrefetchConfig(PolicyConfig):
     k: int = field(default=0, metadata={
         "help": "request at most k experts per layer, largest gain first; 0 = every expert with a positive gain "
                 "(the runtime drops what does not fit memory.prefetch_slots)"})
+    min_gain: float = field(default=-1.0, metadata={
+        "help": "request a layer's prefix only if its makespan gain per copy is at least this many seconds; "
+                "-1 = one expert's transfer time (a copy must save more than the PCIe time it takes); 0 = any gain"})
 
     def __post_init__(self) -> None:
         for name in ("predictor1", "predictor2", "predictor3"):
@@ -209,25 +213,41 @@ class HybriMoEPrefetchConfig(PolicyConfig):
             raise ValueError("hybrimoe prefetch needs at least one of prefetch.predictor1..3")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"prefetch.k must be an integer >= 0, got {self.k!r}")
+        if not isinstance(self.min_gain, (int, float)) or isinstance(self.min_gain, bool) or \
+                (self.min_gain < 0 and self.min_gain != -1):
+            raise ValueError(f"prefetch.min_gain must be >= 0 seconds or -1 (one transfer time), got {self.min_gain!r}")
 
 
-def impact_gains(pred: np.ndarray, cached: np.ndarray, costs) -> np.ndarray:
-    """(E,) makespan reduction of a layer (best three-queue schedule on the predicted workloads ``pred``)
-    if each expert were on the GPU already; 0 for cached or unpredicted experts."""
+def impact_prefix(pred: np.ndarray, cached: np.ndarray, costs) -> tuple[list[int], float]:
+    """The experts worth prefetching for one layer and the gain per copy.
+
+    ``pred`` (E,) predicted workloads, ``cached`` (E,) bool. The candidates are the predicted, uncached
+    experts by descending predicted load (ties: lower id), the order in which the schedule fetches
+    them. Bringing the first j of them to the GPU lowers the layer's simulated makespan (the best
+    three-queue schedule on the predicted workloads) by ``G_j``; the prefix with the largest ``G_j``
+    (the shortest on ties) is returned with ``G_j / j``, or ``([], 0)`` if no prefix gains. Prefixes,
+    not single experts: at batch 1 one expert alone often gains nothing (its partner still runs on
+    the CPU for as long) while both together do.
+    """
     pred = np.asarray(pred)
     experts = np.flatnonzero(pred > 0)
-    gains = np.zeros(pred.shape[0])
     if experts.size == 0:
-        return gains
+        return [], 0.0
     counts = pred[experts]
-    c = np.asarray(cached, dtype=bool)[experts]
+    c = np.asarray(cached, dtype=bool)[experts].copy()
     t_gpu, t_cpu, xfer = _times(costs, counts)
     base = hybrid_schedule(counts, c, t_gpu, t_cpu, xfer).makespan
-    for i in np.flatnonzero(~c).tolist():
-        c2 = c.copy()
-        c2[i] = True
-        gains[experts[i]] = base - hybrid_schedule(counts, c2, t_gpu, t_cpu, xfer).makespan
-    return gains
+    cand = np.flatnonzero(~c)
+    cand = cand[np.lexsort((experts[cand], -counts[cand]))]
+    best_gain, best_j = 0.0, 0
+    for j, i in enumerate(cand.tolist(), start=1):
+        c[i] = True
+        gain = base - hybrid_schedule(counts, c, t_gpu, t_cpu, xfer).makespan
+        if gain > best_gain:
+            best_gain, best_j = gain, j
+    if best_j == 0:
+        return [], 0.0
+    return [int(e) for e in experts[cand[:best_j]]], best_gain / best_j
 
 
 @registered(PREFETCHERS)
@@ -250,21 +270,19 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
 
     def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
         self.seen[view.layer] = view.resident
-        cands: list[tuple[float, int, int, int]] = []  # (-gain, distance, -predicted, expert)
+        threshold = float(self.config.min_gain)
+        if threshold < 0:
+            threshold = float(view.costs.expert_transfer_time())
+        cands: list[tuple[float, int, int, int]] = []  # (-gain per copy, distance, position, expert)
         for d, name in self._columns():
             target = view.layer + d
             if target >= view.num_layers:
                 continue
             pred = np.asarray(view.lookahead(name, target))
-            gains = impact_gains(pred, self.seen[target], view.costs)
-            for e in np.flatnonzero(gains > 0).tolist():
-                cands.append((-float(gains[e]), d, -int(pred[e]), e))
+            chosen, gain = impact_prefix(pred, self.seen[target], view.costs)
+            if gain < threshold:
+                continue
+            cands.extend((-gain, d, pos, e) for pos, e in enumerate(chosen))
         cands.sort()
-        out: list[tuple[int, int]] = []
-        taken: set[tuple[int, int]] = set()
-        for _, d, _, e in cands:
-            pair = (view.layer + d, e)
-            if pair not in taken:
-                taken.add(pair)
-                out.append(pair)
+        out = [(view.layer + d, e) for _, d, _, e in cands]
         return out[: self.config.k] if self.config.k > 0 else out

@@ -33,6 +33,20 @@ class StaticLayersConfig(PolicyConfig):
     cpu_layers: int = field(default=-1, metadata={
         "help": "the first N MoE layers run their experts on the CPU (llama.cpp --n-cpu-moe); -1 = every "
                 "layer whose cache cannot hold all its experts"})
+    offload_min_tokens: int = field(default=0, metadata={
+        "help": "llama.cpp op offload: in a CPU layer, when the batch reaches this many tokens the activated experts "
+                "are copied to the GPU for that step (staging buffer, not cached); 0 = off (llama.cpp: 32)"})
+    offload_basis: str = field(default="step", metadata={
+        "help": "what must reach offload_min_tokens: 'step' (the step's token count: llama.cpp's batch size of "
+                "the op) or 'expert' (each expert's own workload)"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.offload_min_tokens, bool) or not isinstance(self.offload_min_tokens, int) \
+                or self.offload_min_tokens < 0:
+            raise ValueError(f"placement.offload_min_tokens must be an integer >= 0 (0 = off), "
+                             f"got {self.offload_min_tokens!r}")
+        if self.offload_basis not in ("step", "expert"):
+            raise ValueError(f"placement.offload_basis must be 'step' or 'expert', got {self.offload_basis!r}")
 
 
 @registered(PLACEMENTS)
@@ -41,6 +55,11 @@ class StaticLayers(PlacementPolicy[StaticLayersConfig]):
     description = "experts of the first N MoE layers on the CPU, the rest on the GPU (llama.cpp --n-cpu-moe)"
     Config = StaticLayersConfig
     may_fetch = False
+
+    def __init__(self, config: StaticLayersConfig | None = None):
+        super().__init__(config)
+        # op offload copies CPU-layer experts to the GPU for big batches: this instance then fetches
+        self.may_fetch = self.config.offload_min_tokens > 0
 
     def required_capacities(self, num_layers: int, num_experts: int) -> np.ndarray | None:
         n = self.config.cpu_layers
@@ -65,4 +84,11 @@ class StaticLayers(PlacementPolicy[StaticLayersConfig]):
         self.cpu_layers = n
 
     def place(self, view: LayerView) -> np.ndarray:
-        return np.full(len(view.experts), bool(self.gpu_layer[view.layer]))
+        if self.gpu_layer[view.layer]:
+            return np.ones(len(view.experts), dtype=bool)
+        m = self.config.offload_min_tokens
+        if m <= 0:
+            return np.zeros(len(view.experts), dtype=bool)
+        if self.config.offload_basis == "step":
+            return np.full(len(view.experts), view.tokens >= m)
+        return np.asarray(view.counts) >= m

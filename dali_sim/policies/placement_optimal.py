@@ -60,9 +60,24 @@ def _scale(t_gpu: np.ndarray, t_cpu: np.ndarray) -> float:
     return min(TARGET_SCALE / lower, 1e9 / top)
 
 
+ENUMERATE_MAX = 12  # up to this many experts, every one of the 2^n assignments is evaluated
+
+
+def _enumerate(t_gpu: np.ndarray, t_cpu: np.ndarray, needs: np.ndarray, max_new: int | None) -> np.ndarray:
+    """Exact by exhaustion (small layers): the first minimiser in mask order."""
+    n = len(t_gpu)
+    masks = ((np.arange(1 << n)[:, None] >> np.arange(n)) & 1).astype(bool)
+    cost = np.maximum(masks @ t_gpu, ~masks @ t_cpu)
+    if max_new is not None:
+        cost[(masks & needs).sum(axis=1) > max_new] = np.inf
+    return masks[int(np.argmin(cost))]
+
+
 def _solve(t_gpu: np.ndarray, t_cpu: np.ndarray, needs: np.ndarray, max_new: int | None,
            time_limit: float) -> np.ndarray:
     n = len(t_gpu)
+    if n <= ENUMERATE_MAX:
+        return _enumerate(t_gpu, t_cpu, needs, max_new)
     s = _scale(t_gpu, t_cpu)
     g, c = t_gpu * s, t_cpu * s
     rows = [np.append(g, -1.0), np.append(-c, -1.0)]
@@ -72,13 +87,16 @@ def _solve(t_gpu: np.ndarray, t_cpu: np.ndarray, needs: np.ndarray, max_new: int
         upper.append(float(max_new))
     cost = np.zeros(n + 1)
     cost[n] = 1.0
-    res = milp(
-        cost,
-        integrality=np.append(np.ones(n), 0.0),
-        bounds=Bounds(np.zeros(n + 1), np.append(np.ones(n), np.inf)),
-        constraints=LinearConstraint(np.array(rows), -np.inf, np.array(upper)),
-        options={"time_limit": float(time_limit), "mip_rel_gap": 0.0, "presolve": True},
-    )
+    for presolve in (True, False):  # HiGHS' presolve occasionally reports a solve error: retry without
+        res = milp(
+            cost,
+            integrality=np.append(np.ones(n), 0.0),
+            bounds=Bounds(np.zeros(n + 1), np.append(np.ones(n), np.inf)),
+            constraints=LinearConstraint(np.array(rows), -np.inf, np.array(upper)),
+            options={"time_limit": float(time_limit), "mip_rel_gap": 0.0, "presolve": presolve},
+        )
+        if res.status == 0 and res.x is not None:
+            break
     if res.status != 0 or res.x is None:
         raise SolverError(f"HiGHS did not solve the {n}-expert assignment to optimality (status {res.status}: "
                           f"{res.message}); raise placement.time_limit_s")

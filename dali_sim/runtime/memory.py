@@ -32,7 +32,8 @@ class MemoryConfig(PolicyConfig):
     cache_init: str = field(default="empty", metadata={"help": "initial cache contents: empty | random | frequency"})
     staging_slots: int = field(default=2, metadata={
         "help": "expert-sized buffers for fetched experts that are not admitted to the cache"})
-    prefetch_slots: int = field(default=0, metadata={"help": "expert-sized buffers for prefetched experts"})
+    prefetch_slots: int = field(default=0, metadata={
+        "help": "expert-sized buffers for prefetched experts; -1 = one layer's experts (stream whole layers)"})
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -43,7 +44,9 @@ class MemoryConfig(PolicyConfig):
             raise ValueError(f"memory.cache_ratio must lie in [0, 1], got {self.cache_ratio}")
         if self.cache_ratio != -1.0 and self.cache_experts != -1:
             raise ValueError("give memory.cache_ratio or memory.cache_experts, not both")
-        for name in ("staging_slots", "prefetch_slots", "gpu_memory_gib"):
+        if self.prefetch_slots < -1:
+            raise ValueError(f"memory.prefetch_slots must be >= 0 (or -1 = one layer's experts), got {self.prefetch_slots}")
+        for name in ("staging_slots", "gpu_memory_gib"):
             if getattr(self, name) < 0:
                 raise ValueError(f"memory.{name} must not be negative, got {getattr(self, name)}")
         if self.cache_experts < -1:
@@ -56,6 +59,7 @@ class MemoryPlan:
     budget_bytes: int
     breakdown: dict[str, int]  # bytes per item
     notes: tuple[str, ...] = ()  # settings that did not apply, said out loud
+    prefetch_slots: int = 0  # resolved (-1 in the config = one layer's experts)
 
     @property
     def used_bytes(self) -> int:
@@ -82,11 +86,12 @@ def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max
     ``required`` (from the placement, e.g. static-layers with a given N) fixes the slots per layer."""
     L, E, xb = model.num_moe_layers, model.num_experts, model.expert_bytes
     budget = int(cfg.gpu_memory_gib * GIB) if cfg.gpu_memory_gib > 0 else int(profile_gpu_bytes)
+    prefetch_slots = E if cfg.prefetch_slots == -1 else cfg.prefetch_slots
     fixed = {
         "dense_weights": model.bytes_of(model.non_expert_params),
         "kv_cache": kv_cache_bytes(model, max_kv_tokens),
         "staging_buffers": cfg.staging_slots * xb,
-        "prefetch_buffers": cfg.prefetch_slots * xb,
+        "prefetch_buffers": prefetch_slots * xb,
     }
     free = budget - sum(fixed.values())
     if free < 0:
@@ -122,4 +127,4 @@ def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max
     else:
         caps = np.full(L, min(E, free // (L * xb)), dtype=np.int64)
     breakdown = fixed | {"expert_cache": int(caps.sum() * xb)}
-    return MemoryPlan(caps, budget, breakdown, tuple(notes))
+    return MemoryPlan(caps, budget, breakdown, tuple(notes), prefetch_slots)

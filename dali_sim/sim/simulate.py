@@ -100,7 +100,7 @@ def simulate(
     mem = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, workload.max_batch_context,
                       required=placement.required_capacities(workload.num_layers, workload.num_experts))
     controller = Controller(workload, costs, placement, cache, prefetch, mem.capacities,
-                            cache_init=sysconf.memory.cache_init, prefetch_slots=sysconf.memory.prefetch_slots,
+                            cache_init=sysconf.memory.cache_init, prefetch_slots=mem.prefetch_slots,
                             staging_slots=sysconf.memory.staging_slots, seed=seed)
     counters = PlanCounters(workload.num_layers)
     # the bar appears only for runs longer than 2 s
