@@ -96,7 +96,7 @@ def format_run(r: SimResult) -> str:
     lines += [f"note: {n}" for n in mem["notes"]]
     if s["bounds"]:
         lines.append("BOUND: " + ", ".join(f"{k} {v}" for k, v in s["bounds"].items())
-                     + " sees the future; this is a limit, not an achievable system")
+                     + " is a bound (exact or oracle), not an achievable system")
     if "makespan_s" in s:
         lines += [
             f"time: prefill {_fmt(s['prefill_s'], ' s')}, decode {_fmt(s['decode_s'], ' s')} "
@@ -189,7 +189,7 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
             click.echo(f"note ({name}): {note}")
         if r.summary["bounds"]:
             click.echo(f"BOUND ({name}): " + ", ".join(f"{k} {v}" for k, v in r.summary["bounds"].items())
-                       + " sees the future")
+                       + " is a bound, not an achievable system")
 
 
 @sim.command("systems")

@@ -112,7 +112,8 @@ class Policy(ABC, Generic[C]):
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Config: ClassVar[type[PolicyConfig]] = NoConfig
-    #: a bound sees the future (``LayerView.true_counts``); results are labelled as bounds
+    #: a bound (an exact solution or an oracle) is not an achievable policy; results are labelled as
+    #: bounds, and only bounds get ``LayerView.true_counts`` (the future)
     is_bound: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None):

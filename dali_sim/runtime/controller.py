@@ -87,7 +87,7 @@ class Controller:
         self.pending = np.zeros((L, E), dtype=bool)  # prefetched (in flight or arrived) for each layer
         self.n_pending = np.zeros(L, dtype=np.int64)
         self._predictors = tuple(workload.predicted)
-        #: the families whose policy is a bound (sees the future); results are labelled with it
+        #: the families whose policy is a bound (exact or oracle); results are labelled with it
         self.bounds = {family: p.name for family, p in (("placement", placement), ("cache", cache),
                                                         ("prefetch", prefetch)) if p.is_bound}
 
