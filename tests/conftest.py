@@ -5,11 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+import math
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from dali_sim.hardware.measured import ModelShape
+from dali_sim.sim import simulate
+from dali_sim.sim.counters import COUNTERS
 from dali_sim.models.spec import AttentionSpec, ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +27,31 @@ def tiny_model(num_layers: int = 3, moe_layers=(0, 1, 2), num_experts: int = 4, 
         dense_intermediate_size=16, vocab_size=16,
         attention=AttentionSpec(kind="gqa", num_heads=1, num_kv_heads=1, head_dim=8),
     )
+
+
+#: the hand-worked engine examples (test_sim_overlap.py, test_sim_prefetch.py): one sequence,
+#: 2 MoE layers, 3 experts, top-2; rows are (pos, phase, layer-0 experts, layer-1 experts)
+OVERLAP_MODEL = tiny_model(num_layers=2, moe_layers=(0, 1), num_experts=3, top_k=2)
+OVERLAP_ROWS = [(0, "prefill", [0, 1], [2, 0]), (1, "prefill", [0, 2], [2, 1]), (2, "decode", [1, 0], [1, 2])]
+
+
+@pytest.fixture(scope="session")
+def overlap_trace(tmp_path_factory):
+    from dali_sim.trace import TraceWriter, read_trace
+
+    path = tmp_path_factory.mktemp("overlap") / "overlap.parquet"
+    with TraceWriter(path, OVERLAP_MODEL, provenance={"source": "hand-written", "command": "tests/conftest.py"}) as w:
+        for pos, phase, l0, l1 in OVERLAP_ROWS:
+            for layer, experts in ((0, l0), (1, l1)):
+                w.write(seq_id=0, phase=phase, pos=pos, layer=layer, experts=np.array([experts]),
+                        weights=np.array([[0.5, 0.5]], np.float32))
+    return read_trace(path)
+
+
+@pytest.fixture(scope="session")
+def round_profile(tmp_path_factory):
+    """GPU 1 s per token, CPU 3 s per token, 2 s per expert copy, dense part 0.5 s (the overlap model)."""
+    return round_number_profile(tmp_path_factory.mktemp("hw") / "round.json", OVERLAP_MODEL)
 
 
 @pytest.fixture
@@ -74,3 +103,27 @@ def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), x
     }
     path.write_text(json.dumps(data))
     return path
+
+
+TIMING_KEYS = {"makespan_s", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
+               "prefill_throughput", "decode_throughput", "ttft_s", "tpot_s", "busy", "events"}
+
+
+def _same(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def simulate_both(trace, system, overrides=None, **kw):
+    """The SimPy path and the no-timing path on the same inputs; asserts that every count agrees
+    (summary and per layer) and returns (timed, counted)."""
+    timed = simulate(trace, system, overrides=overrides, **kw)
+    fast = simulate(trace, system, overrides=overrides, timing=False, **kw)
+    assert set(fast.summary) == set(timed.summary) - TIMING_KEYS
+    for k, v in fast.summary.items():
+        assert _same(v, timed.summary[k]), (k, v, timed.summary[k])
+    assert list(fast.per_layer.columns) == list(COUNTERS) + ["hit_rate"]
+    pd.testing.assert_frame_equal(fast.per_layer, timed.per_layer[fast.per_layer.columns])
+    assert "makespan_s" in timed.summary and "makespan_s" not in fast.summary
+    assert fast.config["timing"] is False and fast.manifest["timing"] is False
+    assert fast.config["system"] == timed.config["system"]
+    return timed, fast

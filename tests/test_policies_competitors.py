@@ -7,12 +7,11 @@ expert's copy 2 s (all exact in floating point).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import round_number_profile, tiny_model
+from conftest import round_number_profile, simulate_both, tiny_model
 
 import dali_sim.policies  # noqa: F401  (the built-in policies)
 import dali_sim.policies.hybrimoe  # noqa: F401  (registers hybrimoe placement, hybrimoe-mrs, hybrimoe prefetch)
@@ -35,14 +34,11 @@ from dali_sim.policies.placement import StaticLayers, StaticLayersConfig
 from dali_sim.policies.placement_competitors import Fiddler, ResidentGpu, fiddler_rule
 from dali_sim.policies.prefetch_competitors import NextLayerAll
 from dali_sim.policies.systems import resolve_system
-from dali_sim.sim.counters import COUNTERS
 from dali_sim.sim.simulate import simulate
 from dali_sim.trace import TraceError, TraceWriter, read_trace
 from dali_sim.trace.synth import SynthConfig, synthesize
 
 T, F = True, False
-TIMING_KEYS = {"makespan_s", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
-               "prefill_throughput", "decode_throughput", "ttft_s", "tpot_s", "busy", "events"}
 E4 = tiny_model(num_layers=4, moe_layers=(0, 1, 2, 3), num_experts=4, top_k=2)
 
 
@@ -99,17 +95,11 @@ def write_trace(path: Path, model, rows, lookahead=None, predictors=()) -> Path:
     return path
 
 
-def paths_agree(trace, system, overrides, **kw):
-    """Both simulator paths: every counter of the summary and per layer agrees."""
-    timed = simulate(trace, system, overrides=overrides, **kw)
-    fast = simulate(trace, system, overrides=overrides, timing=False, **kw)
-    assert set(fast.summary) == set(timed.summary) - TIMING_KEYS
-    for k, v in fast.summary.items():
-        w = timed.summary[k]
-        assert v == w or (isinstance(v, float) and math.isnan(v) and math.isnan(w)), (k, v, w)
-    for c in COUNTERS:
-        assert fast.per_layer[c].tolist() == timed.per_layer[c].tolist(), c
-    return timed
+
+
+
+def agree(trace, system, overrides, **kw):
+    return simulate_both(trace, system, overrides, **kw)[0]
 
 
 # ---- HybriMoE: the three-queue schedule -----------------------------------------------------------
@@ -212,7 +202,7 @@ def test_mrs_end_to_end_differs_from_lru(one_layer):
     LRU evicts e0 at step 5 (touched at step 3, e1 at step 4), so step 6 misses: 3 hits, 2 evictions."""
     trace, profile = one_layer
     ov = {"cache": {"policy": "hybrimoe-mrs", "a": "0.25"}, "memory": {"cache_experts": "2"}}
-    r = paths_agree(trace, "gpu-lru", ov, hardware=profile)
+    r = agree(trace, "gpu-lru", ov, hardware=profile)
     s = r.summary
     assert (s["hits"], s["on_demand"], s["admitted"], s["evicted"]) == (4, 3, 3, 1)
     lru = simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"memory": {"cache_experts": "2"}})
@@ -315,16 +305,16 @@ def test_fiddler_and_ktransformers_end_to_end(tmp_path):
     trace = read_trace(write_trace(tmp_path / "t.parquet", ONE, rows))
     profile = round_number_profile(tmp_path / "round.json", ONE)
     mem = {"cache_experts": "1", "cache_init": "frequency", "staging_slots": "1"}
-    fid = paths_agree(trace, "gpu-static", {"placement": {"policy": "fiddler"}, "memory": mem}, hardware=profile)
-    kt = paths_agree(trace, "gpu-static", {"placement": {"policy": "resident-gpu"}, "memory": mem},
+    fid = agree(trace, "gpu-static", {"placement": {"policy": "fiddler"}, "memory": mem}, hardware=profile)
+    kt = agree(trace, "gpu-static", {"placement": {"policy": "resident-gpu"}, "memory": mem},
                      hardware=profile)
     for r in (fid, kt):
         s = r.summary
         assert (s["activated"], s["hits"], s["on_demand"], s["staged"], s["cpu_experts"]) == (5, 1, 0, 0, 4)
     mem0 = {"cache_experts": "0", "staging_slots": "1"}
-    fid0 = paths_agree(trace, "gpu-static", {"placement": {"policy": "fiddler"}, "memory": mem0}, hardware=profile)
+    fid0 = agree(trace, "gpu-static", {"placement": {"policy": "fiddler"}, "memory": mem0}, hardware=profile)
     assert (fid0.summary["on_demand"], fid0.summary["staged"], fid0.summary["hits"], fid0.summary["cpu_experts"]) == (1, 1, 0, 4)
-    kt0 = paths_agree(trace, "gpu-static", {"placement": {"policy": "resident-gpu"}, "memory": mem0},
+    kt0 = agree(trace, "gpu-static", {"placement": {"policy": "resident-gpu"}, "memory": mem0},
                       hardware=profile)
     assert (kt0.summary["on_demand"], kt0.summary["hits"], kt0.summary["cpu_experts"]) == (0, 0, 5)
 
@@ -365,7 +355,7 @@ def test_llamacpp_offload_end_to_end(tmp_path, prompt, copies):
     trace = read_trace(write_trace(tmp_path / "t.parquet", TWO, rows))
     profile = round_number_profile(tmp_path / "round.json", TWO)
     ov = {"placement": {"cpu_layers": "1", "offload_min_tokens": "32"}, "memory": {"staging_slots": "1"}}
-    r = paths_agree(trace, "llamacpp", ov, hardware=profile)
+    r = agree(trace, "llamacpp", ov, hardware=profile)
     assert r.per_layer["on_demand"].tolist() == [copies, 0]
     assert r.per_layer["staged"].tolist() == [copies, 0]
     assert r.per_layer["hits"].tolist() == [0, 4 + 3 * 2]
@@ -394,7 +384,7 @@ def test_moe_lightning_end_to_end(tmp_path):
     profile = round_number_profile(tmp_path / "round.json", TWO)
     ov = {"prefetch": {"policy": "next-layer-all"}, "system": {"dense_device": "cpu"},
           "memory": {"cache_experts": "0", "prefetch_slots": "4", "staging_slots": "2"}}
-    r = paths_agree(trace, "gpu-lru", ov, hardware=profile)
+    r = agree(trace, "gpu-lru", ov, hardware=profile)
     s = r.summary
     assert (s["on_demand"], s["prefetch_issued"], s["prefetch_used"], s["prefetch_wasted"]) == (6, 12, 6, 6)
     assert r.per_layer["on_demand"].tolist() == [6, 0]
@@ -423,7 +413,7 @@ HYBRI = {"placement": {"policy": "hybrimoe"}, "cache": {"policy": "hybrimoe-mrs"
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_hybrimoe_system_on_synthetic_paths_agree(synthetic, batch):
-    r = paths_agree(synthetic, "gpu-lru", HYBRI, batch_size=batch)
+    r = agree(synthetic, "gpu-lru", HYBRI, batch_size=batch)
     s = r.summary
     assert s["hits"] > 0 and s["prefetch_issued"] > 0
     assert 0 < s["cpu_experts"] < s["activated"]  # a hybrid: some experts on the CPU, some on the GPU

@@ -6,13 +6,12 @@ predictors, the missing-column error, and the no-timing and SimPy paths agreeing
 
 from __future__ import annotations
 
-import math
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import round_number_profile, tiny_model
+from conftest import round_number_profile, simulate_both, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,8 +30,6 @@ from dali_sim.trace.schema import PredictorInfo
 from dali_sim.trace.synth import SynthConfig, synthesize
 from dali_sim.workload.builder import Workload, WorkloadConfig
 
-TIMING_KEYS = {"makespan_s", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
-               "prefill_throughput", "decode_throughput", "ttft_s", "tpot_s", "busy", "events"}
 
 
 # ---- helpers --------------------------------------------------------------------------------------
@@ -116,17 +113,7 @@ def write_trace(path: Path, model, rows, lookahead=None, predictors=()) -> Path:
     return path
 
 
-def assert_paths_agree(trace, system: str, overrides, **kw):
-    """Every counter of the summary and of per_layer agrees between the SimPy and no-timing paths."""
-    timed = simulate(trace, system, overrides=overrides, **kw)
-    fast = simulate(trace, system, overrides=overrides, timing=False, **kw)
-    assert set(fast.summary) == set(timed.summary) - TIMING_KEYS
-    for k, v in fast.summary.items():
-        w = timed.summary[k]
-        assert v == w or (isinstance(v, float) and math.isnan(v) and math.isnan(w)), (k, v, w)
-    for c in COUNTERS:
-        assert fast.per_layer[c].tolist() == timed.per_layer[c].tolist(), c
-    return timed
+
 
 
 # ---- dali-window: config and the pure swap rule ---------------------------------------------------
@@ -532,14 +519,14 @@ def test_dali_system_on_synthetic_paths_agree(synthetic):
     next-gate: the SimPy and no-timing paths agree on every counter."""
     dali = {"cache": {"policy": "dali-window", "w": "4", "u": "1"}, "prefetch": {"policy": "dali-residual", "k": "1"},
             "memory": {**MEM, "cache_init": "random"}}
-    r = assert_paths_agree(synthetic, "gpu-lru", dali, seed=7)
+    r = simulate_both(synthetic, "gpu-lru", dali, seed=7)[0]
     s = r.summary
     assert s["swaps"] > 0 and s["admitted"] == 0 and s["evicted"] == 0  # contents change only by swaps
     assert s["hits"] > 0 and s["prefetch_precision"] == 1.0
     # at most u = 1 swap per layer per window of 4 steps
     steps = len(r.per_step)
     assert (r.per_layer["swaps"] <= steps // 4).all()
-    assert_paths_agree(synthetic, "gpu-lru", {"prefetch": {"policy": "next-gate", "k": "2"}, "memory": MEM},
+    simulate_both(synthetic, "gpu-lru", {"prefetch": {"policy": "next-gate", "k": "2"}, "memory": MEM},
                        batch_size=2)
-    assert_paths_agree(synthetic, "gpu-lru", {**dali, "cache": {"policy": "dali-window", "w": "2", "u": "2"},
+    simulate_both(synthetic, "gpu-lru", {**dali, "cache": {"policy": "dali-window", "w": "2", "u": "2"},
                                               "memory": {**MEM, "cache_init": "empty"}}, batch_size=3)

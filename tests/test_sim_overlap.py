@@ -1,6 +1,6 @@
 """The engine's overlap rules, checked against timelines worked out on paper.
 
-Trace (written by :func:`overlap_trace`): one sequence, 2 MoE layers, 3 experts, top-2.
+Trace (the `overlap_trace` fixture of conftest.py): one sequence, 2 MoE layers, 3 experts, top-2.
 
     pos 0 prefill: layer 0 [0, 1]   layer 1 [2, 0]
     pos 1 prefill: layer 0 [0, 2]   layer 1 [2, 1]
@@ -34,37 +34,19 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import simpy
-from conftest import round_number_profile, tiny_model
+from conftest import OVERLAP_MODEL
 
 from dali_sim.policies.base import PlacementPolicy
 from dali_sim.policies.systems import PolicyChoice, resolve_system
 from dali_sim.sim.engine import SimEngine
 from dali_sim.sim.simulate import simulate
-from dali_sim.trace import TraceWriter, read_trace
 
-MODEL = tiny_model(num_layers=2, moe_layers=(0, 1), num_experts=3, top_k=2)
-ROWS = [  # (pos, phase, layer 0 experts, layer 1 experts)
-    (0, "prefill", [0, 1], [2, 0]),
-    (1, "prefill", [0, 2], [2, 1]),
-    (2, "decode", [1, 0], [1, 2]),
-]
+MODEL = OVERLAP_MODEL
 
 
 @pytest.fixture(scope="module")
-def overlap_trace(tmp_path_factory):
-    path = tmp_path_factory.mktemp("overlap") / "overlap.parquet"
-    with TraceWriter(path, MODEL, provenance={"source": "hand-written", "command": "tests/test_sim_overlap.py"}) as w:
-        for pos, phase, l0, l1 in ROWS:
-            for layer, experts in ((0, l0), (1, l1)):
-                w.write(seq_id=0, phase=phase, pos=pos, layer=layer, experts=np.array([experts]),
-                        weights=np.array([[0.5, 0.5]], np.float32))
-    return read_trace(path)
-
-
-@pytest.fixture(scope="module")
-def profile(tmp_path_factory):
-    """GPU 1 s per token, CPU 3 s per token, 2 s per expert copy, dense part 0.5 s."""
-    return round_number_profile(tmp_path_factory.mktemp("hw") / "overlap-simple.json", MODEL)
+def profile(round_profile):
+    return round_profile
 
 
 # ---- a placement that splits a layer between the lanes (no preset does) ----------------------------

@@ -15,20 +15,18 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from conftest import random_rows, tiny_model
+from conftest import random_rows, simulate_both, tiny_model
 
 import dali_sim
 from dali_sim.cli.main import cli
 from dali_sim.policies.systems import parse_overrides, resolve_system, system_names
 from dali_sim.registry import UnknownNameError
-from dali_sim.sim.counters import COUNTERS
 from dali_sim.sim.engine import TRACKS
 from dali_sim.sim.simulate import simulate
 from dali_sim.sim.timeline import chrome_trace, write_timeline
@@ -39,8 +37,6 @@ GPT_OSS = REPO / "traces" / "gpt-oss-20b.parquet"
 SWITCH = REPO / "traces" / "switch-base-8.parquet"
 GOLDEN = REPO / "tests" / "data" / "sim-golden.parquet"
 PRESETS = ["cpu-only", "gpu-lfu", "gpu-lru", "gpu-static", "llamacpp"]
-TIMING_KEYS = {"makespan_s", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
-               "prefill_throughput", "decode_throughput", "ttft_s", "tpot_s", "busy", "events"}
 
 
 def write_subset(src, path: Path, seqs) -> Path:
@@ -66,31 +62,14 @@ def traces(tmp_path_factory):
             "synth": synth}
 
 
-def same(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return a == b
 
-
-def assert_paths_agree(trace, system: str, batch: int, overrides=None):
-    timed = simulate(trace, system, batch_size=batch, overrides=overrides)
-    fast = simulate(trace, system, batch_size=batch, overrides=overrides, timing=False)
-    assert set(fast.summary) == set(timed.summary) - TIMING_KEYS
-    for k, v in fast.summary.items():
-        assert same(v, timed.summary[k]), (k, v, timed.summary[k])
-    assert list(fast.per_layer.columns) == list(COUNTERS) + ["hit_rate"]
-    pd.testing.assert_frame_equal(fast.per_layer, timed.per_layer[fast.per_layer.columns])
-    assert "makespan_s" in timed.summary and "makespan_s" not in fast.summary
-    assert fast.config["timing"] is False and fast.manifest["timing"] is False
-    assert fast.config["system"] == timed.config["system"]
-    return timed, fast
 
 
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("system", PRESETS)
 @pytest.mark.parametrize("name", ["gpt-oss-slice", "switch", "synth"])
 def test_no_timing_agrees_with_simpy(traces, name, system, batch):
-    timed, _ = assert_paths_agree(traces[name], system, batch)
+    timed, _ = simulate_both(traces[name], system, batch_size=batch)
     s = timed.summary
     assert s["activated"] == s["gpu_experts"] + s["cpu_experts"]
     assert s["on_demand"] == s["admitted"] + s["staged"]
@@ -108,7 +87,7 @@ def test_no_timing_agrees_with_small_caches(traces, name, system, batch):
     """A quarter of the experts cached (2 of 8): staged experts, and (synth, LRU/LFU) evictions happen.
     (switch-base-8 is prefill only: nearly every expert is activated in every step, so nothing is
     ever evictable.)"""
-    timed, _ = assert_paths_agree(traces[name], system, batch, {"memory": {"cache_ratio": "0.25"}})
+    timed, _ = simulate_both(traces[name], system, {"memory": {"cache_ratio": "0.25"}}, batch_size=batch)
     assert timed.manifest["memory"]["cache_slots_per_layer"][0] == 2
     assert timed.summary["staged"] > 0
     if system != "gpu-static" and name == "synth":
@@ -119,7 +98,7 @@ def test_no_timing_agrees_with_small_caches(traces, name, system, batch):
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("system", PRESETS)
 def test_no_timing_agrees_full_gpt_oss(system, batch):
-    assert_paths_agree(GPT_OSS, system, batch)
+    simulate_both(GPT_OSS, system, batch_size=batch)
 
 
 # ---- determinism ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Prefetching in the engine: background copies share the link, on-demand copies go first, a prefetched
 expert still in flight is waited for; the oracle bound; cache swaps land before the layer's next visit.
 
-Trace: one sequence, 2 MoE layers, 3 experts, top-2 (the same rows as test_sim_overlap.py):
+Trace: the `overlap_trace` fixture of conftest.py: one sequence, 2 MoE layers, 3 experts, top-2:
 
     pos 0 prefill: layer 0 [0, 1]   layer 1 [2, 0]
     pos 1 prefill: layer 0 [0, 2]   layer 1 [2, 1]
@@ -32,18 +32,13 @@ Counts: 10 activated, 0 hits, 6 on-demand copies, 4 prefetches all used (precisi
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from conftest import round_number_profile, tiny_model
 
 from dali_sim.policies.base import CachePolicy, LayerView, PrefetchPolicy
 from dali_sim.policies.systems import PolicyChoice, resolve_system
 from dali_sim.sim.engine import SimEngine
 from dali_sim.sim.simulate import simulate
-from dali_sim.trace import TraceWriter, read_trace
 
-MODEL = tiny_model(num_layers=2, moe_layers=(0, 1), num_experts=3, top_k=2)
-ROWS = [(0, "prefill", [0, 1], [2, 0]), (1, "prefill", [0, 2], [2, 1]), (2, "decode", [1, 0], [1, 2])]
 ORACLE = {
     "cache": {"policy": "lru"}, "prefetch": {"policy": "oracle", "k": "2"},
     "memory": {"cache_experts": "0", "staging_slots": "3", "prefetch_slots": "4"},
@@ -51,19 +46,13 @@ ORACLE = {
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prefetch") / "t.parquet"
-    with TraceWriter(path, MODEL, provenance={"source": "hand-written"}) as w:
-        for pos, phase, l0, l1 in ROWS:
-            for layer, experts in ((0, l0), (1, l1)):
-                w.write(seq_id=0, phase=phase, pos=pos, layer=layer, experts=np.array([experts]),
-                        weights=np.array([[0.5, 0.5]], np.float32))
-    return read_trace(path)
+def trace(overlap_trace):
+    return overlap_trace
 
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory):
-    return round_number_profile(tmp_path_factory.mktemp("hw") / "round.json", MODEL)
+def profile(round_profile):
+    return round_profile
 
 
 def run(trace, profile, system="gpu-lru", overrides=ORACLE, **kw):

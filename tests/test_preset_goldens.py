@@ -1,0 +1,251 @@
+"""Golden numbers of every system preset on tests/data/sim-golden.parquet (round-number profile).
+
+The trace (rows in tests/data/make_sim_golden.py): 2 MoE layers, 5 experts, top-2; seq 0 = 3 prefill
++ 3 decode tokens, seq 1 = 2 prefill + 2 decode tokens. At batch size 1: 7 steps; touch order per
+(step, layer), workloads in brackets where not all 1:
+
+    step            0                   1      2      3      4                5      6
+    layer 0   0,1,3,2 [2,2,1,1]        4,0    4,2    3,1    4,2,3 [2,1,1]    0,2    2,3
+    layer 1   2,3,4   [3,2,1]          0,1    2,0    4,3    1,0,4 [2,1,1]    3,1    4,3
+
+Profile (tests/conftest.py ``round_number_profile``): GPU expert 1 s per token, CPU expert 3 s per
+token, one expert copy 2 s, dense part of a layer 0.5 s; a 24 GiB GPU, so a preset's uniform layout
+holds all 5 experts of each layer unless ``memory.cache_experts`` says otherwise.
+
+Presets that read lookahead columns (dali: ``residual``; mixtral-offloading: ``next-gate``; hybrimoe:
+``next-gate``, ``gate2`` @2, ``gate3`` @3) run on :func:`write_lookahead_variant`: the same rows as the
+golden trace plus hand-listed predicted logits (see :data:`RESIDUAL_TOP2`, :data:`NEXT_GATE_TOP2`).
+With 2 MoE layers only layer 0's rows have a target (layer 1) for the offset-1 columns; layer 1's rows
+and every row of ``gate2``/``gate3`` (targets layer 2 and 3 do not exist) are null, as the trace format
+requires. Every other preset runs on the checked-in file itself.
+
+Each preset is pinned in two variants: ``default`` (the preset as shipped) and ``small`` (a 2-slot
+cache per layer via ``memory.cache_experts=2``; for llamacpp, whose layout ignores cache_experts,
+``placement.cpu_layers=1``; cpu-only has no cache and only ``default``).
+
+The pins were produced by running the code (they are regression pins), except the ones derived by
+hand below: ktransformers and fiddler (both variants, batch 1), and the ``default`` variant of the
+all-resident presets (47 s: 7 s of dense + 40 expert-token seconds on the GPU).
+"""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import round_number_profile
+
+from dali_sim.policies import resolve_system, system_names
+from dali_sim.sim.simulate import simulate
+from dali_sim.trace import SequenceInfo, TraceWriter, read_trace
+from dali_sim.trace.schema import PredictorInfo
+
+DATA = Path(__file__).resolve().parent / "data"
+GOLDEN_TRACE = DATA / "sim-golden.parquet"
+KEYS = ("hits", "on_demand", "prefetch_issued", "prefetch_used", "swaps", "gpu_experts", "makespan_s")
+
+# Predicted layer-1 top-2 (rank order) made at layer 0, per (seq_id, pos). The true layer-1 routing is
+# (0,0) [2,3]  (0,1) [2,4]  (0,2) [3,2]  (0,3) [0,1]  (0,4) [2,0]  (0,5) [4,3]
+# (1,0) [1,0]  (1,1) [1,4]  (1,2) [3,1]  (1,3) [4,3].
+# residual: mostly right (one expert wrong at (0,2), (0,4), (1,2); (1,1) right set, swapped ranks)
+RESIDUAL_TOP2 = {
+    (0, 0): [2, 3], (0, 1): [2, 4], (0, 2): [3, 0], (0, 3): [0, 1], (0, 4): [2, 1], (0, 5): [4, 3],
+    (1, 0): [1, 0], (1, 1): [4, 1], (1, 2): [3, 2], (1, 3): [4, 3],
+}
+# next-gate: less accurate
+NEXT_GATE_TOP2 = {
+    (0, 0): [2, 4], (0, 1): [2, 3], (0, 2): [3, 2], (0, 3): [1, 2], (0, 4): [0, 2], (0, 5): [4, 0],
+    (1, 0): [1, 3], (1, 1): [1, 4], (1, 2): [3, 1], (1, 3): [0, 3],
+}
+PREDICTORS = (("residual", 1, RESIDUAL_TOP2), ("next-gate", 1, NEXT_GATE_TOP2), ("gate2", 2, None),
+              ("gate3", 3, None))
+
+
+def _logits(top2, num_experts: int) -> np.ndarray:
+    """Logits whose top-2 is ``top2`` in order: 2.0 for rank 0, 1.0 for rank 1, 0.0 elsewhere."""
+    v = np.zeros(num_experts, np.float32)
+    v[top2[0]], v[top2[1]] = 2.0, 1.0
+    return v
+
+
+def write_lookahead_variant(path: Path) -> Path:
+    """The golden trace's rows (from make_sim_golden.py) plus the hand-listed lookahead columns."""
+    script = runpy.run_path(str(DATA / "make_sim_golden.py"))
+    model, tokens, weights = script["GOLDEN"], script["TOKENS"], script["WEIGHTS"]
+    E = model.num_experts
+    null = np.full(E, np.nan, np.float32)
+    infos = [PredictorInfo(name, offset, "hand-written (tests/test_preset_goldens.py)")
+             for name, offset, _ in PREDICTORS]
+    sequences = [SequenceInfo(0, "seq0", prompt_tokens=3, generated_tokens=3),
+                 SequenceInfo(1, "seq1", prompt_tokens=2, generated_tokens=2)]
+    with TraceWriter(path, model, provenance={"source": "hand-written", "command": "tests/test_preset_goldens.py"},
+                     sequences=sequences, predictors=infos) as w:
+        for seq_id, pos, phase, l0, l1 in tokens:
+            for ordinal, experts in ((0, l0), (1, l1)):
+                look = {}
+                for name, offset, table in PREDICTORS:
+                    has_target = table is not None and ordinal + offset < len(model.moe_layers)
+                    look[name] = (_logits(table[seq_id, pos], E) if has_target else null)[None, :]
+                w.write(seq_id=seq_id, phase=phase, pos=pos, layer=model.moe_layers[ordinal],
+                        experts=np.array([experts]), weights=np.array([weights], np.float32), lookahead=look)
+    return path
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("preset-goldens")
+    plain = read_trace(GOLDEN_TRACE)
+    look = read_trace(write_lookahead_variant(d / "sim-golden-lookahead.parquet"))
+    return plain, look
+
+
+@pytest.fixture
+def profile(tmp_path, traces):
+    return round_number_profile(tmp_path / "p.json", traces[0].model)
+
+
+def needs_lookahead(name: str) -> bool:
+    return bool(resolve_system(name).prefetch.build().required_predictors())
+
+
+SMALL = {"memory": {"cache_experts": "2"}}
+VARIANTS = {
+    name: {"default": {}, **({} if name == "cpu-only" else
+                             {"small": {"placement": {"cpu_layers": "1"}} if name == "llamacpp" else SMALL})}
+    for name in system_names()
+}
+
+# (preset, variant, batch) -> (hits, on_demand, prefetch_issued, prefetch_used, swaps, gpu_experts, makespan_s)
+PINS = {
+    ('cpu-only', 'default', 1): (0, 0, 0, 0, 0, 0, 127.0),
+    ('cpu-only', 'default', 2): (0, 0, 0, 0, 0, 0, 124.0),
+    ('dali', 'default', 1): (33, 0, 0, 0, 0, 29, 43.0),
+    ('dali', 'default', 2): (27, 0, 0, 0, 0, 21, 36.0),
+    ('dali', 'small', 1): (10, 12, 10, 8, 4, 28, 67.5),
+    ('dali', 'small', 2): (11, 6, 9, 6, 2, 21, 45.0),
+    ('fiddler', 'default', 1): (33, 0, 0, 0, 0, 33, 47.0),
+    ('fiddler', 'default', 2): (27, 0, 0, 0, 0, 27, 44.0),
+    ('fiddler', 'small', 1): (15, 3, 0, 0, 0, 18, 61.0),
+    ('fiddler', 'small', 2): (11, 5, 0, 0, 0, 16, 53.0),
+    ('gpu-lfu', 'default', 1): (23, 10, 0, 0, 0, 33, 56.0),
+    ('gpu-lfu', 'default', 2): (17, 10, 0, 0, 0, 27, 48.0),
+    ('gpu-lfu', 'small', 1): (8, 25, 0, 0, 0, 33, 72.0),
+    ('gpu-lfu', 'small', 2): (4, 23, 0, 0, 0, 27, 60.0),
+    ('gpu-lru', 'default', 1): (23, 10, 0, 0, 0, 33, 56.0),
+    ('gpu-lru', 'default', 2): (17, 10, 0, 0, 0, 27, 48.0),
+    ('gpu-lru', 'small', 1): (8, 25, 0, 0, 0, 33, 72.0),
+    ('gpu-lru', 'small', 2): (4, 23, 0, 0, 0, 27, 60.0),
+    ('gpu-static', 'default', 1): (33, 0, 0, 0, 0, 33, 47.0),
+    ('gpu-static', 'default', 2): (27, 0, 0, 0, 0, 27, 44.0),
+    ('gpu-static', 'small', 1): (15, 18, 0, 0, 0, 33, 61.0),
+    ('gpu-static', 'small', 2): (11, 16, 0, 0, 0, 27, 52.0),
+    ('hybrimoe', 'default', 1): (33, 0, 0, 0, 0, 33, 47.0),
+    ('hybrimoe', 'default', 2): (27, 0, 0, 0, 0, 27, 44.0),
+    ('hybrimoe', 'small', 1): (16, 6, 2, 2, 0, 24, 54.0),
+    ('hybrimoe', 'small', 2): (11, 6, 1, 1, 0, 18, 41.0),
+    ('ktransformers', 'default', 1): (33, 0, 0, 0, 0, 33, 47.0),
+    ('ktransformers', 'default', 2): (27, 0, 0, 0, 0, 27, 44.0),
+    ('ktransformers', 'small', 1): (15, 0, 0, 0, 0, 15, 77.0),
+    ('ktransformers', 'small', 2): (11, 0, 0, 0, 0, 11, 70.0),
+    ('llamacpp', 'default', 1): (33, 0, 0, 0, 0, 33, 47.0),
+    ('llamacpp', 'default', 2): (27, 0, 0, 0, 0, 27, 44.0),
+    ('llamacpp', 'small', 1): (16, 0, 0, 0, 0, 16, 87.0),
+    ('llamacpp', 'small', 2): (14, 0, 0, 0, 0, 14, 84.0),
+    ('mixtral-offloading', 'default', 1): (23, 6, 4, 4, 0, 33, 55.0),
+    ('mixtral-offloading', 'default', 2): (17, 6, 4, 4, 0, 27, 47.5),
+    ('mixtral-offloading', 'small', 1): (8, 17, 9, 8, 0, 33, 73.5),
+    ('mixtral-offloading', 'small', 2): (4, 15, 8, 8, 0, 27, 58.0),
+    ('moe-lightning', 'default', 1): (0, 17, 35, 16, 0, 33, 109.0),
+    ('moe-lightning', 'default', 2): (0, 13, 20, 14, 0, 27, 72.5),
+    ('moe-lightning', 'small', 1): (8, 13, 23, 12, 0, 33, 78.5),
+    ('moe-lightning', 'small', 2): (4, 11, 14, 12, 0, 27, 58.5),
+}
+
+
+def test_lookahead_variant_has_the_golden_routing(traces):
+    plain, look = traces
+    assert look.model == plain.model
+    for col in ("seq_id", "pos", "layer", "phase", "experts"):
+        assert np.array_equal(getattr(look, col), getattr(plain, col)), col
+    assert sorted(look.meta.predictors) == ["gate2", "gate3", "next-gate", "residual"]
+
+
+def test_every_preset_is_pinned():
+    want = {(name, v, b) for name in system_names() for v in VARIANTS[name] for b in (1, 2)}
+    assert want == set(PINS), f"unpinned: {sorted(want - set(PINS))}; stale: {sorted(set(PINS) - want)}"
+
+
+@pytest.mark.parametrize("key", sorted(PINS), ids=lambda k: f"{k[0]}-{k[1]}-b{k[2]}")
+def test_preset_golden(traces, profile, key):
+    name, variant, batch = key
+    trace = traces[1] if needs_lookahead(name) else traces[0]
+    r = simulate(trace, name, hardware=profile, batch_size=batch, overrides=VARIANTS[name][variant])
+    s = r.summary
+    *ints, makespan = PINS[key]
+    assert tuple(int(s[k]) for k in KEYS[:-1]) == tuple(ints)
+    assert s["makespan_s"] == pytest.approx(makespan, rel=1e-9)
+    # the no-timing replay makes the same decisions
+    counted = simulate(trace, name, hardware=profile, batch_size=batch, overrides=VARIANTS[name][variant],
+                       timing=False).summary
+    assert tuple(int(counted[k]) for k in KEYS[:-1]) == tuple(ints)
+
+
+def test_presets_without_lookahead_agree_on_both_traces(traces, profile):
+    """The lookahead variant differs from the golden trace only in its predictor columns."""
+    for name in ("gpu-lru", "fiddler"):
+        a = simulate(traces[0], name, hardware=profile, overrides=SMALL).summary
+        b = simulate(traces[1], name, hardware=profile, overrides=SMALL).summary
+        assert [a[k] for k in KEYS] == [b[k] for k in KEYS]
+
+
+def test_ktransformers_small_batch1_by_hand(traces, profile):
+    """ktransformers, 2 slots, batch 1: static cache of the most frequent experts (frequency init;
+    totals layer 0 [4,3,5,4,4] -> {2, 0} (ties at 4 by lower id), layer 1 [3,4,4,5,4] -> {3, 1}).
+    resident-gpu: a resident expert runs on the GPU, every other on the CPU; nothing is copied.
+    Hits = GPU experts: layer 0: e0 at steps 0,1,5 and e2 at 0,2,4,5,6 -> 8; layer 1: e1 at 1,4,5 and
+    e3 at 0,3,5,6 -> 7; 15 in all; on_demand 0.
+    Per layer: 0.5 dense, then GPU (1 s/token) and CPU (3 s/token) in parallel: max(GPU sum, CPU sum).
+      layer 0: s0 GPU 0[2]+2[1]=3, CPU 1[2]+3[1]=9 -> 9;  s1 GPU 0 1, CPU 4 3 -> 3;  s2 GPU 2 1, CPU 4 3 -> 3
+               s3 CPU 3,1 -> 6;  s4 GPU 2 1, CPU 4[2]+3 = 9 -> 9;  s5 GPU 0,2 -> 2;  s6 GPU 2 1, CPU 3 3 -> 3
+               sum 35
+      layer 1: s0 GPU 3[2] 2, CPU 2[3]+4[1] = 12 -> 12;  s1 GPU 1 1, CPU 0 3 -> 3;  s2 CPU 2,0 -> 6
+               s3 GPU 3 1, CPU 4 3 -> 3;  s4 GPU 1[2] 2, CPU 0,4 6 -> 6;  s5 GPU 3,1 -> 2;  s6 -> 3
+               sum 35
+    makespan = 14 x 0.5 + 35 + 35 = 77 s."""
+    r = simulate(traces[0], "ktransformers", hardware=profile, overrides=SMALL)
+    assert r.per_layer["hits"].tolist() == [8, 7]
+    assert PINS[("ktransformers", "small", 1)] == (15, 0, 0, 0, 0, 15, 77.0)
+    assert tuple(r.summary[k] for k in KEYS) == (15, 0, 0, 0, 0, 15, 77.0)
+
+
+def test_fiddler_small_batch1_by_hand(traces, profile):
+    """fiddler, 2 slots, batch 1: the same static sets as ktransformers ({0,2} and {1,3}). A missing
+    expert of workload n goes to the GPU iff 3n > n + 2 (CPU > GPU + copy), i.e. n >= 2; it is copied
+    on demand and staged (static never admits). Misses with n >= 2: layer 0 s0 e1[2], s4 e4[2];
+    layer 1 s0 e2[3] -> on_demand 3, gpu_experts 15 + 3 = 18, hits 15.
+    Per layer after the 0.5 s dense part: hits present at once, a copy lands 2 s later; the GPU ends
+    at max over experts j of (arrival_j + GPU time of the experts arriving at or after it).
+      layer 0: s0 GPU hits 0[2],2[1] + fetched 1[2] at 2: max(0+5, 2+2) = 5; CPU 3 -> 3; layer 5
+               s1 3; s2 3; s3 CPU 3,1 -> 6; s4 fetched 4[2] at 2, hit 2: max(0+3, 2+2) = 4, CPU 3 -> 4
+               s5 hits 0,2 -> 2; s6 hit 2 1, CPU 3 3 -> 3; sum 5+3+3+6+4+2+3 = 26
+      layer 1: s0 fetched 2[3] at 2, hit 3[2]: max(0+5, 2+3) = 5, CPU 4 3 -> 5; s1 3; s2 CPU 2,0 -> 6
+               s3 3; s4 hit 1[2] 2, CPU 0,4 6 -> 6; s5 2; s6 3; sum 5+3+6+3+6+2+3 = 28
+    makespan = 7 + 26 + 28 = 61 s."""
+    r = simulate(traces[0], "fiddler", hardware=profile, overrides=SMALL)
+    s = r.summary
+    assert (s["staged"], s["admitted"], s["evicted"]) == (3, 0, 0)
+    assert PINS[("fiddler", "small", 1)] == (15, 3, 0, 0, 0, 18, 61.0)
+    assert tuple(s[k] for k in KEYS) == (15, 3, 0, 0, 0, 18, 61.0)
+
+
+@pytest.mark.parametrize("name", ["ktransformers", "fiddler"])
+def test_all_resident_default_by_hand(traces, profile, name):
+    """Default memory: the 24 GiB budget holds all 5 experts of both layers (frequency init fills
+    them), so every activated expert is a GPU hit: 33 at batch 1. Time: 14 dense parts x 0.5 s +
+    40 expert-token pairs (10 tokens x top-2 x 2 layers) x 1 s on the GPU = 47 s."""
+    r = simulate(traces[0], name, hardware=profile)
+    assert r.manifest["memory"]["cache_slots_per_layer"] == [5, 5]
+    assert PINS[(name, "default", 1)] == (33, 0, 0, 0, 0, 33, 47.0)
+    assert tuple(r.summary[k] for k in KEYS) == (33, 0, 0, 0, 0, 33, 47.0)
