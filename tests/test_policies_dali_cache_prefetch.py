@@ -444,17 +444,17 @@ def test_prefetch_counts_by_hand_end_to_end(two_layer, k, issued, used, wasted):
     assert {c: fast.summary[c] for c in COUNTERS} == {c: s[c] for c in COUNTERS}
 
 
-def test_prefetch_batch1_ties_go_to_lower_id(two_layer):
-    # batch 1: one token per step, every predicted expert has count 1: k = 1 takes the lower id.
-    # Step 0 (seq 0) predicts {1, 3} -> e1, but layer 1 runs [3, 0]; step 1 (seq 1) predicts {2, 3}
-    # -> e2, but layer 1 runs [1, 0]: both wasted. (The predicted logits favour e3 both times, and e3
-    # would have been right at step 0, but the view only carries predicted counts: see the docs.)
+def test_prefetch_batch1_ties_go_to_the_best_predicted_rank(two_layer):
+    # batch 1: one token per step, every predicted expert has count 1; k = 1 breaks the tie by the
+    # predictor's own order (its logits favour e3 both times), not by id. Step 0 (seq 0) predicts
+    # {1, 3} -> e3, and layer 1 runs [3, 0]: used. Step 1 (seq 1) predicts {2, 3} -> e3, but layer 1
+    # runs [1, 0]: wasted. (Ordering by id would have taken e1 and e2: both wasted.)
     trace, profile = two_layer
     ov = {"prefetch": {"policy": "dali-residual", "k": "1"},
           "memory": {"cache_experts": "0", "staging_slots": "3", "prefetch_slots": "4"}}
     r = simulate(trace, "gpu-lru", hardware=profile, overrides=ov, timeline=True)
-    assert [iv.name for iv in r.intervals if iv.name.startswith("prefetch")] == ["prefetch L1 E1", "prefetch L1 E2"]
-    assert (r.summary["prefetch_used"], r.summary["prefetch_wasted"]) == (0, 2)
+    assert [iv.name for iv in r.intervals if iv.name.startswith("prefetch")] == ["prefetch L1 E3", "prefetch L1 E3"]
+    assert (r.summary["prefetch_used"], r.summary["prefetch_wasted"]) == (1, 1)
 
 
 def test_missing_column_names_the_commands(one_layer, two_layer):

@@ -49,6 +49,9 @@ class LayerView:
     num_experts: int
     costs: CostModel
     lookahead: Callable[[str, int], np.ndarray]
+    #: ``lookahead_rank(name, layer)``: (E,) best predicted rank per expert (top_k = not predicted),
+    #: to break ties in predicted counts by the predictor's own scores
+    lookahead_rank: Callable[[str, int], np.ndarray] | None = None
     #: the true (E,) workload of a later layer of this step: given only to policies that are bounds
     true_counts: Callable[[int], np.ndarray] | None = None
 

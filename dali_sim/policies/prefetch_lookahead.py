@@ -47,11 +47,12 @@ class LookaheadConfig(PolicyConfig):
             raise ValueError(f"prefetch.k must be an integer >= 0 (0 = every predicted expert), got {self.k!r}")
 
 
-def top_predicted(counts: np.ndarray, k: int) -> np.ndarray:
-    """Experts by descending predicted count (ties: lower id), those with count 0 left out, at most
-    ``k`` (0 = all)."""
+def top_predicted(counts: np.ndarray, k: int, rank: np.ndarray | None = None) -> np.ndarray:
+    """Experts by descending predicted count (ties: best predicted rank when ``rank`` is given, then
+    lower id), those with count 0 left out, at most ``k`` (0 = all)."""
     counts = np.asarray(counts)
-    order = np.lexsort((np.arange(counts.shape[0]), -counts))
+    ids = np.arange(counts.shape[0])
+    order = np.lexsort((ids, rank, -counts)) if rank is not None else np.lexsort((ids, -counts))
     order = order[counts[order] > 0]
     return order[:k] if k > 0 else order
 
@@ -74,7 +75,8 @@ class LookaheadPrefetch(PrefetchPolicy[LookaheadConfig]):
         if target >= view.num_layers:
             return []
         counts = view.lookahead(self.config.predictor, target)
-        return [(target, int(e)) for e in top_predicted(counts, self.config.k)]
+        rank = view.lookahead_rank(self.config.predictor, target) if view.lookahead_rank else None
+        return [(target, int(e)) for e in top_predicted(counts, self.config.k, rank)]
 
 
 @dataclass(frozen=True)

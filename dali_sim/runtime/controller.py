@@ -91,7 +91,7 @@ class Controller:
         self.bounds = {family: p.name for family, p in (("placement", placement), ("cache", cache),
                                                         ("prefetch", prefetch)) if p.is_bound}
 
-    def _lookahead(self, step: int, layer: int):
+    def _lookahead(self, step: int, layer: int, what: str = "counts"):
         def get(name: str, target: int) -> np.ndarray:
             if name not in self._predictors:
                 known = ", ".join(self._predictors) or "none"
@@ -100,7 +100,8 @@ class Controller:
             offset = self.w.predictor_offsets[name]
             if not layer < target <= layer + offset:
                 raise ValueError(f"lookahead {name!r} made at layer {target - offset} is not known at layer {layer}")
-            return readonly(self.w.predicted_counts(name, step, target))
+            read = self.w.predicted_counts if what == "counts" else self.w.predicted_ranks
+            return readonly(read(name, step, target))
         return get
 
     def _true_counts(self, step: int, layer: int):
@@ -121,7 +122,7 @@ class Controller:
             experts=readonly(experts), counts=readonly(counts), ranks=readonly(ranks),
             resident=readonly(self.resident[layer].copy()), pending=readonly(self.pending[layer].copy()),
             num_layers=self.w.num_layers, num_experts=self.w.num_experts, costs=self.costs,
-            lookahead=self._lookahead(step, layer),
+            lookahead=self._lookahead(step, layer), lookahead_rank=self._lookahead(step, layer, "ranks"),
         )
 
     def _view_for(self, policy, view: LayerView) -> LayerView:

@@ -104,11 +104,15 @@ class Workload:
             logits = t.lookahead(name)  # raises the uniform "no such column" message
             offset = t.meta.predictors[name].target_offset
             has = ~np.isnan(logits).all(axis=1) & (layer_idx + offset < L)
-            top = np.argpartition(-np.nan_to_num(logits[has], nan=-np.inf), k - 1, axis=1)[:, :k]
+            pred = np.nan_to_num(logits[has], nan=-np.inf)
+            top = np.argpartition(-pred, k - 1, axis=1)[:, :k]
+            # rank order within each token's predicted top-k (highest logit first, ties: lower id)
+            top = np.sort(top, axis=1)
+            top = np.take_along_axis(top, np.argsort(-np.take_along_axis(pred, top, 1), axis=1, kind="stable"), 1)
             # the row at layer l predicts layer l + offset: index the prediction by its target layer
             self.predicted[name] = _sparse_counts(
                 np.repeat(row_step[has], k), np.repeat(layer_idx[has] + offset, k), top.reshape(-1),
-                np.zeros(top.size, np.int8), self.num_steps, L, self.num_experts)
+                np.tile(np.arange(k, dtype=np.int8), len(top)), self.num_steps, L, self.num_experts)
             self.predictor_offsets[name] = offset
 
     # ---- scheduling ---------------------------------------------------------------------------
@@ -185,6 +189,15 @@ class Workload:
         s = sc.segment(step * self.num_layers + layer)
         out = np.zeros(self.num_experts, np.float64)
         out[sc.expert[s]] = sc.count[s]
+        return out
+
+    def predicted_ranks(self, name: str, step: int, layer: int) -> np.ndarray:
+        """(E,) best rank (0 = highest predicted logit) each expert had in the predicted top-k of the
+        step's tokens for MoE layer ``layer``; ``top_k`` where it was not predicted."""
+        sc = self.predicted[name]
+        s = sc.segment(step * self.num_layers + layer)
+        out = np.full(self.num_experts, self.top_k, np.int64)
+        out[sc.expert[s]] = sc.rank[s]
         return out
 
     def frequencies(self) -> np.ndarray:
