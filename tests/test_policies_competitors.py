@@ -350,11 +350,13 @@ def test_llamacpp_offload_end_to_end(tmp_path, prompt, copies):
     """Layer 0 on the CPU, layer 1 (all 4 experts) on the GPU. Token p routes to experts p % 4 and
     (p + 1) % 4 in both layers: a prompt activates all 4. The prompt is one prefill step; then 3
     decode steps of 1 token. With offload_min_tokens = 32, a 32-token prompt copies layer 0's 4 experts
-    (staged: the static cache declines), a 31-token one copies none; decode never copies."""
+    (staged: the static cache declines), a 31-token one copies none; decode never copies. (The step
+    basis, llama.cpp's own op rule; the preset uses the per-expert basis, tested elsewhere.)"""
     rows = [(0, p, "prefill" if p < prompt else "decode", [[p % 4, (p + 1) % 4]] * 2) for p in range(prompt + 3)]
     trace = read_trace(write_trace(tmp_path / "t.parquet", TWO, rows))
     profile = round_number_profile(tmp_path / "round.json", TWO)
-    ov = {"placement": {"cpu_layers": "1", "offload_min_tokens": "32"}, "memory": {"staging_slots": "1"}}
+    ov = {"placement": {"cpu_layers": "1", "offload_min_tokens": "32", "offload_basis": "step"},
+          "memory": {"staging_slots": "1"}}
     r = agree(trace, "llamacpp", ov, hardware=profile)
     assert r.per_layer["on_demand"].tolist() == [copies, 0]
     assert r.per_layer["staged"].tolist() == [copies, 0]
@@ -447,4 +449,4 @@ def test_registration_and_configs():
     with pytest.raises(ValueError, match="unknown parameter placement.alpha"):
         resolve_system("gpu-lru", {"placement": {"policy": "hybrimoe", "alpha": "1"}})
     sc = resolve_system("llamacpp", {"placement": {"offload_min_tokens": "32"}})
-    assert sc.placement.config == StaticLayersConfig(cpu_layers=-1, offload_min_tokens=32)
+    assert sc.placement.config == StaticLayersConfig(cpu_layers=-1, offload_min_tokens=32, offload_basis="expert")
