@@ -5,6 +5,7 @@ Importing this package registers every built-in policy.
 
 from dali_sim.policies import (  # noqa: F401  (registration)
     cache,
+    cache_belady,
     cache_dali,
     hybrimoe,
     placement,

@@ -138,6 +138,8 @@ class SetupContext:
     block_of_layer: tuple[int, ...]  # MoE ordinal -> block index
     staging_slots: int = 0  # expert buffers for fetched experts that are not admitted
     prefetch_slots: int = 0  # expert buffers for prefetched experts
+    #: the future demand stream (``dali_sim.runtime.future.FutureDemand``): given to bounds only
+    future: Any = None
 
 
 class PlacementPolicy(Policy[C]):

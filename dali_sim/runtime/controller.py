@@ -21,6 +21,7 @@ from dali_sim.policies.base import (
     SetupContext,
     readonly,
 )
+from dali_sim.runtime.future import FutureDemand
 from dali_sim.workload.builder import Workload
 
 # where the weights of an activated expert come from
@@ -74,8 +75,9 @@ class Controller:
         )
         self.ctx = ctx
         rng = np.random.default_rng(seed)
+        future = FutureDemand(workload) if any(p.is_bound for p in (placement, cache, prefetch)) else None
         for policy in (placement, cache, prefetch):
-            policy.setup(ctx)
+            policy.setup(dataclasses.replace(ctx, future=future) if policy.is_bound else ctx)
         self.resident = np.zeros((L, E), dtype=bool)
         for layer in range(L):
             init = cache.initial(layer, int(self.capacities[layer]), ctx, cache_init, rng)

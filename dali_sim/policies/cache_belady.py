@@ -1,0 +1,35 @@
+"""Belady's optimal replacement (a BOUND): evict the entry used farthest in the future.
+
+With the shared cache semantics (victims among entries not activated in the step, a declined expert
+is staged), evicting the evictable entry whose next use is farthest, and declining (bypassing) an
+incoming expert whose own next use is farther still, minimises misses for a given demand stream.
+The future comes from the workload's steps (``SetupContext.future``, given to bounds only), so it is
+exact for every batch size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dali_sim.policies.base import CACHES, CachePolicy, LayerView, SetupContext, registered
+
+
+@registered(CACHES)
+class Belady(CachePolicy):
+    name = "belady"
+    description = ("BOUND: evict the evictable entry used farthest in the future, and bypass an incoming expert "
+                   "used later than all of them (reads the future demand stream)")
+    is_bound = True
+
+    def setup(self, ctx: SetupContext) -> None:
+        if ctx.future is None:
+            raise ValueError("cache 'belady' needs the future demand stream, which the runtime gives to bounds only")
+        self.future = ctx.future
+
+    def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
+        nxt = self.future.next_use(layer, evictable, view.step)
+        far = int(np.max(nxt))
+        incoming = int(self.future.next_use(layer, np.array([expert]), view.step)[0])
+        if incoming >= far:
+            return None  # bypass: the incoming expert is needed no sooner than any candidate
+        return int(evictable[np.flatnonzero(nxt == far)[0]])  # ties: lower id (evictable is sorted)

@@ -1,0 +1,76 @@
+"""Belady (a bound): hand example, never fewer hits than LRU or LFU, future only for bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dali_sim.policies import resolve_system
+from dali_sim.runtime.future import NEVER, FutureDemand
+from dali_sim.sim import simulate
+from dali_sim.trace import TraceWriter, read_trace
+from dali_sim.workload import Workload
+
+ONE = tiny_model(num_layers=1, moe_layers=(0,), num_experts=4, top_k=1)
+
+
+def demand_trace(path, demand, model=ONE):
+    """One sequence, one token per step, token p routes to demand[p] (top-1, one MoE layer)."""
+    with TraceWriter(path, model, provenance={"source": "hand-written"}) as w:
+        for pos, e in enumerate(demand):
+            w.write(seq_id=0, phase="prefill" if pos == 0 else "decode", pos=pos, layer=0,
+                    experts=np.array([[e]]), weights=np.array([[1.0]], np.float32))
+    return read_trace(path)
+
+
+def hits(trace, cache, slots, batch=1):
+    r = simulate(trace, "gpu-lru", batch_size=batch, timing=False,
+                 overrides={"cache": {"policy": cache}, "memory": {"cache_experts": str(slots)}})
+    return r.summary["hits"], r
+
+
+def test_belady_by_hand(tmp_path):
+    """2 slots, demand 0 1 2 0 1 3 0 1 (empty start).
+    LRU: 0 m, 1 m, 2 m (evict 0), 0 m (evict 1), 1 m (evict 2), 3 m (evict 0), 0 m (evict 1), 1 m -> 0 hits.
+    Belady: 0 m, 1 m, 2 m: next uses 0 -> step 3, 1 -> 4, 2 -> never: bypass 2 (staged); 0 h, 1 h;
+    3 m: next uses 0 -> 6, 1 -> 7, 3 -> never: bypass; 0 h, 1 h -> 4 hits."""
+    t = demand_trace(tmp_path / "t.parquet", [0, 1, 2, 0, 1, 3, 0, 1])
+    assert hits(t, "lru", 2)[0] == 0
+    n, r = hits(t, "belady", 2)
+    assert n == 4 and r.summary["staged"] == 2 and r.summary["evicted"] == 0
+    assert r.summary["bounds"] == {"cache": "belady"}
+
+
+def test_future_demand_next_use(tmp_path):
+    t = demand_trace(tmp_path / "t.parquet", [0, 1, 2, 0, 1, 3, 0, 1])
+    f = FutureDemand(Workload(t))
+    assert f.next_use(0, np.array([0, 1, 2, 3]), 0).tolist() == [3, 1, 2, 5]
+    assert f.next_use(0, np.array([2]), 2).tolist() == [NEVER]
+    assert f.next_use(0, np.array([0, 1, 3]), 6).tolist() == [NEVER, 7, NEVER]
+
+
+def test_only_bounds_get_the_future():
+    from dali_sim.policies.base import CACHES, SetupContext
+
+    with pytest.raises(ValueError, match="needs the future demand stream"):
+        CACHES.get("belady")().setup(SetupContext(1, 4, 1, np.zeros(1), np.zeros((1, 4)), None, 0, (0,)))
+    assert resolve_system("gpu-lru", {"cache": {"policy": "belady"}}).cache.build().is_bound
+
+
+@settings(max_examples=30, deadline=None)
+@given(demand=st.lists(st.lists(st.integers(0, 5), min_size=2, max_size=2, unique=True), min_size=2, max_size=30),
+       slots=st.integers(0, 6), batch=st.integers(1, 3), seqs=st.integers(1, 3))
+def test_belady_never_loses_to_lru_or_lfu(tmp_path_factory, demand, slots, batch, seqs):
+    model = tiny_model(num_layers=1, moe_layers=(0,), num_experts=6, top_k=2)
+    path = tmp_path_factory.mktemp("b") / "t.parquet"
+    with TraceWriter(path, model, provenance={"source": "hypothesis"}) as w:
+        for i, experts in enumerate(demand):
+            w.write(seq_id=i % seqs, phase="decode", pos=i // seqs, layer=0, experts=np.array([experts]),
+                    weights=np.array([[0.5, 0.5]], np.float32))
+    t = read_trace(path)
+    best = hits(t, "belady", slots, batch)[0]
+    assert best >= hits(t, "lru", slots, batch)[0]
+    assert best >= hits(t, "lfu", slots, batch)[0]
