@@ -119,6 +119,10 @@ VARIANTS = {
 
 # (preset, variant, batch) -> (hits, on_demand, prefetch_issued, prefetch_used, swaps, gpu_experts, makespan_s)
 PINS = {
+    ('dali-plus', 'default', 1): (33, 0, 0, 0, 0, 29, 43.0),
+    ('dali-plus', 'default', 2): (27, 0, 0, 0, 0, 21, 36.0),
+    ('dali-plus', 'small', 1): (10, 12, 10, 8, 4, 28, 69.0),
+    ('dali-plus', 'small', 2): (11, 7, 8, 5, 2, 21, 45.0),
     ('oracle', 'default', 1): (33, 0, 0, 0, 0, 29, 43.0),
     ('oracle', 'default', 2): (27, 0, 0, 0, 0, 21, 36.0),
     ('oracle', 'small', 1): (16, 3, 9, 7, 0, 25, 51.5),

@@ -14,6 +14,7 @@ from dali_sim.policies import (  # noqa: F401  (registration)
     placement_optimal,
     prefetch,
     prefetch_competitors,
+    prefetch_gated,
     prefetch_lookahead,
 )
 from dali_sim.policies.base import (

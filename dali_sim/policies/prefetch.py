@@ -22,6 +22,9 @@ class NoPrefetch(PrefetchPolicy):
 class OracleConfig(PolicyConfig):
     k: int = field(default=0, metadata={
         "help": "prefetch the k experts of the next layer with the largest true workload; 0 = all activated"})
+    worth_only: bool = field(default=False, metadata={
+        "help": "only experts whose true workload makes the GPU after the copy faster than the CPU "
+                "(the worth-prefetch rule, with overlap 0.5); the oracle preset sets it"})
 
 
 @registered(PREFETCHERS)
@@ -40,4 +43,8 @@ class OraclePrefetch(PrefetchPolicy[OracleConfig]):
         wanted = order[counts[order] > 0]
         if self.config.k > 0:
             wanted = wanted[: self.config.k]
+        if self.config.worth_only:
+            from dali_sim.policies.prefetch_gated import worth_copying  # noqa: PLC0415 (module order)
+
+            wanted = [e for e in wanted if worth_copying(view.costs, int(counts[e]), 0.5)]
         return [(target, int(e)) for e in wanted]
