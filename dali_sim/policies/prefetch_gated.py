@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from dali_sim.hardware.cost import CostModel
 from dali_sim.policies.base import PREFETCHERS, LayerView, registered
-from dali_sim.policies.prefetch_lookahead import DaliResidualConfig, LookaheadPrefetch, top_predicted
+from dali_sim.policies.prefetch_lookahead import DaliResidualConfig, LookaheadPrefetch
 
 
 def worth_copying(costs: CostModel, n: int, overlap: float) -> bool:
@@ -50,11 +50,5 @@ class WorthPrefetch(LookaheadPrefetch):
                    "(after the copy) faster than the CPU: t_gpu(n) + transfer*(1-overlap) < t_cpu(n)")
     Config = WorthPrefetchConfig
 
-    def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
-        target = view.layer + 1
-        if target >= view.num_layers:
-            return []
-        counts = view.lookahead(self.config.predictor, target)
-        rank = view.lookahead_rank(self.config.predictor, target) if view.lookahead_rank else None
-        return [(target, e) for e in top_predicted(counts, self.config.k, rank).tolist()
-                if worth_copying(view.costs, int(counts[e]), self.config.overlap)]
+    def keep(self, view: LayerView, predicted_tokens: int) -> bool:
+        return worth_copying(view.costs, predicted_tokens, self.config.overlap)

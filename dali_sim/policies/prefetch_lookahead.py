@@ -76,7 +76,12 @@ class LookaheadPrefetch(PrefetchPolicy[LookaheadConfig]):
             return []
         counts = view.lookahead(self.config.predictor, target)
         rank = view.lookahead_rank(self.config.predictor, target) if view.lookahead_rank else None
-        return [(target, int(e)) for e in top_predicted(counts, self.config.k, rank)]
+        return [(target, e) for e in top_predicted(counts, self.config.k, rank).tolist()
+                if self.keep(view, int(counts[e]))]
+
+    def keep(self, view: LayerView, predicted_tokens: int) -> bool:
+        """Whether to copy a chosen expert with this predicted workload (here: always)."""
+        return True
 
 
 @dataclass(frozen=True)
