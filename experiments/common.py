@@ -105,7 +105,11 @@ def get_trace(spec: TraceSpec, *, quiet: bool = True) -> Trace:
     path = cache_dir() / name
     if not path.exists():
         t0 = time.perf_counter()
-        synthesize(spec.synth_config(), path)
+        # a private name, moved into place when complete: concurrent runs sharing the cache never
+        # write the same file (the trace writer's own .partial name is per output path)
+        private = path.with_name(f"{path.stem}.{os.getpid()}.parquet")
+        synthesize(spec.synth_config(), private)
+        os.replace(private, path)
         if not quiet:
             print(f"  synthesized {path.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return read_trace(path)

@@ -15,7 +15,8 @@ sys.path.insert(0, str(HERE))
 
 import common as C  # noqa: E402
 
-SCRIPTS = ("fig12_13_speedups", "fig14_assignment", "table4_greedy_vs_exact")
+SCRIPTS = ("fig12_13_speedups", "fig14_assignment", "table4_greedy_vs_exact", "fig17_18_sensitivity",
+           "fig19_breakdown")
 
 
 def main(argv=None) -> int:

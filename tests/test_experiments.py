@@ -77,3 +77,70 @@ def test_run_all_rejects_unknown_script(tmp_path):
     res = subprocess.run([sys.executable, str(EXP / "run_all.py"), "--only", "nope", "--out", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT)
     assert res.returncode != 0 and "unknown scripts" in res.stderr
+
+
+def _common():
+    """experiments/common.py, imported as a module."""
+    sys.path.insert(0, str(EXP))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(EXP))
+    return common
+
+
+def test_fig19_breakdown(tmp_path, monkeypatch):
+    _run("fig19_breakdown", tmp_path)
+    df = _outputs(tmp_path, "fig19_breakdown")
+    assert {"model", "batch_size", "ladder", "step", "decode_tokens_per_s", "prefill_tokens_per_s",
+            "decode_speedup_vs_prev", "prefill_speedup_vs_prev", "decode_speedup_vs_greedy", "bound"} <= set(df.columns)
+    assert set(zip(df.ladder, df.step)) == {("dali", "greedy"), ("dali", "+prefetch"), ("dali", "+cache"),
+                                            ("dali-plus", "greedy"), ("dali-plus", "+prefetch"),
+                                            ("dali-plus", "+cache"), ("bound", "oracle")}
+    for col in ("decode_tokens_per_s", "prefill_tokens_per_s", "decode_speedup_vs_greedy"):
+        assert (df[col] > 0).all() and np.isfinite(df[col]).all(), col
+    assert df.loc[df.step == "oracle", "bound"].all() and not df.loc[df.step != "oracle", "bound"].any()
+    greedy = df[df.step == "greedy"]
+    assert greedy.decode_speedup_vs_prev.isna().all() and np.allclose(greedy.decode_speedup_vs_greedy, 1.0)
+    assert (greedy.prefetch_issued == 0).all() and (greedy.swaps == 0).all()
+    # the ladder's steps chain: each step's speedup over the previous multiplies to its speedup over greedy
+    for (_, _, ladder), g in df[df.ladder != "bound"].groupby(["model", "batch_size", "ladder"]):
+        prod = np.cumprod(g.decode_speedup_vs_prev.fillna(1.0).to_numpy())
+        assert np.allclose(prod, g.decode_speedup_vs_greedy.to_numpy()), ladder
+    # the last step of each ladder is the full preset: the same numbers as a plain run of that preset
+    man = json.loads((tmp_path / "fig19_breakdown.manifest.json").read_text())
+    C = _common()
+    monkeypatch.setattr(C, "cache_dir", lambda: tmp_path / "cache")
+    t = man["traces"][0]
+    s = t["synth"]
+    spec = C.TraceSpec(t["model"], s["sequences"], s["prompt_len"], s["gen_len"], s["seed"])
+    bs = man["args"]["batch_sizes"][0]
+    trace = C.get_trace(spec)
+    for ladder in ("dali", "dali-plus"):
+        r = C.run_sim(trace, ladder, bs, seed=man["args"]["seed"])
+        row = df[(df.model == t["model"]) & (df.batch_size == bs) & (df.ladder == ladder) & (df.step == "+cache")]
+        assert len(row) == 1
+        assert np.isclose(row.decode_tokens_per_s.iloc[0], r["decode_tokens_per_s"]), ladder
+        assert np.isclose(row.prefill_tokens_per_s.iloc[0], r["prefill_tokens_per_s"]), ladder
+
+
+def test_fig17_18_sensitivity(tmp_path):
+    _run("fig17_18_sensitivity", tmp_path)
+    df = _outputs(tmp_path, "fig17_18_sensitivity")
+    assert {"model", "batch_size", "sweep", "value", "system", "decode_tokens_per_s", "cache_ratio", "k", "w", "u",
+            "decode_rel_first", "note"} <= set(df.columns)
+    assert set(df.sweep) == {"cache_ratio", "k", "window"}
+    assert set(df[df.sweep == "cache_ratio"].system) == {"dali", "dali-plus", "oracle"}
+    assert set(df[df.sweep != "cache_ratio"].system) == {"dali", "dali-plus"}
+    ok = df[df.note.isna() | (df.note == "")]
+    assert len(ok) == len(df)  # the quick run's settings all fit the budget
+    assert (ok.decode_tokens_per_s > 0).all() and np.isfinite(ok.decode_tokens_per_s).all()
+    assert ok.loc[ok.system == "oracle", "bound"].all() and not ok.loc[ok.system != "oracle", "bound"].any()
+    ks = df[df.sweep == "k"]
+    assert sorted(set(ks.k)) == [1, 4] and set(ks.cache_ratio) == {0.25}
+    win = df[df.sweep == "window"]
+    assert set(zip(win.w, win.u)) == {(2, 1), (4, 4)}
+    # more cache is never less hit rate for the same system
+    cr = df[df.sweep == "cache_ratio"].sort_values("cache_ratio")
+    for _, g in cr.groupby("system"):
+        assert (np.diff(g.hit_rate.to_numpy()) >= -1e-12).all()
