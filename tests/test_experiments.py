@@ -144,3 +144,14 @@ def test_fig17_18_sensitivity(tmp_path):
     cr = df[df.sweep == "cache_ratio"].sort_values("cache_ratio")
     for _, g in cr.groupby("system"):
         assert (np.diff(g.hit_rate.to_numpy()) >= -1e-12).all()
+
+
+def test_presets_vs_oracle(tmp_path):
+    from dali_sim.policies import system_names
+
+    _run("presets_vs_oracle", tmp_path)
+    df = _outputs(tmp_path, "presets_vs_oracle")
+    assert set(df.system) == set(system_names())  # every preset, against the bound
+    oracle = df[df.system == "oracle"]
+    assert np.allclose(oracle.decode_of_oracle, 1.0) and np.allclose(oracle.prefill_of_oracle, 1.0)
+    assert (df.decode_tokens_per_s > 0).all() and np.isfinite(df.decode_of_oracle).all()
