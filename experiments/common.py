@@ -155,8 +155,9 @@ def markdown_table(df: pd.DataFrame, digits: int = 3) -> str:
 
 
 def write_outputs(out: Path, name: str, df: pd.DataFrame, fig, md_sections: Sequence[str],
-                  manifest: dict[str, Any]) -> dict[str, Path]:
-    """Write ``<name>.csv``, ``<name>.png``, ``<name>.md`` and ``<name>.manifest.json`` into ``out``."""
+                  manifest: dict[str, Any], show: pd.DataFrame | None = None) -> dict[str, Path]:
+    """Write ``<name>.csv``, ``<name>.png``, ``<name>.md`` and ``<name>.manifest.json`` into ``out``;
+    print ``show`` (the script's summary table) and the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {ext: out / f"{name}.{ext}" for ext in ("csv", "png", "md")}
     paths["manifest"] = out / f"{name}.manifest.json"
@@ -166,6 +167,9 @@ def write_outputs(out: Path, name: str, df: pd.DataFrame, fig, md_sections: Sequ
     plt.close(fig)
     paths["md"].write_text("\n\n".join(s.strip() for s in md_sections) + "\n")
     paths["manifest"].write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+    if show is not None:
+        print(show.to_string(index=False))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return paths
 
 

@@ -155,9 +155,7 @@ def main(argv=None) -> int:
     ]
     manifest = C.base_manifest(NAME, args, args._specs, systems=SYSTEMS, paper=PAPER,
                                runtime_s=round(time.perf_counter() - t0, 1))
-    paths = C.write_outputs(args.out, NAME, df, plot(df), md, manifest)
-    print(summ.to_string(index=False))
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    C.write_outputs(args.out, NAME, df, plot(df), md, manifest, show=summ)
     return 0
 
 

@@ -151,9 +151,7 @@ def main(argv=None) -> int:
     ]
     manifest = C.base_manifest(NAME, args, args._specs, runtime_s=round(time.perf_counter() - t0, 1),
                                cost_model="overlap=true, static frequency cache (gpu-lru slots)")
-    paths = C.write_outputs(args.out, NAME, summ, plot(summ, detail), md, manifest)
-    print(summ.to_string(index=False))
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    C.write_outputs(args.out, NAME, summ, plot(summ, detail), md, manifest, show=summ)
     return 0
 
 

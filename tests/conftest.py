@@ -127,3 +127,32 @@ def simulate_both(trace, system, overrides=None, **kw):
     assert fast.config["timing"] is False and fast.manifest["timing"] is False
     assert fast.config["system"] == timed.config["system"]
     return timed, fast
+
+
+def write_hand_trace(path: Path, model: ModelSpec, rows, lookahead=None, predictors=()) -> Path:
+    """A hand-listed trace. ``rows``: (seq_id, pos, phase, [experts of MoE layer 0, of layer 1, ...]),
+    equal gate weights; ``predictors``: lookahead column names (target offset 1); ``lookahead``:
+    {name: {(seq_id, pos, layer ordinal): logits}} (missing rows are null)."""
+    from dali_sim.trace import PredictorInfo, TraceWriter
+
+    infos = [PredictorInfo(name, 1, "hand-written") for name in predictors]
+    with TraceWriter(path, model, provenance={"source": "hand-written", "command": "tests"}, predictors=infos) as w:
+        for seq, pos, phase, per_layer in rows:
+            for ordinal, experts in enumerate(per_layer):
+                k = len(experts)
+                look = None
+                if infos:
+                    look = {}
+                    for info in infos:
+                        logits = (lookahead or {}).get(info.name, {}).get((seq, pos, ordinal))
+                        row = np.full(model.num_experts, np.nan, np.float32) if logits is None else \
+                            np.asarray(logits, np.float32)
+                        look[info.name] = row[None, :]
+                w.write(seq_id=seq, phase=phase, pos=pos, layer=model.moe_layers[ordinal],
+                        experts=np.array([experts]), weights=np.full((1, k), 1.0 / k, np.float32), lookahead=look)
+    return path
+
+
+def demand_rows(demand):
+    """One sequence, one token per step (pos 0 prefill, then decode), one MoE layer, top-1."""
+    return [(0, pos, "prefill" if pos == 0 else "decode", [[e]]) for pos, e in enumerate(demand)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import demand_rows, tiny_model, write_hand_trace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,11 +19,7 @@ ONE = tiny_model(num_layers=1, moe_layers=(0,), num_experts=4, top_k=1)
 
 def demand_trace(path, demand, model=ONE):
     """One sequence, one token per step, token p routes to demand[p] (top-1, one MoE layer)."""
-    with TraceWriter(path, model, provenance={"source": "hand-written"}) as w:
-        for pos, e in enumerate(demand):
-            w.write(seq_id=0, phase="prefill" if pos == 0 else "decode", pos=pos, layer=0,
-                    experts=np.array([[e]]), weights=np.array([[1.0]], np.float32))
-    return read_trace(path)
+    return read_trace(write_hand_trace(path, model, demand_rows(demand)))
 
 
 def hits(trace, cache, slots, batch=1):

@@ -7,11 +7,10 @@ expert's copy 2 s (all exact in floating point).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import round_number_profile, simulate_both, tiny_model
+from conftest import demand_rows, round_number_profile, simulate_both, tiny_model, write_hand_trace
 
 import dali_sim.policies  # noqa: F401  (the built-in policies)
 import dali_sim.policies.hybrimoe  # noqa: F401  (registers hybrimoe placement, hybrimoe-mrs, hybrimoe prefetch)
@@ -35,7 +34,7 @@ from dali_sim.policies.placement_competitors import Fiddler, ResidentGpu, fiddle
 from dali_sim.policies.prefetch_competitors import NextLayerAll
 from dali_sim.policies.systems import resolve_system
 from dali_sim.sim.simulate import simulate
-from dali_sim.trace import TraceError, TraceWriter, read_trace
+from dali_sim.trace import TraceError, read_trace
 from dali_sim.trace.synth import SynthConfig, synthesize
 
 T, F = True, False
@@ -74,25 +73,6 @@ def ctx(num_layers=4, num_experts=4, capacity=2, costs=None) -> SetupContext:
     return SetupContext(num_layers=num_layers, num_experts=num_experts, top_k=2,
                         capacities=np.full(num_layers, capacity), frequencies=np.zeros((num_layers, num_experts)),
                         costs=costs, seed=0, block_of_layer=tuple(range(num_layers)))
-
-
-def write_trace(path: Path, model, rows, lookahead=None, predictors=()) -> Path:
-    """``rows``: (seq_id, pos, phase, [experts of MoE layer 0, of layer 1, ...])."""
-    from dali_sim.trace.schema import PredictorInfo
-    infos = [PredictorInfo(name, off, "hand-written") for name, off in predictors]
-    with TraceWriter(path, model, provenance={"source": "hand-written", "command": "tests/" + Path(__file__).name},
-                     predictors=infos) as w:
-        for seq, pos, phase, per_layer in rows:
-            for ordinal, experts in enumerate(per_layer):
-                k = len(experts)
-                look = None
-                if infos:
-                    look = {i.name: np.asarray((lookahead or {}).get((i.name, seq, pos, ordinal),
-                                                                     np.full(model.num_experts, np.nan)),
-                                               np.float32)[None, :] for i in infos}
-                w.write(seq_id=seq, phase=phase, pos=pos, layer=model.moe_layers[ordinal],
-                        experts=np.array([experts]), weights=np.full((1, k), 1.0 / k, np.float32), lookahead=look)
-    return path
 
 
 
@@ -189,8 +169,8 @@ MRS_DEMAND = [0, 0, 0, 0, 1, 2, 0]
 @pytest.fixture(scope="module")
 def one_layer(tmp_path_factory):
     d = tmp_path_factory.mktemp("one")
-    rows = [(0, pos, "prefill" if pos == 0 else "decode", [[e]]) for pos, e in enumerate(MRS_DEMAND)]
-    trace = read_trace(write_trace(d / "t.parquet", ONE, rows))
+    rows = demand_rows(MRS_DEMAND)
+    trace = read_trace(write_hand_trace(d / "t.parquet", ONE, rows))
     return trace, round_number_profile(d / "round.json", ONE)
 
 
@@ -302,7 +282,7 @@ def test_fiddler_and_ktransformers_end_to_end(tmp_path):
     0 slots: fiddler copies the 4-token e3 (12 > 4 + 2) and stages it; resident-gpu runs it on the CPU."""
     rows = [(0, pos, "prefill" if pos == 0 else "decode", [[e]]) for pos, e in enumerate(FID)]
     rows += [(1, pos, "prefill", [[3]]) for pos in range(4)]
-    trace = read_trace(write_trace(tmp_path / "t.parquet", ONE, rows))
+    trace = read_trace(write_hand_trace(tmp_path / "t.parquet", ONE, rows))
     profile = round_number_profile(tmp_path / "round.json", ONE)
     mem = {"cache_experts": "1", "cache_init": "frequency", "staging_slots": "1"}
     fid = agree(trace, "gpu-static", {"placement": {"policy": "fiddler"}, "memory": mem}, hardware=profile)
@@ -353,7 +333,7 @@ def test_llamacpp_offload_end_to_end(tmp_path, prompt, copies):
     (staged: the static cache declines), a 31-token one copies none; decode never copies. (The step
     basis, llama.cpp's own op rule; the preset uses the per-expert basis, tested elsewhere.)"""
     rows = [(0, p, "prefill" if p < prompt else "decode", [[p % 4, (p + 1) % 4]] * 2) for p in range(prompt + 3)]
-    trace = read_trace(write_trace(tmp_path / "t.parquet", TWO, rows))
+    trace = read_trace(write_hand_trace(tmp_path / "t.parquet", TWO, rows))
     profile = round_number_profile(tmp_path / "round.json", TWO)
     ov = {"placement": {"cpu_layers": "1", "offload_min_tokens": "32", "offload_basis": "step"},
           "memory": {"staging_slots": "1"}}
@@ -382,7 +362,7 @@ def test_moe_lightning_end_to_end(tmp_path):
     6 wasted."""
     rows = [(0, p, "prefill" if p == 0 else "decode", [[p % 4, (p + 1) % 4], [(p + 2) % 4, (p + 3) % 4]])
             for p in range(3)]
-    trace = read_trace(write_trace(tmp_path / "t.parquet", TWO, rows))
+    trace = read_trace(write_hand_trace(tmp_path / "t.parquet", TWO, rows))
     profile = round_number_profile(tmp_path / "round.json", TWO)
     ov = {"prefetch": {"policy": "next-layer-all"}, "system": {"dense_device": "cpu"},
           "memory": {"cache_experts": "0", "prefetch_slots": "4", "staging_slots": "2"}}

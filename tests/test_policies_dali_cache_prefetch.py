@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import round_number_profile, simulate_both, tiny_model
+from conftest import demand_rows, round_number_profile, simulate_both, tiny_model, write_hand_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +25,7 @@ from dali_sim.policies.systems import resolve_system
 from dali_sim.runtime.controller import Controller
 from dali_sim.sim.counters import COUNTERS
 from dali_sim.sim.simulate import simulate
-from dali_sim.trace import TraceError, TraceWriter, read_trace
-from dali_sim.trace.schema import PredictorInfo
+from dali_sim.trace import TraceError, read_trace
 from dali_sim.trace.synth import SynthConfig, synthesize
 from dali_sim.workload.builder import Workload, WorkloadConfig
 
@@ -89,28 +88,6 @@ class CacheDriver:
             self.resident.remove(e_out)
             self.resident.add(e_in)
         return hits, staged, admitted, swaps
-
-
-def write_trace(path: Path, model, rows, lookahead=None, predictors=()) -> Path:
-    """``rows``: (seq_id, pos, phase, [experts of MoE layer 0, of layer 1, ...]); ``lookahead``:
-    {name: {(seq_id, pos, layer ordinal): logits}} (missing rows are null)."""
-    infos = [PredictorInfo(name, 1, "hand-written") for name in predictors]
-    with TraceWriter(path, model, provenance={"source": "hand-written", "command": "tests/" + Path(__file__).name},
-                     predictors=infos) as w:
-        for seq, pos, phase, per_layer in rows:
-            for ordinal, experts in enumerate(per_layer):
-                k = len(experts)
-                look = None
-                if infos:
-                    look = {}
-                    for info in infos:
-                        logits = (lookahead or {}).get(info.name, {}).get((seq, pos, ordinal))
-                        row = np.full(model.num_experts, np.nan, np.float32) if logits is None else \
-                            np.asarray(logits, np.float32)
-                        look[info.name] = row[None, :]
-                w.write(seq_id=seq, phase=phase, pos=pos, layer=model.moe_layers[ordinal],
-                        experts=np.array([experts]), weights=np.full((1, k), 1.0 / k, np.float32), lookahead=look)
-    return path
 
 
 
@@ -221,8 +198,8 @@ WINDOW = {"cache": {"policy": "dali-window", "w": "2", "u": "1"}, "memory": {"ca
 @pytest.fixture(scope="module")
 def one_layer(tmp_path_factory):
     d = tmp_path_factory.mktemp("window")
-    rows = [(0, pos, "prefill" if pos == 0 else "decode", [[e]]) for pos, e in enumerate(DEMAND)]
-    trace = read_trace(write_trace(d / "t.parquet", ONE_LAYER, rows))
+    rows = demand_rows(DEMAND)
+    trace = read_trace(write_hand_trace(d / "t.parquet", ONE_LAYER, rows))
     return trace, round_number_profile(d / "round.json", ONE_LAYER)
 
 
@@ -305,7 +282,7 @@ def test_window_property_random_demand(case):
     L, E = case["num_layers"], case["num_experts"]
     model = tiny_model(num_layers=L, moe_layers=tuple(range(L)), num_experts=E, top_k=case["top_k"])
     with tempfile.TemporaryDirectory() as d:
-        trace = read_trace(write_trace(Path(d) / "t.parquet", model, case["rows"]))
+        trace = read_trace(write_hand_trace(Path(d) / "t.parquet", model, case["rows"]))
     cache = DaliWindow(DaliWindowConfig(w=case["w"], u=case["u"]))
     ctl = _controller(trace, cache, case["capacity"], batch=case["batch"], init=case["init"], seed=case["seed"])
     cap, w, u = case["capacity"], case["w"], case["u"]
@@ -353,7 +330,7 @@ def test_window_property_random_demand(case):
 def test_random_start_is_seeded_and_full(tmp_path):
     model = tiny_model(num_layers=3, moe_layers=(0, 1, 2), num_experts=8, top_k=2)
     rows = [(0, pos, "prefill" if pos == 0 else "decode", [[0, 1]] * 3) for pos in range(3)]
-    trace = read_trace(write_trace(tmp_path / "t.parquet", model, rows))
+    trace = read_trace(write_hand_trace(tmp_path / "t.parquet", model, rows))
     start = {seed: _controller(trace, DaliWindow(), 3, batch=1, init="random", seed=seed).initial_resident
              for seed in (0, 0, 1)}
     again = _controller(trace, DaliWindow(), 3, batch=1, init="random", seed=0).initial_resident
@@ -420,7 +397,7 @@ TWO_LOOK = {"residual": {(0, 0, 0): [0.0, 2.0, -1.0, 5.0], (1, 0, 0): [0.0, -1.0
 @pytest.fixture(scope="module")
 def two_layer(tmp_path_factory):
     d = tmp_path_factory.mktemp("look")
-    trace = read_trace(write_trace(d / "t.parquet", TWO, TWO_ROWS, TWO_LOOK, predictors=("residual",)))
+    trace = read_trace(write_hand_trace(d / "t.parquet", TWO, TWO_ROWS, TWO_LOOK, predictors=("residual",)))
     return trace, round_number_profile(d / "round.json", TWO)
 
 
