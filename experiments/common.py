@@ -38,9 +38,12 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import dali_sim  # noqa: E402
+from dali_sim.policies import resolve_system  # noqa: E402
+from dali_sim.runtime.future import future_path, write_future  # noqa: E402
 from dali_sim.sim import simulate  # noqa: E402
 from dali_sim.trace.reader import Trace, read_trace  # noqa: E402
 from dali_sim.trace.synth import SynthConfig, synthesize  # noqa: E402
+from dali_sim.workload.builder import WorkloadConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "experiments" / "results"
@@ -115,11 +118,25 @@ def get_trace(spec: TraceSpec, *, quiet: bool = True) -> Trace:
     return read_trace(path)
 
 
+def next_uses(trace: Trace, system: str, batch_size: int, overrides: dict | None) -> Path | None:
+    """The next-use file (`dali trace enrich`) of a system with a Belady cache, made once into
+    :func:`cache_dir`; None for systems that do not read the future."""
+    if not resolve_system(system, overrides, trace.model).needs_future:
+        return None
+    path = cache_dir() / future_path(trace.path, WorkloadConfig(batch_size)).name
+    if not path.exists() or path.stat().st_mtime < Path(trace.path).stat().st_mtime:
+        private = path.with_name(f"{path.stem}.{os.getpid()}.parquet")
+        write_future(trace, WorkloadConfig(batch_size), private)
+        os.replace(private, path)
+    return path
+
+
 def run_sim(trace: Trace, system: str, batch_size: int, overrides: dict | None = None, *,
             seed: int = 0) -> dict[str, Any]:
     """One simulation; returns the summary (plus per-token MoE-layer time) as a flat dict."""
     t0 = time.perf_counter()
-    r = simulate(trace, system, batch_size=batch_size, overrides=overrides, seed=seed)
+    r = simulate(trace, system, batch_size=batch_size, overrides=overrides, seed=seed,
+                 future=next_uses(trace, system, batch_size, overrides))
     s = r.summary
     layer_time = float(r.per_layer["time_s"].sum()) if "time_s" in r.per_layer else float("nan")
     pre_tok = int(r.per_step.loc[r.per_step["phase"] == "prefill", "tokens"].sum())

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dali_sim.policies import resolve_system
-from dali_sim.runtime.future import NEVER, FutureDemand
+from dali_sim.runtime.future import NEVER, FutureDemand, write_future
 from dali_sim.sim import simulate
 from dali_sim.trace import TraceWriter, read_trace
-from dali_sim.workload import Workload
+from dali_sim.workload import Workload, WorkloadConfig
 
 ONE = tiny_model(num_layers=1, moe_layers=(0,), num_experts=4, top_k=1)
 
@@ -23,6 +23,8 @@ def demand_trace(path, demand, model=ONE):
 
 
 def hits(trace, cache, slots, batch=1):
+    if cache == "belady":
+        write_future(trace, WorkloadConfig(batch))
     r = simulate(trace, "gpu-lru", batch_size=batch, timing=False,
                  overrides={"cache": {"policy": cache}, "memory": {"cache_experts": str(slots)}})
     return r.summary["hits"], r
@@ -42,7 +44,7 @@ def test_belady_by_hand(tmp_path):
 
 def test_future_demand_next_use(tmp_path):
     t = demand_trace(tmp_path / "t.parquet", [0, 1, 2, 0, 1, 3, 0, 1])
-    f = FutureDemand(Workload(t))
+    f = FutureDemand.from_workload(Workload(t))
     assert f.next_use(0, np.array([0, 1, 2, 3]), 0).tolist() == [3, 1, 2, 5]
     assert f.next_use(0, np.array([2]), 2).tolist() == [NEVER]
     assert f.next_use(0, np.array([0, 1, 3]), 6).tolist() == [NEVER, 7, NEVER]
@@ -51,7 +53,7 @@ def test_future_demand_next_use(tmp_path):
 def test_only_bounds_get_the_future():
     from dali_sim.policies.base import CACHES, SetupContext
 
-    with pytest.raises(ValueError, match="needs the future demand stream"):
+    with pytest.raises(ValueError, match="needs next-use times"):
         CACHES.get("belady")().setup(SetupContext(1, 4, 1, np.zeros(1), np.zeros((1, 4)), None, 0, (0,)))
     assert resolve_system("gpu-lru", {"cache": {"policy": "belady"}}).cache.build().is_bound
 

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from dali_sim.hardware.cost import CostModel
 from dali_sim.hardware.profile import load_profile
 from dali_sim.policies import CACHES, PLACEMENTS, PREFETCHERS
+from dali_sim.runtime.future import FutureDemand
 from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, Controller
 from dali_sim.trace import TraceWriter, read_trace
 from dali_sim.workload.builder import Workload, WorkloadConfig
@@ -98,7 +99,8 @@ def controller(path, batch, placement, cache, capacities, init, *, prefetch=None
     w = Workload(read_trace(path), WorkloadConfig(batch, 0))
     return Controller(w, COSTS[costs], placement, cache, prefetch or PREFETCHERS.get("none")(),
                       np.asarray(capacities), cache_init=init, prefetch_slots=prefetch_slots,
-                      staging_slots=staging_slots, seed=seed)
+                      staging_slots=staging_slots, seed=seed,
+                      future=FutureDemand.from_workload(w) if cache.needs_future else None)
 
 
 # ---- cache properties ----------------------------------------------------------------------------

@@ -6,9 +6,11 @@ import pytest
 
 from dali_sim.models import get_model
 from dali_sim.policies import resolve_system, system_names
+from dali_sim.runtime.future import write_future
 from dali_sim.sim import simulate
 from dali_sim.trace import TraceError, read_trace
 from dali_sim.trace.synth import SynthConfig, synthesize
+from dali_sim.workload import WorkloadConfig
 
 COUNTERS = ("hits", "on_demand", "prefetch_issued", "prefetch_used", "prefetch_wasted", "admitted",
             "evicted", "staged", "swaps", "gpu_experts")
@@ -20,7 +22,9 @@ def trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("presets") / "mix.parquet"
     synthesize(SynthConfig(model="mixtral-8x7b", sequences=4, prompt_len=16, gen_len=12, seed=5,
                            lookahead=("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")), path)
-    return read_trace(path)
+    t = read_trace(path)
+    write_future(t, WorkloadConfig(batch_size=2))  # next-use times for the presets with a Belady cache
+    return t
 
 
 def test_dali_parameters_follow_the_model_family():

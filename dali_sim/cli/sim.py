@@ -44,6 +44,9 @@ def common_options(f):
                      help="Override a system parameter, e.g. --set cache.policy=lfu (repeatable)."),
         click.option("--no-timing", is_flag=True,
                      help="Fast replay: cache hits and transfer counts only, no SimPy, no times."),
+        click.option("--future", type=click.Path(path_type=Path),
+                     help="Next-use file for bounds that read it (belady); default: the one `dali trace enrich` "
+                          "wrote beside the trace."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
     ]
     for option in reversed(options):
@@ -71,7 +74,8 @@ def _overrides(kw) -> dict[str, dict[str, str]]:
 def _run(trace, system: str, kw, timeline: bool = False) -> SimResult:
     return simulate(trace, system, hardware=kw["hardware"], batch_size=kw["batch_size"],
                     prefill_chunk=kw["prefill_chunk"], seed=kw["seed"], overrides=_overrides(kw),
-                    precision=kw["precision"], timing=not kw["no_timing"], timeline=timeline, progress=True)
+                    precision=kw["precision"], timing=not kw["no_timing"], timeline=timeline, progress=True,
+                    future=kw["future"])
 
 
 def _fmt(v, unit: str = "", digits: int = 3) -> str:

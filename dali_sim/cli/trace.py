@@ -9,8 +9,10 @@ import click
 from dali_sim.cli.common import UserErrorGroup, command_line, echo_json
 from dali_sim.cli.trace_stats import stats
 from dali_sim.cli.trace_synth import synth
+from dali_sim.runtime.future import write_future
 from dali_sim.trace import read_meta, read_trace
 from dali_sim.trace.importers import IMPORTERS, import_trace
+from dali_sim.workload.builder import WorkloadConfig
 
 
 @click.group(cls=UserErrorGroup)
@@ -70,5 +72,24 @@ def info(path: Path, as_json: bool) -> None:
     click.echo(f"  source: {meta.provenance.get('source')}  command: {meta.provenance.get('command')}")
 
 
+@trace.command("enrich")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch, as in `dali sim`.")
+@click.option("--prefill-chunk", default=0, show_default=True, type=int,
+              help="Prompt positions per prefill step, as in `dali sim` (0 = whole prompt).")
+@click.option("-o", "--output", type=click.Path(path_type=Path),
+              help="Where to write (default: beside the trace, X.future-b<B>[-c<C>].parquet).")
+def enrich(path: Path, batch_size: int, prefill_chunk: int, output: Path | None) -> None:
+    """Compute next-use times for bounds that read the future (the `belady` cache).
+
+    Next uses depend on the batching (a batch-mate's later use counts), so they are computed for one
+    batch size and prefill chunk; `dali sim` finds the file beside the trace and refuses a stale one.
+    """
+    out = write_future(read_trace(path), WorkloadConfig(batch_size, prefill_chunk), output, command_line())
+    click.echo(f"wrote {out}")
+
+
 trace.add_command(stats)
 trace.add_command(synth)
+from dali_sim.cli.trace_record import calibrate_residual, record  # noqa: E402  (torch-free until invoked)
+trace.add_command(record); trace.add_command(calibrate_residual)  # noqa: E702

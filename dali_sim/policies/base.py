@@ -118,6 +118,8 @@ class Policy(ABC, Generic[C]):
     #: a bound (an exact solution or an oracle) is not an achievable policy; results are labelled as
     #: bounds, and only bounds get ``LayerView.true_counts`` (the future)
     is_bound: ClassVar[bool] = False
+    #: reads next-use times (``SetupContext.future``), precomputed by ``dali trace enrich``; bounds only
+    needs_future: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None):
         self.config: C = config if config is not None else self.Config()  # type: ignore[assignment]
@@ -138,7 +140,7 @@ class SetupContext:
     block_of_layer: tuple[int, ...]  # MoE ordinal -> block index
     staging_slots: int = 0  # expert buffers for fetched experts that are not admitted
     prefetch_slots: int = 0  # expert buffers for prefetched experts
-    #: the future demand stream (``dali_sim.runtime.future.FutureDemand``): given to bounds only
+    #: next-use times (``dali_sim.runtime.future.FutureDemand``): given to bounds that need them only
     future: Any = None
 
 

@@ -3,8 +3,8 @@
 With the shared cache semantics (victims among entries not activated in the step, a declined expert
 is staged), evicting the evictable entry whose next use is farthest, and declining (bypassing) an
 incoming expert whose own next use is farther still, minimises misses for a given demand stream.
-The future comes from the workload's steps (``SetupContext.future``, given to bounds only), so it is
-exact for every batch size.
+The next-use times come from ``dali trace enrich`` (``SetupContext.future``, given to bounds only),
+computed from the workload's steps, so they are exact for the batch size they were computed for.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ class Belady(CachePolicy):
     description = ("BOUND: evict the evictable entry used farthest in the future, and bypass an incoming expert "
                    "used later than all of them (reads the future demand stream)")
     is_bound = True
+    needs_future = True
 
     def setup(self, ctx: SetupContext) -> None:
         if ctx.future is None:
-            raise ValueError("cache 'belady' needs the future demand stream, which the runtime gives to bounds only")
+            raise ValueError("cache 'belady' needs next-use times (`dali trace enrich`), which the runtime gives "
+                             "to bounds only")
         self.future = ctx.future
 
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:

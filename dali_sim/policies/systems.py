@@ -56,6 +56,11 @@ class SystemConfig:
             "system": {"dense_device": self.dense_device},
         }
 
+    @property
+    def needs_future(self) -> bool:
+        """Whether a policy reads next-use times (``dali trace enrich``), e.g. the ``belady`` cache."""
+        return any(c.build().needs_future for c in (self.placement, self.cache, self.prefetch))
+
 
 @functools.lru_cache(maxsize=1)
 def _presets() -> dict[str, dict[str, Any]]:

@@ -56,7 +56,8 @@ class Controller:
 
     def __init__(self, workload: Workload, costs: CostModel, placement: PlacementPolicy, cache: CachePolicy,
                  prefetch: PrefetchPolicy, capacities: np.ndarray, *, cache_init: str = "empty",
-                 prefetch_slots: int = 0, staging_slots: int = 1, seed: int = 0):
+                 prefetch_slots: int = 0, staging_slots: int = 1, seed: int = 0,
+                 future: FutureDemand | None = None):
         self.w = workload
         self.costs = costs
         self.placement, self.cache, self.prefetcher = placement, cache, prefetch
@@ -75,8 +76,7 @@ class Controller:
         )
         self.ctx = ctx
         rng = np.random.default_rng(seed)
-        future = FutureDemand(workload) if any(p.is_bound for p in (placement, cache, prefetch)) else None
-        for policy in (placement, cache, prefetch):
+        for policy in (placement, cache, prefetch):  # next-use times go to bounds only
             policy.setup(dataclasses.replace(ctx, future=future) if policy.is_bound else ctx)
         self.resident = np.zeros((L, E), dtype=bool)
         for layer in range(L):

@@ -1,27 +1,51 @@
-"""The future demand stream, for bounds only (Belady): when is each expert of a layer used next?
+"""Next-use times, for bounds only (Belady): when is each expert of a layer used next?
 
-Built from the workload's steps, so it is exact for any batching (batch-mates' later uses count).
+They depend on the batching (a batch-mate's later use counts), so they are computed from the
+workload's step stream, once per (trace, batch size, prefill chunk), by ``dali trace enrich``, and
+stored in a sidecar Parquet file that the simulator loads (:func:`load_future`). The file names the
+trace's SHA-256 and the workload config it was computed for; a stale or mismatched file is refused.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import json
+import os
+from pathlib import Path
 
-from dali_sim.workload.builder import Workload
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dali_sim import __version__
+from dali_sim.trace.provenance import file_sha256
+from dali_sim.trace.reader import Trace
+from dali_sim.workload.builder import Workload, WorkloadConfig
 
 NEVER = np.iinfo(np.int64).max
+FUTURE_KEY = b"dali.future"
+FUTURE_FORMAT = 1
 
 
 class FutureDemand:
-    def __init__(self, workload: Workload):
+    """Every activation as (layer, expert, step), sorted, with lookup of the next use after a step."""
+
+    def __init__(self, layer: np.ndarray, expert: np.ndarray, step: np.ndarray, num_layers: int, num_experts: int):
+        key = np.asarray(layer, np.int64) * num_experts + np.asarray(expert, np.int64)
+        order = np.lexsort((step, key))  # by (layer, expert), then step
+        self._steps = np.asarray(step, np.int64)[order]
+        self._key = key[order]
+        self._start = np.searchsorted(self._key, np.arange(num_layers * num_experts + 1))
+        self.num_layers, self.num_experts = num_layers, num_experts
+
+    @classmethod
+    def from_workload(cls, workload: Workload) -> "FutureDemand":
         L, E = workload.num_layers, workload.num_experts
         seg = np.repeat(np.arange(workload.num_steps * L), np.diff(workload.actual.ptr))
         step, layer = np.divmod(seg, L)
-        key = layer * E + workload.actual.expert.astype(np.int64)
-        order = np.lexsort((step, key))  # by (layer, expert), then step
-        self._steps = step[order]
-        self._start = np.searchsorted(key[order], np.arange(L * E + 1))
-        self.num_experts = E
+        return cls(layer, workload.actual.expert, step, L, E)
+
+    def __len__(self) -> int:
+        return len(self._steps)
 
     def next_use(self, layer: int, experts: np.ndarray, step: int) -> np.ndarray:
         """For each expert, the first step after ``step`` at which it is activated at ``layer``
@@ -34,3 +58,76 @@ class FutureDemand:
             if j < hi:
                 out[i] = self._steps[j]
         return out
+
+    def table(self) -> pa.Table:
+        """One row per activation, sorted by (layer, expert, step), with its next use (-1: never)."""
+        nxt = np.full(len(self._steps), -1, dtype=np.int64)
+        same = self._key[1:] == self._key[:-1]
+        nxt[:-1][same] = self._steps[1:][same]
+        return pa.table({"layer": (self._key // self.num_experts).astype(np.int16),
+                         "expert": (self._key % self.num_experts).astype(np.int16),
+                         "step": self._steps.astype(np.int32), "next_step": nxt.astype(np.int32)})
+
+
+def future_path(trace_path: str | Path, config: WorkloadConfig) -> Path:
+    """Where ``dali trace enrich`` puts the next-use file of a trace for one workload config."""
+    p = Path(trace_path)
+    chunk = f"-c{config.prefill_chunk}" if config.prefill_chunk else ""
+    return p.with_name(f"{p.name.removesuffix('.parquet')}.future-b{config.batch_size}{chunk}.parquet")
+
+
+def enrich_command(trace_path: str | Path | None, config: WorkloadConfig) -> str:
+    chunk = f" --prefill-chunk {config.prefill_chunk}" if config.prefill_chunk else ""
+    return f"dali trace enrich {trace_path or 'TRACE'} --batch-size {config.batch_size}{chunk}"
+
+
+def write_future(trace: Trace, config: WorkloadConfig, out: str | Path | None = None,
+                 command: str | None = None) -> Path:
+    """Compute the next-use times of ``trace`` under ``config`` and write them (atomically)."""
+    if trace.path is None:
+        raise ValueError("next-use times are stored beside a trace file: write the trace to disk first")
+    out = Path(out) if out is not None else future_path(trace.path, config)
+    w = Workload(trace, config)
+    future = FutureDemand.from_workload(w)
+    meta = {"format": FUTURE_FORMAT, "trace": str(trace.path), "trace_sha256": file_sha256(trace.path),
+            "batch_size": config.batch_size, "prefill_chunk": config.prefill_chunk, "num_steps": w.num_steps,
+            "num_layers": w.num_layers, "num_experts": w.num_experts, "activations": len(future),
+            "dali_version": __version__, "command": command or "(python API)"}
+    table = future.table().replace_schema_metadata({FUTURE_KEY: json.dumps(meta).encode()})
+    tmp = out.with_name(out.name + ".partial")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, out)
+    return out
+
+
+def load_future(trace: Trace, config: WorkloadConfig, path: str | Path | None = None,
+                *, needed_by: str = "a bound") -> FutureDemand:
+    """The next-use times of ``trace`` under ``config``; refuses a missing, stale or mismatched file."""
+    if path is None:
+        if trace.path is None:
+            raise ValueError(f"{needed_by} needs next-use times, which are stored beside a trace file: write the "
+                             f"trace to disk and run `{enrich_command(None, config)}`")
+        path = future_path(trace.path, config)
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{needed_by} needs next-use times for batch size {config.batch_size} and prefill chunk "
+                         f"{config.prefill_chunk}: {path} is missing; run `{enrich_command(trace.path, config)}`")
+    try:
+        pf = pq.ParquetFile(path)
+        meta = json.loads((pf.schema_arrow.metadata or {})[FUTURE_KEY])
+        table = pf.read()
+    except (OSError, KeyError, ValueError, pa.ArrowException) as exc:
+        raise ValueError(f"{path}: not a next-use file written by `dali trace enrich` ({exc})") from None
+    want = {"batch_size": config.batch_size, "prefill_chunk": config.prefill_chunk}
+    got = {k: meta.get(k) for k in want}
+    if got != want:
+        raise ValueError(f"{path}: computed for {got}, but this run uses {want}; run `{enrich_command(trace.path, config)}`")
+    if trace.path is not None and meta.get("trace_sha256") != file_sha256(trace.path):
+        raise ValueError(f"{path}: computed for a different version of {trace.path} (SHA-256 differs); "
+                         f"run `{enrich_command(trace.path, config)}` again")
+    L, E = trace.model.num_moe_layers, trace.model.num_experts
+    if (meta.get("num_layers"), meta.get("num_experts")) != (L, E) or table.num_rows != meta.get("activations"):
+        raise ValueError(f"{path}: shape {meta.get('num_layers')} layers x {meta.get('num_experts')} experts, "
+                         f"{table.num_rows} rows does not match the trace ({L} x {E}) or its own header")
+    cols = {c: table.column(c).to_numpy() for c in ("layer", "expert", "step")}
+    return FutureDemand(cols["layer"], cols["expert"], cols["step"], L, E)

@@ -18,6 +18,7 @@ from dali_sim.hardware.profile import load_profile
 from dali_sim.models.presets import get_precision
 from dali_sim.policies.systems import SystemConfig, resolve_system
 from dali_sim.runtime.controller import Controller
+from dali_sim.runtime.future import future_path, load_future
 from dali_sim.runtime.memory import plan_memory
 from dali_sim.sim.counters import PlanCounters, derived, ratio
 from dali_sim.sim.engine import EngineOutput, Interval, SimEngine
@@ -86,9 +87,11 @@ def simulate(
     timing: bool = True,
     timeline: bool = False,
     progress: bool = False,
+    future: str | Path | None = None,
 ) -> SimResult:
     """Replay ``trace`` under ``system`` on ``hardware``. ``timing=False`` is the fast no-timing path:
-    the same decisions and counts, no SimPy, no times."""
+    the same decisions and counts, no SimPy, no times. ``future``: the next-use file of a policy that
+    needs one (``belady``); default: the one ``dali trace enrich`` wrote beside the trace."""
     if not isinstance(trace, Trace):
         trace = read_trace(trace)
     model = trace.model if precision is None else trace.model.with_precision(get_precision(precision))
@@ -99,9 +102,11 @@ def simulate(
     workload = Workload(trace, WorkloadConfig(batch_size, prefill_chunk), predictors=prefetch.required_predictors())
     mem = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, workload.max_batch_context,
                       required=placement.required_capacities(workload.num_layers, workload.num_experts))
+    needers = [p for p in (placement, cache, prefetch) if p.needs_future]
+    next_uses = load_future(trace, workload.config, future, needed_by=f"{needers[0].name!r}") if needers else None
     controller = Controller(workload, costs, placement, cache, prefetch, mem.capacities,
                             cache_init=sysconf.memory.cache_init, prefetch_slots=mem.prefetch_slots,
-                            staging_slots=sysconf.memory.staging_slots, seed=seed)
+                            staging_slots=sysconf.memory.staging_slots, seed=seed, future=next_uses)
     counters = PlanCounters(workload.num_layers)
     # the bar appears only for runs longer than 2 s
     bar = tqdm(total=workload.num_steps, desc=f"{'sim' if timing else 'replay'} {sysconf.name}", unit="step",
@@ -143,6 +148,9 @@ def simulate(
         "memory": mem.describe(),
         "timing": timing,
     }
+    if next_uses is not None:
+        used = Path(future) if future is not None else future_path(trace.path, workload.config)
+        manifest["future"] = {"path": str(used), "sha256": file_sha256(used)}
     config = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": batch_size,
               "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": timing}
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
