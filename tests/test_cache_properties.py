@@ -179,7 +179,7 @@ def placement_setups(name: str):
         return st.tuples(st.fixed_dictionaries({"overlap": st.sampled_from(["true", "false"]),
                                                 "pending_resident": st.sampled_from(["true", "false"])}), caps)
     if name == "hybrimoe":
-        return st.tuples(st.fixed_dictionaries({"mode": st.sampled_from(["best", "greedy"]),
+        return st.tuples(st.fixed_dictionaries({"mode": st.sampled_from(["hss", "best", "greedy"]),
                                                 "pending_resident": st.sampled_from(["true", "false"])}), caps)
     if name == "fiddler":
         return st.tuples(st.fixed_dictionaries({"pending_resident": st.sampled_from(["true", "false"])}), caps)

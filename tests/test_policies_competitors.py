@@ -7,6 +7,7 @@ expert's copy 2 s (all exact in floating point).
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from dali_sim.policies.hybrimoe import (
 from dali_sim.policies.placement import StaticLayers, StaticLayersConfig
 from dali_sim.policies.placement_competitors import Fiddler, ResidentGpu, fiddler_rule
 from dali_sim.policies.prefetch_competitors import NextLayerAll
+from dali_sim.policies.prefetch_lookahead import NextGateConfig
 from dali_sim.policies.systems import resolve_system
 from dali_sim.sim.simulate import simulate
 from dali_sim.trace import TraceError, read_trace
@@ -91,7 +93,7 @@ def test_hybrid_schedule_worked_example():
     Makespans: 24, 12, 9, 10, 11 -> m = 2: fetch 0 and 2, run 3 and 4 on the CPU, makespan 9."""
     loads = np.array([4, 3, 2, 1, 1])
     cached = np.array([F, T, F, F, F])
-    s = hybrid_schedule(loads, cached, loads * 1.0, loads * 3.0, 2.0)
+    s = hybrid_schedule(loads, cached, loads * 1.0, loads * 3.0, 2.0, mode="best")
     assert s.makespans.tolist() == [24.0, 12.0, 9.0, 10.0, 11.0]
     assert s.on_gpu.tolist() == [T, T, T, F, F] and s.fetched.tolist() == [T, F, T, F, F]
     assert (s.makespan, s.gpu_end, s.cpu_end) == (9.0, 9.0, 6.0)
@@ -106,21 +108,83 @@ def test_hybrid_schedule_greedy_overfetches_where_best_does_not():
     best: m = 0 (10 s). greedy: the CPU takes one (t_c 3), the idle link the other: m = 1 (11 s)."""
     loads = np.array([10, 1, 1])
     cached = np.array([T, F, F])
-    best = hybrid_schedule(loads, cached, loads * 1.0, loads * 3.0, 2.0)
+    best = hybrid_schedule(loads, cached, loads * 1.0, loads * 3.0, 2.0, mode="best")
     assert best.makespans.tolist() == [10.0, 11.0, 12.0]
     assert best.on_gpu.tolist() == [T, F, F] and best.makespan == 10.0
     greedy = hybrid_schedule(loads, cached, loads * 1.0, loads * 3.0, 2.0, mode="greedy")
     assert greedy.fetched.tolist() == [F, T, F] and greedy.makespan == 11.0
     # ties between equal makespans go to fewer copies: batch 1, two uncached experts, nothing cached:
     # m=0: 6, m=1: max(3, 3) = 3, m=2: max(max(3, 4) + 1, 0) = 5 -> m = 1; expert 0 (lower id) fetched
-    one = hybrid_schedule(np.array([1, 1]), np.array([F, F]), np.ones(2), np.full(2, 3.0), 2.0)
+    one = hybrid_schedule(np.array([1, 1]), np.array([F, F]), np.ones(2), np.full(2, 3.0), 2.0, mode="best")
     assert one.makespans.tolist() == [6.0, 3.0, 5.0] and one.fetched.tolist() == [T, F]
-    with pytest.raises(ValueError, match="mode must be one of best, greedy"):
+    with pytest.raises(ValueError, match="mode must be one of hss, best, greedy"):
         hybrid_schedule(loads, cached, loads, loads, 2.0, mode="fast")
 
 
+def test_hss_schedule_by_hand():
+    """The released code's HybridSchedulingStrategy (KExpertsCache.HSS). t_gpu = load, t_cpu = 3 load,
+    copy 2 s. The list is cached (descending load) then uncached (descending load); the GPU takes the
+    head, the CPU the tail, whichever ends no later (the GPU on ties); a copied head waits for its copy.
+    1) loads [4, 3, 2, 1, 1], e1 cached: list 1 | 0, 2, 3, 4. GPU 1 (3) <= CPU 4 (3); GPU 0
+       (max(3, 2) + 4 = 7) > CPU 4 (3): CPU; 7 > CPU 3 (6): CPU; 7 <= CPU 2 (12): GPU (copy 1);
+       GPU 2 (max(7, 4) + 2 = 9) <= 12: GPU (copy 2). GPU {1, 0, 2} ends 9, CPU {3, 4} 6.
+    2) all cached, loads [2, 2, 1, 1]: GPU 0 (2) <= 3; GPU 1 (4) > CPU 3 (3): the CPU takes a cached
+       expert; GPU 1 (4) <= CPU 2 (6); GPU 2 (5) <= 6. Makespan 5; the prefix model keeps every cached
+       expert on the GPU: 6.
+    3) batch-1 decode, [1, 1], e0 cached: GPU 0 (1) <= 3; GPU 1 (max(1, 2) + 1 = 3) <= CPU 3: a tie, copied
+       (best: m = 0 and m = 1 both 3 s, fewer copies: the CPU)."""
+    loads = np.array([4, 3, 2, 1, 1])
+    s = hybrid_schedule(loads, np.array([F, T, F, F, F]), loads * 1.0, loads * 3.0, 2.0)
+    assert s.on_gpu.tolist() == [T, T, T, F, F] and s.fetched.tolist() == [T, F, T, F, F]
+    assert (s.makespan, s.gpu_end, s.cpu_end) == (9.0, 9.0, 6.0)
+    assert s.makespans.tolist() == [24.0, 12.0, 9.0, 10.0, 11.0]  # the prefix model, for reference
+    loads = np.array([2, 2, 1, 1])
+    s = hybrid_schedule(loads, np.ones(4, bool), loads * 1.0, loads * 3.0, 2.0)
+    assert s.on_gpu.tolist() == [T, T, T, F] and not s.fetched.any()
+    assert (s.makespan, s.gpu_end, s.cpu_end) == (5.0, 5.0, 3.0)
+    assert hybrid_schedule(loads, np.ones(4, bool), loads * 1.0, loads * 3.0, 2.0, mode="best").makespan == 6.0
+    s = hybrid_schedule(np.array([1, 1]), np.array([T, F]), np.ones(2), np.full(2, 3.0), 2.0)
+    assert s.on_gpu.tolist() == [T, T] and s.fetched.tolist() == [F, T] and s.makespan == 3.0
+    b = hybrid_schedule(np.array([1, 1]), np.array([T, F]), np.ones(2), np.full(2, 3.0), 2.0, mode="best")
+    assert b.on_gpu.tolist() == [T, F] and b.makespan == 3.0
+    # equal loads keep the input order (touch order: best rank, then id): the CPU takes the last one.
+    # GPU e0 (max(0, 2) + 1 = 3) <= CPU e2 (3); GPU e1 (max(3, 4) + 1 = 5) > 3: the CPU takes e2;
+    # GPU e1 (5) <= CPU e1 (6): the GPU
+    s = hybrid_schedule(np.array([1, 1, 1]), np.zeros(3, bool), np.ones(3), np.full(3, 3.0), 2.0)
+    assert s.on_gpu.tolist() == [T, T, F] and (s.gpu_end, s.cpu_end) == (5.0, 3.0)
+
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_hss_invariants_on_random_layers(seed):
+    """HSS on random layers: the GPU's experts are a prefix of the list (cached by descending load,
+    then uncached by descending load), the CPU's the rest; the lanes' ends are the sums the rule
+    builds (copies back to back, a copied expert waits for its copy)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    counts = rng.integers(1, 6, n)
+    cached = rng.random(n) < 0.4
+    t_gpu = 0.2 + 0.1 * counts
+    t_cpu = 0.5 * counts
+    xfer = float(rng.choice([0.1, 0.5, 2.0]))
+    s = hybrid_schedule(counts, cached, t_gpu, t_cpu, xfer)
+    idx = np.arange(n)
+    order = np.concatenate([g[np.lexsort((g, -counts[g]))] for g in (idx[cached], idx[~cached])])
+    k = int(s.on_gpu.sum())
+    assert s.on_gpu[order[:k]].all() and not s.on_gpu[order[k:]].any()
+    assert (s.fetched == (s.on_gpu & ~cached)).all()
+    assert s.cpu_end == pytest.approx(t_cpu[~s.on_gpu].sum())
+    g = moved = 0.0
+    for e in order[:k].tolist():
+        if not cached[e]:
+            moved += xfer
+            g = max(g, moved)
+        g += t_gpu[e]
+    assert s.gpu_end == pytest.approx(g) and s.makespan == max(s.gpu_end, s.cpu_end)
+
+
 def test_hybrimoe_placement_on_views(round_costs):
-    p = HybriMoEPlacement()
+    p = HybriMoEPlacement(HybriMoEPlacementConfig(mode="best"))
     # the worked example above as a view: experts 0..4 would need E >= 5; use 4 experts:
     # loads e0 4, e1 3 (resident), e2 2, e3 1. Uncached desc: 0, 2, 3; g: 3, 7, 9, 10; CPU: 12+6+3=21, 9, 3, 0
     # makespans 21, 9, 9, 10 -> m = 1 (tie with m = 2, fewer copies): e0 fetched, e2 and e3 on the CPU
@@ -131,8 +195,14 @@ def test_hybrimoe_placement_on_views(round_costs):
     v = view({0: 4, 1: 3, 2: 2, 3: 1}, resident=[1], pending=[2], costs=round_costs)
     assert p.place(v).tolist() == [T, T, T, F]
     # pending_resident=false: e2 is uncached again -> as in the first case
-    p2 = HybriMoEPlacement(HybriMoEPlacementConfig(pending_resident=False))
+    p2 = HybriMoEPlacement(HybriMoEPlacementConfig(mode="best", pending_resident=False))
     assert p2.place(v).tolist() == [T, T, F, F]
+    # the default (the code's HSS), first view: list 1 | 0, 2, 3. GPU 1 (3) <= CPU 3 (3); GPU 0
+    # (max(3, 2) + 4 = 7) > CPU 3 (3): the CPU takes 3; GPU 0 (7) <= CPU 2 (3 + 6 = 9); GPU 2
+    # (max(7, 4) + 2 = 9) <= CPU (9): a tie, the GPU -> e2 is copied where `best` kept it on the CPU
+    assert HybriMoEPlacement().config.mode == "hss"
+    v = view({0: 4, 1: 3, 2: 2, 3: 1}, resident=[1], costs=round_costs)
+    assert HybriMoEPlacement().place(v).tolist() == [T, T, T, F]
     with pytest.raises(ValueError, match="placement.mode"):
         HybriMoEPlacementConfig(mode="fast")
 
@@ -160,6 +230,26 @@ def test_mrs_update_and_victims_by_hand():
     for bad in (0.0, 1.5, -1.0):
         with pytest.raises(ValueError, match=r"cache.a must be a number in \(0, 1\]"):
             MRSConfig(a=bad)
+
+
+def test_mrs_ties_go_to_the_least_recently_used_and_prefill_never_evicts():
+    """Equal scores: the code's argmin over its LRU-ordered dict evicts the least recently used entry;
+    initial entries are older than any use, in id order. In prefill a full cache declines (the code
+    loads the miss into a one-layer buffer); prefill_evicts=true restores eviction."""
+    c = MRSCache()
+    c.setup(ctx(num_layers=2, capacity=2))
+    v = view({3: 1}, tokens=1)
+    assert c.victim(0, 3, v, np.array([0, 2])) == 0  # both 0, never used: lower id
+    c.on_hit(0, 0, v)
+    assert c.victim(0, 3, v, np.array([0, 2])) == 2  # e0 was just used
+    c.on_admit(0, 2, v)
+    assert c.victim(0, 3, v, np.array([0, 2])) == 0
+    pre = dataclasses.replace(v, phase=0)
+    assert c.victim(0, 3, pre, np.array([0, 2])) is None
+    c2 = MRSCache(MRSConfig(prefill_evicts=True))
+    c2.setup(ctx(num_layers=2, capacity=2))
+    assert c2.victim(0, 3, pre, np.array([0, 2])) == 0
+    assert MRSConfig() == MRSConfig(a=0.5, prefill_evicts=False)
 
 
 ONE = tiny_model(num_layers=1, moe_layers=(0,), num_experts=4, top_k=1)
@@ -249,17 +339,57 @@ def test_impact_prefetch_uses_the_last_seen_contents(round_costs):
         HybriMoEPrefetchConfig(predictor1="", predictor2="", predictor3="")
 
 
+def test_score_prefetch_is_the_codes_prefetch_expert():
+    """source=score: at layer l, the k experts of layer l+1 with the highest MRS score (a = 0.5), scores
+    updated at each layer's own visits; no lookahead column. Layer 1 at step 0: e2 and e3, one token
+    each -> S1 = [0, 0, .5, .5]; at layer 0 of step 1: the top-1 of layer 1 is e2 (tie: lower id)."""
+    p = HybriMoEPrefetch(HybriMoEPrefetchConfig(source="score", k=1))
+    assert p.required_predictors() == ()
+    p.setup(ctx())
+    assert p.prefetch(view({2: 1, 3: 1}, layer=1, tokens=1)) == [(2, 0)]  # layer 2 never seen: all 0
+    assert p.score[1].tolist() == [0.0, 0.0, 0.5, 0.5]
+    assert p.prefetch(view({0: 1}, layer=0, tokens=1, step=1)) == [(1, 2)]
+    p2 = HybriMoEPrefetch(HybriMoEPrefetchConfig(source="score", k=2, a=1.0))
+    p2.setup(ctx())
+    p2.prefetch(view({3: 1}, layer=1, tokens=1))
+    assert p2.prefetch(view({0: 1}, layer=0, tokens=1, step=1)) == [(1, 3), (1, 0)]
+    assert p2.prefetch(view({0: 1}, layer=3, tokens=1, step=1)) == []  # the last layer: no target
+    with pytest.raises(ValueError, match="source=score needs prefetch.k >= 1"):
+        HybriMoEPrefetchConfig(source="score")
+    with pytest.raises(ValueError, match="prefetch.source must be one of impact, score"):
+        HybriMoEPrefetchConfig(source="oracle")
+    with pytest.raises(ValueError, match="prefetch.schedule must be one of hss, best, greedy"):
+        HybriMoEPrefetchConfig(schedule="fast")
+
+
+def test_impact_prefetch_simulates_the_chosen_schedule(round_costs):
+    """Layer 1 predicted e0 1 and e1 1, e0 known cached (seen at layer 1's visit). HSS: base = GPU e0
+    (1), then e1 max(1, 2) + 1 = 3 <= CPU 3: 3 s; e1 cached too: 2 s -> gain 1. best gives the same
+    base (min(3, 3)) and gain: the prefix is [e1] either way."""
+    for sched in ("hss", "best"):
+        p = HybriMoEPrefetch(HybriMoEPrefetchConfig(predictor2="", predictor3="", min_gain=0.0, schedule=sched))
+        p.setup(ctx(costs=round_costs))
+        table = {("next-gate", 1): {0: 1, 1: 1}, ("next-gate", 2): {}}
+        p.prefetch(view({0: 1}, layer=1, resident=[0], costs=round_costs, lookahead=fake_lookahead(table, [])))
+        assert p.prefetch(view({0: 1}, step=1, costs=round_costs, lookahead=fake_lookahead(table, []))) == [(1, 1)]
+
+
 # ---- Fiddler and KTransformers --------------------------------------------------------------------
-def test_fiddler_rule_at_the_crossover(round_costs):
-    """Missing expert: GPU iff 3n > n + 2, i.e. n > 1. At n = 1 both sides are 3 s: CPU."""
-    assert fiddler_rule([1, 2, 1], [F, F, T], round_costs).tolist() == [F, T, T]
+def test_fiddler_rule_at_the_crossover(round_costs, tmp_path):
+    """Missing expert: GPU iff n + 2 <= 3n, i.e. n >= 1. At n = 1 both sides are 3 s: the GPU, as
+    Fiddler's code (its first minimum over the CPU/GPU splits keeps the all-GPU bits on ties). A
+    slower link (copy 4 s): GPU iff n + 4 <= 3n, i.e. n >= 2."""
+    assert fiddler_rule([1, 2, 1], [F, F, T], round_costs).tolist() == [T, T, T]
+    slow = CostModel(load_profile(round_number_profile(tmp_path / "slow.json", E4, xfer=4.0)), E4)
+    assert slow.expert_transfer_time() == 4.0
+    assert fiddler_rule([1, 2, 3], [F, F, F], slow).tolist() == [F, T, T]
     p = Fiddler()
     v = view({0: 2, 1: 1, 2: 1, 3: 3}, resident=[2], pending=[1], costs=round_costs)
     assert v.experts.tolist() == [3, 0, 1, 2]
     assert p.place(v).tolist() == [T, T, T, T]  # e3: 9 > 5, e0: 6 > 4, e1 pending, e2 resident
     v = view({0: 1, 1: 1, 2: 1}, resident=[2], pending=[1], costs=round_costs)
-    assert p.place(v).tolist() == [F, T, T]
-    assert Fiddler(Fiddler.Config(pending_resident=False)).place(v).tolist() == [F, F, T]
+    assert p.place(v).tolist() == [T, T, T]  # e0: 3 <= 3, a tie: the GPU
+    assert Fiddler(Fiddler.Config(pending_resident=False)).place(v).tolist() == [T, T, T]
 
 
 def test_resident_gpu_place():
@@ -274,16 +404,17 @@ FID = [0, 1, 0, 2]  # sequence 0, one token per step
 
 
 def test_fiddler_and_ktransformers_end_to_end(tmp_path):
-    """One layer, 4 experts, top-1, static cache, batch 1. Sequence 0: e0 e1 e0 e2 (one token per
-    step); sequence 1: a 4-token prompt, every token to e3 (one prefill step, e3's workload 4).
+    """One layer, 4 experts, top-1, static cache, batch 1, a 4 s copy. Sequence 0: e0 e1 e0 e2 (one
+    token per step); sequence 1: a 4-token prompt, every token to e3 (one prefill step, e3's workload 4).
     Frequencies: e0 2, e1 1, e2 1, e3 4.
     1 slot, frequency start: e3 resident. Sequence 0's experts have 1 token: fiddler keeps them on the
-    CPU (3 > 1 + 2 is false), resident-gpu too; sequence 1's e3 hits. 5 activations, 1 hit, 0 copies.
-    0 slots: fiddler copies the 4-token e3 (12 > 4 + 2) and stages it; resident-gpu runs it on the CPU."""
+    CPU (1 + 4 <= 3 is false), resident-gpu too; sequence 1's e3 hits. 5 activations, 1 hit, 0 copies.
+    0 slots: fiddler copies the 4-token e3 (4 + 4 <= 12) and stages it; resident-gpu runs it on the CPU.
+    With a 2 s copy, fiddler would copy the 1-token experts too (1 + 2 <= 3: ties go to the GPU)."""
     rows = [(0, pos, "prefill" if pos == 0 else "decode", [[e]]) for pos, e in enumerate(FID)]
     rows += [(1, pos, "prefill", [[3]]) for pos in range(4)]
     trace = read_trace(write_hand_trace(tmp_path / "t.parquet", ONE, rows))
-    profile = round_number_profile(tmp_path / "round.json", ONE)
+    profile = round_number_profile(tmp_path / "round.json", ONE, xfer=4.0)
     mem = {"cache_experts": "1", "cache_init": "frequency", "staging_slots": "1"}
     fid = agree(trace, "gpu-static", {"placement": {"policy": "fiddler"}, "memory": mem}, hardware=profile)
     kt = agree(trace, "gpu-static", {"placement": {"policy": "resident-gpu"}, "memory": mem},
@@ -297,6 +428,9 @@ def test_fiddler_and_ktransformers_end_to_end(tmp_path):
     kt0 = agree(trace, "gpu-static", {"placement": {"policy": "resident-gpu"}, "memory": mem0},
                       hardware=profile)
     assert (kt0.summary["on_demand"], kt0.summary["hits"], kt0.summary["cpu_experts"]) == (0, 0, 5)
+    fast = round_number_profile(tmp_path / "fast.json", ONE)
+    fid2 = agree(trace, "gpu-static", {"placement": {"policy": "fiddler"}, "memory": mem}, hardware=fast)
+    assert (fid2.summary["hits"], fid2.summary["on_demand"], fid2.summary["cpu_experts"]) == (1, 4, 0)
 
 
 # ---- llama.cpp op offload -------------------------------------------------------------------------
@@ -331,12 +465,11 @@ def test_llamacpp_offload_end_to_end(tmp_path, prompt, copies):
     (p + 1) % 4 in both layers: a prompt activates all 4. The prompt is one prefill step; then 3
     decode steps of 1 token. With offload_min_tokens = 32, a 32-token prompt copies layer 0's 4 experts
     (staged: the static cache declines), a 31-token one copies none; decode never copies. (The step
-    basis, llama.cpp's own op rule; the preset uses the per-expert basis, tested elsewhere.)"""
+    basis: llama.cpp's op rule, the preset's; ggml-backend copies only the experts the batch uses.)"""
     rows = [(0, p, "prefill" if p < prompt else "decode", [[p % 4, (p + 1) % 4]] * 2) for p in range(prompt + 3)]
     trace = read_trace(write_hand_trace(tmp_path / "t.parquet", TWO, rows))
     profile = round_number_profile(tmp_path / "round.json", TWO)
-    ov = {"placement": {"cpu_layers": "1", "offload_min_tokens": "32", "offload_basis": "step"},
-          "memory": {"staging_slots": "1"}}
+    ov = {"placement": {"cpu_layers": "1"}, "memory": {"staging_slots": "1"}}  # the preset: 32 tokens, step basis
     r = agree(trace, "llamacpp", ov, hardware=profile)
     assert r.per_layer["on_demand"].tolist() == [copies, 0]
     assert r.per_layer["staged"].tolist() == [copies, 0]
@@ -404,6 +537,15 @@ def test_hybrimoe_system_on_synthetic_paths_agree(synthetic, batch):
     assert greedy.summary["activated"] == s["activated"]
 
 
+
+def test_score_prefetch_end_to_end(synthetic):
+    """source=score needs no lookahead column; both paths agree."""
+    ov = {**HYBRI, "prefetch": {"policy": "hybrimoe", "source": "score", "k": "2"}}
+    r = agree(synthetic, "gpu-lru", ov)
+    assert r.summary["prefetch_issued"] > 0
+    assert resolve_system("gpu-lru", ov).prefetch.build().required_predictors() == ()
+
+
 def test_hybrimoe_prefetch_missing_columns(synthetic, one_layer):
     trace, profile = one_layer
     with pytest.raises(TraceError, match="no lookahead column 'next-gate'"):
@@ -415,6 +557,34 @@ def test_hybrimoe_prefetch_missing_columns(synthetic, one_layer):
     # the default threshold prefetches nothing here, and the run still works
     s = simulate(synthetic, "gpu-lru", timing=False, overrides={**HYBRI, "prefetch": {"policy": "hybrimoe"}}).summary
     assert s["prefetch_issued"] == 0
+
+
+
+# ---- AdapMoE / mixtral-offloading: next-gate prefetch --------------------------------------------
+def test_next_gate_decode_only(round_costs):
+    """AdapMoE prefetches in batch-1 decode only: decode_only=true returns nothing in prefill."""
+    def look(name, target):
+        return np.array([0, 1, 1, 0])
+
+    ng = PREFETCHERS.get("next-gate")(NextGateConfig(decode_only=True))
+    v = view({0: 1}, layer=0, costs=round_costs, lookahead=look)
+    assert ng.prefetch(v) == [(1, 1), (1, 2)]
+    assert ng.prefetch(dataclasses.replace(v, phase=0)) == []
+    assert PREFETCHERS.get("next-gate")().prefetch(dataclasses.replace(v, phase=0)) == [(1, 1), (1, 2)]
+
+
+def test_adapmoe_style_prefetch_end_to_end(synthetic):
+    """AdapMoE's rule (the first of the next layer's predicted top-2 that is not cached, one at most,
+    decode only) is next-gate with decode_only and one prefetch buffer: the runtime skips resident
+    experts and fills the free buffer in the order given (best predicted rank first)."""
+    mem = {"cache_experts": "2", "prefetch_slots": "1", "gpu_memory_gib": "48"}
+    ada = simulate(synthetic, "gpu-lru", timing=False,
+                   overrides={"prefetch": {"policy": "next-gate", "decode_only": "true"}, "memory": mem}).summary
+    every = simulate(synthetic, "gpu-lru", timing=False,
+                     overrides={"prefetch": {"policy": "next-gate"}, "memory": mem}).summary
+    layers = read_trace(synthetic).model.num_moe_layers
+    assert 0 < ada["prefetch_issued"] <= ada["decode_steps"] * (layers - 1)
+    assert ada["prefetch_issued"] < every["prefetch_issued"]
 
 
 def test_registration_and_configs():
@@ -429,4 +599,8 @@ def test_registration_and_configs():
     with pytest.raises(ValueError, match="unknown parameter placement.alpha"):
         resolve_system("gpu-lru", {"placement": {"policy": "hybrimoe", "alpha": "1"}})
     sc = resolve_system("llamacpp", {"placement": {"offload_min_tokens": "32"}})
-    assert sc.placement.config == StaticLayersConfig(cpu_layers=-1, offload_min_tokens=32, offload_basis="expert")
+    assert sc.placement.config == StaticLayersConfig(cpu_layers=-1, offload_min_tokens=32, offload_basis="step")
+    sc = resolve_system("hybrimoe")
+    assert sc.placement.config == HybriMoEPlacementConfig(mode="hss")
+    assert sc.cache.config == MRSConfig(a=0.5, prefill_evicts=False)
+    assert sc.prefetch.config == HybriMoEPrefetchConfig()  # impact-driven, next 3 layers, HSS simulated

@@ -1,23 +1,29 @@
-"""HybriMoE (Zhong et al., DAC 2025, arXiv 2504.05897): hybrid CPU-GPU scheduling, the MRS score
-cache and impact-driven prefetching (readings and parameter choices in docs/policies.md).
+"""HybriMoE (Zhong et al., DAC 2025, arXiv 2504.05897; code: github.com/PKU-SEC-Lab/HybriMoE, a fork of
+kTransformers): hybrid CPU-GPU scheduling, the MRS score cache and impact-driven prefetching. Sources,
+readings and parameter choices in docs/policies.md ("HybriMoE").
 
-* ``hybrimoe`` (placement): dynamic intra-layer scheduling. Three queues per (step, layer): the GPU
-  takes the cached experts, highest load first; the CPU takes the uncached ones, lowest load first;
-  PCIe brings the uncached ones, highest load first, to the GPU. Because the CPU eats the uncached
-  list from the low end and PCIe from the high end, every schedule fetches a *prefix* of the uncached
-  experts sorted by descending load: :func:`hybrid_schedule` simulates the three queues with the cost
-  model for every prefix length m at once (O(n)) and keeps the m with the smallest makespan
-  (``mode=best``, the default), or the m at which the two ends meet when the CPU and the link each
-  take their next expert as soon as they are free (``mode=greedy``).
-* ``hybrimoe-mrs`` (cache): Minus Recent Score. Per layer, at every visit, ``S <- a * TopP(s) +
-  (1 - a) * S`` where ``TopP(s)`` is the step's routing score of each expert kept for the activated
-  experts only (here: the fraction of the step's tokens routed to it, since views carry workloads, not
-  router probabilities); a full cache evicts the evictable entry with the lowest score.
-* ``hybrimoe`` (prefetch): impact-driven prefetching from the predicted routing of the next 3 layers
-  (one lookahead column per distance): per target layer, the prefix of its predicted, uncached experts
-  (descending predicted load) whose presence on the GPU most lowers that layer's simulated makespan
-  (the same three-queue schedule on the predicted workloads); layers' prefixes are requested by gain
-  per copy, largest first (ties: the nearer layer).
+* ``hybrimoe`` (placement): dynamic intra-layer scheduling. ``mode=hss`` (the default) is the released
+  code's ``KExpertsCache.HSS`` (HybridSchedulingStrategy, ktransformers/operators/experts.py): the
+  activated experts are listed cached first (descending load), then uncached (descending load); the GPU
+  takes the head of the list, the CPU the tail, one at a time: whichever finishes sooner with its
+  candidate takes it (the GPU on ties), a head that is not cached waits for its copy, copies run back to
+  back. The GPU thus runs cached experts (highest load first) then copied ones; the CPU runs the
+  uncached ones from the lowest load up and, when the GPU is the bottleneck, even cached ones.
+  ``mode=best`` and ``mode=greedy`` are our readings of the paper's description written before the code
+  was at hand (every prefix of the uncached list simulated, smallest makespan; the CPU and the link each
+  taking their next expert when free): :func:`hybrid_schedule`.
+* ``hybrimoe-mrs`` (cache): Minus Recent Score (``KScoreAwareCache``). Per layer, at every visit,
+  ``S <- a * TopP(s) + (1 - a) * S`` (a = 0.5 in the code); experts outside TopP decay by ``1 - a``; a full
+  cache evicts the lowest score (ties: least recently used, as the code's ``argmin`` over its LRU-ordered
+  dict); in prefill a full cache does not evict (the code loads misses into a one-layer buffer).
+  ``TopP(s)`` here is the fraction of the step's tokens routed to each activated expert (views carry
+  workloads, not router probabilities; the code uses the first token's top-2k softmax scores).
+* ``hybrimoe`` (prefetch): ``source=impact`` (default): impact-driven prefetching as the paper describes
+  it, from the predicted routing of the next 3 layers (one lookahead column per distance): per target
+  layer, the prefix of its predicted, uncached experts (descending predicted load) whose presence on the
+  GPU most lowers that layer's simulated makespan (the same schedule on the predicted workloads); layers'
+  prefixes are requested by gain per copy, largest first (ties: the nearer layer). ``source=score``: the
+  released code's ``prefetch_expert``: the ``k`` experts of the next layer with the highest MRS score.
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ from dali_sim.policies.base import (
     SetupContext,
     registered,
 )
+from dali_sim.trace.schema import PREFILL
 
-MODES = ("best", "greedy")
+MODES = ("hss", "best", "greedy")
+SOURCES = ("impact", "score")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]*$")
 
 
@@ -48,7 +56,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]*$")
 class Schedule:
     """The outcome of :func:`hybrid_schedule` for one layer (arrays aligned with the inputs)."""
 
-    on_gpu: np.ndarray  # bool: cached experts and the fetched uncached ones
+    on_gpu: np.ndarray  # bool: experts run on the GPU (cached or fetched)
     fetched: np.ndarray  # bool: uncached experts brought over PCIe
     makespan: float  # max(GPU lane end, CPU lane end), both from 0
     gpu_end: float
@@ -56,19 +64,61 @@ class Schedule:
     makespans: np.ndarray  # makespan for m = 0..U fetched (the U uncached in descending-load order)
 
 
-def hybrid_schedule(counts, cached, t_gpu, t_cpu, xfer: float, mode: str = "best") -> Schedule:
-    """HybriMoE's three-queue intra-layer schedule.
+def _hss(counts, cached, t_gpu, t_cpu, xfer: float) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """The released code's HybridSchedulingStrategy (``KExpertsCache.HSS``): (on_gpu, fetched, GPU end, CPU end).
+
+    The list is the cached experts by descending load, then the uncached ones by descending load (ties:
+    input order). While experts remain, the GPU's candidate is the head, the CPU's the tail: the head
+    would end on the GPU at ``g + t_gpu``, where an uncached head first waits for its copy (copies back
+    to back from 0: it lands at ``moved + xfer``, so the GPU ends at ``max(g, moved + xfer) + t_gpu``);
+    the tail would end on the CPU at ``c + t_cpu``. The GPU takes its candidate iff it ends no later,
+    else the CPU takes its own. (The code adds per-device intercepts to the first expert of each queue;
+    here the cost model's times are used as they are.)
+    """
+    n = counts.shape[0]
+    idx = np.arange(n)
+    order = np.concatenate([g[np.lexsort((g, -counts[g]))] for g in (idx[cached], idx[~cached])]).tolist()
+    on_gpu = np.zeros(n, dtype=bool)
+    fetched = np.zeros(n, dtype=bool)
+    g = c = moved = 0.0
+    lo, hi = 0, n - 1
+    while lo <= hi:
+        head, tail = order[lo], order[hi]
+        g_next = g + float(t_gpu[head])
+        if not cached[head]:
+            g_next = max(g, moved + xfer) + float(t_gpu[head])
+        c_next = c + float(t_cpu[tail])
+        if g_next <= c_next:
+            if not cached[head]:
+                moved += xfer
+                fetched[head] = True
+            on_gpu[head] = True
+            g = g_next
+            lo += 1
+        else:
+            c = c_next
+            hi -= 1
+    return on_gpu, fetched, g, c
+
+
+def hybrid_schedule(counts, cached, t_gpu, t_cpu, xfer: float, mode: str = "hss") -> Schedule:
+    """HybriMoE's intra-layer schedule.
 
     ``counts`` (n,) workloads, ``cached`` (n,) bool (weights on the GPU: resident or prefetched),
     ``t_gpu``/``t_cpu`` (n,) compute times of each expert at its workload, ``xfer`` one expert's copy.
-    The GPU runs the cached experts first (all present at time 0), then the fetched ones in arrival
-    order; copies run back to back from time 0 in descending load (ties: lower index first); the CPU
-    runs the rest back to back. With m fetched: transfer i lands at (i+1) * xfer, the GPU lane ends at
-    ``g_m`` with ``g_0 = sum t_gpu(cached)`` and ``g_{i+1} = max(g_i, (i+1) * xfer) + t_gpu(u_i)``, the
-    CPU lane at the sum of t_cpu over the uncached experts not fetched.
-    ``best``: the m with the smallest makespan (ties: fewer copies). ``greedy``: the CPU (from the
-    low-load end) and the link (from the high-load end) each take the next remaining expert when free
-    (the CPU first on equal times) until none is left.
+
+    ``hss`` (default): the released code's greedy (:func:`_hss`).
+
+    ``best`` and ``greedy`` (our earlier readings): the GPU runs every cached expert first (all present
+    at time 0), then the fetched ones in arrival order; copies run back to back from time 0 in descending
+    load (ties: lower index first); the CPU runs the rest back to back. With m fetched: transfer i lands
+    at (i+1) * xfer, the GPU lane ends at ``g_m`` with ``g_0 = sum t_gpu(cached)`` and
+    ``g_{i+1} = max(g_i, (i+1) * xfer) + t_gpu(u_i)``, the CPU lane at the sum of t_cpu over the uncached
+    experts not fetched. ``best``: the m with the smallest makespan (ties: fewer copies). ``greedy``: the
+    CPU (from the low-load end) and the link (from the high-load end) each take the next remaining expert
+    when free (the CPU first on equal times) until none is left.
+
+    ``makespans`` is the prefix model's makespan for every m, whatever the mode.
     """
     if mode not in MODES:
         raise ValueError(f"hybrimoe schedule mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -89,6 +139,10 @@ def hybrid_schedule(counts, cached, t_gpu, t_cpu, xfer: float, mode: str = "best
     # cpu_end[m] = sum of t_cpu over unc[m:]
     cpu_end = np.concatenate([np.cumsum(t_cpu[unc][::-1])[::-1], [0.0]]) if unc.size else np.zeros(1)
     makespans = np.maximum(gpu_end, cpu_end)
+    if mode == "hss":
+        on_gpu, fetched, g_end, c_end = _hss(counts, cached, t_gpu, t_cpu, float(xfer))
+        return Schedule(on_gpu=on_gpu, fetched=fetched, makespan=max(g_end, c_end), gpu_end=g_end, cpu_end=c_end,
+                        makespans=makespans)
     if mode == "best":
         m = int(np.argmin(makespans))  # first minimum: fewest copies
     else:
@@ -118,10 +172,11 @@ def _times(costs, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
 # ---- placement ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HybriMoEPlacementConfig(PolicyConfig):
-    mode: str = field(default="best", metadata={
-        "help": "best: simulate the three queues for every number of fetched experts and keep the smallest "
-                "makespan; greedy: the CPU (lowest load first) and PCIe (highest load first) take experts "
-                "as they become free until none is left"})
+    mode: str = field(default="hss", metadata={
+        "help": "hss: the released code's HybridSchedulingStrategy (the GPU takes cached then copied experts "
+                "from the high-load end, the CPU from the low-load end, whichever ends sooner); best (ours): "
+                "simulate every number of fetched experts and keep the smallest makespan; greedy (ours): the "
+                "CPU and PCIe take experts as they become free"})
     pending_resident: bool = field(default=True, metadata={
         "help": "a prefetched expert (in flight or landed) counts as cached (on the GPU, no copy)"})
 
@@ -133,9 +188,9 @@ class HybriMoEPlacementConfig(PolicyConfig):
 @registered(PLACEMENTS)
 class HybriMoEPlacement(PlacementPolicy[HybriMoEPlacementConfig]):
     name = "hybrimoe"
-    description = ("HybriMoE's dynamic intra-layer scheduling: cached experts on the GPU, the uncached split "
-                   "between PCIe (highest load first) and the CPU (lowest load first) by simulating the three "
-                   "queues to minimise the layer's makespan")
+    description = ("HybriMoE's dynamic intra-layer scheduling (the released code's HSS by default): cached experts "
+                   "from the high-load end to the GPU, uncached ones from the low-load end to the CPU, the "
+                   "high-load uncached ones copied over PCIe, whichever device ends sooner taking the next")
     Config = HybriMoEPlacementConfig
 
     def schedule(self, view: LayerView) -> Schedule:
@@ -153,7 +208,10 @@ class HybriMoEPlacement(PlacementPolicy[HybriMoEPlacementConfig]):
 @dataclass(frozen=True)
 class MRSConfig(PolicyConfig):
     a: float = field(default=0.5, metadata={
-        "help": "weight of the current step in S <- a * TopP(s) + (1 - a) * S (0 < a <= 1)"})
+        "help": "weight of the current step in S <- a * TopP(s) + (1 - a) * S (0 < a <= 1; the code: 0.5)"})
+    prefill_evicts: bool = field(default=False, metadata={
+        "help": "whether a full cache evicts during prefill; the code never does (misses are loaded into a "
+                "one-layer buffer), so a fetched expert is then staged"})
 
     def __post_init__(self) -> None:
         if isinstance(self.a, bool) or not isinstance(self.a, (int, float)) or not 0.0 < float(self.a) <= 1.0:
@@ -173,61 +231,97 @@ def mrs_update(score: np.ndarray, experts: np.ndarray, counts: np.ndarray, token
 class MRSCache(CachePolicy[MRSConfig]):
     name = "hybrimoe-mrs"
     description = ("HybriMoE's Minus Recent Score cache: per layer S <- a*TopP(s) + (1-a)*S at every visit; "
-                   "evict the evictable entry with the lowest score; always admit")
+                   "evict the evictable entry with the lowest score (ties: least recently used); always admits "
+                   "into a free slot; a full cache does not evict in prefill")
     Config = MRSConfig
 
     def setup(self, ctx: SetupContext) -> None:
         self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=float)
+        self.clock = 0
+        # initial contents count as used before everything else, in id order (the code loads them so)
+        self.stamp = np.full((ctx.num_layers, ctx.num_experts), -1, dtype=np.int64)
 
     def observe(self, view: LayerView) -> None:
         self.score[view.layer] = mrs_update(self.score[view.layer], view.experts, view.counts, view.tokens,
                                             float(self.config.a))
 
+    def _touch(self, layer: int, expert: int) -> None:
+        self.clock += 1
+        self.stamp[layer, expert] = self.clock
+
+    def on_hit(self, layer: int, expert: int, view: LayerView) -> None:
+        self._touch(layer, expert)
+
+    def on_admit(self, layer: int, expert: int, view: LayerView) -> None:
+        self._touch(layer, expert)
+
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
+        if view.phase == PREFILL and not self.config.prefill_evicts:
+            return None
         s = self.score[layer, evictable]
-        return int(evictable[np.lexsort((evictable, s))[0]])  # lowest score, ties: lower id
+        # lowest score; ties: least recently used, then lower id
+        return int(evictable[np.lexsort((evictable, self.stamp[layer, evictable], s))[0]])
 
 
 # ---- prefetch -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HybriMoEPrefetchConfig(PolicyConfig):
+    source: str = field(default="impact", metadata={
+        "help": "impact: the paper's impact-driven prefetching from the predicted routing of layers l+1..l+3; "
+                "score: the released code's prefetch_expert, the k experts of layer l+1 with the highest MRS "
+                "score (no lookahead column)"})
     predictor1: str = field(default="next-gate", metadata={
-        "help": "lookahead column predicting layer l+1 ('' = skip this distance)"})
+        "help": "impact: lookahead column predicting layer l+1 ('' = skip this distance)"})
     predictor2: str = field(default="gate2", metadata={
-        "help": "lookahead column predicting layer l+2 (target_offset >= 2; '' = skip)"})
+        "help": "impact: lookahead column predicting layer l+2 (target_offset >= 2; '' = skip)"})
     predictor3: str = field(default="gate3", metadata={
-        "help": "lookahead column predicting layer l+3 (target_offset >= 3; '' = skip)"})
+        "help": "impact: lookahead column predicting layer l+3 (target_offset >= 3; '' = skip)"})
     k: int = field(default=0, metadata={
-        "help": "request at most k experts per layer, largest gain first; 0 = every expert with a positive gain "
-                "(the runtime drops what does not fit memory.prefetch_slots)"})
+        "help": "impact: request at most k experts per layer, largest gain first; 0 = every expert with a gain "
+                "(the runtime drops what does not fit memory.prefetch_slots). score: the code's prefetch_size "
+                "(>= 1)"})
     min_gain: float = field(default=-1.0, metadata={
-        "help": "request a layer's prefix only if its makespan gain per copy is at least this many seconds; "
-                "-1 = one expert's transfer time (a copy must save more than the PCIe time it takes); 0 = any gain"})
+        "help": "impact: request a layer's prefix only if its makespan gain per copy is at least this many "
+                "seconds; -1 = one expert's transfer time (a copy must save more than the PCIe time it takes); "
+                "0 = any gain"})
+    schedule: str = field(default="hss", metadata={
+        "help": "impact: the schedule simulated on the predicted workloads (hss, best or greedy, as "
+                "placement.mode)"})
+    a: float = field(default=0.5, metadata={
+        "help": "score: the MRS weight a, as cache.a"})
 
     def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"prefetch.source must be one of {', '.join(SOURCES)}, got {self.source!r}")
         for name in ("predictor1", "predictor2", "predictor3"):
             v = getattr(self, name)
             if not isinstance(v, str) or not _NAME.match(v):
                 raise ValueError(f"prefetch.{name} must be a lookahead column name or '', got {v!r}")
-        if not any((self.predictor1, self.predictor2, self.predictor3)):
+        if self.source == "impact" and not any((self.predictor1, self.predictor2, self.predictor3)):
             raise ValueError("hybrimoe prefetch needs at least one of prefetch.predictor1..3")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"prefetch.k must be an integer >= 0, got {self.k!r}")
+        if self.source == "score" and self.k < 1:
+            raise ValueError("prefetch.source=score needs prefetch.k >= 1 (the code's prefetch_size)")
         if not isinstance(self.min_gain, (int, float)) or isinstance(self.min_gain, bool) or \
                 (self.min_gain < 0 and self.min_gain != -1):
             raise ValueError(f"prefetch.min_gain must be >= 0 seconds or -1 (one transfer time), got {self.min_gain!r}")
+        if self.schedule not in MODES:
+            raise ValueError(f"prefetch.schedule must be one of {', '.join(MODES)}, got {self.schedule!r}")
+        if isinstance(self.a, bool) or not isinstance(self.a, (int, float)) or not 0.0 < float(self.a) <= 1.0:
+            raise ValueError(f"prefetch.a must be a number in (0, 1], got {self.a!r}")
 
 
-def impact_prefix(pred: np.ndarray, cached: np.ndarray, costs) -> tuple[list[int], float]:
+def impact_prefix(pred: np.ndarray, cached: np.ndarray, costs, mode: str = "hss") -> tuple[list[int], float]:
     """The experts worth prefetching for one layer and the gain per copy.
 
     ``pred`` (E,) predicted workloads, ``cached`` (E,) bool. The candidates are the predicted, uncached
     experts by descending predicted load (ties: lower id), the order in which the schedule fetches
-    them. Bringing the first j of them to the GPU lowers the layer's simulated makespan (the best
-    three-queue schedule on the predicted workloads) by ``G_j``; the prefix with the largest ``G_j``
-    (the shortest on ties) is returned with ``G_j / j``, or ``([], 0)`` if no prefix gains. Prefixes,
-    not single experts: at batch 1 one expert alone often gains nothing (its partner still runs on
-    the CPU for as long) while both together do.
+    them. Bringing the first j of them to the GPU lowers the layer's simulated makespan (the ``mode``
+    schedule on the predicted workloads) by ``G_j``; the prefix with the largest ``G_j`` (the shortest
+    on ties) is returned with ``G_j / j``, or ``([], 0)`` if no prefix gains. Prefixes, not single
+    experts: at batch 1 one expert alone often gains nothing (its partner still runs on the CPU for as
+    long) while both together do.
     """
     pred = np.asarray(pred)
     experts = np.flatnonzero(pred > 0)
@@ -236,13 +330,13 @@ def impact_prefix(pred: np.ndarray, cached: np.ndarray, costs) -> tuple[list[int
     counts = pred[experts]
     c = np.asarray(cached, dtype=bool)[experts].copy()
     t_gpu, t_cpu, xfer = _times(costs, counts)
-    base = hybrid_schedule(counts, c, t_gpu, t_cpu, xfer).makespan
+    base = hybrid_schedule(counts, c, t_gpu, t_cpu, xfer, mode).makespan
     cand = np.flatnonzero(~c)
     cand = cand[np.lexsort((experts[cand], -counts[cand]))]
     best_gain, best_j = 0.0, 0
     for j, i in enumerate(cand.tolist(), start=1):
         c[i] = True
-        gain = base - hybrid_schedule(counts, c, t_gpu, t_cpu, xfer).makespan
+        gain = base - hybrid_schedule(counts, c, t_gpu, t_cpu, xfer, mode).makespan
         if gain > best_gain:
             best_gain, best_j = gain, j
     if best_j == 0:
@@ -254,11 +348,14 @@ def impact_prefix(pred: np.ndarray, cached: np.ndarray, costs) -> tuple[list[int
 class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
     name = "hybrimoe"
     description = ("HybriMoE's impact-driven prefetching: from the predicted routing of layers l+1..l+3, the experts "
-                   "whose presence on the GPU most reduces that layer's simulated makespan, largest gain first")
+                   "whose presence on the GPU most reduces that layer's simulated makespan, largest gain first "
+                   "(source=score: the released code's top-k of the next layer by MRS score)")
     Config = HybriMoEPrefetchConfig
 
     def _columns(self) -> list[tuple[int, str]]:
         c = self.config
+        if c.source != "impact":
+            return []
         return [(d, name) for d, name in ((1, c.predictor1), (2, c.predictor2), (3, c.predictor3)) if name]
 
     def required_predictors(self) -> tuple[str, ...]:
@@ -267,8 +364,11 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
     def setup(self, ctx: SetupContext) -> None:
         # a layer's cache contents as last seen at its own visit (the view shows only the current layer's)
         self.seen = np.zeros((ctx.num_layers, ctx.num_experts), dtype=bool)
+        self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=float)  # source=score: MRS scores
 
     def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
+        if self.config.source == "score":
+            return self._by_score(view)
         self.seen[view.layer] = view.resident
         threshold = float(self.config.min_gain)
         if threshold < 0:
@@ -279,10 +379,22 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
             if target >= view.num_layers:
                 continue
             pred = np.asarray(view.lookahead(name, target))
-            chosen, gain = impact_prefix(pred, self.seen[target], view.costs)
+            chosen, gain = impact_prefix(pred, self.seen[target], view.costs, self.config.schedule)
             if gain < threshold:
                 continue
             cands.extend((-gain, d, pos, e) for pos, e in enumerate(chosen))
         cands.sort()
         out = [(view.layer + d, e) for _, d, _, e in cands]
         return out[: self.config.k] if self.config.k > 0 else out
+
+    def _by_score(self, view: LayerView) -> list[tuple[int, int]]:
+        """The code's prefetch_expert: the k highest MRS scores of the next layer (updated at its own visits,
+        as the cache does; ties: lower id); the runtime skips resident ones."""
+        self.score[view.layer] = mrs_update(self.score[view.layer], view.experts, view.counts, view.tokens,
+                                            float(self.config.a))
+        target = view.layer + 1
+        if target >= view.num_layers:
+            return []
+        s = self.score[target]
+        order = np.lexsort((np.arange(s.shape[0]), -s))[: self.config.k]
+        return [(target, int(e)) for e in order]

@@ -1,12 +1,17 @@
 """Placements of competing systems (sources and readings in docs/policies.md).
 
 * ``resident-gpu`` (KTransformers, SOSP 2025): routed experts run on the CPU, attention and shared
-  experts on the GPU (the dense device), and optionally the N most frequent experts stay resident on
-  the GPU: an activated expert runs on the GPU iff its weights are there (resident, or prefetched),
-  else on the CPU. Never fetches. Use with the ``static`` cache and ``memory.cache_init=frequency``.
-* ``fiddler`` (Fiddler, Kamahori et al., ICLR 2025): a static popular set stays resident; per
-  activated expert: resident -> GPU; else GPU iff ``cpu_time(n) > gpu_time(n) + transfer`` (the
-  copy is not overlapped with compute; equal times stay on the CPU).
+  experts on the GPU (the dense device), and optionally a static set of experts stays resident on the
+  GPU (kt-kernel + SGLang: ``--kt-num-gpu-experts`` per layer and ``--kt-expert-placement-strategy``,
+  ``kvcache-ai/sglang`` ``python/sglang/srt/layers/moe/kt_utils.py``): an activated expert runs on the GPU
+  iff its weights are there (resident, or prefetched), else on the CPU. Never fetches. Use with the
+  ``static`` cache; ``memory.cache_init=frequency`` picks each layer's most frequent experts.
+* ``fiddler`` (Fiddler, Kamahori et al., ICLR 2025; ``efeslab/fiddler`` ``src/fiddler/mixtral.py``,
+  ``FiddlerMixtral.mixtral_forward``): a static popular set stays resident; per activated expert: resident
+  -> GPU; else GPU iff ``gpu_time(n) + transfer <= cpu_time(n)``. The code scores every CPU/GPU split of
+  the layer's experts by the *sum* of per-expert costs (``n * latency_cpu`` on the CPU, ``latency_gpu``
+  for a missing expert on the GPU, 0 for a resident one) and keeps the first minimum, which decides each
+  expert on its own and sends ties to the GPU; the copy is not overlapped with that expert's compute.
 """
 
 from __future__ import annotations
@@ -36,20 +41,21 @@ class FiddlerConfig(PolicyConfig):
 
 
 def fiddler_rule(counts, on_gpu_already, costs) -> np.ndarray:
-    """Fiddler's per-expert choice: GPU iff the weights are there, or ``t_cpu(n) > t_gpu(n) + transfer``."""
+    """Fiddler's per-expert choice: GPU iff the weights are there, or ``t_gpu(n) + transfer <= t_cpu(n)``
+    (ties to the GPU, as the code's first minimum over the splits)."""
     xfer = float(costs.expert_transfer_time())
     out = np.asarray(on_gpu_already, dtype=bool).copy()
     for i, n in enumerate(np.asarray(counts).tolist()):
         if not out[i]:
-            out[i] = costs.expert_time("cpu", int(n)) > costs.expert_time("gpu", int(n)) + xfer
+            out[i] = costs.expert_time("gpu", int(n)) + xfer <= costs.expert_time("cpu", int(n))
     return out
 
 
 @registered(PLACEMENTS)
 class Fiddler(PlacementPolicy[FiddlerConfig]):
     name = "fiddler"
-    description = ("Fiddler: resident experts on the GPU; a missing one is copied to the GPU iff its CPU time exceeds "
-                   "transfer + GPU time at its workload, else it runs on the CPU")
+    description = ("Fiddler: resident experts on the GPU; a missing one is copied to the GPU iff transfer + GPU time "
+                   "at its workload is no more than its CPU time, else it runs on the CPU")
     Config = FiddlerConfig
 
     def place(self, view: LayerView) -> np.ndarray:

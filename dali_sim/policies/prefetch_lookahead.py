@@ -12,6 +12,12 @@ One implementation, registered under several names that differ only in their def
   ``dali trace synth --lookahead residual=ACC`` makes a synthetic one).
 * ``next-gate``: the speculative prefetch of mixtral-offloading and AdapMoE: layer l+1's gate applied
   to layer l's gate input as is (column ``lookahead:next-gate``); every predicted expert by default.
+  mixtral-offloading describes it in its tech report (arXiv 2312.17238) but its released code
+  (``dvmazur/mixtral-offloading``) lists it as future work; AdapMoE's code (``PKU-SEC-Lab/AdapMoE``
+  ``src/custom_layers.py`` ``SparseMoeWrapper.forward``, ``src/linear_cache.py`` ``LinearCache.check``)
+  prefetches, in batch-1 decode only, the first of the next layer's predicted top-2 that is not cached,
+  one expert at most: ``decode_only=true`` with ``memory.prefetch_slots=1`` (the runtime skips resident
+  experts and fills the free buffers in the order given, best predicted rank first).
 
 The predicted count of an expert at layer l+1 is the number of the step's tokens whose predicted
 top-k at l+1 holds it (built by the workload builder from the column's logits). Experts predicted for
@@ -26,7 +32,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dali_sim.policies.base import PREFETCHERS, LayerView, PolicyConfig, PrefetchPolicy, registered
+from dali_sim.policies.base import (
+    PREFETCHERS,
+    LayerView,
+    PolicyConfig,
+    PrefetchPolicy,
+    registered,
+)
+from dali_sim.trace.schema import PREFILL
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # the trace format's predictor names
 
@@ -105,6 +118,8 @@ class DaliResidualPrefetch(LookaheadPrefetch):
 class NextGateConfig(LookaheadConfig):
     predictor: str = field(default="next-gate", metadata={
         "help": "lookahead column with the next layer's gate applied to this layer's gate input"})
+    decode_only: bool = field(default=False, metadata={
+        "help": "prefetch in decode steps only (AdapMoE's and HybriMoE's code prefetch in batch-1 decode only)"})
 
 
 @registered(PREFETCHERS)
@@ -113,3 +128,7 @@ class NextGatePrefetch(LookaheadPrefetch):
     description = ("speculative next-gate prefetching (mixtral-offloading, AdapMoE): the next layer's gate on this "
                    "layer's gate input; every predicted expert by default; column lookahead:next-gate")
     Config = NextGateConfig
+
+    def keep(self, view: LayerView, predicted_tokens: int) -> bool:
+        # a plain LookaheadConfig (no decode_only field) prefetches in every phase
+        return not (getattr(self.config, "decode_only", False) and view.phase == PREFILL)
