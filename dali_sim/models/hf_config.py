@@ -136,6 +136,22 @@ HF_READERS.add("deepseek_v2", _deepseek)
 HF_READERS.add("deepseek_v3", _deepseek)
 
 
+def _glm4_moe(c: _Config) -> dict[str, Any]:
+    """GLM-4.5/4.6 MoE: dense first ``first_k_dense_replace`` blocks, optional shared experts."""
+    d = _common(c, "moe_intermediate_size")
+    moe = tuple(range(int(c("first_k_dense_replace", default=0)), d["num_layers"]))
+    d |= {"moe_layers": moe, "attention": _gqa(c), "norm_topk_prob": bool(c("norm_topk_prob", default=True)),
+          "dense_intermediate_size": _dense_size(c, d["num_layers"], moe)}
+    n_shared = int(c("n_shared_experts", default=0))
+    if n_shared:
+        d |= {"num_shared_experts": n_shared, "shared_expert_intermediate_size": d["expert_intermediate_size"]}
+    return d
+
+
+HF_READERS.add("glm4_moe", _glm4_moe)
+HF_READERS.add("flex_olmo", _every_block_moe(False))
+
+
 @HF_READERS.register("switch_transformers")
 def _switch(c: _Config) -> dict[str, Any]:
     layers = int(c("num_layers"))

@@ -1,0 +1,63 @@
+"""Load a transformers MoE causal LM (and its tokenizer, if any) from a local folder or the local cache.
+
+Nothing is downloaded (``local_files_only``); the family is checked against the adapters before any
+weights are read, so an unsupported model fails at once with the list of supported families.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dali_exec.models import get_adapter
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "cpu":
+        return torch.device("cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine")
+        return torch.device(device)
+    raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+
+
+def load_config(path_or_name: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path_or_name, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model {path_or_name}: cannot read a transformers config locally "
+                         f"(a folder with config.json, or a name in the local cache): {exc}") from None
+
+
+def load_model(path_or_name: str, *, device: str = "cpu", dtype: str = "float32", progress: bool = True):
+    """(model in eval mode on ``device``, tokenizer or None). ``dtype``: auto (the checkpoint's), float32, ..."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if not progress:
+        hf_logging.disable_progress_bar()
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    target = resolve_device(device)
+    config = load_config(path_or_name)
+    get_adapter(config)  # unsupported family: fail before loading weights
+    model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=DTYPES[dtype], local_files_only=True)
+    model = model.to(target).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path_or_name, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    return model, tokenizer
+
+
+def config_file(path_or_name: str) -> Path | None:
+    """The checkpoint's config.json when ``path_or_name`` is a local folder (the trace's model spec is read from it)."""
+    path = Path(path_or_name) / "config.json"
+    return path if path.is_file() else None
