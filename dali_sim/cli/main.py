@@ -6,6 +6,7 @@ import click
 
 from dali_sim import __version__
 from dali_sim.cli.common import UserErrorGroup
+from dali_sim.cli.exec_cmd import exec_group
 from dali_sim.cli.hw import hw
 from dali_sim.cli.model import model
 from dali_sim.cli.sim import sim
@@ -22,6 +23,7 @@ def cli() -> None:
     model   model shape presets and specs read from Hugging Face configs
     hw      hardware profiles and the cost model built on them
     sim     simulate offloading systems (placement, prefetch, cache) on a trace
+    exec    run them on real devices with torch: trace replay, calibration
     """
 
 
@@ -29,3 +31,4 @@ cli.add_command(trace)
 cli.add_command(model)
 cli.add_command(hw)
 cli.add_command(sim)
+cli.add_command(exec_group)

@@ -91,6 +91,11 @@ class Workload:
         step_of_token, self.sequences = self._schedule(tok_seq, tok_pos, tok_phase, config)
         self.num_steps = int(step_of_token.max()) + 1
         self._token_step = step_of_token
+        # per-token routing for runtimes that execute the steps (dali_exec): tokens in (seq_id, pos) order
+        self._sorted = t
+        self._token_seq, self._token_pos = tok_seq, tok_pos
+        self._step_token_order = np.argsort(step_of_token, kind="stable")
+        self._step_token_ptr = np.searchsorted(step_of_token[self._step_token_order], np.arange(self.num_steps + 1))
         self._step_arrays(step_of_token, tok_seq, tok_pos, tok_phase)
 
         k = self.top_k
@@ -179,6 +184,22 @@ class Workload:
         """(expert ids in touch order, workloads, best ranks) of MoE layer ordinal ``layer`` at ``step``."""
         s = self.actual.segment(step * self.num_layers + layer)
         return self.actual.expert[s], self.actual.count[s], self.actual.rank[s]
+
+    def step_token_ids(self, step: int) -> np.ndarray:
+        """Indices of the step's tokens among the trace's tokens sorted by (seq_id, pos), in that order."""
+        return self._step_token_order[self._step_token_ptr[step]:self._step_token_ptr[step + 1]]
+
+    def step_positions(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(seq_id, pos) of each of the step's tokens, in :meth:`step_token_ids` order."""
+        tokens = self.step_token_ids(step)
+        return self._token_seq[tokens], self._token_pos[tokens]
+
+    def routing(self, step: int, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Per token of the step (in :meth:`step_token_ids` order) at MoE layer ordinal ``layer``: (T, top_k)
+        expert ids in rank order and (T, top_k) gate weights (None if the trace has none)."""
+        rows = self.step_token_ids(step) * self.num_layers + layer
+        weights = self._sorted.weights
+        return self._sorted.experts[rows], (weights[rows] if weights is not None else None)
 
     def predicted_counts(self, name: str, step: int, layer: int) -> np.ndarray:
         """(E,) number of the step's tokens whose predicted top-k for MoE layer ``layer`` holds each

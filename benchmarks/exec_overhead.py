@@ -1,0 +1,157 @@
+"""Executor overhead: the executor's own decision and bookkeeping time per MoE layer, in microseconds
+and as a fraction of the time spent in the layer (the DALI paper reports 4.5% scheduling overhead).
+
+    python benchmarks/exec_overhead.py                 # gpt-oss-20b trace, scale 1/8, 8 layers (a few minutes on 2 cores)
+    python benchmarks/exec_overhead.py --quick         # smaller: seconds
+    python benchmarks/exec_overhead.py --device cuda --scale 1 --layers 24 --json out.json
+
+Per system, ``dali_exec.executor.execute`` replays the same reduced trace ``--repeats`` times (after one
+warm-up run) and reports the run with the smallest wall-clock overhead fraction:
+
+* ``decision``: ``Controller.plan`` (the policies, shared with the simulator) and ``PlanCounters.add``;
+* ``bookkeeping``: the executor's host work around the computes: grouping the routing by expert,
+  index tensors, the slot table, issuing copies, choosing the next expert, freeing buffers (not the
+  computes, activation transfers or waits for copies; the stopwatch itself costs about 3 us per GPU
+  expert and is included);
+* ``layer``: wall time of the MoE layer (dense part + both lanes + combine, the device synchronised).
+
+Both are given as wall clock and as thread CPU time (``*_cpu``): on a busy machine the wall clock also
+counts time the thread waits for a core or for the GIL (the copy and CPU-lane threads hold it between
+their torch calls); CPU time is what the code costs. ``plan_only_us`` times the controller alone on the
+same workload (no execution, no other threads): the policies' cost without interference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from dali_exec.executor import Devices, ExecOptions, HostExpertStore, Replay, ReplayOptions, prepare_replay
+from dali_exec.executor.devices import cpu_name, resolve_device
+from dali_sim.runtime.controller import Controller
+from dali_sim.runtime.future import FutureDemand
+from dali_sim.sim.counters import PlanCounters
+from dali_sim.trace import read_trace
+from dali_sim.trace.synth import SynthConfig, synthesize
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER_OVERHEAD = 0.045  # DALI (arXiv 2602.03495): reported scheduling overhead, for comparison only
+
+
+def plan_only_us(setup, seed: int = 0) -> float:
+    """Microseconds per (step, layer) of the controller alone (plan + counting, as the executor's
+    ``decision``) on the replay's workload, in a tight loop with nothing else running."""
+    s, w = setup.sysconf, setup.workload
+    placement, cache, prefetch = (c.build() for c in (s.placement, s.cache, s.prefetch))
+    needs = any(getattr(p, "needs_future", False) for p in (placement, cache, prefetch))
+    extra = {"future": FutureDemand.from_workload(w)} if needs else {}
+    ctl = Controller(w, setup.costs, placement, cache, prefetch, setup.memory.capacities,
+                     cache_init=s.memory.cache_init, prefetch_slots=setup.memory.prefetch_slots,
+                     staging_slots=s.memory.staging_slots, seed=seed, **extra)
+    counters = PlanCounters(w.num_layers)
+    t0 = time.perf_counter()
+    n = 0
+    for step in range(w.num_steps):
+        for layer in range(w.num_layers):
+            counters.add(ctl.plan(step, layer))
+            n += 1
+    return 1e6 * (time.perf_counter() - t0) / n
+
+
+def run_once(setup, devices, run: ExecOptions, store):
+    replay = Replay(setup, devices, run, store=store)
+    try:
+        return replay.run()
+    finally:
+        replay.close()
+
+
+def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: int, repeats: int, stores: dict) -> dict:
+    setup = prepare_replay(trace, system, opts, batch_size=batch)
+    devices = Devices.create(run.device, opts.dtype)
+    key = setup.model.name
+    if key not in stores:  # the same random weights for every system of this trace (they are deterministic)
+        stores[key] = HostExpertStore.random(setup.model, devices.dtype, 0, pin=devices.is_cuda)
+    run_once(setup, devices, run, stores[key])  # warm-up (allocator, kernels, threads)
+    runs = [run_once(setup, devices, run, stores[key]) for _ in range(repeats)]
+    best = min(runs, key=lambda r: r.summary["overhead"]["fraction_of_layer_time"])
+    ov, s = best.summary["overhead"], best.summary
+    return {
+        "system": system, "steps": s["steps"], "layers": setup.model.num_moe_layers,
+        "layer_us": ov["layer_time_us"],
+        "decision_us": ov["decision_us_per_layer"], "bookkeeping_us": ov["bookkeeping_us_per_layer"],
+        "overhead_pct": 100 * ov["fraction_of_layer_time"],
+        "decision_cpu_us": ov["decision_cpu_us_per_layer"], "bookkeeping_cpu_us": ov["bookkeeping_cpu_us_per_layer"],
+        "overhead_cpu_pct": 100 * ov["fraction_cpu_of_layer_time"],
+        "plan_only_us": plan_only_us(setup),
+        "gpu_experts_per_layer": s["gpu_experts"] / ov["layer_visits"],
+        "decode_tokens_per_s": s["decode_tokens_per_s"],
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=str(REPO / "traces" / "gpt-oss-20b.parquet"))
+    ap.add_argument("--systems", default="gpu-lru,fiddler,llamacpp,ktransformers,cpu-only",
+                    help="systems on --trace (comma-separated)")
+    ap.add_argument("--lookahead-systems", default="dali,dali-plus,mixtral-offloading",
+                    help="systems that need lookahead columns: run on a synthetic trace of the same shape "
+                         "(residual 0.9, next-gate 0.7); '' to skip")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--scale", type=float, default=0.125)
+    ap.add_argument("--sequences", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--device", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU device")
+    ap.add_argument("--cpu-threads", type=int)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="scale 1/16, 4 layers, 2 sequences x 16 tokens, 1 repeat")
+    ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.scale, a.layers, a.sequences, a.max_tokens, a.repeats = 1 / 16, 4, 2, 16, 1
+    device = resolve_device(a.device)
+    dtype = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    opts = ReplayOptions(layers=a.layers, scale=a.scale, sequences=a.sequences, max_tokens=a.max_tokens, dtype=dtype)
+    run = ExecOptions(device=str(device), cpu_threads=a.cpu_threads)
+    trace = read_trace(a.trace)
+    stores: dict = {}
+    rows = [measure(trace, name, opts, run, a.batch_size, a.repeats, stores) for name in a.systems.split(",") if name]
+    look = [n for n in a.lookahead_systems.split(",") if n]
+    if look:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "look.parquet"
+            synth_model = trace.model.name
+            synthesize(SynthConfig(model=synth_model, sequences=a.sequences, prompt_len=0, gen_len=a.max_tokens,
+                                   seed=1, lookahead=("residual=0.9", "next-gate=0.7")), path)
+            synth = read_trace(path)
+            rows += [measure(synth, name, opts, run, a.batch_size, a.repeats, stores) | {"system": f"{name} (synthetic)"}
+                     for name in look]
+    table = pd.DataFrame(rows).set_index("system")
+    machine = {"device": str(device), "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda"
+               else f"CPU device: {cpu_name()}", "cpu": cpu_name(), "cores": os.cpu_count(),
+               "load_average": os.getloadavg(), "torch": torch.__version__, "python": platform.python_version()}
+    settings = {k: v for k, v in vars(a).items() if k != "json"} | {"dtype": dtype}
+    print(f"machine: {machine}")
+    print(f"replay: {Path(a.trace).name}, {a.layers} MoE layers at scale {a.scale:g}, {a.sequences} sequences x "
+          f"{a.max_tokens} tokens, batch {a.batch_size}, {dtype}; best of {a.repeats} runs per system")
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(table.round(1).to_string())
+    print(f"DALI paper: {100 * PAPER_OVERHEAD:.1f}% scheduling overhead (for comparison)")
+    if a.json:
+        a.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""``calibrate()``: run the microbenchmarks for one model shape and write a measured hardware profile
+(docs/hardware.md) that ``dali sim run --hardware PROFILE.json`` and ``dali exec run`` read.
+
+Without CUDA the "gpu" tables are measured on the CPU device (the executor's accelerator there) and
+the "h2d" table is a host copy: the profile says so in its device and link names and provenance.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dali_exec.calibrate.micro import Microbench, MicroSettings
+from dali_exec.executor.cpu_worker import CpuWorker
+from dali_exec.executor.devices import Devices, cpu_name, host_memory_bytes, lane_threads
+from dali_exec.executor.problem import DTYPE_PRECISION, scale_model
+from dali_sim import __version__
+from dali_sim.hardware.measured import (
+    CurveTable,
+    DenseTable,
+    MeasuredDevice,
+    MeasuredProfile,
+    ModelShape,
+    write_measured_profile,
+)
+from dali_sim.models.presets import get_model
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    model_shape: str  # a preset name
+    scale: float = 1.0  # as ``dali exec run --scale``: the profile is for the scaled shape
+    dtype: str = "bf16"
+    device: str | None = None  # cuda | cpu; None = CUDA if present
+    cpu_threads: int | None = None  # CPU lane threads (default as `dali exec run`)
+    accel_threads: int | None = None  # accelerator lane threads on the CPU device (default: the rest)
+    expert_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    dense_tokens: tuple[int, ...] = (1, 4, 16, 64)
+    context_lens: tuple[int, ...] = (1, 256, 1024)
+    transfer_sizes: tuple[float, ...] = (0.0625, 0.25, 1.0, 2.0)  # copies of these multiples of one expert's bytes
+    settings: MicroSettings = field(default_factory=MicroSettings)
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("expert_tokens", "dense_tokens", "context_lens", "transfer_sizes"):
+            v = getattr(self, key)
+            if len(v) < (1 if key == "context_lens" else 2) or any(b <= a for a, b in zip(v, v[1:])) or min(v) <= 0:
+                raise ValueError(f"{key} must be strictly increasing positive numbers (at least 2; context_lens: "
+                                 f"at least 1), got {list(v)}")
+
+    def model(self) -> "object":
+        return scale_model(get_model(self.model_shape), self.scale, None, DTYPE_PRECISION[self.dtype])
+
+
+def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress: bool = False) -> MeasuredProfile:
+    """Measure every table for ``cfg.model_shape`` (scaled) on this machine."""
+    model = cfg.model()
+    devices = Devices.create(cfg.device, cfg.dtype)
+    cpu_threads, accel_threads = lane_threads(devices.is_cuda, cfg.cpu_threads, cfg.accel_threads)
+    worker = CpuWorker(cpu_threads)
+    prev = torch.get_num_threads()
+    if accel_threads is not None:
+        torch.set_num_threads(accel_threads)
+    bench = Microbench(model, devices, worker, cfg.settings)
+    xb = model.expert_bytes
+    elem = torch.empty((), dtype=devices.dtype).element_size()
+    sizes = sorted({max(elem, int(f * xb) // elem * elem) for f in cfg.transfer_sizes})
+    toks, dtoks, ctxs = list(cfg.expert_tokens), list(cfg.dense_tokens), list(cfg.context_lens)
+    jobs = [("gpu_expert", lambda: bench.expert_seconds("gpu", toks)),
+            ("cpu_expert", lambda: bench.expert_seconds("cpu", toks)),
+            ("h2d", lambda: bench.transfer_seconds(sizes)),
+            ("gpu_dense", lambda: bench.dense_seconds("gpu", dtoks, ctxs)),
+            ("cpu_dense", lambda: bench.dense_seconds("cpu", dtoks, ctxs))]
+    if model.num_dense_layers:
+        jobs += [("gpu_dense_block", lambda: bench.dense_seconds("gpu", dtoks, ctxs, moe=False)),
+                 ("cpu_dense_block", lambda: bench.dense_seconds("cpu", dtoks, ctxs, moe=False))]
+    results = {}
+    try:
+        for key, job in tqdm(jobs, desc=f"calibrate {model.name}", unit="table", disable=not progress, leave=False):
+            results[key] = job()
+    finally:
+        torch.set_num_threads(prev)
+        worker.close()
+    tables = {
+        "gpu_expert": CurveTable(tuple(map(float, toks)), tuple(results["gpu_expert"])),
+        "cpu_expert": CurveTable(tuple(map(float, toks)), tuple(results["cpu_expert"])),
+        "h2d": CurveTable(tuple(map(float, sizes)), tuple(results["h2d"])),
+    }
+    for key in ("gpu_dense", "cpu_dense", "gpu_dense_block", "cpu_dense_block"):
+        if key in results:
+            tables[key] = DenseTable(tuple(map(float, dtoks)), tuple(map(float, ctxs)),
+                                     tuple(tuple(r) for r in results[key]))
+    accel = devices.accel_name()
+    cuda = devices.is_cuda
+    link = (f"host-to-device copy to {accel} (pinned memory, copy stream)" if cuda
+            else "host memory copy (no CUDA: the accelerator is the CPU device, there is no PCIe transfer)")
+    provenance = {
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"dali": __version__, "torch": torch.__version__, "python": platform.python_version(),
+                     **({"cuda": str(torch.version.cuda)} if cuda else {})},
+        "devices": {"gpu": accel, "cpu": cpu_name(), "gpu_is_cpu_device": not cuda},
+        "model_shape": cfg.model_shape, "scale": cfg.scale, "dtype": cfg.dtype,
+        "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads},
+        "statistic": f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs",
+        "dense_part": "dali_exec.executor.dense.DenseBlock (docs/executor.md), decode layout",
+    }
+    gpu_name = accel if cuda else f"{accel} (measured as the executor's accelerator)"
+    return MeasuredProfile(
+        name=cfg.name or f"measured-{model.name}-{'cuda' if cuda else 'cpu'}",
+        description=f"calibrated by dali exec calibrate for {model.name} ({cfg.dtype}) on {accel}",
+        gpu=MeasuredDevice(gpu_name, devices.accel_memory_bytes() / GIB),
+        cpu=MeasuredDevice(f"{cpu_name()}, {cpu_threads} threads", host_memory_bytes() / GIB),
+        link_name=link, model=ModelShape.of(model), provenance=provenance, **tables,
+    )
+
+
+def calibrate_to(path: str | Path, cfg: CalibrationConfig, *, command: str = "(python API)",
+                 progress: bool = False) -> Path:
+    """:func:`calibrate` and write the profile atomically (``write_measured_profile``)."""
+    return write_measured_profile(path, calibrate(cfg, command=command, progress=progress))

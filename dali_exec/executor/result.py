@@ -1,0 +1,77 @@
+"""An executed run as the simulator's :class:`SimResult` (same summary keys, tables, manifest), plus
+what only a real run has: measured overheads and the devices it ran on (``summary["executor"]``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dali_exec.executor.problem import ReplaySetup
+from dali_sim import __version__
+from dali_sim.runtime.controller import Controller
+from dali_sim.sim.counters import PlanCounters, derived, ratio
+from dali_sim.sim.engine import EngineOutput
+from dali_sim.sim.simulate import SimResult, _per_sequence, _timed_summary
+from dali_sim.trace.provenance import file_sha256
+from dali_sim.trace.schema import PREFILL
+
+
+def overhead_summary(per_layer: pd.DataFrame, visits: int) -> dict[str, float]:
+    """Decisions (the policies, through the controller) and bookkeeping (the executor's own host work:
+    routing indices, slot table, issuing copies, choosing the next expert) per layer visit in
+    microseconds, and their share of the time spent in MoE layers; wall clock, and thread CPU time
+    (``*_cpu``: what the code itself costs, insensitive to a busy machine)."""
+    time_s = float(per_layer["time_s"].sum())
+    out: dict[str, float] = {"layer_visits": visits, "layer_time_us": 1e6 * ratio(time_s, visits)}
+    for suffix in ("", "_cpu"):
+        decision = float(per_layer[f"decision{suffix}_s"].sum())
+        book = float(per_layer[f"bookkeeping{suffix}_s"].sum())
+        out[f"decision{suffix}_us_per_layer"] = 1e6 * ratio(decision, visits)
+        out[f"bookkeeping{suffix}_us_per_layer"] = 1e6 * ratio(book, visits)
+        out[f"overhead{suffix}_us_per_layer"] = 1e6 * ratio(decision + book, visits)
+        out[f"fraction{suffix}_of_layer_time"] = ratio(decision + book, time_s)
+    return out
+
+
+def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCounters, out: EngineOutput, *,
+                    decision_s: np.ndarray, bookkeeping_s: np.ndarray, batch_size: int, prefill_chunk: int,
+                    seed: int, executor: dict[str, Any]) -> SimResult:
+    """The :func:`dali_sim.sim.simulate` result layout for an executed run. ``decision_s`` and
+    ``bookkeeping_s``: (2, L) wall-clock and thread-CPU seconds per MoE layer."""
+    w, model, sysconf, profile = setup.workload, setup.model, setup.sysconf, setup.profile
+    totals = counters.totals()
+    per_layer = counters.frame(model.moe_layers)
+    per_layer["hit_rate"] = per_layer["hits"] / per_layer["activated"].replace(0, np.nan)
+    per_layer["time_s"] = out.layer_time
+    per_layer["gpu_wait_s"] = out.layer_wait
+    per_layer["decision_s"], per_layer["decision_cpu_s"] = decision_s
+    per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = bookkeeping_s
+    summary: dict[str, Any] = {"system": sysconf.name, "hardware": profile.name, "model": model.name,
+                               "batch_size": batch_size, "bounds": controller.bounds, **w.describe(), **totals,
+                               **derived(totals, model.expert_bytes)}
+    per_seq = _per_sequence(w, out)
+    per_step = pd.DataFrame({"phase": np.where(w.step_phase == PREFILL, "prefill", "decode"),
+                             "batch": w.step_batch, "tokens": w.step_tokens})
+    per_step["start_s"], per_step["time_s"] = out.step_start, out.step_end - out.step_start
+    summary |= _timed_summary(w, out, per_seq)
+    summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
+    summary["executor"] = {"device": executor["devices"]["accelerator"],
+                           "device_name": executor["devices"]["accelerator_name"]}
+    trace = setup.trace
+    manifest = {
+        "dali_version": __version__,
+        "trace": str(trace.path) if trace.path else None,
+        "trace_sha256": file_sha256(trace.path) if trace.path else None,
+        "seed": seed,
+        "hardware": {"name": profile.name, "path": str(getattr(profile, "path", "") or "")},
+        "model": model.to_dict(),
+        "memory": setup.memory.describe(),
+        "timing": True,
+        "executor": {**executor, "replay": setup.describe()},
+    }
+    config = {"system": sysconf.to_dict(), "hardware": setup.hardware, "batch_size": batch_size,
+              "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": True,
+              "executor": {k: executor[k] for k in ("options", "cpu_threads", "accel_threads")}}
+    return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals)

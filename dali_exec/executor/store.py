@@ -1,0 +1,79 @@
+"""Every routed expert's weights in host memory: the source of all transfers and of the CPU lane.
+
+One (layers, experts, params) tensor, pinned when the accelerator is CUDA (so host-to-device copies
+are true asynchronous DMA). Random weights are deterministic: expert (layer, e) is drawn from a
+generator seeded by (seed, layer, e), so any expert can be regenerated alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dali_exec.executor.devices import host_memory_bytes
+from dali_exec.executor.ffn import ExpertLayout, init_expert_
+from dali_sim.models.spec import ModelSpec
+
+
+#: what a derived seed is for (the first key of :func:`derive_seed`)
+EXPERT, DENSE, KV_CACHE, STEP_INPUT = 1, 2, 3, 4
+
+
+def derive_seed(seed: int, purpose: int, *key: int) -> int:
+    """A torch generator seed for one purpose and key (e.g. EXPERT, layer, expert) under a run seed."""
+    return int(np.random.SeedSequence([seed, purpose, *key]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class HostExpertStore:
+    """``weights[layer, expert]`` is the flat parameter vector of one expert (see :mod:`.ffn`)."""
+
+    def __init__(self, weights: torch.Tensor, layout: ExpertLayout):
+        if weights.device.type != "cpu" or weights.dim() != 3 or weights.shape[2] != layout.numel:
+            raise ValueError(f"expert store must be a host tensor (L, E, {layout.numel}), got {tuple(weights.shape)} "
+                             f"on {weights.device}")
+        self.weights = weights
+        self.layout = layout
+
+    @classmethod
+    def random(cls, model: ModelSpec, dtype: torch.dtype, seed: int = 0, *, pin: bool = False,
+               progress: bool = False) -> "HostExpertStore":
+        layout = ExpertLayout.of(model)
+        L, E = model.num_moe_layers, model.num_experts
+        nbytes = L * E * layout.numel * torch.empty((), dtype=dtype).element_size()
+        avail = host_memory_bytes(available=True)
+        if nbytes > 0.9 * avail:
+            raise ValueError(f"the experts of {model.name} take {nbytes / 2**30:.2f} GiB of host memory, more than "
+                             f"the {avail / 2**30:.2f} GiB available: use a smaller --scale or fewer --layers")
+        weights = torch.empty((L, E, layout.numel), dtype=dtype, pin_memory=pin)
+        from tqdm import tqdm
+
+        for layer in tqdm(range(L), desc="random experts", unit="layer", disable=not progress, delay=2, leave=False):
+            for e in range(E):
+                g = torch.Generator().manual_seed(derive_seed(seed, EXPERT, layer, e))
+                init_expert_(weights[layer, e], layout, g)
+        return cls(weights, layout)
+
+    def fits(self, model: ModelSpec, dtype: torch.dtype, *, pinned: bool = False) -> bool:
+        """Are these the experts of ``model`` (layout, layers, experts) in ``dtype`` (and pinned if asked)?"""
+        layout = ExpertLayout.of(model)
+        return (layout == self.layout and tuple(self.weights.shape) == (model.num_moe_layers, model.num_experts,
+                layout.numel) and self.weights.dtype == dtype and (self.pinned or not pinned))
+
+    @property
+    def num_layers(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.weights.shape[1]
+
+    @property
+    def expert_nbytes(self) -> int:
+        return self.weights.shape[2] * self.weights.element_size()
+
+    @property
+    def pinned(self) -> bool:
+        return self.weights.is_pinned()
+
+    def host(self, layer: int, expert: int) -> torch.Tensor:
+        return self.weights[layer, expert]

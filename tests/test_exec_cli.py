@@ -1,0 +1,112 @@
+"""``dali exec run`` and ``dali exec calibrate``; the simulator accepts a calibrated profile."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+
+from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate  # noqa: E402
+from dali_exec.executor.problem import scale_model  # noqa: E402
+from dali_sim.cli.main import cli  # noqa: E402
+from dali_sim.hardware.cost import CostModel  # noqa: E402
+from dali_sim.hardware.measured import read_measured_profile  # noqa: E402
+from dali_sim.models.presets import get_model  # noqa: E402
+from dali_sim.trace import TraceWriter  # noqa: E402
+
+from conftest import REPO, random_rows  # noqa: E402
+
+GPT_OSS = str(REPO / "traces" / "gpt-oss-20b.parquet")
+SCALE = "0.015625"  # 1/64: Mixtral's hidden 4096 -> 64
+QUICK = ["--expert-tokens", "1,4,16", "--dense-tokens", "1,4", "--context-lens", "1,32", "--repeats", "1",
+         "--warmup", "1", "--dtype", "fp32", "--device", "cpu", "--cpu-threads", "1", "--accel-threads", "1"]
+
+
+def _invoke(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cal") / "mixtral-x64.json"
+    r = _invoke("exec", "calibrate", "--model-shape", "mixtral-8x7b", "--scale", SCALE, *QUICK, "-o", str(path))
+    assert r.exit_code == 0, r.output
+    return path
+
+
+def test_calibrate_writes_a_measured_profile_of_the_scaled_shape(profile):
+    p = read_measured_profile(profile)
+    model = scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32")
+    assert p.model.hidden_size == 64 and p.model.expert_bytes == model.expert_bytes
+    assert p.gpu_expert.x == (1, 4, 16) and all(s > 0 for s in p.gpu_expert.seconds + p.cpu_expert.seconds)
+    assert len(p.h2d.x) == 4 and p.h2d.x[2] == model.expert_bytes and all(s > 0 for s in p.h2d.seconds)
+    assert p.gpu_dense.context_lens == (1, 32) and len(p.gpu_dense.seconds[1]) == 2
+    prov = p.provenance
+    assert prov["command"].startswith("dali exec calibrate") and prov["versions"]["torch"] == torch.__version__
+    assert prov["scale"] == 1 / 64 and prov["model_shape"] == "mixtral-8x7b"
+    if not torch.cuda.is_available():  # said honestly: the "gpu" is the CPU device, the link a host copy
+        assert prov["devices"]["gpu_is_cpu_device"] and "no CUDA" in p.gpu.name and "no CUDA" in p.link_name
+    CostModel(p, model)  # the simulator's cost model accepts it for this shape
+
+
+def test_sim_run_accepts_the_calibrated_profile(profile, tmp_path):
+    model = scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32")
+    trace = tmp_path / "scaled.parquet"
+    with TraceWriter(trace, model, provenance={"source": "random rows", "command": "tests"}) as w:
+        w.write(**random_rows(model, seqs=2, tokens=6))
+    r = _invoke("sim", "run", "--trace", str(trace), "--system", "gpu-lru", "--hardware", str(profile), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["hardware"] == read_measured_profile(profile).name and out["makespan_s"] > 0
+    # a shape it was not measured for is refused, naming the field
+    r = _invoke("sim", "run", "--trace", GPT_OSS, "--system", "gpu-lru", "--hardware", str(profile))
+    assert r.exit_code == 1 and "model.precision: measured for 'fp32'" in r.output
+
+
+def test_calibrate_measures_non_moe_blocks_when_the_model_has_them():
+    cfg = CalibrationConfig("deepseek-v2-lite", scale=1 / 16, dtype="fp32", device="cpu", cpu_threads=1,
+                            accel_threads=1, expert_tokens=(1, 2), dense_tokens=(1, 2), context_lens=(4,),
+                            settings=MicroSettings(repeats=1, warmup=0))
+    p = calibrate(cfg)
+    assert p.gpu_dense_block is not None and p.cpu_dense_block is not None
+    model = cfg.model()
+    assert CostModel(p, model).dense_block_time("cpu", 2, 4) > 0
+    with pytest.raises(ValueError, match="expert_tokens must be strictly increasing"):
+        CalibrationConfig("mixtral-8x7b", expert_tokens=(4, 2))
+
+
+def test_exec_run_prints_metrics_and_writes_timeline_and_csv(profile, tmp_path):
+    from dali_sim.trace.synth import SynthConfig, synthesize
+
+    trace = tmp_path / "mix.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=2, prompt_len=4, gen_len=4, seed=1), trace)
+    tl, csv = tmp_path / "tl.json", tmp_path / "layers.csv"
+    args = ["exec", "run", "--trace", str(trace), "--system", "fiddler", "--layers", "2", "--scale", SCALE,
+            "--dtype", "fp32", "--device", "cpu", "--cpu-threads", "1", "--accel-threads", "1",
+            "--hardware", str(profile), "--batch-size", "2"]
+    r = _invoke(*args, "--timeline", str(tl), "--csv", str(csv))
+    assert r.exit_code == 0, r.output
+    assert "system fiddler on measured-mixtral-8x7b-x0.015625-cpu" in r.output
+    assert "overhead per layer: decisions" in r.output and "executed on" in r.output
+    events = json.loads(tl.read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("dense L1") for e in events)
+    assert csv.read_text().splitlines()[0].startswith("layer,activated,hits")
+    r = _invoke(*args, "--json")
+    out = json.loads(r.output)
+    assert out["system"] == "fiddler" and out["executor"]["device"] == "cpu"
+    assert out["manifest"]["executor"]["replay"]["scale"] == 1 / 64
+
+
+def test_exec_run_errors_are_one_line():
+    r = CliRunner().invoke(cli, ["exec", "run", "--trace", GPT_OSS, "--system", "gpu-lru", "--model-shape",
+                                 "mixtral-8x7b", "--device", "cpu"])
+    assert r.exit_code == 1 and r.output.startswith("Error: --model-shape mixtral-8x7b")
+    r = CliRunner().invoke(cli, ["exec", "run", "--trace", GPT_OSS, "--system", "gpu-lru", "--scale", "2"])
+    assert r.exit_code == 1 and "scale must lie in (0, 1]" in r.output
+    if not torch.cuda.is_available():
+        r = CliRunner().invoke(cli, ["exec", "run", "--trace", GPT_OSS, "--system", "gpu-lru", "--device", "cuda",
+                                     "--layers", "1", "--scale", "0.05", "--sequences", "1", "--max-tokens", "1"])
+        assert r.exit_code == 1 and "CUDA is not available" in r.output

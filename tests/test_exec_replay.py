@@ -1,0 +1,199 @@
+"""Trace replay on the executor: outputs equal a reference computation for every system preset, the
+counts are the simulator's, slots stay within the budget and always match the controller's cache,
+and nothing is computed from a slot whose copy has not landed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dali_exec.executor import (  # noqa: E402
+    ExecOptions,
+    HostExpertStore,
+    Replay,
+    ReplayOptions,
+    SlotNotReady,
+    execute,
+    prepare_replay,
+    reference_moe,
+)
+from dali_exec.executor.devices import Devices  # noqa: E402
+from dali_exec.executor.runtime import OffloadRuntime  # noqa: E402
+from dali_sim.policies import system_names  # noqa: E402
+from dali_sim.sim import simulate  # noqa: E402
+from dali_sim.sim.counters import COUNTERS  # noqa: E402
+from dali_sim.trace import read_trace  # noqa: E402
+from dali_sim.trace.synth import SynthConfig, synthesize  # noqa: E402
+from dali_sim.workload import WorkloadConfig  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+
+BATCH = 2
+TINY = ReplayOptions(layers=4, scale=1 / 64, dtype="fp32")  # Mixtral shape: hidden 64, 8 experts, top-2
+CPU_RUN = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1)
+GPT_OSS = REPO / "traces" / "gpt-oss-20b.parquet"
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory):
+    """Mixtral-shaped routing (prefill + decode) with every lookahead column a preset reads."""
+    path = tmp_path_factory.mktemp("exec") / "mix.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=6, gen_len=6, seed=5,
+                           lookahead=("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")), path)
+    return read_trace(path)
+
+
+def _check_against_reference(records, setup, rtol=1e-5, atol=1e-5):
+    """Each executed layer's output = its residual + sum_r w * expert(gate input), from the host weights."""
+    store = HostExpertStore.random(setup.model, records[0].output.dtype, 0)
+    assert len(records) == setup.workload.num_steps * setup.workload.num_layers
+    for rec in records:
+        ref = rec.residual + reference_moe(store, rec.layer, rec.gate_input, rec.ids, rec.weights)
+        torch.testing.assert_close(rec.output, ref, rtol=rtol, atol=atol)
+        assert rec.output.abs().max() > 0
+
+
+def _simulated_counts(setup, tmp_path):
+    future = None
+    if setup.sysconf.cache.name == "belady":  # a bound that reads next-use times from a file beside the trace
+        from dali_sim.runtime.future import write_future
+
+        future = write_future(setup.trace, WorkloadConfig(BATCH), out=tmp_path / "reduced.future.parquet")
+    kw = {"future": future} if future is not None else {}
+    return simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False, **kw)
+
+
+@pytest.mark.parametrize("system", system_names())
+def test_every_preset_equals_the_reference_and_counts_like_the_simulator(mix, system, tmp_path):
+    records = []
+    result = execute(mix, system, TINY, CPU_RUN, batch_size=BATCH, on_layer=records.append)
+    setup = prepare_replay(mix, system, TINY, batch_size=BATCH)
+    _check_against_reference(records, setup)
+    sim = _simulated_counts(setup, tmp_path)
+    for key in COUNTERS:
+        assert result.summary[key] == sim.summary[key], key
+    pd.testing.assert_frame_equal(result.per_layer[sim.per_layer.columns], sim.per_layer)
+    assert result.summary["bounds"] == sim.summary["bounds"]
+    # the simulator's result layout, with measured times
+    assert result.summary["makespan_s"] > 0 and result.summary["decode_tokens_per_s"] > 0
+    assert list(result.per_step.columns) == ["phase", "batch", "tokens", "start_s", "time_s"]
+    assert (result.per_step["time_s"] > 0).all()
+    assert set(result.per_sequence.columns) >= {"ttft_s", "tpot_s", "decode_tokens_per_s"}
+    assert result.manifest["memory"] == sim.manifest["memory"]
+    assert result.config["system"] == sim.config["system"]
+
+
+def test_result_has_every_simulator_key(mix):
+    result = execute(mix, "dali", TINY, CPU_RUN, batch_size=BATCH)
+    timed = simulate(prepare_replay(mix, "dali", TINY, batch_size=BATCH).trace,
+                     prepare_replay(mix, "dali", TINY, batch_size=BATCH).sysconf, batch_size=BATCH)
+    assert set(timed.summary) <= set(result.summary)
+    assert set(timed.per_layer.columns) <= set(result.per_layer.columns)
+    assert set(timed.manifest) <= set(result.manifest) and set(timed.config) <= set(result.config)
+    ov = result.summary["overhead"]
+    assert ov["layer_visits"] == result.summary["steps"] * 4
+    assert 0 < ov["fraction_of_layer_time"] < 1 and ov["decision_us_per_layer"] > 0
+    names = {iv.name.split(" ")[0] for iv in result.intervals}
+    assert {"dense", "fetch", "prefetch", "swap"} <= names  # every kind of activity was timed
+    tracks = {iv.track for iv in result.intervals}
+    assert tracks == {"gpu", "cpu", "pcie"}
+    assert all(iv.end >= iv.start >= 0 for iv in result.intervals)
+    assert result.summary["busy"]["gpu"] > 0 and result.summary["busy"]["pcie"] > 0
+
+
+def test_slot_table_follows_the_controller_and_stays_within_the_budget(mix):
+    store = None
+    for system in ("gpu-lru", "dali", "mixtral-offloading", "moe-lightning", "llamacpp"):
+        setup = prepare_replay(mix, system, TINY, batch_size=BATCH)
+        replay = Replay(setup, Devices.create("cpu", TINY.dtype), CPU_RUN, store=store)
+        store = replay.store  # the same weights serve every system of this model
+        try:
+            mem = setup.memory
+            breakdown = mem.breakdown
+            assert replay.runtime.slot_bytes == (breakdown["expert_cache"] + breakdown["staging_buffers"]
+                                                 + breakdown["prefetch_buffers"])
+            assert replay.runtime.slot_bytes <= mem.budget_bytes - breakdown["dense_weights"] - breakdown["kv_cache"]
+            pool = replay.runtime.pool
+
+            def same_cache(rec):
+                cached = np.zeros_like(replay.controller.resident)
+                for layer, table in enumerate(pool.cache):
+                    cached[layer, list(table)] = True
+                    assert len(table) <= mem.capacities[layer]
+                assert (cached == replay.controller.resident).all(), (system, rec.step, rec.layer)
+
+            replay.run(same_cache)
+        finally:
+            replay.close()
+
+
+def test_a_store_of_another_shape_is_refused(mix):
+    setup = prepare_replay(mix, "gpu-lru", TINY, batch_size=BATCH)
+    other = HostExpertStore.random(setup.model, torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        Replay(setup, Devices.create("cpu", TINY.dtype), CPU_RUN, store=other)
+
+
+def test_delayed_copies_are_waited_for(mix):
+    records = []
+    slow = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1, copy_delay_s=0.003)
+    result = execute(mix, "mixtral-offloading", TINY, slow, batch_size=BATCH, on_layer=records.append)
+    _check_against_reference(records, prepare_replay(mix, "mixtral-offloading", TINY, batch_size=BATCH))
+    assert result.summary["on_demand"] > 0 and result.summary["prefetch_used"] > 0
+    copies: dict[tuple, list[float]] = {}
+    computes = []
+    for iv in result.intervals:
+        if iv.name.startswith(("fetch", "prefetch")):
+            _, layer, expert = iv.name.split(" ")
+            copies.setdefault((iv.args["step"], layer, expert), []).append(iv.end)
+        elif iv.track == "gpu" and iv.name.startswith("L"):
+            layer, expert = iv.name.split(" ")
+            computes.append(((iv.args["step"], layer, expert), iv.start))
+    waited = 0
+    for key, start in computes:
+        # the copy of this step that brought the expert (prefetches are issued in the same step)
+        landed = [end for end in copies.get(key, []) if end <= start + 1e-9]
+        if key in copies:
+            assert landed, f"{key} computed at {start} before its copy landed at {copies[key]}"
+            waited += 1
+    assert waited > 10
+    assert result.per_layer["gpu_wait_s"].sum() > 0
+
+
+def test_a_compute_from_a_slot_still_being_copied_is_caught(mix, monkeypatch):
+    monkeypatch.setattr(OffloadRuntime, "_is_present", lambda self, slot: True)  # a lane that forgets to wait
+    slow = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1, copy_delay_s=0.05)
+    with pytest.raises(SlotNotReady, match="has not completed"):
+        execute(mix, "gpu-lru", TINY, slow, batch_size=BATCH)
+
+
+def test_replays_are_deterministic(mix):
+    def outputs(seed):
+        recs = []
+        r = execute(mix, "dali", TINY, CPU_RUN, batch_size=BATCH, seed=seed, on_layer=recs.append)
+        return r, [rec.output.clone() for rec in recs]
+
+    (r1, a), (r2, b) = outputs(0), outputs(0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert {k: r1.summary[k] for k in COUNTERS} == {k: r2.summary[k] for k in COUNTERS}
+    _, c = outputs(1)
+    assert not torch.equal(a[-1], c[-1])
+
+
+def test_gpt_oss_trace_scaled_in_bf16():
+    records = []
+    opts = ReplayOptions(layers=2, scale=1 / 32, sequences=2, max_tokens=6)
+    result = execute(GPT_OSS, "gpu-lru", opts, CPU_RUN, batch_size=BATCH, on_layer=records.append)
+    setup = prepare_replay(read_trace(GPT_OSS), "gpu-lru", opts, batch_size=BATCH)
+    assert setup.model.hidden_size == 90 and setup.model.num_moe_layers == 2 and records[0].output.dtype == torch.bfloat16
+    assert result.summary["steps"] == 6 and result.summary["tokens"] == 12
+    assert result.manifest["executor"]["expert_activation"] == "gpt-oss clamped GLU"
+    _check_against_reference(records, setup, rtol=2e-2, atol=2e-2)
+    # the same slots per layer as the full model's plan on the profile's 24 GiB
+    assert setup.memory.capacities.tolist() == setup.full_memory.capacities[:2].tolist()
+    assert math.isclose(result.summary["bytes_h2d"], result.summary["transfers"] * setup.model.expert_bytes)

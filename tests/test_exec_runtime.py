@@ -1,0 +1,164 @@
+"""The executor's pieces: slot table, copy lane (priorities, delayed copies), CPU lane, routing, budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dali_exec.executor.copies import BACKGROUND, ON_DEMAND, CopyEngine  # noqa: E402
+from dali_exec.executor.cpu_worker import CpuWorker  # noqa: E402
+from dali_exec.executor.ffn import ExpertLayout  # noqa: E402
+from dali_exec.executor.routing import LayerRouting  # noqa: E402
+from dali_exec.executor.slots import SlotNotReady, SlotPool  # noqa: E402
+from dali_exec.executor.timing import Timer  # noqa: E402
+from dali_sim.sim.engine import Activity  # noqa: E402
+
+from conftest import tiny_model  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def _pool(caps=(2, 1), prefetch=1, staging=1, numel=4):
+    return SlotPool(np.array(caps), prefetch, staging, numel, torch.float32, CPU)
+
+
+def test_slot_pool_allocates_exactly_the_plan_and_keeps_roles():
+    pool = _pool()
+    assert pool.nbytes == (2 + 1 + 1 + 1) * 4 * 4
+    pool.admit(0, 5)
+    pool.admit(0, 6)
+    with pytest.raises(AssertionError, match="all 2 cache slots"):
+        pool.admit(0, 7)  # a full layer never takes one more
+    pool.evict(0, 5)
+    pool.admit(0, 7)
+    # a prefetched expert admitted by the cache keeps its buffer; a free cache slot becomes the buffer
+    buf = pool.take_prefetch(1, 3)
+    pool.adopt(1, 3, pool.pop_prefetched(1, 3))
+    assert pool.cached(1, 3) is buf and len(pool.prefetch_free) == 1
+    with pytest.raises(AssertionError, match="no free cache slot"):
+        pool.adopt(1, 4, pool.take_prefetch(1, 4))
+    pool.check()
+    assert pool.resident()[0].nonzero()[0].tolist() == [6, 7]
+
+
+def test_slot_check_ready_refuses_a_copy_in_flight_and_the_wrong_expert():
+    timer = Timer()
+    engine = CopyEngine(None, timer, delay_s=0.2)
+    try:
+        pool = _pool()
+        slot = pool.admit(0, 1)
+        slot.ticket = engine.submit(slot.data, torch.ones(4), ON_DEMAND, Activity("fetch", 0, 0, 1))
+        with pytest.raises(SlotNotReady, match="has not completed"):
+            slot.check_ready(0, 1)
+        slot.ticket.wait()
+        slot.check_ready(0, 1)
+        assert slot.data.tolist() == [1, 1, 1, 1]
+        with pytest.raises(SlotNotReady, match="holds \\(0, 1\\)"):
+            slot.check_ready(0, 2)
+    finally:
+        engine.close()
+
+
+def test_copy_lane_runs_on_demand_before_queued_background_copies():
+    timer = Timer()
+    engine = CopyEngine(None, timer, delay_s=0.05)
+    order = []
+    try:
+        dst = torch.zeros(6, 8)
+        src = torch.arange(48, dtype=torch.float32).view(6, 8)
+        tickets = [engine.submit(dst[0], src[0], BACKGROUND, Activity("prefetch", 0, 1, 0))]  # starts at once
+        time.sleep(0.01)
+        tickets += [engine.submit(dst[i], src[i], BACKGROUND, Activity("prefetch", 0, 1, i)) for i in (1, 2)]
+        tickets += [engine.submit(dst[i], src[i], ON_DEMAND, Activity("fetch", 0, 0, i)) for i in (3, 4)]
+        for t in tickets:
+            t.wait()
+        order = [iv.name for iv in timer.intervals()]
+    finally:
+        engine.close()
+    assert order == ["prefetch L1 E0", "fetch L0 E3", "fetch L0 E4", "prefetch L1 E1", "prefetch L1 E2"]
+    assert torch.equal(dst[:5], src[:5])
+
+
+def test_a_later_copy_into_the_same_buffer_promotes_the_earlier_one():
+    timer = Timer()
+    engine = CopyEngine(None, timer, delay_s=0.05)
+    try:
+        dst = torch.zeros(3, 2)
+        first = engine.submit(dst[0], torch.zeros(2), BACKGROUND, Activity("prefetch", 0, 1, 0))  # occupies the lane
+        time.sleep(0.01)
+        old = engine.submit(dst[1], torch.full((2,), 1.0), BACKGROUND, Activity("prefetch", 0, 1, 1))
+        other = engine.submit(dst[2], torch.full((2,), 2.0), BACKGROUND, Activity("prefetch", 0, 1, 2))
+        new = engine.submit(dst[1], torch.full((2,), 3.0), ON_DEMAND, Activity("fetch", 0, 1, 1), previous=old)
+        for t in (first, old, other, new):
+            t.wait()
+        names = [iv.name for iv in timer.intervals()]
+    finally:
+        engine.close()
+    assert names.index("prefetch L1 E1") < names.index("fetch L1 E1") < names.index("prefetch L1 E2")
+    assert dst[1].tolist() == [3.0, 3.0]  # the later copy landed last
+
+
+def test_copy_errors_reach_the_waiter():
+    engine = CopyEngine(None, Timer())
+    try:
+        with pytest.raises(ValueError, match="shapes/dtypes differ"):
+            engine.submit(torch.zeros(2), torch.zeros(3), ON_DEMAND, Activity("fetch", 0, 0, 0))
+    finally:
+        engine.close()
+
+
+def test_cpu_worker_uses_its_own_thread_count_concurrently():
+    worker = CpuWorker(1)
+    try:
+        seen = worker.run(lambda: (torch.get_num_threads(), threading.current_thread().name))
+        assert seen[0] == 1 and seen[1].startswith("dali-cpu")
+        assert worker.run(lambda: threading.current_thread()) is not threading.main_thread()
+    finally:
+        worker.close()
+    with pytest.raises(ValueError, match="cpu_threads"):
+        CpuWorker(0)
+
+
+def test_routing_groups_flat_positions_by_expert():
+    ids = np.array([[2, 0], [0, 1], [2, 1]])
+    w = np.array([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]], np.float32)
+    r = LayerRouting.group(ids, w)
+    assert r.experts.tolist() == [0, 1, 2]
+    assert r.counts().tolist() == [2, 2, 2]
+    assert r.matches(np.array([2, 0, 1]), np.array([2, 2, 2])) and not r.matches(np.array([0, 1]), np.array([2, 2]))
+    assert r.positions[r.segment(0)].tolist() == [1, 2]  # token 0 rank 1, token 1 rank 0
+    assert r.weights[r.segment(2)].tolist() == pytest.approx([0.7, 0.5])
+    uniform = LayerRouting.group(ids, None)
+    assert set(uniform.weights.tolist()) == {0.5}
+    with pytest.raises(AssertionError, match="expert 3"):
+        r.segment(3)
+
+
+@pytest.mark.parametrize("family,ffn,expected", [("mixtral", 3, "SwiGLU (SiLU)"), ("gpt_oss", 3, "gpt-oss clamped GLU"),
+                                                 ("switch_transformers", 2, "ReLU")])
+def test_expert_layout_matches_the_spec_and_computes_the_ffn(family, ffn, expected):
+    import dataclasses
+
+    model = dataclasses.replace(tiny_model(), family=family, ffn_matrices=ffn, expert_bias=family == "gpt_oss")
+    lay = ExpertLayout.of(model)
+    assert lay.numel == model.expert_params and lay.activation == expected
+    flat = torch.randn(lay.numel, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, model.hidden_size, generator=torch.Generator().manual_seed(1))
+    w_up, w_down, b_up, b_down = lay.views(flat)
+    h = x @ w_up.T + (b_up if b_up is not None else 0)
+    if ffn == 3:
+        gate, up = h[:, : lay.inter], h[:, lay.inter:]
+        if family == "gpt_oss":
+            gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+            h = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+        else:
+            h = torch.nn.functional.silu(gate) * up
+    else:
+        h = torch.relu(h)
+    want = h @ w_down.T + (b_down if b_down is not None else 0)
+    torch.testing.assert_close(lay.forward(flat, x), want)
