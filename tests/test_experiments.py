@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from dali_sim.policies import system_names
+
 ROOT = Path(__file__).resolve().parent.parent
 EXP = ROOT / "experiments"
 
@@ -182,3 +184,14 @@ def test_prefetch_accuracy_matches_a_synthetic_predictor(tmp_path):
     df = _outputs(tmp_path, "prefetch_accuracy")
     one = df[(df.batch_size == 1) & (df.k == 1)].set_index("predictor").recall
     assert abs(one["residual"] - 0.9) < 0.06 and abs(one["next-gate"] - 0.5) < 0.08
+
+
+def test_recorded_trace(tmp_path):
+    """Every preset on the routing recorded from the trained model, at one budget for all."""
+    _run("recorded_trace", tmp_path)
+    df = _outputs(tmp_path, "recorded_trace")
+    assert set(df.system) == set(system_names()) and df.gpu_memory_gib.nunique() == 1
+    ok = df[df.fits]
+    assert {"dali", "dali-plus", "oracle"} <= set(ok.system)
+    assert np.allclose(ok.loc[ok.system == "oracle", "decode_vs_oracle"], 1.0)
+    assert (ok.decode_tokens_per_s > 0).all() and ok.loc[ok.system == "dali", "prefetch_precision"].gt(0).all()
