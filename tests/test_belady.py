@@ -42,12 +42,29 @@ def test_belady_by_hand(tmp_path):
     assert r.summary["bounds"] == {"cache": "belady"}
 
 
+def test_belady_breaks_ties_by_later_uses(tmp_path):
+    """1 slot, two sequences run one after the other (batch 1): steps {0,1} {1,2} {0,1} {1,2}.
+    At step 1, expert 1 (incoming) and expert 0 (resident) are both next used at step 2, where only
+    one can hit; 1 is used again at step 3, so keeping 1 gives 2 hits (steps 2 and 3), keeping 0 one.
+    LRU happens to keep 1 as well; plain Belady (depth 1, ties bypass) keeps 0 and loses to it."""
+    model = tiny_model(num_layers=1, moe_layers=(0,), num_experts=3, top_k=2)
+    rows = [(seq, pos, "decode", [experts]) for seq in (0, 1) for pos, experts in enumerate(([0, 1], [1, 2]))]
+    t = read_trace(write_hand_trace(tmp_path / "t.parquet", model, rows))
+    assert hits(t, "lru", 1)[0] == 2
+    assert hits(t, "belady", 1)[0] == 2
+    write_future(t, WorkloadConfig(1))
+    classic = simulate(t, "gpu-lru", timing=False, overrides={"cache": {"policy": "belady", "depth": "1"},
+                                                              "memory": {"cache_experts": "1"}})
+    assert classic.summary["hits"] == 1
+
+
 def test_future_demand_next_use(tmp_path):
     t = demand_trace(tmp_path / "t.parquet", [0, 1, 2, 0, 1, 3, 0, 1])
     f = FutureDemand.from_workload(Workload(t))
     assert f.next_use(0, np.array([0, 1, 2, 3]), 0).tolist() == [3, 1, 2, 5]
     assert f.next_use(0, np.array([2]), 2).tolist() == [NEVER]
     assert f.next_use(0, np.array([0, 1, 3]), 6).tolist() == [NEVER, 7, NEVER]
+    assert f.next_uses(0, np.array([0, 3]), 0, 3).tolist() == [[3, 6, NEVER], [5, NEVER, NEVER]]
 
 
 def test_only_bounds_get_the_future():

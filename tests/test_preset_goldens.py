@@ -128,7 +128,7 @@ PINS = {
     ('dali-plus', 'small', 2): (11, 7, 8, 5, 2, 21, 45.0),
     ('oracle', 'default', 1): (33, 0, 0, 0, 0, 29, 43.0),
     ('oracle', 'default', 2): (27, 0, 0, 0, 0, 21, 36.0),
-    ('oracle', 'small', 1): (16, 3, 9, 7, 0, 25, 51.5),
+    ('oracle', 'small', 1): (16, 3, 9, 8, 0, 25, 51.5),  # belady's tie-break by later uses: one more prefetch used
     ('oracle', 'small', 2): (12, 4, 7, 6, 0, 20, 39.0),
     ('cpu-only', 'default', 1): (0, 0, 0, 0, 0, 0, 127.0),
     ('cpu-only', 'default', 2): (0, 0, 0, 0, 0, 0, 124.0),

@@ -50,13 +50,18 @@ class FutureDemand:
     def next_use(self, layer: int, experts: np.ndarray, step: int) -> np.ndarray:
         """For each expert, the first step after ``step`` at which it is activated at ``layer``
         (``NEVER`` if none)."""
-        out = np.full(len(experts), NEVER, dtype=np.int64)
+        return self.next_uses(layer, experts, step, 1)[:, 0]
+
+    def next_uses(self, layer: int, experts: np.ndarray, step: int, depth: int) -> np.ndarray:
+        """(n, depth): for each expert its first ``depth`` steps of use after ``step`` at ``layer``,
+        ``NEVER`` where there are fewer."""
+        out = np.full((len(experts), depth), NEVER, dtype=np.int64)
         for i, e in enumerate(np.asarray(experts).tolist()):
             k = layer * self.num_experts + e
             lo, hi = self._start[k], self._start[k + 1]
             j = lo + np.searchsorted(self._steps[lo:hi], step, side="right")
-            if j < hi:
-                out[i] = self._steps[j]
+            uses = self._steps[j:min(hi, j + depth)]
+            out[i, :len(uses)] = uses
         return out
 
     def table(self) -> pa.Table:
