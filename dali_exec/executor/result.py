@@ -13,7 +13,7 @@ from dali_sim import __version__
 from dali_sim.runtime.controller import Controller
 from dali_sim.sim.counters import PlanCounters, derived, ratio
 from dali_sim.sim.engine import EngineOutput
-from dali_sim.sim.simulate import SimResult, _per_sequence, _timed_summary
+from dali_sim.sim.simulate import SimResult, per_sequence, timed_summary
 from dali_sim.trace.provenance import file_sha256
 from dali_sim.trace.schema import PREFILL
 
@@ -51,11 +51,11 @@ def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCo
     summary: dict[str, Any] = {"system": sysconf.name, "hardware": profile.name, "model": model.name,
                                "batch_size": batch_size, "bounds": controller.bounds, **w.describe(), **totals,
                                **derived(totals, model.expert_bytes)}
-    per_seq = _per_sequence(w, out)
+    per_seq = per_sequence(w, out)
     per_step = pd.DataFrame({"phase": np.where(w.step_phase == PREFILL, "prefill", "decode"),
                              "batch": w.step_batch, "tokens": w.step_tokens})
     per_step["start_s"], per_step["time_s"] = out.step_start, out.step_end - out.step_start
-    summary |= _timed_summary(w, out, per_seq)
+    summary |= timed_summary(w, out, per_seq)
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
     summary["executor"] = {"device": executor["devices"]["accelerator"],
                            "device_name": executor["devices"]["accelerator_name"]}

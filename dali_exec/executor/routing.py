@@ -5,6 +5,12 @@ pair has a *flat position* ``t * k + rank``; each expert gets the flat positions
 so its tokens are in token order). The layer's output is combined in a (T * k, H) buffer written at
 those positions and summed over ranks in rank order, so the result does not depend on which device
 computed which expert or in what order: out[t] = sum_r weights[t, r] * expert_{ids[t, r]}(x[t]).
+
+Two options serve drivers that run a real model (``dali_exec.generate``): ``counted`` marks the tokens
+that are part of the workload (the others, e.g. padding, ride along with the experts the plan runs
+anyway, so each expert multiplies exactly the rows the model itself would), and ``order`` gives the
+order of the flat positions within each expert (the model's own sort, so the rows of an expert's
+matrix product come in the model's order).
 """
 
 from __future__ import annotations
@@ -23,9 +29,14 @@ class LayerRouting:
     ptr: np.ndarray  # (len(experts) + 1,) segment bounds into ``positions``
     positions: np.ndarray  # flat positions grouped by expert
     weights: np.ndarray  # float32 gate weight of each flat position (aligned with ``positions``)
+    counted: np.ndarray | None = None  # bool per flat position (aligned): part of the workload; None = all
 
     @classmethod
-    def group(cls, ids: np.ndarray, weights: np.ndarray | None) -> "LayerRouting":
+    def group(cls, ids: np.ndarray, weights: np.ndarray | None, *, counted: np.ndarray | None = None,
+              order: np.ndarray | None = None) -> "LayerRouting":
+        """``counted``: (T,) bool, the tokens that count in the workload (default: all). ``order``: a
+        permutation of the flat positions that sorts them by expert id (default: the stable sort, i.e.
+        token order within each expert)."""
         ids = np.asarray(ids)
         T, k = ids.shape
         if weights is None:
@@ -34,24 +45,43 @@ class LayerRouting:
         if weights.shape != ids.shape:
             raise ValueError(f"routing weights {weights.shape} do not match expert ids {ids.shape}")
         flat = ids.reshape(-1).astype(np.int64)
-        order = np.argsort(flat, kind="stable")
+        if order is None:
+            order = np.argsort(flat, kind="stable")
+        else:
+            order = np.asarray(order, np.int64)
+            if order.shape != flat.shape or not np.array_equal(np.sort(order), np.arange(len(flat))):
+                raise ValueError(f"order must be a permutation of the {len(flat)} flat positions")
         sorted_ids = flat[order]
+        if np.any(sorted_ids[1:] < sorted_ids[:-1]):
+            raise ValueError("order must sort the flat positions by expert id")
         new = np.empty(len(flat), bool)
         new[:1] = True
         np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=new[1:])
         starts = np.flatnonzero(new)
         ptr = np.append(starts, len(flat))
-        return cls(T, k, sorted_ids[starts], ptr, order, weights.reshape(-1)[order])
+        if counted is not None:
+            counted = np.asarray(counted, bool)
+            if counted.shape != (T,):
+                raise ValueError(f"counted must be a ({T},) bool mask, got shape {counted.shape}")
+            counted = np.repeat(counted, k)[order]
+        return cls(T, k, sorted_ids[starts], ptr, order, weights.reshape(-1)[order], counted)
 
     def counts(self) -> np.ndarray:
-        """Tokens per activated expert, aligned with ``experts``."""
-        return np.diff(self.ptr)
+        """Tokens per expert, aligned with ``experts`` (counted tokens only: 0 for an expert that only
+        uncounted tokens use)."""
+        if self.counted is None:
+            return np.diff(self.ptr)
+        if not len(self.experts):
+            return np.zeros(0, np.int64)
+        return np.add.reduceat(self.counted.astype(np.int64), self.ptr[:-1])
 
     def matches(self, experts: np.ndarray, counts: np.ndarray) -> bool:
-        """Are these exactly the activated experts with these workloads (any order)?"""
+        """Are these exactly the activated experts (those with counted tokens) with these workloads (any order)?"""
         order = np.argsort(experts)
-        return np.array_equal(np.asarray(experts)[order], self.experts) and \
-            np.array_equal(np.asarray(counts)[order], self.counts())
+        own = self.counts()
+        used = own > 0
+        return np.array_equal(np.asarray(experts)[order], self.experts[used]) and \
+            np.array_equal(np.asarray(counts)[order], own[used])
 
     def segment(self, expert: int) -> slice:
         i = int(np.searchsorted(self.experts, expert))

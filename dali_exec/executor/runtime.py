@@ -107,9 +107,14 @@ class OffloadRuntime:
         self.layer_bookkeeping[layer] += sw.wall
         self.layer_bookkeeping_cpu[layer] += sw.cpu
 
-    def run_experts(self, plan: LayerPlan, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
+    def run_experts(self, plan: LayerPlan, x: torch.Tensor, routing: LayerRouting, *,
+                    uncounted_on_cpu: bool = False) -> torch.Tensor:
         """The layer's routed experts on ``x`` (T x H, the gate input, on the dense device): the
-        combined output sum_r w[t, r] * expert(x[t]) (T x H, on ``x``'s device)."""
+        combined output sum_r w[t, r] * expert(x[t]) (T x H, on ``x``'s device).
+
+        Tokens the routing does not count (``LayerRouting.group(counted=...)``: e.g. padding a real model
+        computes anyway) ride along with the plan's experts; experts that only such tokens use are not part
+        of the plan: their pairs stay 0, or, with ``uncounted_on_cpu``, the CPU lane computes them too."""
         sw = Stopwatch().start()  # stopped around computes, activation transfers and waits
         layer, step = plan.layer, plan.step
         if not routing.matches(plan.experts, plan.counts):
@@ -145,6 +150,8 @@ class OffloadRuntime:
             else:
                 raise AssertionError(f"unknown source {src}")
             gpu.append(g)
+        if uncounted_on_cpu and routing.counted is not None:
+            cpu_experts += routing.experts[routing.counts() == 0].tolist()
         self._issue_deferred()  # adoptions may have freed prefetch buffers
 
         # the CPU lane starts first and runs while the accelerator lane works

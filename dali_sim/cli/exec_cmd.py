@@ -34,7 +34,14 @@ def _exec_module():
 
 @click.group(name="exec", cls=UserErrorGroup)
 def exec_group() -> None:
-    """Run offloading systems on real devices (torch): trace replay and calibration."""
+    """Run offloading systems on real devices (torch).
+
+    \b
+    run         replay a trace's routing with random weights of its model's shape
+    generate    generate with a real transformers model, its MoE experts offloaded
+    calibrate   measure a hardware profile for the simulator
+    validate    run executor and simulator side by side and report the error
+    """
 
 
 @exec_group.command("run")
@@ -128,3 +135,151 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
     path = calibrate_to(output, cfg, command=command_line(), progress=True)
     click.echo(f"wrote {path}: use it with `dali sim run --hardware {path}` (a trace of this shape) "
                f"or `dali exec run --hardware {path} --scale {scale:g}`")
+
+
+@exec_group.command("validate")
+@click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path), help="Trace to replay (.parquet).")
+@click.option("--systems", required=True, help="Comma-separated system presets (see `dali sim systems`); the first is the speedups' baseline.")
+@click.option("--profile", type=click.Path(path_type=Path),
+              help="Measured profile of this machine for the replay's shape, dtype and threads (default: calibrate first).")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Folder for the report, timelines, plot (and the calibrated profile).")
+@click.option("--model-shape", help="Model shape preset to build (default: the trace's model); must match the trace.")
+@click.option("--layers", type=int, help="Replay only the first N MoE layers.")
+@click.option("--scale", default=1.0, show_default=True, type=float, help="Hidden, intermediate and head sizes x F (0 < F <= 1).")
+@click.option("--sequences", type=int, help="Replay only the first N sequences of the trace.")
+@click.option("--max-tokens", type=int, help="Replay only the first N tokens of each sequence.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Accelerator (default: cuda if present, else the CPU device).")
+@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True, help="Weight storage of the replay.")
+@click.option("--precision", help="Weight format of the full model for the memory plan (default: the model's).")
+@click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch.")
+@click.option("--prefill-chunk", default=0, show_default=True, type=int, help="Prompt positions per prefill step (0 = whole prompt).")
+@click.option("--gpu-memory", type=float, help="GPU memory budget of the full-size model in GiB [default: 24, the default profile's GPU].")
+@click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts.")
+@click.option("--cache-experts", type=int, help="Cache slots per layer.")
+@click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]), help="Initial cache contents.")
+@click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a system parameter (repeatable).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies and of the random weights.")
+@click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default as `dali exec run`).")
+@click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
+@click.option("--repeats", default=3, show_default=True, type=int, help="Calibration: timed runs per point.")
+@click.option("--no-warmup", is_flag=True, help="No untimed warm-up replay before each system.")
+@click.option("--time-budget", type=float, help="Seconds: start no further system once the budget would likely be exceeded.")
+@click.option("--no-timelines", is_flag=True, help="Do not write the Perfetto timelines.")
+@click.option("--no-plot", is_flag=True, help="Do not draw validation.png.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of the markdown table.")
+def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, scale, sequences, max_tokens, device,
+                 dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, no_warmup,
+                 time_budget, no_timelines, no_plot, as_json, **kw) -> None:
+    """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
+    if kw["cache_ratio"] is not None and kw["cache_experts"] is not None:
+        raise click.UsageError("give --cache-ratio or --cache-experts, not both")
+    ex = _exec_module()
+    from dali_exec.calibrate import MicroSettings
+    from dali_exec.validate import ValidationConfig, validate
+    from dali_exec.validate.report import JSON, MARKDOWN
+
+    names = tuple(s.strip() for s in systems.split(",") if s.strip())
+    cfg = ValidationConfig(
+        systems=names, profile=str(profile) if profile else None,
+        replay=ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
+                                max_tokens=max_tokens, precision=precision, dtype=dtype),
+        run=ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads),
+        batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=_overrides(kw),
+        warmup=not no_warmup, calibration=MicroSettings(repeats=repeats, warmup=1), time_budget_s=time_budget,
+        timelines=not no_timelines, plot=not no_plot)
+    report = validate(trace_path, cfg, out_dir, command=command_line(), log=lambda m: click.echo(m, err=True),
+                      progress=True)
+    click.echo((out_dir / (JSON if as_json else MARKDOWN)).read_text())
+    if report.failed:
+        raise click.ClickException("failed: " + "; ".join(f"{f['system']} ({f['error']})" for f in report.failed))
+
+
+_MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@exec_group.command("generate")
+@click.option("--model", "model_path", required=True, metavar="PATH_OR_NAME",
+              help="A local transformers MoE checkpoint folder (or a name in the local HF cache); nothing is downloaded.")
+@click.option("--system", required=True, help="System preset (see `dali sim systems`); bounds (oracle, optimal, belady) "
+                                               "cannot run online and are refused.")
+@click.option("--prompts", "prompts_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Prompts: .txt (one per line), .jsonl or .json (as `dali trace record`).")
+@click.option("--batch-size", default=1, show_default=True, type=int, help="Prompts generated side by side (left-padded).")
+@click.option("--max-new-tokens", default=32, show_default=True, type=int, help="Tokens generated per prompt (greedy; fewer at EOS).")
+@click.option("--prefill-chunk", default=0, show_default=True, type=int,
+              help="Prompt columns per prefill forward pass (0 = the whole prompt at once).")
+@click.option("--residual", "residual_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Residual vectors (`dali trace calibrate-residual`): needed by systems that prefetch with the "
+                   "`residual` lookahead (dali, dali-plus).")
+@click.option("--frequencies-from", "frequencies_from", type=click.Path(dir_okay=False, path_type=Path),
+              help="A trace of this model (`dali trace record`): per-expert frequencies for cache_init=frequency and "
+                   "frequency-based policies (default: uniform).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Accelerator (default: cuda if present, else the CPU device).")
+@click.option("--dtype", type=click.Choice(_MODEL_DTYPES), default="float32", show_default=True,
+              help="Weights dtype of the model (auto = the checkpoint's); experts are stored and copied in it.")
+@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True,
+              help="Hardware profile whose costs the policies use and whose GPU memory is the default budget.")
+@click.option("--gpu-memory", type=float, help="GPU memory budget in GiB (default: the profile's).")
+@click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts.")
+@click.option("--cache-experts", type=int, help="Cache slots per layer.")
+@click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]), help="Initial cache contents.")
+@click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a system parameter (repeatable).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies.")
+@click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores but one with CUDA; "
+                                              "the process's thread count on the CPU device).")
+@click.option("--accel-threads", type=int, help="Threads of the main thread on the CPU device (default: unchanged).")
+@click.option("--timeline", type=click.Path(path_type=Path), help="Write a Chrome/Perfetto trace JSON here.")
+@click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Write the per-layer table as CSV here.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (result and generated tokens) instead of text.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def generate_cmd(model_path, system, prompts_file, batch_size, max_new_tokens, prefill_chunk, residual_file,
+                 frequencies_from, device, dtype, hardware, seed, cpu_threads, accel_threads, timeline, csv_path, as_json,
+                 quiet, **kw) -> None:
+    """Generate with a real transformers MoE model whose routed experts are offloaded by a system.
+
+    The MoE blocks' experts are replaced by the offloading runtime; routing and the lookahead predictions
+    (next-gate, residual, gate2/gate3) are computed as the model runs, and the same policies as `dali sim`
+    decide placement, prefetching and caching. The generated tokens are the model's own greedy tokens
+    (docs/executor.md, "Real models").
+
+    \b
+    dali exec generate --model models/dali-tiny-moe --prompts prompts/multidomain.txt --system gpu-lru --cache-experts 8
+    dali exec generate --model M --prompts P --system dali --residual res.safetensors --batch-size 4
+    """
+    if kw["cache_ratio"] is not None and kw["cache_experts"] is not None:
+        raise click.UsageError("give --cache-ratio or --cache-experts, not both")
+    try:
+        from dali_exec.generate import GenerateOptions, generate_from_path
+    except ImportError as exc:
+        raise click.ClickException(str(exc)) from None
+    from dali_sim.sim.timeline import write_timeline
+
+    opts = GenerateOptions(batch_size=batch_size, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+                           residual=residual_file, frequencies_from=frequencies_from, device=device,
+                           cpu_threads=cpu_threads, accel_threads=accel_threads, progress=not quiet and not as_json)
+    result = generate_from_path(model_path, prompts_file, system, opts, dtype=dtype, hardware=hardware, seed=seed,
+                                overrides=_overrides(kw))
+    result.manifest["command"] = command_line()
+    if timeline:
+        write_timeline(timeline, result.intervals, f"dali exec generate {system} on {model_path}")
+    if csv_path:
+        result.per_layer.to_csv(csv_path)
+    if as_json:
+        click.echo(result.to_json())
+        return
+    click.echo(format_run(result))
+    s, e = result.summary, result.manifest["executor"]
+    g, ov = s["generation"], s["overhead"]
+    click.echo(f"executed on {e['devices']['accelerator_name']} ({e['devices']['dtype']}), dense part on "
+               f"{e['dense_device']}, CPU lane {e['cpu_threads']} threads, {e['slot_bytes'] / 2**20:,.2f} MiB of "
+               f"expert slots; frequencies: {result.config['online']['frequencies']}")
+    click.echo(f"generated {g['new_tokens']:,} tokens for {g['prompts']} prompts in {g['wall_s']:.2f} s "
+               f"({g['new_tokens_per_s']:,.1f} tok/s; setup {g['setup_s']:.2f} s); overhead per layer: decisions "
+               f"{ov['decision_us_per_layer']:,.1f} us + bookkeeping {ov['bookkeeping_us_per_layer']:,.1f} us")
+    for seq in result.generated:
+        shown = seq.text if seq.text is not None else " ".join(map(str, seq.token_ids))
+        click.echo(f"[{seq.seq_id}] {seq.name} ({seq.prompt_tokens} prompt tokens, {len(seq.token_ids)} new, "
+                   f"{seq.stop}): {shown!r}")
+    if timeline:
+        click.echo(f"timeline: {timeline} (open in ui.perfetto.dev)")

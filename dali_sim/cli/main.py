@@ -23,7 +23,7 @@ def cli() -> None:
     model   model shape presets and specs read from Hugging Face configs
     hw      hardware profiles and the cost model built on them
     sim     simulate offloading systems (placement, prefetch, cache) on a trace
-    exec    run them on real devices with torch: trace replay, calibration
+    exec    run them on real devices with torch: replay, real models, calibration, validation
     """
 
 

@@ -47,7 +47,8 @@ class SimResult:
         return json.dumps(json_safe(self.to_dict()), indent=2, allow_nan=False)
 
 
-def _per_sequence(w: Workload, out: EngineOutput | None) -> pd.DataFrame:
+def per_sequence(w: Workload, out: EngineOutput | None) -> pd.DataFrame:
+    """One row per sequence of ``w``; with engine output, its TTFT, TPOT and tokens/s (docs/metrics.md)."""
     seq = w.sequences.copy()
     if out is None:
         return seq
@@ -130,14 +131,14 @@ def simulate(
                                "batch_size": batch_size, "bounds": controller.bounds,
                                **workload.describe(), **totals,
                                **derived(totals, model.expert_bytes)}
-    per_seq = _per_sequence(workload, out)
+    per_seq = per_sequence(workload, out)
     per_step = pd.DataFrame({"phase": np.where(workload.step_phase == PREFILL, "prefill", "decode"),
                              "batch": workload.step_batch, "tokens": workload.step_tokens})
     if out is not None:
         per_step["start_s"], per_step["time_s"] = out.step_start, out.step_end - out.step_start
         per_layer["time_s"] = out.layer_time
         per_layer["gpu_wait_s"] = out.layer_wait
-        summary |= _timed_summary(workload, out, per_seq)
+        summary |= timed_summary(workload, out, per_seq)
     manifest = {
         "dali_version": __version__,
         "trace": str(trace.path) if trace.path else None,
@@ -156,8 +157,8 @@ def simulate(
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
 
 
-def _timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict[str, Any]:
-    """The time metrics of docs/metrics.md."""
+def timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict[str, Any]:
+    """The time metrics of docs/metrics.md (``per_seq`` from :func:`per_sequence`)."""
     dur = out.step_end - out.step_start
     makespan = float(out.step_end[-1])
     pre, dec = w.step_phase == PREFILL, w.step_phase == DECODE
@@ -175,5 +176,4 @@ def _timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dic
         "events": out.events,
     }
 
-
-__all__ = ["DEFAULT_HARDWARE", "SimResult", "simulate"]
+__all__ = ["DEFAULT_HARDWARE", "SimResult", "per_sequence", "simulate", "timed_summary"]

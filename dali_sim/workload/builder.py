@@ -64,6 +64,15 @@ def _sparse_counts(step: np.ndarray, layer: np.ndarray, ids: np.ndarray, ranks: 
     return SparseCounts(ptr, expert.astype(np.int16), counts, best.astype(np.int8))
 
 
+def predicted_top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """(tokens, k) expert ids a lookahead column's logits predict, in rank order: the k highest logits
+    (NaN = never), highest first, ties to the lower id."""
+    pred = np.nan_to_num(np.asarray(logits), nan=-np.inf)
+    top = np.argpartition(-pred, k - 1, axis=1)[:, :k]
+    top = np.sort(top, axis=1)
+    return np.take_along_axis(top, np.argsort(-np.take_along_axis(pred, top, 1), axis=1, kind="stable"), 1)
+
+
 class Workload:
     """Steps of a trace under a batching configuration (see module docstring).
 
@@ -109,11 +118,7 @@ class Workload:
             logits = t.lookahead(name)  # raises the uniform "no such column" message
             offset = t.meta.predictors[name].target_offset
             has = ~np.isnan(logits).all(axis=1) & (layer_idx + offset < L)
-            pred = np.nan_to_num(logits[has], nan=-np.inf)
-            top = np.argpartition(-pred, k - 1, axis=1)[:, :k]
-            # rank order within each token's predicted top-k (highest logit first, ties: lower id)
-            top = np.sort(top, axis=1)
-            top = np.take_along_axis(top, np.argsort(-np.take_along_axis(pred, top, 1), axis=1, kind="stable"), 1)
+            top = predicted_top_k(logits[has], k)
             # the row at layer l predicts layer l + offset: index the prediction by its target layer
             self.predicted[name] = _sparse_counts(
                 np.repeat(row_step[has], k), np.repeat(layer_idx[has] + offset, k), top.reshape(-1),

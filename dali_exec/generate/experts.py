@@ -1,0 +1,150 @@
+"""A transformers model's routed experts in the executor's host store, computed exactly as the model does.
+
+transformers 5 keeps a MoE block's routed experts as stacked tensors (``gate_up_proj``, ``down_proj``
+and, for GPT-OSS, their biases; see ``MoEAdapter.expert_layout``). :func:`pack_experts` copies every
+expert's slices, in the model's own layout, into one flat vector per expert of a
+:class:`~dali_exec.executor.store.HostExpertStore`, so a transfer is one copy and a cache slot one row.
+:class:`HFExpertLayout` computes one expert from such a vector with the operations of transformers'
+default ``grouped_mm`` experts implementation (``transformers.integrations.moe``) for a group of one
+expert: the same grouped matrix product (which computes each expert's rows independently of the other
+experts'), the bias added in place, the model's own gating function (``experts._apply_gate``: SwiGLU, or
+GPT-OSS's clamped GLU on interleaved gate/up columns), so that given the same rows in the same order an
+expert's output is bit for bit the model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dali_exec.executor.store import HostExpertStore
+
+try:  # the function transformers' grouped_mm experts implementation calls (same dispatch, same kernels)
+    from transformers.integrations.moe import _grouped_linear as _hf_grouped_linear
+except ImportError:  # pragma: no cover - another transformers version: the plain equivalent
+    _hf_grouped_linear = None
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
+                    transposed: bool) -> torch.Tensor:
+    """``weight`` (1, out, in), or (1, in, out) if ``transposed``: one expert's group of rows."""
+    if _hf_grouped_linear is not None:
+        return _hf_grouped_linear(x, weight, offs, bias=bias, is_transposed=transposed)
+    w = weight[0] if transposed else weight[0].t()
+    out = torch.mm(x.to(w.dtype), w)
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class HFExpertLayout:
+    """Offsets of one expert's tensors inside its flat vector, in the model's own layout:
+    ``gate_up`` ((2I, H), or (H, 2I) when ``transposed``), ``down`` ((H, I), or (I, H)), then, with
+    ``bias``, ``gate_up_bias`` (2I) and ``down_bias`` (H)."""
+
+    hidden: int
+    inter: int
+    transposed: bool
+    bias: bool
+    gate: Callable[[torch.Tensor], torch.Tensor]  # the model's gating: (n, 2I) -> (n, I)
+    activation: str
+    source: str  # the experts class it was packed from
+
+    @classmethod
+    def of(cls, experts: nn.Module) -> "HFExpertLayout":
+        """The layout of a transformers (v5) experts module (stacked ``gate_up_proj`` / ``down_proj``)."""
+        name = type(experts).__name__
+        if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")) \
+                or not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
+            raise ValueError(f"{name}: expected gated experts with stacked gate_up_proj and down_proj "
+                             "(transformers 5); this experts module is not supported")
+        transposed = bool(getattr(experts, "is_transposed", False))
+        bias = bool(getattr(experts, "has_bias", False))
+        gu = experts.gate_up_proj
+        hidden, two_i = (gu.shape[1], gu.shape[2]) if transposed else (gu.shape[2], gu.shape[1])
+        inter = two_i // 2
+        down = tuple(experts.down_proj.shape[1:])
+        if down != ((inter, hidden) if transposed else (hidden, inter)):
+            raise ValueError(f"{name}: down_proj {tuple(experts.down_proj.shape)} does not fit gate_up_proj "
+                             f"{tuple(gu.shape)}")
+        gate = getattr(experts, "_apply_gate", None)
+        if gate is None:
+            raise ValueError(f"{name}: no _apply_gate (transformers' experts interface); not supported")
+        act = getattr(experts, "act_fn", None)
+        if type(experts).__dict__.get("_apply_gate") is not None:
+            activation = f"{name}._apply_gate (the model's own)"
+        else:
+            activation = f"{type(act).__name__ if act is not None else '?'}(gate) * up"
+        return cls(hidden, inter, transposed, bias, gate, activation, name)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        h, i = self.hidden, self.inter
+        mats = ((h, 2 * i), (i, h)) if self.transposed else ((2 * i, h), (h, i))
+        return mats + (((2 * i,), (h,)) if self.bias else ())
+
+    @property
+    def numel(self) -> int:
+        n = 0
+        for s in self.shapes:
+            m = 1
+            for d in s:
+                m *= d
+            n += m
+        return n
+
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(gate_up, down, gate_up_bias or None, down_bias or None) as views into ``flat``."""
+        out, o = [], 0
+        for s in self.shapes:
+            n = 1
+            for d in s:
+                n *= d
+            out.append(flat[o:o + n].view(*s))
+            o += n
+        return (out[0], out[1], out[2], out[3]) if self.bias else (out[0], out[1], None, None)
+
+    def forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The expert on tokens ``x`` (n x H), weights in ``flat`` (on ``x``'s device)."""
+        w1, w2, b1, b2 = self.views(flat)
+        offs = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
+        y = _grouped_linear(x, w1.unsqueeze(0), offs, b1, self.transposed)
+        y = self.gate(y)
+        return _grouped_linear(y, w2.unsqueeze(0), offs, b2, self.transposed)
+
+
+def expert_tensors(experts: nn.Module, layout: HFExpertLayout) -> list[torch.Tensor]:
+    """The stacked (E, ...) tensors of an experts module in the layout's order."""
+    names = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if layout.bias else ())
+    return [getattr(experts, n).detach() for n in names]
+
+
+@torch.no_grad()
+def pack_experts(experts_modules: list[nn.Module], dtype: torch.dtype, *, pin: bool = False) -> HostExpertStore:
+    """Every routed expert of the given experts modules (one per MoE layer, in order) as flat vectors of
+    a host store ((layers, experts, numel), pinned if asked). The modules' tensors are copied."""
+    layout = HFExpertLayout.of(experts_modules[0])
+    E = int(experts_modules[0].gate_up_proj.shape[0])
+    weights = torch.empty((len(experts_modules), E, layout.numel), dtype=dtype, pin_memory=pin)
+    for layer, experts in enumerate(experts_modules):
+        mine = HFExpertLayout.of(experts)
+        if (mine.hidden, mine.inter, mine.transposed, mine.bias) != (layout.hidden, layout.inter, layout.transposed,
+                                                                      layout.bias) \
+                or experts.gate_up_proj.shape[0] != E:
+            raise ValueError(f"MoE layer {layer}: its experts differ in shape from the first layer's; "
+                             "every MoE layer must have the same experts")
+        o = 0
+        for t, shape in zip(expert_tensors(experts, layout), layout.shapes):
+            n = t[0].numel()
+            if tuple(t.shape[1:]) != shape:
+                raise AssertionError(f"MoE layer {layer}: tensor {tuple(t.shape)} does not fit {shape}")
+            weights[layer, :, o:o + n].copy_(t.reshape(E, n))
+            o += n
+    return HostExpertStore(weights, layout)
+
+
+__all__ = ["HFExpertLayout", "expert_tensors", "pack_experts"]

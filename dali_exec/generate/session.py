@@ -1,0 +1,254 @@
+"""The offloaded model while it runs: every MoE block's routed experts replaced by the offloading runtime.
+
+:class:`OffloadSession` swaps each MoE block's ``experts`` module for an :class:`OffloadedExperts`
+(same call: gate input, the router's top-k ids and weights -> the weighted sum of the routed experts),
+so the model's own code still runs everything else: attention, norms, the router, shared experts and
+their gates, the residual additions, the LM head. Per MoE layer of a step, when the block calls its
+experts:
+
+1. the router's ids (the step's real tokens: no padding, no finished sequences) and the lookahead
+   predictions made from this gate input (``next-gate``: router_{l+1}(x_l), ``residual``:
+   router_{l+1}(x_l + r_l), ``gate<d>``: router_{l+d}(x_l); top-k by the family's rule) feed the
+   :class:`~dali_sim.workload.online.OnlineWorkload`;
+2. the simulator's :class:`~dali_sim.runtime.controller.Controller` plans the layer (the same policies,
+   cache semantics and prefetch bookkeeping as ``dali sim``);
+3. the :class:`~dali_exec.executor.runtime.OffloadRuntime` performs the plan: swaps land, prefetches
+   start, CPU experts run on the CPU lane from host memory, GPU experts from cache slots, prefetch or
+   staging buffers after their copies; the outputs are combined as transformers combines them.
+
+Every row the model itself would give an expert is computed, in the model's order (padding rows ride
+along with the experts real tokens activate; they are not part of the workload), with the model's own
+operations (:mod:`.experts`), so on one device the output is bit for bit the model's, whatever the
+placement, prefetching or cache decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from dali_exec.executor.devices import Devices
+from dali_exec.executor.routing import LayerRouting
+from dali_exec.executor.runtime import OffloadRuntime
+from dali_exec.executor.timing import Stopwatch, Timer
+from dali_exec.models import MoEAdapter, MoEBlock, rank_order
+from dali_exec.recorder.generation import ForwardRows
+from dali_sim.runtime.controller import Controller
+from dali_sim.sim.counters import PlanCounters
+from dali_sim.sim.engine import Activity
+from dali_sim.workload.online import OnlineWorkload
+
+
+#: how rows that are not part of the workload (left padding, sequences that have stopped) are computed:
+#: ``exact``: as the model computes them (they ride along with the plan's experts; experts only they use
+#: run on the CPU lane, outside the plan), so every row is bit for bit the model's; ``skip``: not at all
+#: (no routed output), as an offloading system would, the real tokens then equal the model's up to rounding
+PADDING = ("exact", "skip")
+
+
+class OffloadedExperts(nn.Module):
+    """Stands in for a MoE block's ``experts``: ``forward(x, top_k_index, top_k_weights)`` -> (T, H)."""
+
+    def __init__(self, session: "OffloadSession", ordinal: int, num_experts: int):
+        super().__init__()
+        self.ordinal = ordinal
+        self.num_experts = num_experts
+        object.__setattr__(self, "_session", session)  # not a submodule
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return self._session.run_layer(self.ordinal, hidden_states, top_k_index, top_k_weights)
+
+    def extra_repr(self) -> str:
+        return f"MoE layer {self.ordinal}: offloaded ({self.num_experts} experts in the dali runtime)"
+
+
+@dataclass
+class LayerTimes:
+    """Per MoE layer accumulators (seconds); ``(2, L)`` arrays are wall clock and thread CPU."""
+
+    L: int
+    time: np.ndarray = field(init=False)
+    decision: np.ndarray = field(init=False)
+    bookkeeping: np.ndarray = field(init=False)
+    lookahead: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.time = np.zeros(self.L)
+        self.decision = np.zeros((2, self.L))
+        self.bookkeeping = np.zeros((2, self.L))
+        self.lookahead = np.zeros((2, self.L))
+
+
+class OffloadSession:
+    """Installs the offloaded experts into ``model`` (:meth:`install`) and runs each MoE layer's plan
+    (:meth:`run_layer`); :meth:`begin_forward` / :meth:`end_forward` bracket each forward pass (one step).
+
+    ``residuals``: MoE block index -> vector (on the dense device, float32), for the ``residual``
+    predictor. ``dense_device``: where the model's dense part runs (the model is moved there while
+    installed, its routed experts left out)."""
+
+    def __init__(self, model: nn.Module, adapter: MoEAdapter, blocks: list[MoEBlock], workload: OnlineWorkload,
+                 controller: Controller, runtime: OffloadRuntime, devices: Devices, timer: Timer, *,
+                 dense_device: torch.device, dense_track: str, residuals: Mapping[int, torch.Tensor] | None = None,
+                 padding: str = "exact"):
+        if padding not in PADDING:
+            raise ValueError(f"padding must be one of {', '.join(PADDING)}, got {padding!r}")
+        self.padding = padding
+        self.model, self.adapter, self.blocks = model, adapter, blocks
+        self.w, self.controller, self.runtime, self.dev, self.timer = workload, controller, runtime, devices, timer
+        self.dense_device, self.dense_track = dense_device, dense_track
+        self.residuals = dict(residuals or {})
+        L = len(blocks)
+        self.counters = PlanCounters(L)
+        self.times = LayerTimes(L)
+        self.step: int | None = None
+        self.index: torch.Tensor | None = None  # real rows of the current forward pass (None: all)
+        self._real_rows: np.ndarray | None = None
+        self.step_start: list[float] = []
+        self.step_end: list[float] = []
+        self._layer_t0: float | None = None
+        self._dense_start: Any = None
+        self._installed: list[tuple[MoEBlock, nn.Module]] = []
+        self._hooks: list[Any] = []
+        self._moved_from: torch.device | None = None
+        self._stream = runtime.compute_stream if (devices.is_cuda and dense_track == "gpu") else None
+
+    # ---- installing ---------------------------------------------------------------------------
+    def install(self) -> "OffloadSession":
+        layers = self.adapter.decoder_layers(self.model)
+        for ordinal, b in enumerate(self.blocks):
+            original = getattr(b.block, self.adapter.experts_attr, None)
+            if original is None or original is not b.experts:
+                raise ValueError(f"block {b.layer}: its experts module is not the adapter's (installed twice?)")
+            self._installed.append((b, original))
+            setattr(b.block, self.adapter.experts_attr, OffloadedExperts(self, ordinal, b.num_experts))
+            decoder = layers[b.layer]
+            self._hooks.append(decoder.register_forward_pre_hook(self._pre_hook(ordinal)))
+            self._hooks.append(decoder.register_forward_hook(self._post_hook(ordinal)))
+        here = next(self.model.parameters()).device
+        if here != self.dense_device:
+            self._moved_from = here
+            self.model.to(self.dense_device)
+        return self
+
+    def uninstall(self, restore: bool = True) -> None:
+        """Remove the hooks; with ``restore``, put the original experts back (and the model where it was)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if restore and self._moved_from is not None:
+            self.model.to(self._moved_from)
+        for b, original in self._installed:
+            setattr(b.block, self.adapter.experts_attr, original if restore else nn.Module())
+        self._installed.clear()
+
+    # ---- steps --------------------------------------------------------------------------------
+    def begin_forward(self, rows: ForwardRows, seq_ids: np.ndarray, batch: int) -> None:
+        """Before a forward pass: its real tokens form one step (a pass of padding only is no step)."""
+        if len(rows) == 0:
+            self.step, self.index, self._real_rows = None, None, None
+            return
+        self.dev.synchronize()
+        self.step_start.append(self.timer.now())
+        self.step = self.w.begin_step(rows.phase, len(rows), batch=batch, seq_ids=seq_ids, positions=rows.pos)
+        self.index = rows.index
+        self._real_rows = None if rows.index is None else rows.index.cpu().numpy()
+
+    def end_forward(self) -> None:
+        if self.step is None:
+            return
+        self.dev.synchronize()
+        self.step_end.append(self.timer.now())
+        if self.w.routed_layers != self.w.num_layers:
+            raise RuntimeError(f"step {self.step}: {self.w.routed_layers} of {self.w.num_layers} MoE layers ran; "
+                               "was a MoE block's forward replaced (hub kernels)?")
+        self.step = None
+
+    def _pre_hook(self, ordinal: int):
+        def hook(module, args):
+            if self.step is not None:
+                self._layer_t0 = self.timer.now()
+                self._dense_start = self.timer.mark(self._stream)
+        return hook
+
+    def _post_hook(self, ordinal: int):
+        def hook(module, args, output):
+            if self.step is not None and self._layer_t0 is not None:
+                self.dev.synchronize()
+                self.times.time[ordinal] += self.timer.now() - self._layer_t0
+                self._layer_t0 = None
+        return hook
+
+    # ---- one MoE layer ------------------------------------------------------------------------
+    def run_layer(self, ordinal: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts of MoE layer ``ordinal`` for gate inputs ``x`` (T x H): the plan performed."""
+        if self.step is None:  # padding only (a prefill chunk without real tokens): nothing is part of the work
+            return torch.zeros_like(x)
+        step, t = self.step, self.times
+        if self._dense_start is not None:
+            self.timer.add(self.dense_track, Activity("dense", step, ordinal), self._dense_start,
+                           self.timer.mark(self._stream))
+            self._dense_start = None
+        sw = Stopwatch().start()
+        idx = self.index
+        ids_real = ids if idx is None else ids.index_select(0, idx)
+        w_real = weights if idx is None else weights.index_select(0, idx)
+        ranked, _ = rank_order(ids_real, w_real)
+        ranked = ranked.cpu().numpy()
+        sw.stop()
+        look = Stopwatch().start()
+        predicted = self._lookahead(ordinal, x if idx is None else x.index_select(0, idx))
+        look.stop()
+        t.lookahead[:, ordinal] += (look.wall, look.cpu)
+        sw.start()
+        self.w.set_layer(ordinal, ranked, predicted)
+        sw.stop()
+        dec = Stopwatch().start()
+        plan = self.controller.plan(step, ordinal)
+        self.counters.add(plan)
+        dec.stop()
+        t.decision[:, ordinal] += (dec.wall, dec.cpu)
+        self.runtime.start_layer(plan)
+        sw.start()
+        skip = self.padding == "skip" and idx is not None
+        if skip:  # only the real rows reach the experts; the others get no routed output
+            ids, weights = ids_real, w_real
+        _, perm = torch.sort(ids.reshape(-1))  # transformers' grouped_mm order of the (token, k) pairs
+        counted = None
+        if self._real_rows is not None and not skip:
+            counted = np.zeros(ids.shape[0], bool)
+            counted[self._real_rows] = True
+        routing = LayerRouting.group(ids.cpu().numpy(), weights.float().cpu().numpy(), counted=counted,
+                                     order=perm.cpu().numpy())
+        sw.stop()
+        t.bookkeeping[:, ordinal] += (sw.wall, sw.cpu)
+        if skip:
+            out = torch.zeros_like(x)
+            out.index_copy_(0, idx, self.runtime.run_experts(plan, x.index_select(0, idx), routing).to(x.dtype))
+            return out
+        out = self.runtime.run_experts(plan, x, routing, uncounted_on_cpu=True)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _lookahead(self, ordinal: int, x: torch.Tensor) -> dict[str, np.ndarray]:
+        """What each predictor the policies read predicts from this gate input (rows: the real tokens)."""
+        out: dict[str, np.ndarray] = {}
+        L = len(self.blocks)
+        for name, offset in self.w.predictor_offsets.items():
+            target = ordinal + offset
+            if target >= L:
+                continue
+            nxt = self.blocks[target]
+            inp = x
+            if name == "residual":
+                inp = (x.float() + self.residuals[self.blocks[ordinal].layer]).to(x.dtype)
+            logits = self.adapter.router_logits(nxt, inp)
+            pred, _ = self.adapter.select(nxt, logits)
+            out[name] = pred.cpu().numpy()
+        return out
+
+
+__all__ = ["PADDING", "LayerTimes", "OffloadSession", "OffloadedExperts"]

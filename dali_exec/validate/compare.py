@@ -1,0 +1,180 @@
+"""Executor vs simulator on the same replay: time errors, counters side by side, busy time by activity.
+
+Torch-free: it compares two :class:`dali_sim.sim.simulate.SimResult` of the same workload, the first
+measured (``execute`` / ``Replay.run``), the second simulated (``simulate`` on ``ReplaySetup.trace``
+with ``ReplaySetup.sysconf`` and a profile measured on the same machine). Definitions in
+docs/validation.md. Relative errors are ``(simulated - executed) / executed``: negative = the simulator
+is optimistic (predicts less time than was measured).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+
+from dali_sim.sim.counters import COUNTERS
+from dali_sim.sim.engine import Interval
+from dali_sim.sim.simulate import SimResult
+
+#: the counters shown side by side (all of COUNTERS are checked for the "exact" flag)
+SHOWN_COUNTERS = ("hits", "on_demand", "prefetch_issued", "prefetch_used", "admitted", "evicted", "staged", "swaps",
+                  "cpu_experts", "gpu_experts", "transfers", "bytes_h2d")
+#: derived rates that follow from the counters (equal when the counters are)
+RATES = ("hit_rate", "gpu_fraction", "prefetch_precision", "prefetch_recall")
+#: activity kinds of timeline intervals (docs/simulator.md, Timelines)
+KINDS = ("dense", "block", "gpu_expert", "cpu_expert", "fetch", "prefetch", "swap")
+#: placement policies whose decisions are not reproducible run to run (a solver under a time limit)
+NONDETERMINISTIC_PLACEMENTS = ("optimal", "optimal-mem")
+
+
+def rel_err(sim: float, exe: float) -> float:
+    """``(sim - exe) / exe``; NaN when either is NaN or ``exe`` is 0."""
+    if exe is None or sim is None or not math.isfinite(exe) or not math.isfinite(sim) or exe == 0:
+        return float("nan")
+    return (sim - exe) / exe
+
+
+def activity_kind(iv: Interval) -> str:
+    """The kind of a timeline interval from its track and name (``dense L3``, ``dense block 0``,
+    ``L3 E17``, ``fetch L3 E17``, ``prefetch L4 E2``, ``swap L3 +E5 -E9``)."""
+    name = iv.name
+    if name.startswith("dense block"):
+        return "block"
+    if name.startswith("dense"):
+        return "dense"
+    head = name.split(" ", 1)[0]
+    if head in ("fetch", "prefetch", "swap"):
+        return head
+    return "gpu_expert" if iv.track == "gpu" else "cpu_expert"
+
+
+def busy_by_kind(intervals: Iterable[Interval]) -> dict[str, tuple[int, float]]:
+    """Per activity kind: (number of intervals, seconds summed)."""
+    out = {k: [0, 0.0] for k in KINDS}
+    for iv in intervals:
+        c = out[activity_kind(iv)]
+        c[0] += 1
+        c[1] += iv.end - iv.start
+    return {k: (int(n), float(s)) for k, (n, s) in out.items()}
+
+
+def idle_seconds(intervals: Iterable[Interval], makespan: float) -> float:
+    """Time within ``[0, makespan]`` when no track (GPU, CPU, PCIe) is busy: in a simulation only waits
+    the model has (none, in most layers); in an executed run also the host's own work between them."""
+    busy, end = 0.0, 0.0
+    for iv in sorted(intervals, key=lambda iv: iv.start):
+        a, b = max(iv.start, end), min(iv.end, makespan)
+        if b > a:
+            busy += b - a
+        end = max(end, min(iv.end, makespan))
+    return max(0.0, makespan - busy)
+
+
+def _quantile(x: np.ndarray, q: float) -> float:
+    x = x[np.isfinite(x)]
+    return float(np.quantile(x, q)) if x.size else float("nan")
+
+
+def step_table(executed: SimResult, simulated: SimResult) -> pd.DataFrame:
+    """Per step: phase, batch, tokens, executed and simulated seconds, relative error."""
+    e, s = executed.per_step, simulated.per_step
+    if len(e) != len(s) or not (e["tokens"].to_numpy() == s["tokens"].to_numpy()).all():
+        raise ValueError(f"the executed and simulated runs have different steps ({len(e)} vs {len(s)}): "
+                         "they must replay the same workload")
+    out = e[["phase", "batch", "tokens"]].copy()
+    out.index.name = "step"
+    out["exec_s"] = e["time_s"].to_numpy()
+    out["sim_s"] = s["time_s"].to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["rel_err"] = (out["sim_s"] - out["exec_s"]) / out["exec_s"]
+    return out
+
+
+def counters_equal(executed: SimResult, simulated: SimResult) -> tuple[bool, list[str]]:
+    """Are every counter's total and its per-layer values the same? (and the keys that differ)"""
+    differ = [k for k in COUNTERS if executed.summary[k] != simulated.summary[k]]
+    cols = list(COUNTERS)
+    if not differ:
+        a, b = executed.per_layer[cols].to_numpy(), simulated.per_layer[cols].to_numpy()
+        if a.shape != b.shape or not (a == b).all():
+            differ = [c for i, c in enumerate(cols) if a.shape != b.shape or not (a[:, i] == b[:, i]).all()]
+    return not differ, differ
+
+
+def expected_exact(system_config: dict[str, Any]) -> bool:
+    """Counters must match exactly unless the placement is a time-limited solver."""
+    return system_config.get("placement", {}).get("policy") not in NONDETERMINISTIC_PLACEMENTS
+
+
+def compare(executed: SimResult, simulated: SimResult) -> dict[str, Any]:
+    """Everything docs/validation.md reports for one system, as one flat-ish dict."""
+    se, ss = executed.summary, simulated.summary
+    steps = step_table(executed, simulated)
+    abs_err = steps["rel_err"].abs().to_numpy()
+    decode = (steps["phase"] == "decode").to_numpy()
+    exact, differ = counters_equal(executed, simulated)
+    per_layer = executed.per_layer
+    overhead_s = float(per_layer["decision_s"].sum() + per_layer["bookkeeping_s"].sum())
+    makespan_e, makespan_s = float(se["makespan_s"]), float(ss["makespan_s"])
+    row: dict[str, Any] = {
+        "system": se["system"],
+        "steps": int(se["steps"]),
+        "exec_s": makespan_e,
+        "sim_s": makespan_s,
+        "total_rel_err": rel_err(makespan_s, makespan_e),
+        "prefill_exec_s": float(se["prefill_s"]),
+        "prefill_sim_s": float(ss["prefill_s"]),
+        "prefill_rel_err": rel_err(ss["prefill_s"], se["prefill_s"]),
+        "decode_exec_s": float(se["decode_s"]),
+        "decode_sim_s": float(ss["decode_s"]),
+        "decode_rel_err": rel_err(ss["decode_s"], se["decode_s"]),
+        "step_abs_err_median": _quantile(abs_err, 0.5),
+        "step_abs_err_p90": _quantile(abs_err, 0.9),
+        "step_err_median": _quantile(steps["rel_err"].to_numpy(), 0.5),
+        "decode_step_abs_err_median": _quantile(abs_err[decode], 0.5),
+        "decode_tokens_per_s_exec": float(se["decode_tokens_per_s"]),
+        "decode_tokens_per_s_sim": float(ss["decode_tokens_per_s"]),
+        "prefill_tokens_per_s_exec": float(se["prefill_tokens_per_s"]),
+        "prefill_tokens_per_s_sim": float(ss["prefill_tokens_per_s"]),
+        # the executor's host work per layer visit (decisions + bookkeeping), added to the simulated time
+        "overhead_s": overhead_s,
+        "sim_plus_overhead_s": makespan_s + overhead_s,
+        "sim_plus_overhead_rel_err": rel_err(makespan_s + overhead_s, makespan_e),
+        "idle_exec_s": idle_seconds(executed.intervals, makespan_e),
+        "idle_sim_s": idle_seconds(simulated.intervals, makespan_s),
+        "exact": exact,
+        "expected_exact": expected_exact(executed.config["system"]),
+        "counters_differ": differ,
+    }
+    counters = {k: {"exec": se[k], "sim": ss[k]} for k in (*SHOWN_COUNTERS, *RATES)}
+    be, bs = busy_by_kind(executed.intervals), busy_by_kind(simulated.intervals)
+    busy = {k: {"exec_n": be[k][0], "sim_n": bs[k][0], "exec_s": be[k][1], "sim_s": bs[k][1],
+                "rel_err": rel_err(bs[k][1], be[k][1])} for k in KINDS if be[k][0] or bs[k][0]}
+    return {"row": row, "counters": counters, "busy": busy, "overhead": dict(se.get("overhead", {})),
+            "steps": steps}
+
+
+def rank_agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Do executor and simulator order the systems the same way by total time? Kendall's tau over all
+    pairs (ties count as neither concordant nor discordant) and the two orders."""
+    names = [r["system"] for r in rows]
+    e = np.array([r["exec_s"] for r in rows])
+    s = np.array([r["sim_s"] for r in rows])
+    conc = disc = 0
+    for i in range(len(rows)):
+        for j in range(i + 1, len(rows)):
+            d = np.sign(e[i] - e[j]) * np.sign(s[i] - s[j])
+            conc += d > 0
+            disc += d < 0
+    pairs = len(rows) * (len(rows) - 1) // 2
+    return {"exec_order": [names[i] for i in np.argsort(e, kind="stable")],
+            "sim_order": [names[i] for i in np.argsort(s, kind="stable")],
+            "kendall_tau": float((conc - disc) / pairs) if pairs else float("nan"),
+            "discordant_pairs": int(disc), "pairs": int(pairs)}
+
+
+__all__ = ["KINDS", "RATES", "SHOWN_COUNTERS", "activity_kind", "busy_by_kind", "compare", "counters_equal",
+           "expected_exact", "idle_seconds", "rank_agreement", "rel_err", "step_table"]

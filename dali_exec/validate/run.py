@@ -1,0 +1,300 @@
+"""``validate()``: run the executor and the simulator on identical inputs and compare them (docs/validation.md).
+
+Per system: the same reduced trace, the same resolved system (hence the same policies, parameters and
+scaled memory plan), the same batch size, chunking and seed, via :func:`prepare_replay`; the executor
+replays it on this machine (:class:`Replay`), the simulator times the same plans with a hardware
+profile measured on this machine for the replay model's shape (calibrated first unless given). The
+host weights are drawn once and shared by every system's replay; each system gets a short untimed
+warm-up replay first (the first batch's prefill and two decode steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate
+from dali_exec.executor.devices import Devices, cpu_name
+from dali_exec.executor.problem import DTYPE_PRECISION, ReplayOptions, ReplaySetup, prepare_replay, scale_model
+from dali_exec.executor.replay import ExecOptions, Replay
+from dali_exec.executor.store import HostExpertStore
+from dali_exec.validate.compare import compare, rank_agreement
+from dali_sim import __version__
+from dali_sim.hardware.measured import MeasuredProfile, ModelShape, write_measured_profile
+from dali_sim.hardware.profile import load_profile
+from dali_sim.models.spec import ModelSpec
+from dali_sim.registry import UnknownNameError
+from dali_sim.sim.simulate import DEFAULT_HARDWARE, simulate
+from dali_sim.sim.timeline import write_timeline
+from dali_sim.trace.reader import Trace, read_trace
+from dali_sim.trace.schema import TraceError
+from dali_sim.workload.builder import Workload
+
+#: calibration settings of a validation (fewer repeats than `dali exec calibrate`'s default: the points
+#: are those the workload needs, see :func:`calibration_points`)
+VALIDATION_MICRO = MicroSettings(repeats=3, warmup=1)
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """What to compare and how (CLI: ``dali exec validate``)."""
+
+    systems: tuple[str, ...]
+    replay: ReplayOptions = ReplayOptions()
+    run: ExecOptions = ExecOptions()
+    profile: str | None = None  # a profile measured on this machine for the replay shape; None = calibrate
+    batch_size: int = 1
+    prefill_chunk: int = 0
+    seed: int = 0
+    gpu_memory_gib: float | None = None  # the full-size model's budget; None = the default profile's GPU (24 GiB)
+    overrides: Mapping[str, Mapping[str, str]] | None = None
+    warmup: bool = True  # an untimed warm-up replay before each system's measured one
+    calibration: MicroSettings = VALIDATION_MICRO
+    time_budget_s: float | None = None  # start no further system once this is likely to be exceeded
+    timelines: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.systems:
+            raise ValueError("give at least one system")
+        if len(set(self.systems)) != len(self.systems):
+            raise ValueError(f"systems must be distinct, got {', '.join(self.systems)}")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
+
+
+@dataclass
+class ValidationReport:
+    """One comparison per system (:func:`dali_exec.validate.compare.compare`), plus the settings."""
+
+    settings: dict[str, Any]
+    systems: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    failed: list[dict[str, str]] = field(default_factory=list)  # system, error (the others still ran)
+    ranking: dict[str, Any] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return [s["row"] for s in self.systems]
+
+
+def _pow2_points(top: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first power of two >= ``top`` (at least two points)."""
+    pts, p = [1], 2
+    while pts[-1] < max(top, 2):
+        pts.append(p)
+        p *= 2
+    return tuple(pts)
+
+
+def calibration_points(w: Workload) -> dict[str, tuple[int, ...]]:
+    """The calibration axes a workload needs, so the simulator interpolates instead of extrapolating:
+    expert tokens 1, 2, 4, ... past the largest expert workload; dense tokens likewise past the largest
+    step; context lengths 1, half and all of the largest mean context of a step."""
+    ctx = max(1, int(math.ceil(float(w.step_context.max()))))
+    return {"expert_tokens": _pow2_points(int(w.actual.count.max())),
+            "dense_tokens": _pow2_points(int(w.step_tokens.max())),
+            "context_lens": tuple(sorted({1, max(1, ctx // 2), ctx}))}
+
+
+@dataclass(frozen=True)
+class _SpecCalibration(CalibrationConfig):
+    """A calibration of a given model spec (a trace's own model need not be a preset)."""
+
+    spec: ModelSpec | None = None
+
+    def model(self) -> ModelSpec:
+        return scale_model(self.spec, self.scale, None, DTYPE_PRECISION[self.dtype])
+
+
+def check_profile(profile: Any, model: ModelSpec, devices: Devices, threads: tuple[int, int | None],
+                  dtype: str, path: str) -> None:
+    """A validation's profile must be measured (not analytic), for the replay model's shape, on this
+    machine's devices, with the replay's thread counts and dtype; raise naming every mismatch."""
+    if not isinstance(profile, MeasuredProfile):
+        raise ValueError(f"--profile {path}: an analytic profile; a validation needs a profile measured on this "
+                         "machine (omit --profile to calibrate first, or use `dali exec calibrate`)")
+    want, have = ModelShape.of(model), profile.model
+    wrong = [f"model.{f} ({getattr(have, f)!r} there, {getattr(want, f)!r} here)"
+             for f in ModelShape.__dataclass_fields__ if f != "model" and getattr(want, f) != getattr(have, f)]
+    prov = profile.provenance
+    if wrong and "scale" in prov:
+        wrong.insert(0, f"calibrated for {prov.get('model_shape')} at scale {prov['scale']:g}, the replay is "
+                        f"{model.name}")
+    dev, thr = prov.get("devices", {}), prov.get("threads", {})
+    for key, value, mine in (("devices.gpu", dev.get("gpu"), devices.accel_name()),
+                             ("devices.cpu", dev.get("cpu"), cpu_name()),
+                             ("threads.cpu_lane", thr.get("cpu_lane"), threads[0]),
+                             ("threads.accelerator_lane", thr.get("accelerator_lane"), threads[1]),
+                             ("dtype", prov.get("dtype"), dtype)):
+        if value != mine:
+            wrong.append(f"{key} ({value!r} there, {mine!r} here)")
+    if wrong:
+        raise ValueError(f"--profile {path}: not measured for this replay on this machine: {'; '.join(wrong)}. "
+                         f"Calibrate with the replay's --scale, --dtype and thread counts (omit --profile to do so "
+                         "first)")
+
+
+def _budget_overrides(cfg: ValidationConfig) -> dict[str, dict[str, str]]:
+    over = {k: dict(v) for k, v in (cfg.overrides or {}).items()}
+    mem = over.setdefault("memory", {})
+    if "gpu_memory_gib" not in mem:
+        gib = cfg.gpu_memory_gib if cfg.gpu_memory_gib is not None else \
+            load_profile(DEFAULT_HARDWARE).gpu_memory_bytes / 2**30
+        mem["gpu_memory_gib"] = repr(float(gib))
+    return over
+
+
+def _warmup_options(setup: ReplaySetup, opts: ReplayOptions) -> ReplayOptions:
+    """The first batch's sequences cut to their shortest prompt + 2 tokens (its prefill and two decode steps)."""
+    seqs = setup.workload.sequences
+    first = seqs[seqs["batch"] == 0]
+    tokens = int(first["prompt_tokens_traced"].min()) + 2
+    if opts.max_tokens is not None:
+        tokens = min(tokens, opts.max_tokens)
+    return dataclasses.replace(opts, sequences=len(first), max_tokens=tokens)
+
+
+def _simulate(setup: ReplaySetup, profile: str, cfg: ValidationConfig, tmp: Path):
+    w = setup.workload.config
+    kw = {}
+    s = setup.sysconf
+    needs = any(getattr(c.build(), "needs_future", False) for c in (s.placement, s.cache, s.prefetch))
+    if needs:  # bounds read next-use times from a file beside the trace
+        from dali_sim.runtime.future import write_future
+
+        kw["future"] = write_future(setup.trace, w, out=tmp / f"{s.name}.future.parquet")
+    return simulate(setup.trace, setup.sysconf, hardware=profile, batch_size=w.batch_size,
+                    prefill_chunk=w.prefill_chunk, seed=cfg.seed, timeline=True, **kw)
+
+
+def _run_system(trace: Trace, system: str, opts: ReplayOptions, run: ExecOptions, kw: dict, devices: Devices,
+                store: HostExpertStore, profile_path: str, cfg: ValidationConfig, tmp: Path):
+    """Warm up, execute and simulate one system: (setup, executed result, simulated result)."""
+    setup = prepare_replay(trace, system, opts, hardware=profile_path, **kw)
+    if cfg.warmup:
+        wsetup = prepare_replay(trace, system, _warmup_options(setup, opts), hardware=profile_path, **kw)
+        warm = Replay(wsetup, devices, dataclasses.replace(run, progress=False), seed=cfg.seed, store=store)
+        try:
+            warm.run()
+        finally:
+            warm.close()
+        del warm
+    replay = Replay(setup, devices, run, seed=cfg.seed, store=store)
+    try:
+        executed = replay.run()
+    finally:
+        replay.close()
+    del replay  # its accelerator slots go before the next system's are allocated
+    return setup, executed, _simulate(setup, profile_path, cfg, tmp)
+
+
+def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, *,
+             command: str = "(python API)", log: Callable[[str], None] | None = None,
+             progress: bool = False) -> ValidationReport:
+    """Compare executor and simulator for every system of ``cfg``; write the report files into ``out``
+    (docs/validation.md) after each system, the plot at the end."""
+    from dali_exec.validate.report import write_plot, write_tables
+
+    say = log or (lambda _msg: None)
+    t_start = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not isinstance(trace, Trace):
+        trace = read_trace(trace)
+    opts, run = cfg.replay, dataclasses.replace(cfg.run, progress=progress)
+    over = _budget_overrides(cfg)
+    kw = dict(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, overrides=over)
+    # every system is prepared first, so a bad name, a missing lookahead column or an impossible budget
+    # fails before anything is measured (the profile does not change the plans' memory: the budget is set)
+    prepared = []
+    for system in cfg.systems:
+        try:
+            prepared.append(prepare_replay(trace, system, opts, hardware=DEFAULT_HARDWARE, **kw))
+        except (ValueError, KeyError, TraceError, UnknownNameError) as exc:
+            raise ValueError(f"system {system}: {exc}") from None
+    setup0 = prepared[0]
+    devices = Devices.create(run.device, opts.dtype)
+    threads = run.threads(devices)
+    model = setup0.model
+
+    if cfg.profile is None:
+        points = calibration_points(setup0.workload)
+        say(f"calibrating {model.name} on {devices.accel_name()} (expert tokens {list(points['expert_tokens'])}, "
+            f"dense tokens {list(points['dense_tokens'])}, contexts {list(points['context_lens'])})")
+        cal = _SpecCalibration(opts.model_shape or setup0.full_model.name, scale=opts.scale, dtype=opts.dtype,
+                               device=str(devices.accel), cpu_threads=threads[0], accel_threads=threads[1],
+                               settings=cfg.calibration, name=f"validation-{model.name}", spec=setup0.full_model,
+                               **points)
+        profile_path = str(write_measured_profile(out / "profile.json", calibrate(cal, command=command)))
+    else:
+        profile_path = str(cfg.profile)
+    check_profile(load_profile(profile_path), model, devices, threads, opts.dtype, profile_path)
+
+    say(f"drawing the host weights of {model.name} ({model.num_moe_layers} x {model.num_experts} experts, "
+        f"{model.expert_bytes * model.num_moe_layers * model.num_experts / 2**30:.2f} GiB)")
+    store = HostExpertStore.random(model, devices.dtype, cfg.seed, pin=devices.is_cuda, progress=progress)
+    report = ValidationReport(settings={
+        "command": command, "dali_version": __version__,
+        "trace": str(trace.path) if trace.path else None, "full_model": setup0.full_model.name,
+        "replay_model": model.name, "scale": opts.scale, "layers": model.num_moe_layers,
+        "sequences": opts.sequences, "max_tokens": opts.max_tokens, "dtype": opts.dtype,
+        "batch_size": cfg.batch_size, "prefill_chunk": cfg.prefill_chunk, "seed": cfg.seed,
+        "gpu_memory_gib": float(over["memory"]["gpu_memory_gib"]),
+        "replay_budget_gib": setup0.memory.budget_bytes / 2**30,
+        "steps": setup0.workload.num_steps, "tokens": int(setup0.workload.step_tokens.sum()),
+        "device": str(devices.accel), "device_name": devices.accel_name(), "host": cpu_name(),
+        "cpu_threads": threads[0], "accel_threads": threads[1], "profile": profile_path,
+        "calibrated_here": cfg.profile is None, "warmup": cfg.warmup, "systems": list(cfg.systems),
+    })
+    longest = 0.0
+    with tempfile.TemporaryDirectory(prefix="dali-validate-") as tmpdir:
+        for system in cfg.systems:
+            elapsed = time.perf_counter() - t_start
+            if cfg.time_budget_s is not None and report.systems and elapsed + longest > cfg.time_budget_s:
+                why = (f"time budget {cfg.time_budget_s:g} s: {elapsed:.0f} s used, the slowest system took "
+                       f"{longest:.0f} s")
+                report.skipped.append({"system": system, "reason": why})
+                say(f"{system}: skipped ({report.skipped[-1]['reason']})")
+                continue
+            t0 = time.perf_counter()
+            try:
+                setup, executed, simulated = _run_system(trace, system, opts, run, kw, devices, store, profile_path,
+                                                         cfg, Path(tmpdir))
+            except Exception as exc:  # one system's failure must not lose the others (KeyboardInterrupt passes)
+                report.failed.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
+                say(f"{system}: FAILED ({report.failed[-1]['error']})")
+                write_tables(report, out)
+                continue
+            executed.manifest["command"] = command
+            cmp = compare(executed, simulated)
+            cmp["config"] = {"system": executed.config["system"], "memory": executed.manifest["memory"]}
+            report.systems.append(cmp)
+            if cfg.timelines:
+                for which, res in (("exec", executed), ("sim", simulated)):
+                    path = write_timeline(out / f"{system}.{which}.timeline.json", res.intervals,
+                                          f"dali {which} {system} on {model.name}")
+                    report.files.append(path.name)
+            r = cmp["row"]
+            say(f"{system}: executed {r['exec_s']:.3f} s, simulated {r['sim_s']:.3f} s "
+                f"({100 * r['total_rel_err']:+.1f}%), per-step |error| median {100 * r['step_abs_err_median']:.1f}%, "
+                f"counters {'exact' if r['exact'] else 'DIFFER: ' + ', '.join(r['counters_differ'])}")
+            longest = max(longest, time.perf_counter() - t0)
+            report.ranking = rank_agreement(report.rows)
+            report.settings["elapsed_s"] = time.perf_counter() - t_start
+            write_tables(report, out)
+    if cfg.plot and report.systems:
+        write_plot(report, out / "validation.png")
+    report.settings["elapsed_s"] = time.perf_counter() - t_start
+    write_tables(report, out)
+    return report
+
+
+__all__ = ["VALIDATION_MICRO", "ValidationConfig", "ValidationReport", "calibration_points", "check_profile",
+           "validate"]

@@ -1,0 +1,359 @@
+"""Online workloads: the routing of each (step, MoE layer) as a real model computes it, layer by layer.
+
+A trace-driven :class:`~dali_sim.workload.builder.Workload` knows every step in advance; when a real
+model generates (``dali exec generate``), the routing of (step, layer) exists only once that layer's
+router has run. :class:`OnlineWorkload` has the read interface the :class:`~dali_sim.runtime.controller.Controller`
+uses (``activated``, ``step_phase``, ``step_tokens``, ``predicted_counts`` / ``predicted_ranks``,
+``frequencies``, ...) and is fed as the model runs::
+
+    w = OnlineWorkload(model_spec, predictors=("residual",))
+    controller = Controller(w, costs, placement, cache, prefetch, capacities, ...)
+    step = w.begin_step("prefill", tokens, batch=0, seq_ids=..., positions=...)
+    for layer in range(w.num_layers):
+        w.set_layer(layer, ids, predicted={"residual": ids_predicted_for_layer_plus_1})
+        plan = controller.plan(step, layer)      # the same controller and policies as the simulator
+
+so the same controller and policies run unchanged. What cannot be known online is refused: bounds
+(policies that read the future: ``optimal`` placement, ``belady`` cache, ``oracle`` prefetch) by
+:func:`check_online`; asking for a layer not yet routed is an error. Frequencies (for
+``cache_init = frequency`` and frequency-based placements) come from a prior trace
+(:func:`frequencies_from_trace`) or are uniform. No torch here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from dali_sim.models.spec import ModelSpec
+from dali_sim.trace.schema import DECODE, PREFILL
+from dali_sim.workload.builder import SparseCounts, WorkloadConfig, _sparse_counts, predicted_top_k
+
+#: lookahead predictors a running model can compute at MoE layer l from its gate input x_l
+ONLINE_PREDICTORS = {
+    "next-gate": "router of MoE layer l+1 on x_l (mixtral-offloading, AdapMoE)",
+    "residual": "router of MoE layer l+1 on x_l + r_l, r_l a calibrated residual vector (DALI); needs --residual",
+    "gate<d>": "router of MoE layer l+d on x_l, d >= 2 (HybriMoE's look-ahead of the next layers: gate2, gate3)",
+}
+_GATE_D = re.compile(r"^gate([2-9]|[1-9][0-9]+)$")
+_PHASES = {"prefill": PREFILL, "decode": DECODE, PREFILL: PREFILL, DECODE: DECODE}
+
+
+def predictor_offset(name: str) -> int:
+    """How many MoE layers ahead an online predictor looks (``next-gate``, ``residual``: 1; ``gate<d>``: d)."""
+    if name in ("next-gate", "residual"):
+        return 1
+    m = _GATE_D.match(name)
+    if m:
+        return int(m.group(1))
+    known = "; ".join(f"{k}: {v}" for k, v in ONLINE_PREDICTORS.items())
+    raise ValueError(f"lookahead {name!r} cannot be computed while the model runs; online predictors: {known}")
+
+
+def check_online(sysconf) -> None:
+    """Refuse a system with a policy that needs the future (a bound, or next-use times): a running model
+    knows the routing of a layer only once it has run. ``sysconf``: a resolved ``SystemConfig``."""
+    for family in ("placement", "cache", "prefetch"):
+        choice = getattr(sysconf, family)
+        policy = choice.build()
+        if policy.is_bound or policy.needs_future:
+            what = "next-use times" if policy.needs_future else "the true routing of later layers"
+            raise ValueError(
+                f"system {sysconf.name!r}: the {family} policy {policy.name!r} is a bound: it reads the future "
+                f"({what}), which a running model does not know; bounds can only be simulated on a recorded trace "
+                f"(`dali trace record`, then `dali sim run`). Choose another system or --set {family}.policy=...")
+
+
+def frequencies_from_trace(path: str | Path, model: ModelSpec) -> np.ndarray:
+    """(L, E) total workload of every expert in a prior trace of the same model (``--frequencies-from``)."""
+    from dali_sim.trace.reader import read_trace
+    from dali_sim.workload.builder import Workload
+
+    trace = read_trace(path)
+    have = (tuple(trace.layers), trace.num_experts)
+    want = (tuple(model.moe_layers), model.num_experts)
+    if have != want:
+        raise ValueError(f"--frequencies-from {path}: the trace has MoE layers {list(have[0])} with {have[1]} experts, "
+                         f"the model {list(want[0])} with {want[1]}: use a trace recorded from this model")
+    return Workload(trace, WorkloadConfig()).frequencies()
+
+
+class _Growing:
+    """A 1-D array that grows by appending; ``view`` is the filled part (no copy)."""
+
+    def __init__(self, dtype):
+        self.data = np.zeros(16, dtype)
+        self.n = 0
+
+    def append(self, value) -> None:
+        if self.n == len(self.data):
+            self.data = np.concatenate([self.data, np.zeros_like(self.data)])
+        self.data[self.n] = value
+        self.n += 1
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.data[: self.n]
+
+
+class OnlineWorkload:
+    """The workload of a model that is running: steps begin one after another, the routing of each MoE
+    layer is set when its router has run (module docstring). Read it like a
+    :class:`~dali_sim.workload.builder.Workload`; only the current step is readable, and only its layers
+    already set.
+
+    ``predictors``: the lookahead predictors the policies read (names of :data:`ONLINE_PREDICTORS`, or a
+    mapping name -> target offset). ``frequencies``: (L, E) prior workloads (default: uniform, all 1);
+    ``frequencies_source`` says where they came from (recorded in results).
+    """
+
+    def __init__(self, model: ModelSpec, predictors: Sequence[str] | Mapping[str, int] = (), *,
+                 frequencies: np.ndarray | None = None, frequencies_source: str = "uniform",
+                 config: WorkloadConfig = WorkloadConfig()):
+        self.model = model
+        self.config = config
+        self.num_layers = model.num_moe_layers
+        self.num_experts = model.num_experts
+        self.top_k = model.top_k
+        L, E = self.num_layers, self.num_experts
+        if isinstance(predictors, Mapping):
+            offsets = {str(k): int(v) for k, v in predictors.items()}
+        else:
+            offsets = {name: predictor_offset(name) for name in predictors}
+        for name, off in offsets.items():
+            if off < 1:
+                raise ValueError(f"lookahead {name!r}: target offset must be >= 1, got {off}")
+        self.predictor_offsets: dict[str, int] = offsets
+        #: the predictors, as the controller lists them (``tuple(workload.predicted)``)
+        self.predicted: dict[str, int] = dict(offsets)
+        if frequencies is None:
+            self._freq = np.ones((L, E), np.int64)
+            frequencies_source = "uniform"
+        else:
+            self._freq = np.asarray(frequencies, np.int64)
+            if self._freq.shape != (L, E):
+                raise ValueError(f"frequencies must be ({L}, {E}) (MoE layers x experts), got {self._freq.shape}")
+        self.frequencies_source = frequencies_source
+        self._phase, self._tokens, self._batch = _Growing(np.int8), _Growing(np.int64), _Growing(np.int64)
+        self._context, self._kv = _Growing(np.float64), _Growing(np.int64)
+        self._step = -1
+        self._next_layer = L  # no step open
+        self._act: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pred: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._observed = np.zeros((L, E), np.int64)
+        self._seqs: dict[int, list[int]] = {}  # seq_id -> [batch, prefill, decode, first/last prefill, first/last decode]
+
+    # ---- feeding --------------------------------------------------------------------------------
+    def begin_step(self, phase: int | str, tokens: int, *, batch: int = 0, seq_ids: np.ndarray | None = None,
+                   positions: np.ndarray | None = None) -> int:
+        """Open the next step (the previous one must have every MoE layer set); returns its index.
+        ``seq_ids`` and ``positions`` (one per token) feed the per-sequence table and the context sizes."""
+        if self._step >= 0 and self._next_layer != self.num_layers:
+            raise ValueError(f"online workload: step {self._step} ended after {self._next_layer} of "
+                             f"{self.num_layers} MoE layers (every MoE layer must be set once per step)")
+        if phase not in _PHASES:
+            raise ValueError(f"phase must be prefill or decode, got {phase!r}")
+        tokens = int(tokens)
+        if tokens < 1:
+            raise ValueError(f"a step needs at least one token, got {tokens}")
+        ph = _PHASES[phase]
+        self._step += 1
+        s = self._step
+        context, kv = 0.0, 0
+        if seq_ids is not None or positions is not None:
+            if seq_ids is None or positions is None:
+                raise ValueError("give both seq_ids and positions, or neither")
+            seq_ids = np.asarray(seq_ids, np.int64)
+            positions = np.asarray(positions, np.int64)
+            if seq_ids.shape != (tokens,) or positions.shape != (tokens,):
+                raise ValueError(f"seq_ids and positions must have one value per token ({tokens})")
+            context = float((positions + 1).mean())
+            for sid in np.unique(seq_ids).tolist():
+                mine = seq_ids == sid
+                kv += int(positions[mine].max()) + 1
+                rec = self._seqs.setdefault(sid, [batch, 0, 0, -1, -1, -1, -1])
+                n = int(mine.sum())
+                if ph == PREFILL:
+                    rec[1] += n
+                    rec[3] = s if rec[3] < 0 else rec[3]
+                    rec[4] = s
+                else:
+                    rec[2] += n
+                    rec[5] = s if rec[5] < 0 else rec[5]
+                    rec[6] = s
+        self._phase.append(ph)
+        self._tokens.append(tokens)
+        self._batch.append(batch)
+        self._context.append(context)
+        self._kv.append(kv)
+        self._next_layer = 0
+        self._act = []
+        self._pred = {}
+        return s
+
+    def set_layer(self, layer: int, ids: np.ndarray, predicted: Mapping[str, np.ndarray] | None = None) -> None:
+        """The routing of MoE layer ordinal ``layer`` (the next one) in the current step.
+
+        ``ids``: (tokens, top_k) expert ids per token in rank order. ``predicted``: per predictor, what it
+        predicts for MoE layer ``layer + offset``, made from this layer's gate input: either (tokens,
+        top_k) integer expert ids in rank order, or (tokens, num_experts) float logits (top-k as for a
+        trace's lookahead column). Every predictor whose target layer exists must be given."""
+        if self._step < 0 or self._next_layer >= self.num_layers:
+            raise ValueError("online workload: no step is open (call begin_step first)")
+        if layer != self._next_layer:
+            raise ValueError(f"online workload: step {self._step} expects MoE layer {self._next_layer}, got {layer}")
+        T, k, E = int(self._tokens.view[-1]), self.top_k, self.num_experts
+        ids = self._ids(ids, T, f"step {self._step} layer {layer}: routing")
+        self._act.append(self._segment(ids))
+        np.add.at(self._observed[layer], ids.reshape(-1), 1)
+        predicted = dict(predicted or {})
+        unknown = sorted(set(predicted) - set(self.predictor_offsets))
+        if unknown:
+            raise ValueError(f"online workload: predictors {unknown} were not declared; "
+                             f"declared: {sorted(self.predictor_offsets) or 'none'}")
+        for name, off in self.predictor_offsets.items():
+            target = layer + off
+            if target >= self.num_layers:
+                if name in predicted:
+                    raise ValueError(f"online workload: {name!r} at layer {layer} would predict MoE layer {target}, "
+                                     f"but the model has {self.num_layers}")
+                continue
+            if name not in predicted:
+                raise ValueError(f"online workload: step {self._step} layer {layer} lacks the {name!r} prediction "
+                                 f"of layer {target}")
+            arr = np.asarray(predicted[name])
+            if np.issubdtype(arr.dtype, np.floating):
+                if arr.shape != (T, E):
+                    raise ValueError(f"{name!r} logits must be ({T}, {E}), got {arr.shape}")
+                keep = ~np.isnan(arr).all(axis=1)
+                arr = predicted_top_k(arr[keep], k)
+            pred = self._ids(arr, None, f"step {self._step} layer {layer}: {name!r} prediction")
+            sc = self._segment(pred)
+            counts = np.zeros(E, np.float64)
+            counts[sc[0]] = sc[1]
+            ranks = np.full(E, k, np.int64)
+            ranks[sc[0]] = sc[2]
+            self._pred[(name, target)] = (counts, ranks)
+        self._next_layer += 1
+
+    def _ids(self, ids: np.ndarray, tokens: int | None, where: str) -> np.ndarray:
+        ids = np.asarray(ids)
+        k = self.top_k
+        if ids.ndim != 2 or ids.shape[1] != k or (tokens is not None and ids.shape[0] != tokens):
+            want = f"({tokens}, {k})" if tokens is not None else f"(tokens, {k})"
+            raise ValueError(f"{where}: expected {want} expert ids, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{where}: expert ids must be integers, got {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
+            raise ValueError(f"{where}: expert ids must lie in 0..{self.num_experts - 1}")
+        return ids.astype(np.int64)
+
+    def _segment(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(experts in touch order, workloads, best ranks): the trace workload's rule for one (step, layer)."""
+        n, k = ids.shape
+        zeros = np.zeros(n * k, np.int64)
+        sc: SparseCounts = _sparse_counts(zeros, zeros, ids.reshape(-1), np.tile(np.arange(k, dtype=np.int8), n),
+                                          1, 1, self.num_experts)
+        return sc.expert, sc.count, sc.rank
+
+    # ---- the Workload read interface ----------------------------------------------------------
+    def _check(self, step: int, layer: int, what: str) -> None:
+        if step != self._step or not 0 <= layer < self._next_layer:
+            raise ValueError(f"online workload: the {what} of step {step}, MoE layer {layer} is not known "
+                             f"(now: step {self._step}, {self._next_layer} of {self.num_layers} layers routed); "
+                             "a running model knows a layer's routing only once it has run")
+
+    def activated(self, step: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(expert ids in touch order, workloads, best ranks) of MoE layer ``layer`` at ``step``."""
+        self._check(step, layer, "routing")
+        return self._act[layer]
+
+    def _prediction(self, name: str, step: int, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        if name not in self.predictor_offsets:
+            raise KeyError(f"predictor {name!r} was not loaded into this workload")
+        source = layer - self.predictor_offsets[name]
+        if source < 0:
+            return None  # nothing predicts this layer (as a trace's workload: all zeros)
+        self._check(step, source, f"{name!r} prediction (made at layer {source})")
+        return self._pred[(name, layer)]
+
+    def predicted_counts(self, name: str, step: int, layer: int) -> np.ndarray:
+        """(E,) number of the step's tokens whose predicted top-k for MoE layer ``layer`` holds each expert."""
+        p = self._prediction(name, step, layer)
+        return np.zeros(self.num_experts, np.float64) if p is None else p[0].copy()
+
+    def predicted_ranks(self, name: str, step: int, layer: int) -> np.ndarray:
+        """(E,) best predicted rank of each expert for MoE layer ``layer``; ``top_k`` where not predicted."""
+        p = self._prediction(name, step, layer)
+        return np.full(self.num_experts, self.top_k, np.int64) if p is None else p[1].copy()
+
+    def frequencies(self) -> np.ndarray:
+        """(L, E) prior workloads for frequency-based choices: a prior trace's, or uniform."""
+        return self._freq.copy()
+
+    def observed_frequencies(self) -> np.ndarray:
+        """(L, E) workloads of the steps fed so far."""
+        return self._observed.copy()
+
+    @property
+    def routed_layers(self) -> int:
+        """MoE layers of the current step set so far (``num_layers`` once the step is complete)."""
+        return self._next_layer if self._step >= 0 else 0
+
+    @property
+    def num_steps(self) -> int:
+        return self._step + 1
+
+    @property
+    def step_phase(self) -> np.ndarray:
+        return self._phase.view
+
+    @property
+    def step_tokens(self) -> np.ndarray:
+        return self._tokens.view
+
+    @property
+    def step_batch(self) -> np.ndarray:
+        return self._batch.view
+
+    @property
+    def step_context(self) -> np.ndarray:
+        return self._context.view
+
+    @property
+    def step_kv(self) -> np.ndarray:
+        return self._kv.view
+
+    @property
+    def max_batch_context(self) -> int:
+        return int(self.step_kv.max()) if self.num_steps else 0
+
+    @property
+    def sequences(self) -> pd.DataFrame:
+        """One row per sequence seen, as :attr:`Workload.sequences`."""
+        cols = ["batch", "prompt_tokens_traced", "decode_tokens", "first_prefill_step", "last_prefill_step",
+                "first_decode_step", "last_decode_step"]
+        ids = sorted(self._seqs)
+        data = np.array([self._seqs[i] for i in ids], np.int64).reshape(len(ids), len(cols))
+        df = pd.DataFrame(data, columns=cols)
+        df.insert(0, "seq_id", np.array(ids, np.int64))
+        return df
+
+    def describe(self) -> dict:
+        phase = self.step_phase
+        seqs = self.sequences
+        return {
+            "steps": self.num_steps,
+            "prefill_steps": int((phase == PREFILL).sum()),
+            "decode_steps": int((phase == DECODE).sum()),
+            "batches": int(seqs["batch"].max()) + 1 if len(seqs) else 0,
+            "sequences": len(seqs),
+            "tokens": int(self.step_tokens.sum()),
+        }
+
+
+__all__ = ["ONLINE_PREDICTORS", "OnlineWorkload", "check_online", "frequencies_from_trace", "predictor_offset"]

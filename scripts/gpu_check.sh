@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# GPU check: on a machine with one NVIDIA GPU and its own python3 with torch, from a copy of the repository
+# (nothing installed, no internet): calibrate, replay offloading systems on a Mixtral-8x7B-shaped and a
+# DeepSeek-V2-Lite-shaped synthetic workload at a realistic GPU memory budget, validate each against the
+# simulator (`dali exec validate`), and print one summary table last. docs/validation.md explains it.
+#
+#   scripts/gpu_check.sh                          # the GPU run (about 5 minutes; budget 420 s)
+#   scripts/gpu_check.sh --device cpu --quick     # the same, tiny, on the CPU (20-30 s on 2 cores)
+#
+# Options:
+#   --device cuda|cpu   accelerator (default: cuda; it must be present)
+#   --quick             tiny workloads (for a CPU-only machine or a smoke test)
+#   --out DIR           results (at most 8 files): summary.md, summary.csv, per_step.csv, log.txt,
+#                       <workload>.png, and the executor's and simulator's timelines of dali on the first
+#                       workload (Perfetto JSON); default: $OUT if set, else ./gpu-check-out
+#   --work DIR          intermediate files: traces, profiles, timelines (default: a new folder in /tmp)
+#   --systems A,B,...   systems to run (default: cpu-only,gpu-lru,dali,llamacpp,ktransformers,hybrimoe,dali-plus)
+#   --workloads A,B     any of: mixtral, deepseek (default: both)
+#   --budget SECONDS    wall-clock budget of the whole check; systems that would not fit are skipped
+#                       (default: 420, quick: 300)
+#   --python PY         interpreter (default: $PYTHON, else python3, else python)
+#   --dry-run           check the environment and print the commands, run nothing, write nothing
+#   -h, --help          this text
+# Exit status: 0 when every workload ran at least one system and every counter matched where it must;
+# 1 otherwise; 2 for bad arguments or a missing dependency.
+
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DEVICE=cuda
+QUICK=0
+OUT_DIR=${OUT:-./gpu-check-out}
+WORK=""
+SYSTEMS=cpu-only,gpu-lru,dali,llamacpp,ktransformers,hybrimoe,dali-plus
+WORKLOADS=mixtral,deepseek
+BUDGET=""
+PY=${PYTHON:-}
+DRY=0
+
+usage() { sed -n '2,/^# Exit status/{s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; sed -n '/^# 1 otherwise/{s/^# //;p}' "${BASH_SOURCE[0]}"; }
+die() { echo "gpu_check: $*" >&2; exit 2; }
+need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || die "$1 needs a value (see --help)"; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --device) need_value "$@"; DEVICE=$2; shift 2 ;;
+    --quick) QUICK=1; shift ;;
+    --out) need_value "$@"; OUT_DIR=$2; shift 2 ;;
+    --work) need_value "$@"; WORK=$2; shift 2 ;;
+    --systems) need_value "$@"; SYSTEMS=$2; shift 2 ;;
+    --workloads) need_value "$@"; WORKLOADS=$2; shift 2 ;;
+    --budget) need_value "$@"; BUDGET=$2; shift 2 ;;
+    --python) need_value "$@"; PY=$2; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+[[ "$DEVICE" == cuda || "$DEVICE" == cpu ]] || die "--device must be cuda or cpu, got '$DEVICE'"
+[[ -z "$BUDGET" || "$BUDGET" =~ ^[0-9]+$ ]] || die "--budget must be a whole number of seconds, got '$BUDGET'"
+[[ -n "$BUDGET" ]] || BUDGET=$(( QUICK ? 300 : 420 ))
+[[ "$SYSTEMS" =~ ^[a-z0-9,-]+$ ]] || die "--systems must be comma-separated preset names, got '$SYSTEMS'"
+IFS=, read -r -a WL <<< "$WORKLOADS"
+for w in "${WL[@]}"; do [[ "$w" == mixtral || "$w" == deepseek ]] || die "unknown workload '$w' (mixtral, deepseek)"; done
+[[ ${#WL[@]} -gt 0 ]] || die "--workloads is empty"
+
+# ---- the workloads: synthetic trace arguments | replay and budget arguments of `dali exec validate` ----
+LOOKAHEAD=(--lookahead residual=0.9 --lookahead next-gate=0.7 --lookahead gate2=0.6@2 --lookahead gate3=0.5@3)
+if (( QUICK )); then
+  SYNTH_mixtral=(--model mixtral-8x7b -n 2 --prompt-len 8 --gen-len 4 --seed 1)
+  REPLAY_mixtral=(--scale 0.0625 --layers 4 --batch-size 2 --gpu-memory 24 --repeats 1)
+  SYNTH_deepseek=(--model deepseek-v2-lite -n 2 --prompt-len 8 --gen-len 4 --seed 2)
+  REPLAY_deepseek=(--scale 0.0625 --layers 3 --batch-size 2 --gpu-memory 12 --repeats 1)
+else
+  # Mixtral-8x7B at half width (experts of 88 MB), 8 MoE layers, on a 24 GiB consumer-GPU budget;
+  # DeepSeek-V2-Lite at full width (experts of 17 MB), 6 MoE layers, on a 12 GiB budget
+  SYNTH_mixtral=(--model mixtral-8x7b -n 8 --prompt-len 64 --gen-len 32 --seed 1)
+  REPLAY_mixtral=(--scale 0.5 --layers 8 --batch-size 4 --gpu-memory 24 --repeats 3)
+  SYNTH_deepseek=(--model deepseek-v2-lite -n 8 --prompt-len 64 --gen-len 32 --seed 2)
+  REPLAY_deepseek=(--scale 1 --layers 6 --batch-size 4 --gpu-memory 12 --repeats 3)
+fi
+
+# ---- the interpreter and what it lacks ----
+if [[ -z "$PY" ]]; then
+  if command -v python3 >/dev/null 2>&1; then PY=python3; elif command -v python >/dev/null 2>&1; then PY=python; fi
+fi
+[[ -n "$PY" ]] && command -v "$PY" >/dev/null 2>&1 || die "no python3 found (give --python PY)"
+"$PY" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null || die "$PY is older than Python 3.10"
+# which modules the interpreter lacks (found without importing them: one quick call)
+missing_of() {
+  "$PY" - "$@" <<'EOF'
+import importlib.util, sys
+def found(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except Exception:
+        return False
+print(" ".join(m for m in sys.argv[1:] if not found(m)))
+EOF
+}
+LACKS=$(missing_of torch numpy pandas pyarrow scipy matplotlib)
+[[ -z "$LACKS" ]] || die "$PY cannot import: $LACKS (needed; not carried as wheels)"
+read -r -a MISSING <<< "$(missing_of simpy click tqdm)"
+SITE=${DALI_SITE:-/tmp/dali-site}
+EXTRA=""
+if (( ${#MISSING[@]} )); then
+  WHEELS=()
+  for mod in "${MISSING[@]}"; do
+    f=("$REPO"/scripts/wheels/"$mod"-*-py3-none-any.whl)
+    [[ -f "${f[0]}" ]] || die "$PY cannot import $mod and scripts/wheels has no wheel for it"
+    WHEELS+=("${f[0]}")
+  done
+  if (( DRY )); then
+    echo "+ $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target $SITE ${WHEELS[*]}" >&2
+    EXTRA=$SITE
+  elif "$PY" -m pip --version >/dev/null 2>&1 && PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 \
+       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${WHEELS[@]}"; then
+    EXTRA=$SITE
+  else  # pure-Python wheels are zip files Python imports from directly
+    EXTRA=$(IFS=:; echo "${WHEELS[*]}")
+  fi
+fi
+export PYTHONPATH="$REPO${EXTRA:+:$EXTRA}${PYTHONPATH:+:$PYTHONPATH}"
+export MPLBACKEND=Agg PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+if (( ! DRY )); then
+  "$PY" -c 'import dali_sim.cli.main, simpy, click, tqdm' || die "the project does not import with PYTHONPATH=$PYTHONPATH"
+  if [[ "$DEVICE" == cuda ]]; then
+    "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || \
+      die "CUDA is not available to $PY: run with --device cpu (and --quick for a short run)"
+  fi
+fi
+
+DALI=("$PY" -m dali_sim)
+if (( DRY )); then
+  run() { { printf '+'; printf ' %q' "$@"; printf '\n'; } >&2; }  # stderr: outside the commands' redirections
+  WORK=${WORK:-/tmp/dali-gpu-check.DRYRUN}
+else
+  run() { "$@"; }
+  WORK=${WORK:-$(mktemp -d /tmp/dali-gpu-check.XXXXXX)}
+  mkdir -p "$WORK" "$OUT_DIR" || die "cannot create $WORK or $OUT_DIR"
+fi
+
+main() {
+START=$SECONDS
+echo "== dali GPU check ($( ((QUICK)) && echo quick || echo full ), device $DEVICE, budget ${BUDGET} s)"
+echo "repository $REPO; work $WORK; out $OUT_DIR; python $(command -v "$PY")"
+if (( ! DRY )); then
+  "$PY" - <<'EOF'
+import os, platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} cores, "
+      f"cuda {torch.version.cuda if torch.cuda.is_available() else 'not available'}"
+      + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+EOF
+  (( ${#MISSING[@]} )) && echo "carried wheels for: ${MISSING[*]} (PYTHONPATH has $EXTRA)"
+fi
+
+STATUS="$WORK/status.txt"
+(( DRY )) || : > "$STATUS"
+n=${#WL[@]}
+i=0
+for w in "${WL[@]}"; do
+  left=$(( BUDGET - (SECONDS - START) ))
+  share=$(( left / (n - i) - 15 ))   # the summary and the next workload's trace need a little
+  i=$(( i + 1 ))
+  synth="SYNTH_${w}[@]"; replay="REPLAY_${w}[@]"
+  echo
+  echo "== $w: ${share} s"
+  if (( share < 20 )); then
+    echo "$w: skipped, the budget is spent"; (( DRY )) || echo "$w 124 0 budget" >> "$STATUS"; continue
+  fi
+  t0=$SECONDS
+  run "${DALI[@]}" trace synth "${!synth}" "${LOOKAHEAD[@]}" -q -o "$WORK/$w.parquet"
+  rc=$?
+  if (( rc == 0 )); then
+    # validate stops starting systems at its budget; timeout is the backstop (the tables it wrote stay)
+    # (its budget leaves 5 s for starting Python and importing torch)
+    run timeout --signal=INT --kill-after=10 "$(( share + 30 ))" "${DALI[@]}" exec validate \
+      --trace "$WORK/$w.parquet" --systems "$SYSTEMS" --device "$DEVICE" "${!replay}" \
+      --time-budget "$(( share - (SECONDS - t0) - 5 ))" -o "$WORK/$w" > /dev/null
+    rc=$?
+  fi
+  (( DRY )) || echo "$w $rc $(( SECONDS - t0 ))" >> "$STATUS"
+  echo "$w: exit $rc after $(( SECONDS - t0 )) s"
+done
+
+echo
+run "$PY" "$REPO/scripts/gpu_check_summary.py" --work "$WORK" --out "$OUT_DIR" --workloads "$WORKLOADS" \
+  --elapsed "$(( SECONDS - START ))"
+}
+
+if (( DRY )); then
+  main
+else
+  main 2>&1 | tee "$OUT_DIR/log.txt"
+  exit "${PIPESTATUS[0]}"
+fi

@@ -1,0 +1,262 @@
+"""``dali exec validate``: executor and simulator on identical inputs. The counters agree exactly for
+every deterministic system, the report files are complete, a profile of another shape, dtype, device
+or thread count is refused, and the comparison arithmetic (errors, idle time, rank agreement) is right
+on hand-made results."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+
+from dali_exec.calibrate import MicroSettings  # noqa: E402
+from dali_exec.executor import ExecOptions, ReplayOptions, prepare_replay  # noqa: E402
+from dali_exec.validate import ValidationConfig, calibration_points, validate  # noqa: E402
+from dali_exec.validate.compare import (  # noqa: E402
+    activity_kind,
+    busy_by_kind,
+    compare,
+    idle_seconds,
+    rank_agreement,
+    rel_err,
+)
+from dali_sim.cli.main import cli  # noqa: E402
+from dali_sim.sim.counters import COUNTERS  # noqa: E402
+from dali_sim.sim.engine import Interval  # noqa: E402
+from dali_sim.sim.simulate import SimResult  # noqa: E402
+from dali_sim.trace import read_trace  # noqa: E402
+from dali_sim.trace.synth import SynthConfig, synthesize  # noqa: E402
+
+TINY = ReplayOptions(layers=2, scale=1 / 64, dtype="fp32")  # Mixtral shape: hidden 64, 8 experts, top-2
+CPU_RUN = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1)
+SYSTEMS = ("cpu-only", "gpu-lru", "dali")
+QUICK_CAL = MicroSettings(repeats=1, warmup=0)
+
+
+@pytest.fixture(scope="module")
+def mix_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("val") / "mix.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=2, prompt_len=6, gen_len=5, seed=5,
+                           lookahead=("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def validated(mix_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    lines = []
+    cfg = ValidationConfig(systems=SYSTEMS, replay=TINY, run=CPU_RUN, batch_size=2, calibration=QUICK_CAL)
+    report = validate(mix_path, cfg, out, log=lines.append)
+    return report, out, lines
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+
+def test_counters_match_exactly_and_times_are_compared(validated):
+    report, out, lines = validated
+    assert [r["system"] for r in report.rows] == list(SYSTEMS)
+    for s in report.systems:
+        r = s["row"]
+        assert r["exact"] and r["expected_exact"] and r["counters_differ"] == [], r["system"]
+        for k, v in s["counters"].items():
+            assert v["exec"] == v["sim"] or (isinstance(v["exec"], float) and math.isnan(v["exec"])
+                                              and math.isnan(v["sim"])), (r["system"], k)
+        assert r["exec_s"] > 0 and r["sim_s"] > 0
+        assert math.isclose(r["total_rel_err"], (r["sim_s"] - r["exec_s"]) / r["exec_s"])
+        steps = s["steps"]
+        assert len(steps) == r["steps"] and (steps["exec_s"] > 0).all() and (steps["sim_s"] > 0).all()
+        assert math.isclose(r["step_abs_err_median"], float(np.median(steps["rel_err"].abs())))
+        assert r["overhead_s"] > 0 and math.isclose(r["sim_plus_overhead_s"], r["sim_s"] + r["overhead_s"])
+        assert s["overhead"]["layer_visits"] == r["steps"] * 2
+        assert 0 <= r["idle_exec_s"] < r["exec_s"] and r["idle_sim_s"] >= 0
+    gpu_lru = report.systems[1]
+    assert gpu_lru["counters"]["on_demand"]["exec"] > 0 and "fetch" in gpu_lru["busy"]
+    assert report.systems[0]["counters"]["cpu_experts"]["exec"] > 0 and "cpu_expert" in report.systems[0]["busy"]
+    assert report.ranking["pairs"] == 3 and -1 <= report.ranking["kendall_tau"] <= 1
+    assert any(line.startswith("calibrating") for line in lines) and any("counters exact" in x for x in lines)
+
+
+def test_report_files_are_complete(validated):
+    report, out, _ = validated
+    names = {p.name for p in out.iterdir()}
+    for system in SYSTEMS:
+        for which in ("exec", "sim"):
+            events = json.loads((out / f"{system}.{which}.timeline.json").read_text())["traceEvents"]
+            assert any(e.get("name", "").startswith("dense L1") for e in events)
+    assert {"validation.csv", "validation.md", "validation.json", "per_step.csv", "validation.png",
+            "profile.json"} <= names
+    assert not any(n.endswith(".partial") for n in names)
+    csv = pd.read_csv(out / "validation.csv")
+    assert list(csv["system"]) == list(SYSTEMS) and csv["exact"].all()
+    assert {"hits_exec", "hits_sim", "exec_speedup", "sim_speedup", "overhead_us_per_layer"} <= set(csv.columns)
+    assert csv["exec_speedup"].iloc[0] == 1.0
+    steps = pd.read_csv(out / "per_step.csv")
+    assert set(steps["system"]) == set(SYSTEMS) and {"exec_s", "sim_s", "rel_err", "phase"} <= set(steps.columns)
+    md = (out / "validation.md").read_text()
+    assert "| gpu-lru |" in md and "## Counters" in md and "## Busy time by activity" in md
+    data = json.loads((out / "validation.json").read_text())
+    assert data["settings"]["calibrated_here"] and data["settings"]["replay_model"] == "mixtral-8x7b-x0.015625-2L"
+    assert (out / "validation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_calibrated_profile_covers_the_workload(validated, mix_path):
+    from dali_sim.hardware.measured import read_measured_profile
+
+    report, out, _ = validated
+    p = read_measured_profile(out / "profile.json")
+    setup = prepare_replay(read_trace(mix_path), "gpu-lru", TINY, batch_size=2)
+    pts = calibration_points(setup.workload)
+    assert p.gpu_expert.x[-1] >= setup.workload.actual.count.max()
+    assert p.gpu_dense.tokens[-1] >= setup.workload.step_tokens.max()
+    assert list(p.gpu_expert.x) == list(pts["expert_tokens"]) and pts["expert_tokens"][:3] == (1, 2, 4)
+    assert p.provenance["threads"] == {"cpu_lane": 1, "accelerator_lane": 1} and p.provenance["dtype"] == "fp32"
+
+
+def test_a_bound_reading_next_use_times_validates_too(mix_path, validated, tmp_path):
+    _, first, _ = validated
+    cfg = ValidationConfig(systems=("gpu-lru",), replay=TINY, run=CPU_RUN, batch_size=2, warmup=False,
+                           profile=str(first / "profile.json"), overrides={"cache": {"policy": "belady"}},
+                           timelines=False, plot=False)
+    report = validate(mix_path, cfg, tmp_path)
+    assert report.systems[0]["row"]["exact"] and report.systems[0]["config"]["system"]["cache"]["policy"] == "belady"
+    assert not (tmp_path / "profile.json").exists() and not (tmp_path / "validation.png").exists()
+
+
+def test_time_budget_skips_the_systems_that_would_not_fit(mix_path, validated, tmp_path):
+    _, first, _ = validated
+    cfg = ValidationConfig(systems=("cpu-only", "gpu-lru"), replay=TINY, run=CPU_RUN, batch_size=2,
+                           profile=str(first / "profile.json"), time_budget_s=0.0, timelines=False, plot=False)
+    report = validate(mix_path, cfg, tmp_path)
+    assert [r["system"] for r in report.rows] == ["cpu-only"]
+    assert report.skipped[0]["system"] == "gpu-lru" and "time budget" in report.skipped[0]["reason"]
+    assert "## Skipped" in (tmp_path / "validation.md").read_text()
+
+
+def test_a_failing_system_is_reported_and_the_others_still_run(mix_path, validated, tmp_path, monkeypatch):
+    import dali_exec.validate.run as vr
+
+    real = vr._run_system
+
+    def flaky(trace, system, *args, **kw):
+        if system == "gpu-lru":
+            raise RuntimeError("boom")
+        return real(trace, system, *args, **kw)
+
+    monkeypatch.setattr(vr, "_run_system", flaky)
+    _, first, _ = validated
+    cfg = ValidationConfig(systems=("gpu-lru", "cpu-only"), replay=TINY, run=CPU_RUN, batch_size=2,
+                           profile=str(first / "profile.json"), warmup=False, timelines=False, plot=False)
+    report = validate(mix_path, cfg, tmp_path)
+    assert [r["system"] for r in report.rows] == ["cpu-only"]
+    assert report.failed == [{"system": "gpu-lru", "error": "RuntimeError: boom"}]
+    assert "- gpu-lru: RuntimeError: boom" in (tmp_path / "validation.md").read_text()
+
+
+# ---- the profile must be this machine's, for this replay ---------------------------------------------
+
+@pytest.mark.parametrize("change, message", [
+    (dict(replay=ReplayOptions(layers=2, scale=1 / 32, dtype="fp32")), "model.hidden_size (64 there, 128 here)"),
+    (dict(replay=ReplayOptions(layers=2, scale=1 / 64, dtype="bf16")), "dtype ('fp32' there, 'bf16' here)"),
+    (dict(run=ExecOptions(device="cpu", cpu_threads=2, accel_threads=1)), "threads.cpu_lane (1 there, 2 here)"),
+])
+def test_a_profile_of_another_replay_is_refused(mix_path, validated, tmp_path, change, message):
+    _, first, _ = validated
+    kw = dict(systems=("cpu-only",), replay=TINY, run=CPU_RUN, batch_size=2, profile=str(first / "profile.json"))
+    with pytest.raises(ValueError, match="not measured for this replay on this machine") as err:
+        validate(mix_path, ValidationConfig(**{**kw, **change}), tmp_path)
+    assert message in str(err.value)
+
+
+def test_an_analytic_profile_and_bad_systems_are_refused(mix_path, tmp_path):
+    cfg = ValidationConfig(systems=("cpu-only",), replay=TINY, run=CPU_RUN, profile="rtx3090-epyc7532")
+    with pytest.raises(ValueError, match="an analytic profile"):
+        validate(mix_path, cfg, tmp_path)
+    with pytest.raises(ValueError, match="system nope: .*unknown system 'nope'"):
+        validate(mix_path, ValidationConfig(systems=("cpu-only", "nope"), replay=TINY, run=CPU_RUN), tmp_path)
+    with pytest.raises(ValueError, match="distinct"):
+        ValidationConfig(systems=("dali", "dali"))
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def test_cli_prints_the_table_and_writes_the_report(mix_path, validated, tmp_path):
+    _, first, _ = validated
+    args = ["exec", "validate", "--trace", str(mix_path), "--systems", "gpu-lru,dali", "--layers", "2",
+            "--scale", "0.015625", "--dtype", "fp32", "--device", "cpu", "--cpu-threads", "1", "--accel-threads", "1",
+            "--batch-size", "2", "--profile", str(first / "profile.json"), "--no-plot", "-o", str(tmp_path / "o")]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "# Executor vs simulator" in r.output and "| dali |" in r.output
+    assert "dali exec validate --trace" in r.output  # the command is recorded
+    assert (tmp_path / "o" / "gpu-lru.sim.timeline.json").exists()
+    r = CliRunner().invoke(cli, args[:-1] + [str(tmp_path / "j"), "--json", "--no-timelines"], catch_exceptions=False)
+    data = json.loads(r.output[r.output.index("{"):])
+    assert [s["row"]["system"] for s in data["systems"]] == ["gpu-lru", "dali"]
+    assert not (tmp_path / "j" / "dali.exec.timeline.json").exists()
+    r = CliRunner().invoke(cli, ["exec", "validate", "--trace", str(mix_path), "--systems", "gpu-lru,nope",
+                                 "-o", str(tmp_path / "x")])
+    assert r.exit_code == 1 and r.output.startswith("Error: system nope")
+
+
+# ---- the comparison arithmetic on hand-made results ----------------------------------------------------
+
+def _result(times, counters=None, intervals=(), system="gpu-lru"):
+    n = len(times)
+    per_step = pd.DataFrame({"phase": ["prefill"] + ["decode"] * (n - 1), "batch": 0, "tokens": [4] + [2] * (n - 1),
+                             "start_s": np.cumsum([0, *times[:-1]]), "time_s": times})
+    c = {k: 0 for k in COUNTERS} | (counters or {})
+    per_layer = pd.DataFrame({k: [v] for k, v in c.items()})
+    per_layer["decision_s"] = 0.1
+    per_layer["bookkeeping_s"] = 0.2
+    total = float(sum(times))
+    summary = {"system": system, "steps": n, **c, "transfers": c["on_demand"], "bytes_h2d": 10 * c["on_demand"],
+               "hit_rate": 0.5, "gpu_fraction": 1.0, "prefetch_precision": math.nan, "prefetch_recall": 0.0,
+               "makespan_s": total, "prefill_s": times[0], "decode_s": total - times[0],
+               "decode_tokens_per_s": 2 * (n - 1) / (total - times[0]), "prefill_tokens_per_s": 4 / times[0],
+               "overhead": {"overhead_us_per_layer": 1.0}}
+    return SimResult(summary, per_layer, pd.DataFrame(), per_step, {"system": {"placement": {"policy": "gpu-only"}}},
+                     {}, list(intervals))
+
+
+def test_compare_on_hand_made_results():
+    ivs = [Interval("gpu", "dense L0", 0.0, 1.0), Interval("pcie", "fetch L0 E3", 0.5, 2.0),
+           Interval("gpu", "L0 E3", 2.0, 2.5), Interval("cpu", "L0 E1", 2.1, 2.2),
+           Interval("pcie", "swap L0 +E5 -E9", 3.0, 3.5), Interval("cpu", "dense block 0", 3.6, 3.8)]
+    executed = _result([2.0, 1.0, 1.0], {"on_demand": 3, "hits": 1}, ivs)
+    simulated = _result([1.0, 1.0, 0.5], {"on_demand": 3, "hits": 1})
+    c = compare(executed, simulated)
+    r = c["row"]
+    assert r["exec_s"] == 4.0 and r["sim_s"] == 2.5 and r["total_rel_err"] == -0.375
+    assert list(c["steps"]["rel_err"]) == [-0.5, 0.0, -0.5]
+    assert r["step_abs_err_median"] == 0.5 and r["decode_step_abs_err_median"] == 0.25
+    assert r["overhead_s"] == pytest.approx(0.3) and r["exact"]
+    assert r["idle_exec_s"] == pytest.approx(4.0 - 2.5 - 0.5 - 0.2)  # busy [0, 2.5], [3, 3.5], [3.6, 3.8]
+    assert c["counters"]["on_demand"] == {"exec": 3, "sim": 3}
+    assert c["busy"]["fetch"]["exec_n"] == 1 and c["busy"]["fetch"]["exec_s"] == 1.5 and "prefetch" not in c["busy"]
+    different = compare(executed, _result([1.0, 1.0, 0.5], {"on_demand": 2, "hits": 1}))["row"]
+    assert not different["exact"] and different["counters_differ"] == ["on_demand"]
+    with pytest.raises(ValueError, match="different steps"):
+        compare(executed, _result([1.0, 1.0]))
+
+
+def test_activity_kinds_idle_time_and_rank_agreement():
+    kinds = [activity_kind(Interval(t, n, 0, 1)) for t, n in (
+        ("gpu", "dense L3"), ("cpu", "dense block 0"), ("gpu", "L3 E17"), ("cpu", "L3 E17"),
+        ("pcie", "fetch L3 E17"), ("pcie", "prefetch L4 E2"), ("pcie", "swap L3 +E5 -E9"), ("cpu", "dense L2"))]
+    assert kinds == ["dense", "block", "gpu_expert", "cpu_expert", "fetch", "prefetch", "swap", "dense"]
+    assert busy_by_kind([Interval("gpu", "L0 E1", 0, 2), Interval("gpu", "L0 E2", 1, 2)])["gpu_expert"] == (2, 3.0)
+    spans = [Interval("gpu", "a", 1, 2), Interval("cpu", "b", 1.5, 3), Interval("pcie", "c", 4, 9)]
+    assert idle_seconds(spans, 5) == 2.0  # busy [1, 3] and [4, 5] within the makespan
+    assert idle_seconds([], 2.0) == 2.0
+    rows = [{"system": "a", "exec_s": 1.0, "sim_s": 2.0}, {"system": "b", "exec_s": 2.0, "sim_s": 1.0},
+            {"system": "c", "exec_s": 3.0, "sim_s": 3.0}]
+    rk = rank_agreement(rows)
+    assert rk["exec_order"] == ["a", "b", "c"] and rk["sim_order"] == ["b", "a", "c"]
+    assert rk["discordant_pairs"] == 1 and rk["kendall_tau"] == pytest.approx(1 / 3)
+    assert math.isnan(rel_err(1.0, 0.0)) and rel_err(3.0, 2.0) == 0.5 and math.isnan(rel_err(float("nan"), 1.0))
