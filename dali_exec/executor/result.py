@@ -11,11 +11,10 @@ import pandas as pd
 from dali_exec.executor.problem import ReplaySetup
 from dali_sim import __version__
 from dali_sim.runtime.controller import Controller
-from dali_sim.sim.counters import PlanCounters, derived, ratio
+from dali_sim.sim.counters import PlanCounters, ratio
 from dali_sim.sim.engine import EngineOutput
-from dali_sim.sim.simulate import SimResult, per_sequence, timed_summary
+from dali_sim.sim.simulate import SimResult, result_tables
 from dali_sim.trace.provenance import file_sha256
-from dali_sim.trace.schema import PREFILL
 
 
 def overhead_summary(per_layer: pd.DataFrame, visits: int) -> dict[str, float]:
@@ -41,21 +40,11 @@ def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCo
     """The :func:`dali_sim.sim.simulate` result layout for an executed run. ``decision_s`` and
     ``bookkeeping_s``: (2, L) wall-clock and thread-CPU seconds per MoE layer."""
     w, model, sysconf, profile = setup.workload, setup.model, setup.sysconf, setup.profile
-    totals = counters.totals()
-    per_layer = counters.frame(model.moe_layers)
-    per_layer["hit_rate"] = per_layer["hits"] / per_layer["activated"].replace(0, np.nan)
-    per_layer["time_s"] = out.layer_time
-    per_layer["gpu_wait_s"] = out.layer_wait
+    summary, per_layer, per_seq, per_step = result_tables(
+        w, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=batch_size,
+        bounds=controller.bounds)
     per_layer["decision_s"], per_layer["decision_cpu_s"] = decision_s
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = bookkeeping_s
-    summary: dict[str, Any] = {"system": sysconf.name, "hardware": profile.name, "model": model.name,
-                               "batch_size": batch_size, "bounds": controller.bounds, **w.describe(), **totals,
-                               **derived(totals, model.expert_bytes)}
-    per_seq = per_sequence(w, out)
-    per_step = pd.DataFrame({"phase": np.where(w.step_phase == PREFILL, "prefill", "decode"),
-                             "batch": w.step_batch, "tokens": w.step_tokens})
-    per_step["start_s"], per_step["time_s"] = out.step_start, out.step_end - out.step_start
-    summary |= timed_summary(w, out, per_seq)
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
     summary["executor"] = {"device": executor["devices"]["accelerator"],
                            "device_name": executor["devices"]["accelerator_name"]}

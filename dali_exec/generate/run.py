@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import pandas as pd
 import torch
 
 from dali_exec.executor.devices import Devices, lane_threads
@@ -41,11 +40,9 @@ from dali_sim.models.hf_config import spec_from_hf_config
 from dali_sim.policies.systems import resolve_system
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.memory import plan_memory
-from dali_sim.sim.counters import derived
 from dali_sim.sim.engine import TRACKS, EngineOutput
-from dali_sim.sim.simulate import DEFAULT_HARDWARE, SimResult, per_sequence, timed_summary
+from dali_sim.sim.simulate import DEFAULT_HARDWARE, SimResult, result_tables
 from dali_sim.trace.provenance import file_sha256
-from dali_sim.trace.schema import PREFILL
 from dali_sim.workload.builder import WorkloadConfig
 from dali_sim.workload.online import ONLINE_PREDICTORS, OnlineWorkload, check_online, frequencies_from_trace, \
     predictor_offset
@@ -315,23 +312,13 @@ def _result(session: OffloadSession, spec, sysconf, profile, mem, hardware, opti
         busy[iv.track] += iv.end - iv.start
     out = EngineOutput(np.array(session.step_start), np.array(session.step_end), t.time, rt.layer_wait.copy(), busy,
                        len(intervals), intervals)
-    totals = session.counters.totals()
-    per_layer = session.counters.frame(spec.moe_layers)
-    per_layer["hit_rate"] = per_layer["hits"] / per_layer["activated"].replace(0, np.nan)
-    per_layer["time_s"] = out.layer_time
-    per_layer["gpu_wait_s"] = out.layer_wait
+    summary, per_layer, per_seq, per_step = result_tables(
+        w, session.counters, out, spec, system=sysconf.name, hardware=profile.name, batch_size=options.batch_size,
+        bounds=controller.bounds)
     per_layer["decision_s"], per_layer["decision_cpu_s"] = t.decision
     book = t.bookkeeping + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = book
     per_layer["lookahead_s"], per_layer["lookahead_cpu_s"] = t.lookahead
-    summary: dict[str, Any] = {"system": sysconf.name, "hardware": profile.name, "model": spec.name,
-                               "batch_size": options.batch_size, "bounds": controller.bounds, **w.describe(),
-                               **totals, **derived(totals, spec.expert_bytes)}
-    per_seq = per_sequence(w, out)
-    per_step = pd.DataFrame({"phase": np.where(w.step_phase == PREFILL, "prefill", "decode"),
-                             "batch": w.step_batch, "tokens": w.step_tokens})
-    per_step["start_s"], per_step["time_s"] = out.step_start, out.step_end - out.step_start
-    summary |= timed_summary(w, out, per_seq)
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
     summary["executor"] = {"device": executor["devices"]["accelerator"],
                            "device_name": executor["devices"]["accelerator_name"]}

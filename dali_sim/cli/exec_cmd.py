@@ -10,8 +10,9 @@ from pathlib import Path
 import click
 
 from dali_sim.cli.common import UserErrorGroup, command_line
-from dali_sim.cli.sim import _overrides, format_run
+from dali_sim.cli.sim import format_run, option_group, overrides, policy_options
 from dali_sim.sim.simulate import DEFAULT_HARDWARE
+from dali_sim.sim.timeline import write_timeline
 
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -22,6 +23,38 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
     return values
+
+
+#: what to replay and on what: shared by `run` and `validate` (read with :func:`replay_config`)
+replay_options = option_group(
+    click.option("--model-shape", help="Model shape preset to build (default: the trace's model); must match the trace."),
+    click.option("--layers", type=int, help="Replay only the first N MoE layers."),
+    click.option("--scale", default=1.0, show_default=True, type=float,
+                 help="Multiply hidden, intermediate and head sizes by F (0 < F <= 1); the budget scales with them."),
+    click.option("--sequences", type=int, help="Replay only the first N sequences of the trace."),
+    click.option("--max-tokens", type=int, help="Replay only the first N tokens of each sequence."),
+    click.option("--device", type=click.Choice(["cuda", "cpu"]),
+                 help="Accelerator (default: cuda if present, else the CPU device)."),
+    click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True,
+                 help="Weight storage of the replay."),
+    click.option("--precision", help="Weight format of the full model for the memory plan (default: the model's)."),
+)
+
+
+def _emit(result, timeline: Path | None, csv_path: Path | None, as_json: bool, title: str) -> bool:
+    """Write the optional timeline and per-layer CSV, then print the result: JSON (returns True, the
+    caller is done) or the text summary of `dali sim run` (returns False, the caller adds its lines)."""
+
+    result.manifest["command"] = command_line()
+    if timeline:
+        write_timeline(timeline, result.intervals, title)
+    if csv_path:
+        result.per_layer.to_csv(csv_path)
+    if as_json:
+        click.echo(result.to_json())
+        return True
+    click.echo(format_run(result))
+    return False
 
 
 def _exec_module():
@@ -47,15 +80,7 @@ def exec_group() -> None:
 @exec_group.command("run")
 @click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path), help="Trace to replay (.parquet).")
 @click.option("--system", required=True, help="System preset (see `dali sim systems`).")
-@click.option("--model-shape", help="Model shape preset to build (default: the trace's model); must match the trace.")
-@click.option("--layers", type=int, help="Replay only the first N MoE layers.")
-@click.option("--scale", default=1.0, show_default=True, type=float,
-              help="Multiply hidden, intermediate and head sizes by F (0 < F <= 1); the budget scales with them.")
-@click.option("--sequences", type=int, help="Replay only the first N sequences of the trace.")
-@click.option("--max-tokens", type=int, help="Replay only the first N tokens of each sequence.")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Accelerator (default: cuda if present, else the CPU device).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True, help="Weight storage of the replay.")
-@click.option("--precision", help="Weight format of the full model for the memory plan (default: the model's).")
+@replay_options
 @click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True,
               help="Hardware profile whose costs the policies use (a name or a measured profile for the replay model) "
                    "and whose GPU memory is the default budget.")
@@ -63,10 +88,7 @@ def exec_group() -> None:
 @click.option("--prefill-chunk", default=0, show_default=True, type=int,
               help="Prompt positions per prefill step (0 = whole prompt in one step).")
 @click.option("--gpu-memory", type=float, help="GPU memory budget of the full-size model in GiB (default: the profile's).")
-@click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts.")
-@click.option("--cache-experts", type=int, help="Cache slots per layer.")
-@click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]), help="Initial cache contents.")
-@click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a system parameter (repeatable).")
+@policy_options
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores, or half of them without CUDA).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device (default: the rest).")
@@ -76,25 +98,14 @@ def exec_group() -> None:
 def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_tokens, device, dtype, precision, hardware,
             batch_size, prefill_chunk, seed, cpu_threads, accel_threads, timeline, csv_path, as_json, **kw) -> None:
     """Replay a trace's routing on real devices with random weights of the model's shape."""
-    if kw["cache_ratio"] is not None and kw["cache_experts"] is not None:
-        raise click.UsageError("give --cache-ratio or --cache-experts, not both")
     ex = _exec_module()
-    from dali_sim.sim.timeline import write_timeline
-
     options = ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
                                max_tokens=max_tokens, precision=precision, dtype=dtype)
     run_opts = ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads, progress=True)
     result = ex.execute(trace_path, system, options, run_opts, hardware=hardware, batch_size=batch_size,
-                        prefill_chunk=prefill_chunk, seed=seed, overrides=_overrides(kw))
-    result.manifest["command"] = command_line()
-    if timeline:
-        write_timeline(timeline, result.intervals, f"dali exec {system} on {trace_path}")
-    if csv_path:
-        result.per_layer.to_csv(csv_path)
-    if as_json:
-        click.echo(result.to_json())
+                        prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw))
+    if _emit(result, timeline, csv_path, as_json, f"dali exec {system} on {trace_path}"):
         return
-    click.echo(format_run(result))
     ov, e = result.summary["overhead"], result.manifest["executor"]
     rep = e["replay"]
     click.echo(f"executed on {e['devices']['accelerator_name']} ({rep['dtype']}), CPU lane {e['cpu_threads']} threads: "
@@ -144,21 +155,11 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
               help="Measured profile of this machine for the replay's shape, dtype and threads (default: calibrate first).")
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
               help="Folder for the report, timelines, plot (and the calibrated profile).")
-@click.option("--model-shape", help="Model shape preset to build (default: the trace's model); must match the trace.")
-@click.option("--layers", type=int, help="Replay only the first N MoE layers.")
-@click.option("--scale", default=1.0, show_default=True, type=float, help="Hidden, intermediate and head sizes x F (0 < F <= 1).")
-@click.option("--sequences", type=int, help="Replay only the first N sequences of the trace.")
-@click.option("--max-tokens", type=int, help="Replay only the first N tokens of each sequence.")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Accelerator (default: cuda if present, else the CPU device).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True, help="Weight storage of the replay.")
-@click.option("--precision", help="Weight format of the full model for the memory plan (default: the model's).")
+@replay_options
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch.")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int, help="Prompt positions per prefill step (0 = whole prompt).")
 @click.option("--gpu-memory", type=float, help="GPU memory budget of the full-size model in GiB [default: 24, the default profile's GPU].")
-@click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts.")
-@click.option("--cache-experts", type=int, help="Cache slots per layer.")
-@click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]), help="Initial cache contents.")
-@click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a system parameter (repeatable).")
+@policy_options
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default as `dali exec run`).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
@@ -172,8 +173,6 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
                  dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, no_warmup,
                  time_budget, no_timelines, no_plot, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
-    if kw["cache_ratio"] is not None and kw["cache_experts"] is not None:
-        raise click.UsageError("give --cache-ratio or --cache-experts, not both")
     ex = _exec_module()
     from dali_exec.calibrate import MicroSettings
     from dali_exec.validate import ValidationConfig, validate
@@ -185,7 +184,7 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
         replay=ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
                                 max_tokens=max_tokens, precision=precision, dtype=dtype),
         run=ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads),
-        batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=_overrides(kw),
+        batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw),
         warmup=not no_warmup, calibration=MicroSettings(repeats=repeats, warmup=1), time_budget_s=time_budget,
         timelines=not no_timelines, plot=not no_plot)
     report = validate(trace_path, cfg, out_dir, command=command_line(), log=lambda m: click.echo(m, err=True),
@@ -221,10 +220,7 @@ _MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 @click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True,
               help="Hardware profile whose costs the policies use and whose GPU memory is the default budget.")
 @click.option("--gpu-memory", type=float, help="GPU memory budget in GiB (default: the profile's).")
-@click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts.")
-@click.option("--cache-experts", type=int, help="Cache slots per layer.")
-@click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]), help="Initial cache contents.")
-@click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a system parameter (repeatable).")
+@policy_options
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores but one with CUDA; "
                                               "the process's thread count on the CPU device).")
@@ -247,28 +243,17 @@ def generate_cmd(model_path, system, prompts_file, batch_size, max_new_tokens, p
     dali exec generate --model models/dali-tiny-moe --prompts prompts/multidomain.txt --system gpu-lru --cache-experts 8
     dali exec generate --model M --prompts P --system dali --residual res.safetensors --batch-size 4
     """
-    if kw["cache_ratio"] is not None and kw["cache_experts"] is not None:
-        raise click.UsageError("give --cache-ratio or --cache-experts, not both")
     try:
         from dali_exec.generate import GenerateOptions, generate_from_path
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
-    from dali_sim.sim.timeline import write_timeline
-
     opts = GenerateOptions(batch_size=batch_size, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
                            residual=residual_file, frequencies_from=frequencies_from, device=device,
                            cpu_threads=cpu_threads, accel_threads=accel_threads, progress=not quiet and not as_json)
     result = generate_from_path(model_path, prompts_file, system, opts, dtype=dtype, hardware=hardware, seed=seed,
-                                overrides=_overrides(kw))
-    result.manifest["command"] = command_line()
-    if timeline:
-        write_timeline(timeline, result.intervals, f"dali exec generate {system} on {model_path}")
-    if csv_path:
-        result.per_layer.to_csv(csv_path)
-    if as_json:
-        click.echo(result.to_json())
+                                overrides=overrides(kw))
+    if _emit(result, timeline, csv_path, as_json, f"dali exec generate {system} on {model_path}"):
         return
-    click.echo(format_run(result))
     s, e = result.summary, result.manifest["executor"]
     g, ov = s["generation"], s["overhead"]
     click.echo(f"executed on {e['devices']['accelerator_name']} ({e['devices']['dtype']}), dense part on "

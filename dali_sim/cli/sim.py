@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
@@ -23,6 +22,26 @@ def sim() -> None:
     """Simulate offloading systems on a trace: SimPy model of GPU, CPU and PCIe (docs/simulator.md)."""
 
 
+def option_group(*options):
+    """One decorator applying several click options, in the order given."""
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
+#: the system's memory and policy knobs, shared by `dali sim` and `dali exec` (read with :func:`overrides`)
+policy_options = option_group(
+    click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts."),
+    click.option("--cache-experts", type=int, help="Cache slots per layer."),
+    click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]),
+                 help="Initial cache contents (default: the system's)."),
+    click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
+                 help="Override a system parameter, e.g. --set cache.policy=lfu (repeatable)."),
+)
+
+
 def common_options(f):
     """Options shared by `run` and `compare`."""
     options = [
@@ -33,15 +52,10 @@ def common_options(f):
         click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch."),
         click.option("--prefill-chunk", default=0, show_default=True, type=int,
                      help="Prompt positions per prefill step (0 = whole prompt in one step)."),
-        click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts."),
-        click.option("--cache-experts", type=int, help="Cache slots per layer."),
-        click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]),
-                     help="Initial cache contents (default: the system's)."),
+        policy_options,
         click.option("--gpu-memory", type=float, help="GPU memory budget in GiB (default: the profile's GPU)."),
         click.option("--precision", help="Weight format of the experts, e.g. bf16, q8_0, q4_0, mxfp4."),
         click.option("--seed", default=0, show_default=True, type=int, help="Seed for random choices."),
-        click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
-                     help="Override a system parameter, e.g. --set cache.policy=lfu (repeatable)."),
         click.option("--no-timing", is_flag=True,
                      help="Fast replay: cache hits and transfer counts only, no SimPy, no times."),
         click.option("--future", type=click.Path(path_type=Path),
@@ -49,31 +63,25 @@ def common_options(f):
                           "wrote beside the trace."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
     ]
-    for option in reversed(options):
-        f = option(f)
-
-    @functools.wraps(f)
-    def wrapper(**kw):
-        if kw["cache_ratio"] is not None and kw["cache_experts"] is not None:
-            raise click.UsageError("give --cache-ratio or --cache-experts, not both")
-        return f(**kw)
-
-    return wrapper
+    return option_group(*options)(f)
 
 
-def _overrides(kw) -> dict[str, dict[str, str]]:
+def overrides(kw) -> dict[str, dict[str, str]]:
+    """``--set`` plus the memory flags (:data:`policy_options`, ``--gpu-memory``) as system overrides."""
+    if kw["cache_ratio"] is not None and kw["cache_experts"] is not None:
+        raise click.UsageError("give --cache-ratio or --cache-experts, not both")
     over = parse_overrides(kw["sets"])
     memory = over.setdefault("memory", {})
     for flag, key in (("cache_ratio", "cache_ratio"), ("cache_experts", "cache_experts"),
                       ("cache_init", "cache_init"), ("gpu_memory", "gpu_memory_gib")):
-        if kw[flag] is not None:
+        if kw.get(flag) is not None:
             memory[key] = str(kw[flag])
     return over
 
 
 def _run(trace, system: str, kw, timeline: bool = False) -> SimResult:
     return simulate(trace, system, hardware=kw["hardware"], batch_size=kw["batch_size"],
-                    prefill_chunk=kw["prefill_chunk"], seed=kw["seed"], overrides=_overrides(kw),
+                    prefill_chunk=kw["prefill_chunk"], seed=kw["seed"], overrides=overrides(kw),
                     precision=kw["precision"], timing=not kw["no_timing"], timeline=timeline, progress=True,
                     future=kw["future"])
 
@@ -163,7 +171,7 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
     if baseline not in names:
         names.append(baseline)
     for name in names:
-        resolve_system(name, _overrides(kw))  # fail fast on a bad name or parameter
+        resolve_system(name, overrides(kw))  # fail fast on a bad name or parameter
     trace = read_trace(kw["trace_path"])
     results = {name: _run(trace, name, kw) for name in names}
     table = compare_table(results, baseline)

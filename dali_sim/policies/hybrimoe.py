@@ -37,7 +37,6 @@ from dali_sim.policies.base import (
     CACHES,
     PLACEMENTS,
     PREFETCHERS,
-    CachePolicy,
     LayerView,
     PlacementPolicy,
     PolicyConfig,
@@ -45,6 +44,7 @@ from dali_sim.policies.base import (
     SetupContext,
     registered,
 )
+from dali_sim.policies.cache import LRU
 from dali_sim.trace.schema import PREFILL
 
 MODES = ("hss", "best", "greedy")
@@ -228,7 +228,11 @@ def mrs_update(score: np.ndarray, experts: np.ndarray, counts: np.ndarray, token
 
 
 @registered(CACHES)
-class MRSCache(CachePolicy[MRSConfig]):
+class MRSCache(LRU):
+    """LRU's bookkeeping (use stamps) breaks ties between equal scores, as the released code's LRU-ordered
+    dict does."""
+
+
     name = "hybrimoe-mrs"
     description = ("HybriMoE's Minus Recent Score cache: per layer S <- a*TopP(s) + (1-a)*S at every visit; "
                    "evict the evictable entry with the lowest score (ties: least recently used); always admits "
@@ -236,24 +240,12 @@ class MRSCache(CachePolicy[MRSConfig]):
     Config = MRSConfig
 
     def setup(self, ctx: SetupContext) -> None:
+        super().setup(ctx)  # initial contents count as used before everything else, in id order
         self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=float)
-        self.clock = 0
-        # initial contents count as used before everything else, in id order (the code loads them so)
-        self.stamp = np.full((ctx.num_layers, ctx.num_experts), -1, dtype=np.int64)
 
     def observe(self, view: LayerView) -> None:
         self.score[view.layer] = mrs_update(self.score[view.layer], view.experts, view.counts, view.tokens,
                                             float(self.config.a))
-
-    def _touch(self, layer: int, expert: int) -> None:
-        self.clock += 1
-        self.stamp[layer, expert] = self.clock
-
-    def on_hit(self, layer: int, expert: int, view: LayerView) -> None:
-        self._touch(layer, expert)
-
-    def on_admit(self, layer: int, expert: int, view: LayerView) -> None:
-        self._touch(layer, expert)
 
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
         if view.phase == PREFILL and not self.config.prefill_evicts:

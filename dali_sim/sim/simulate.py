@@ -124,21 +124,9 @@ def simulate(
             bar.update()
     bar.close()
 
-    totals = counters.totals()
-    per_layer = counters.frame(model.moe_layers)
-    per_layer["hit_rate"] = per_layer["hits"] / per_layer["activated"].replace(0, np.nan)
-    summary: dict[str, Any] = {"system": sysconf.name, "hardware": profile.name, "model": model.name,
-                               "batch_size": batch_size, "bounds": controller.bounds,
-                               **workload.describe(), **totals,
-                               **derived(totals, model.expert_bytes)}
-    per_seq = per_sequence(workload, out)
-    per_step = pd.DataFrame({"phase": np.where(workload.step_phase == PREFILL, "prefill", "decode"),
-                             "batch": workload.step_batch, "tokens": workload.step_tokens})
-    if out is not None:
-        per_step["start_s"], per_step["time_s"] = out.step_start, out.step_end - out.step_start
-        per_layer["time_s"] = out.layer_time
-        per_layer["gpu_wait_s"] = out.layer_wait
-        summary |= timed_summary(workload, out, per_seq)
+    summary, per_layer, per_seq, per_step = result_tables(
+        workload, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=batch_size,
+        bounds=controller.bounds)
     manifest = {
         "dali_version": __version__,
         "trace": str(trace.path) if trace.path else None,
@@ -155,6 +143,27 @@ def simulate(
     config = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": batch_size,
               "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": timing}
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
+
+
+def result_tables(w: Workload, counters: PlanCounters, out: EngineOutput | None, model, *, system: str,
+                  hardware: str, batch_size: int, bounds: dict[str, str]):
+    """(summary, per_layer, per_sequence, per_step) of a run, timed when ``out`` is given: one layout
+    for the simulator and the executor, so both report every metric of docs/metrics.md the same way."""
+    totals = counters.totals()
+    per_layer = counters.frame(model.moe_layers)
+    per_layer["hit_rate"] = per_layer["hits"] / per_layer["activated"].replace(0, np.nan)
+    summary: dict[str, Any] = {"system": system, "hardware": hardware, "model": model.name,
+                               "batch_size": batch_size, "bounds": bounds, **w.describe(), **totals,
+                               **derived(totals, model.expert_bytes)}
+    per_seq = per_sequence(w, out)
+    per_step = pd.DataFrame({"phase": np.where(w.step_phase == PREFILL, "prefill", "decode"),
+                             "batch": w.step_batch, "tokens": w.step_tokens})
+    if out is not None:
+        per_step["start_s"], per_step["time_s"] = out.step_start, out.step_end - out.step_start
+        per_layer["time_s"] = out.layer_time
+        per_layer["gpu_wait_s"] = out.layer_wait
+        summary |= timed_summary(w, out, per_seq)
+    return summary, per_layer, per_seq, per_step
 
 
 def timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict[str, Any]:
@@ -176,4 +185,4 @@ def timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict
         "events": out.events,
     }
 
-__all__ = ["DEFAULT_HARDWARE", "SimResult", "per_sequence", "simulate", "timed_summary"]
+__all__ = ["DEFAULT_HARDWARE", "SimResult", "per_sequence", "result_tables", "simulate", "timed_summary"]
