@@ -17,14 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 EXP = ROOT / "experiments"
 NOTEBOOK = ROOT / "notebooks" / "ablation.ipynb"
 
-# the three experiment scripts at their tiniest size (a few seconds each, run in parallel)
+# four experiment scripts at their tiniest size (a few seconds each, run in parallel)
 SCRIPTS = {
     "fig12_13_speedups": ["--models", "mixtral-8x7b"],
     "fig14_assignment": [],
     "table4_greedy_vs_exact": [],
+    "prefetch_accuracy": [],
 }
 # CSVs the notebook draws if present; they are not produced here, so their cells must skip them
-OPTIONAL = ("fig19_breakdown", "fig17_18_sensitivity")
+OPTIONAL = ("fig19_breakdown", "fig17_18_sensitivity", "recorded_trace")
 
 
 @pytest.fixture(scope="module")
