@@ -74,13 +74,11 @@ class Replay:
         s = setup.sysconf
         self.placement, self.cache, self.prefetch = (c.build() for c in (s.placement, s.cache, s.prefetch))
         w = setup.workload
-        needs = any(getattr(p, "needs_future", False) for p in (self.placement, self.cache, self.prefetch))
-        # the replay's workload is in memory: bounds get its exact next-use times directly
-        future = FutureDemand.from_workload(w) if needs else None
+        # the replay's (reduced) workload is in memory: bounds get its exact next-use times directly
+        future = FutureDemand.from_workload(w) if s.needs_future else None
         self.controller = Controller(w, setup.costs, self.placement, self.cache, self.prefetch, setup.memory.capacities,
                                      cache_init=s.memory.cache_init, prefetch_slots=setup.memory.prefetch_slots,
-                                     staging_slots=s.memory.staging_slots, seed=seed,
-                                     **({"future": future} if future is not None else {}))
+                                     staging_slots=s.memory.staging_slots, seed=seed, future=future)
         model = setup.model
         if store is None:
             store = HostExpertStore.random(model, devices.dtype, seed, pin=devices.is_cuda, progress=opts.progress)

@@ -9,12 +9,10 @@ import numpy as np
 import pandas as pd
 
 from dali_exec.executor.problem import ReplaySetup
-from dali_sim import __version__
 from dali_sim.runtime.controller import Controller
 from dali_sim.sim.counters import PlanCounters, ratio
 from dali_sim.sim.engine import EngineOutput
-from dali_sim.sim.simulate import SimResult, result_tables
-from dali_sim.trace.provenance import file_sha256
+from dali_sim.sim.simulate import SimResult, result_tables, run_manifest
 
 
 def overhead_summary(per_layer: pd.DataFrame, visits: int) -> dict[str, float]:
@@ -48,18 +46,8 @@ def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCo
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
     summary["executor"] = {"device": executor["devices"]["accelerator"],
                            "device_name": executor["devices"]["accelerator_name"]}
-    trace = setup.trace
-    manifest = {
-        "dali_version": __version__,
-        "trace": str(trace.path) if trace.path else None,
-        "trace_sha256": file_sha256(trace.path) if trace.path else None,
-        "seed": seed,
-        "hardware": {"name": profile.name, "path": str(getattr(profile, "path", "") or "")},
-        "model": model.to_dict(),
-        "memory": setup.memory.describe(),
-        "timing": True,
-        "executor": {**executor, "replay": setup.describe()},
-    }
+    manifest = run_manifest(setup.trace, seed, profile, model, setup.memory, True)
+    manifest["executor"] = {**executor, "replay": setup.describe()}
     config = {"system": sysconf.to_dict(), "hardware": setup.hardware, "batch_size": batch_size,
               "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": True,
               "executor": {k: executor[k] for k in ("options", "cpu_threads", "accel_threads")}}

@@ -168,18 +168,9 @@ class SlotPool:
     def check(self, staging_in_use: int = 0) -> None:
         """Each role keeps its number of slots and no slot is in two places."""
         seen: list[int] = []
-        for layer, cap in enumerate(self.capacities):
-            n = len(self.cache[layer]) + len(self.cache_free[layer])
-            if n != cap or len(self.cache[layer]) > cap:
-                raise AssertionError(f"layer {layer}: {len(self.cache[layer])} cached + {len(self.cache_free[layer])} "
-                                     f"free slots, capacity {cap}")
+        for layer in range(len(self.capacities)):
+            self.check_layer(layer, staging_in_use)
             seen += [s.index for s in self.cache[layer].values()] + [s.index for s in self.cache_free[layer]]
-        if len(self.prefetched) + len(self.prefetch_free) != self.num_prefetch:
-            raise AssertionError(f"{len(self.prefetched)} prefetched + {len(self.prefetch_free)} free buffers, "
-                                 f"expected {self.num_prefetch}")
-        if len(self.staging_free) + staging_in_use != self.num_staging:
-            raise AssertionError(f"{len(self.staging_free)} free + {staging_in_use} used staging buffers, "
-                                 f"expected {self.num_staging}")
         seen += [s.index for s in self.prefetched.values()] + [s.index for s in self.prefetch_free]
         seen += [s.index for s in self.staging_free]
         if len(seen) != len(set(seen)):

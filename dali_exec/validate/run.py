@@ -29,6 +29,7 @@ from dali_sim.hardware.measured import MeasuredProfile, ModelShape, write_measur
 from dali_sim.hardware.profile import load_profile
 from dali_sim.models.spec import ModelSpec
 from dali_sim.registry import UnknownNameError
+from dali_sim.runtime.future import write_future
 from dali_sim.sim.simulate import DEFAULT_HARDWARE, simulate
 from dali_sim.sim.timeline import write_timeline
 from dali_sim.trace.reader import Trace, read_trace
@@ -165,10 +166,7 @@ def _simulate(setup: ReplaySetup, profile: str, cfg: ValidationConfig, tmp: Path
     w = setup.workload.config
     kw = {}
     s = setup.sysconf
-    needs = any(getattr(c.build(), "needs_future", False) for c in (s.placement, s.cache, s.prefetch))
-    if needs:  # bounds read next-use times from a file beside the trace
-        from dali_sim.runtime.future import write_future
-
+    if s.needs_future:  # bounds that read next-use times (`dali trace enrich`) get them for the reduced trace
         kw["future"] = write_future(setup.trace, w, out=tmp / f"{s.name}.future.parquet")
     return simulate(setup.trace, setup.sysconf, hardware=profile, batch_size=w.batch_size,
                     prefill_chunk=w.prefill_chunk, seed=cfg.seed, timeline=True, **kw)

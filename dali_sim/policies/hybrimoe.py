@@ -232,7 +232,6 @@ class MRSCache(LRU):
     """LRU's bookkeeping (use stamps) breaks ties between equal scores, as the released code's LRU-ordered
     dict does."""
 
-
     name = "hybrimoe-mrs"
     description = ("HybriMoE's Minus Recent Score cache: per layer S <- a*TopP(s) + (1-a)*S at every visit; "
                    "evict the evictable entry with the lowest score (ties: least recently used); always admits "

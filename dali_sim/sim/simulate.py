@@ -127,22 +127,27 @@ def simulate(
     summary, per_layer, per_seq, per_step = result_tables(
         workload, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=batch_size,
         bounds=controller.bounds)
-    manifest = {
-        "dali_version": __version__,
-        "trace": str(trace.path) if trace.path else None,
-        "trace_sha256": file_sha256(trace.path) if trace.path else None,
-        "seed": seed,
-        "hardware": {"name": profile.name, "path": str(getattr(profile, "path", "") or "")},
-        "model": model.to_dict(),
-        "memory": mem.describe(),
-        "timing": timing,
-    }
+    manifest = run_manifest(trace, seed, profile, model, mem, timing)
     if next_uses is not None:
         used = Path(future) if future is not None else future_path(trace.path, workload.config)
         manifest["future"] = {"path": str(used), "sha256": file_sha256(used)}
     config = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": batch_size,
               "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": timing}
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
+
+
+def run_manifest(trace: Trace, seed: int, profile, model, memory, timing: bool) -> dict[str, Any]:
+    """What a run used (inputs with their hashes, versions, memory plan): simulator and executor alike."""
+    return {
+        "dali_version": __version__,
+        "trace": str(trace.path) if trace.path else None,
+        "trace_sha256": file_sha256(trace.path) if trace.path else None,
+        "seed": seed,
+        "hardware": {"name": profile.name, "path": str(getattr(profile, "path", "") or "")},
+        "model": model.to_dict(),
+        "memory": memory.describe(),
+        "timing": timing,
+    }
 
 
 def result_tables(w: Workload, counters: PlanCounters, out: EngineOutput | None, model, *, system: str,
@@ -185,4 +190,4 @@ def timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict
         "events": out.events,
     }
 
-__all__ = ["DEFAULT_HARDWARE", "SimResult", "per_sequence", "result_tables", "simulate", "timed_summary"]
+__all__ = ["DEFAULT_HARDWARE", "SimResult", "per_sequence", "result_tables", "run_manifest", "simulate", "timed_summary"]

@@ -30,8 +30,9 @@ import numpy as np
 import pandas as pd
 
 from dali_sim.models.spec import ModelSpec
+from dali_sim.trace.reader import read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
-from dali_sim.workload.builder import SparseCounts, WorkloadConfig, _sparse_counts, predicted_top_k
+from dali_sim.workload.builder import SparseCounts, Workload, WorkloadConfig, _sparse_counts, predicted_top_k
 
 #: lookahead predictors a running model can compute at MoE layer l from its gate input x_l
 ONLINE_PREDICTORS = {
@@ -70,9 +71,6 @@ def check_online(sysconf) -> None:
 
 def frequencies_from_trace(path: str | Path, model: ModelSpec) -> np.ndarray:
     """(L, E) total workload of every expert in a prior trace of the same model (``--frequencies-from``)."""
-    from dali_sim.trace.reader import read_trace
-    from dali_sim.workload.builder import Workload
-
     trace = read_trace(path)
     have = (tuple(trace.layers), trace.num_experts)
     want = (tuple(model.moe_layers), model.num_experts)
