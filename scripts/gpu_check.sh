@@ -18,11 +18,15 @@
 #   --workloads A,B     any of: mixtral, deepseek (default: both)
 #   --budget SECONDS    wall-clock budget of the whole check; systems that would not fit are skipped
 #                       (default: 420, quick: 300)
+#   --max-total-error X fail a system whose |total time error| exceeds X (default: 0.15)
+#   --order-margin Y    fail two systems whose measured times differ by more than Y but whose simulated
+#                       order is the other way round (default: 0.10)
 #   --python PY         interpreter (default: $PYTHON, else python3, else python)
 #   --dry-run           check the environment and print the commands, run nothing, write nothing
 #   -h, --help          this text
-# Exit status: 0 when every workload ran at least one system and every counter matched where it must;
-# 1 otherwise; 2 for bad arguments or a missing dependency.
+# Exit status: 0 when every workload ran at least one system, every counter matched where it must and
+# every verdict is OK (the thresholds above); 1 otherwise (each problem printed as a FAIL line); 2 for
+# bad arguments or a missing dependency.
 
 set -uo pipefail
 
@@ -36,6 +40,8 @@ WORKLOADS=mixtral,deepseek
 BUDGET=""
 PY=${PYTHON:-}
 DRY=0
+MAX_TOTAL=0.15
+ORDER_MARGIN=0.10
 
 usage() { sed -n '2,/^# Exit status/{s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; sed -n '/^# 1 otherwise/{s/^# //;p}' "${BASH_SOURCE[0]}"; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
@@ -51,6 +57,8 @@ while [[ $# -gt 0 ]]; do
     --workloads) need_value "$@"; WORKLOADS=$2; shift 2 ;;
     --budget) need_value "$@"; BUDGET=$2; shift 2 ;;
     --python) need_value "$@"; PY=$2; shift 2 ;;
+    --max-total-error) need_value "$@"; MAX_TOTAL=$2; shift 2 ;;
+    --order-margin) need_value "$@"; ORDER_MARGIN=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
@@ -58,6 +66,8 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$DEVICE" == cuda || "$DEVICE" == cpu ]] || die "--device must be cuda or cpu, got '$DEVICE'"
 [[ -z "$BUDGET" || "$BUDGET" =~ ^[0-9]+$ ]] || die "--budget must be a whole number of seconds, got '$BUDGET'"
+[[ "$MAX_TOTAL" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--max-total-error must be a number >= 0, got '$MAX_TOTAL'"
+[[ "$ORDER_MARGIN" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--order-margin must be a number >= 0, got '$ORDER_MARGIN'"
 [[ -n "$BUDGET" ]] || BUDGET=$(( QUICK ? 300 : 420 ))
 [[ "$SYSTEMS" =~ ^[a-z0-9,-]+$ ]] || die "--systems must be comma-separated preset names, got '$SYSTEMS'"
 IFS=, read -r -a WL <<< "$WORKLOADS"
@@ -176,7 +186,8 @@ for w in "${WL[@]}"; do
     # (its budget leaves 5 s for starting Python and importing torch)
     run timeout --signal=INT --kill-after=10 "$(( share + 30 ))" "${DALI[@]}" exec validate \
       --trace "$WORK/$w.parquet" --systems "$SYSTEMS" --device "$DEVICE" "${!replay}" \
-      --time-budget "$(( share - (SECONDS - t0) - 5 ))" -o "$WORK/$w" > /dev/null
+      --time-budget "$(( share - (SECONDS - t0) - 5 ))" --max-total-error "$MAX_TOTAL" \
+      --order-margin "$ORDER_MARGIN" -o "$WORK/$w" > /dev/null
     rc=$?
   fi
   (( DRY )) || echo "$w $rc $(( SECONDS - t0 ))" >> "$STATUS"

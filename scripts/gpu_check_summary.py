@@ -4,7 +4,8 @@ Reads WORK/<workload>/validation.json (written after every system, so a run cut 
 what finished) and WORK/status.txt (workload, exit code, seconds); writes into OUT at most 8 files:
 summary.md, summary.csv, per_step.csv, <workload>.png and the executor's and simulator's timelines of
 dali on the first workload; prints the summary table last. Exit status 0 when every workload ran at
-least one system and every counter matched where it must, else 1.
+least one system, every counter matched where it must and every workload's verdict (the thresholds
+`dali exec validate` was given) is OK, else 1; each problem is printed as a FAIL line.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             parts = line.split()
             if len(parts) >= 3:
                 status[parts[0]] = (int(parts[1]), parts[2], " ".join(parts[3:]))
-    rows, steps, notes, settings = [], [], [], []
+    rows, steps, notes, settings, fails = [], [], [], [], []
     ok = True
     workloads = [w for w in a.workloads.split(",") if w]
     for i, w in enumerate(workloads):
@@ -100,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         for fl in data.get("failed", []):
             ok = False
             notes.append(f"- {w}: {fl['system']} FAILED: {fl['error']}")
+        v = data.get("verdict") or {}
+        if not v:
+            ok = False
+            fails.append(f"FAIL {w}: no verdict in {path} (an older dali?)")
+        elif not v["ok"]:
+            ok = False
+            fails += [f"FAIL {w}: {f}" for f in v["failures"]]
         for sk in data.get("skipped", []):
             notes.append(f"- {w}: {sk['system']} skipped ({sk['reason']})")
         rk = data.get("ranking") or {}
@@ -126,12 +134,15 @@ def main(argv: list[str] | None = None) -> int:
           "per layer. Method: docs/validation.md.", "", text, ""]
     if notes:
         md += ["", *notes, ""]
+    md += ["## Verdict", "", "OK" if not fails else "FAIL", *[f"- {f}" for f in fails], ""]
     md += [f"Total {a.elapsed:.0f} s.", ""]
     (a.out / "summary.md").write_text("\n".join(md))
     print("\n".join(settings + notes))
     print(f"total {a.elapsed:.0f} s; {'OK' if ok else 'FAILED'}: results in {a.out}")
     print()
     print(text)
+    for f in fails:
+        print(f)
     return 0 if ok else 1
 
 

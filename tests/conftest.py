@@ -11,7 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dali_sim.hardware.contention import lane_combinations
 from dali_sim.hardware.measured import ModelShape
+from dali_sim.policies.systems import system_names
 from dali_sim.sim import simulate
 from dali_sim.sim.counters import COUNTERS
 from dali_sim.models.spec import AttentionSpec, ModelSpec
@@ -87,7 +89,7 @@ def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), x
     per token, one expert's copy = ``xfer`` s, dense part of a layer = ``dense`` s at any size."""
     shape = ModelShape.of(model)
     data = {
-        "kind": "measured", "format_version": 1, "name": "simple-numbers",
+        "kind": "measured", "format_version": 2, "name": "simple-numbers",
         "description": "round numbers for hand-computed tests (not a measurement)",
         "gpu": {"name": "test GPU", "memory_gib": 24}, "cpu": {"name": "test CPU", "memory_gib": 64},
         "link": {"name": "test link"},
@@ -96,9 +98,13 @@ def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), x
             "gpu_expert": {"tokens": [1, 2], "seconds": list(gpu)},
             "cpu_expert": {"tokens": [1, 2], "seconds": list(cpu)},
             "h2d": {"bytes": [1, model.expert_bytes], "seconds": [xfer, xfer]},
+            "d2h": {"bytes": [1, model.expert_bytes], "seconds": [0.0, 0.0]},  # activation copies are free here
             "gpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[dense, dense]]},
             "cpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[dense, dense]]},
         },
+        "contention": {key: dict.fromkeys(key.split("+"), 1.0) for key in lane_combinations()},
+        "host": {"layer_s": 0.0, "gpu_expert_s": 0.0, "cpu_expert_s": 0.0, "copy_s": 0.0,
+                 "decision_s": dict.fromkeys([*system_names(), "split"], 0.0)},
         "provenance": {"command": "tests (hand-computed timelines)", "date": "2025-01-01", "versions": {}},
     }
     path.write_text(json.dumps(data))

@@ -138,7 +138,8 @@ EXPECT = {
     "llamacpp": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0 and s["on_demand"] == s["staged"] > 0,
     "mixtral-offloading": lambda s: s["prefetch_used"] > 0 and s["on_demand"] > 0 and s["cpu_experts"] == 0,
     "moe-lightning": lambda s: s["prefetch_used"] > 0 and s["on_demand"] > 0 and s["hits"] == 0,
-    "dali": lambda s: s["prefetch_issued"] > 0 and s["cpu_experts"] > 0 and s["on_demand"] > 0 and s["swaps"] > 0,
+    # (whether its greedy also fetches on demand depends on the costs: the tiny shapes make CPU experts cheap)
+    "dali": lambda s: s["prefetch_issued"] > 0 and s["cpu_experts"] > 0 and s["swaps"] > 0,
     "dali-plus": lambda s: s["prefetch_issued"] > 0 and s["cpu_experts"] > 0,
     "hybrimoe": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0,
 }
@@ -378,6 +379,8 @@ def test_counts_equal_a_simulation_of_the_recorded_trace(cases, family, tmp_path
     for system in ("gpu-lru", "fiddler", "dali", "mixtral-offloading", "moe-lightning", "gpu-static", "llamacpp"):
         over = overrides_for(system, c.budget)
         result, _ = c.run(system, opts={"frequencies_from": trace}, overrides=over)
+        # the online run is dali's executor: the simulation decides with the same implementation's costs
+        over = {**(over or {}), "system": {"implementation": "dali-executor"}}
         sim = simulate(trace, system, batch_size=BATCH, timing=False, overrides=over, precision="fp32")
         for key in COUNTERS:
             assert result.summary[key] == sim.summary[key], (system, key)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 
 import numpy as np
 import pandas as pd
@@ -19,6 +20,8 @@ from dali_exec.calibrate import MicroSettings  # noqa: E402
 from dali_exec.executor import ExecOptions, ReplayOptions, prepare_replay  # noqa: E402
 from dali_exec.validate import ValidationConfig, calibration_points, validate  # noqa: E402
 from dali_exec.validate.compare import (  # noqa: E402
+    Thresholds,
+    verdict,
     activity_kind,
     busy_by_kind,
     compare,
@@ -189,19 +192,72 @@ def test_cli_prints_the_table_and_writes_the_report(mix_path, validated, tmp_pat
     _, first, _ = validated
     args = ["exec", "validate", "--trace", str(mix_path), "--systems", "gpu-lru,dali", "--layers", "2",
             "--scale", "0.015625", "--dtype", "fp32", "--device", "cpu", "--cpu-threads", "1", "--accel-threads", "1",
-            "--batch-size", "2", "--profile", str(first / "profile.json"), "--no-plot", "-o", str(tmp_path / "o")]
+            "--batch-size", "2", "--profile", str(first / "profile.json"), "--no-plot", "-o", str(tmp_path / "o"),
+            "--max-total-error", "1e9", "--order-margin", "1e9"]  # tiny shapes: only the report is checked here
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
+    assert "## Verdict" in r.output and "**OK**" in r.output
     assert "# Executor vs simulator" in r.output and "| dali |" in r.output
     assert "dali exec validate --trace" in r.output  # the command is recorded
     assert (tmp_path / "o" / "gpu-lru.sim.timeline.json").exists()
-    r = CliRunner().invoke(cli, args[:-1] + [str(tmp_path / "j"), "--json", "--no-timelines"], catch_exceptions=False)
-    data = json.loads(r.output[r.output.index("{"):])
+    at = args.index(str(tmp_path / "o"))
+    r = CliRunner().invoke(cli, args[:at] + [str(tmp_path / "j")] + args[at + 1:] + ["--json", "--no-timelines"],
+                           catch_exceptions=False)
+    data = json.loads(r.stdout[r.stdout.index("{"):])
     assert [s["row"]["system"] for s in data["systems"]] == ["gpu-lru", "dali"]
     assert not (tmp_path / "j" / "dali.exec.timeline.json").exists()
     r = CliRunner().invoke(cli, ["exec", "validate", "--trace", str(mix_path), "--systems", "gpu-lru,nope",
                                  "-o", str(tmp_path / "x")])
     assert r.exit_code == 1 and r.output.startswith("Error: system nope")
+
+
+def _verdict_row(system, exec_s, sim_s, *, p90=0.05, exact=True, expected=True):
+    return {"system": system, "exec_s": exec_s, "sim_s": sim_s, "total_rel_err": (sim_s - exec_s) / exec_s,
+            "step_abs_err_p90": p90, "exact": exact, "expected_exact": expected,
+            "counters_differ": [] if exact else ["hits"]}
+
+
+def test_verdict_thresholds_on_synthetic_results():
+    ok = [_verdict_row("cpu-only", 2.0, 2.1), _verdict_row("dali", 1.0, 0.9)]
+    assert verdict(ok) == {"ok": True, "failures": [], "thresholds": {"total": 0.15, "step_p90": None,
+                                                                        "order_margin": 0.10}}
+    # a system 20% off fails; 15% exactly passes
+    bad = verdict([_verdict_row("gpu-lru", 1.0, 0.8), _verdict_row("cpu-only", 2.0, 2.3)])
+    assert not bad["ok"] and len(bad["failures"]) == 1 and bad["failures"][0].startswith("gpu-lru: total time error -20.0%")
+    # the order: dali measured 1.5x faster but simulated slower -> fails even with small errors allowed
+    swapped = verdict([_verdict_row("dali", 1.0, 1.14), _verdict_row("gpu-lru", 1.5, 1.1)], Thresholds(total=0.3))
+    assert [f.split(":")[0] for f in swapped["failures"]] == ["order"]
+    # systems within the order margin may swap
+    close = verdict([_verdict_row("dali", 1.0, 1.05), _verdict_row("gpu-lru", 1.05, 1.0)])
+    assert close["ok"]
+    # per-step p90 only when asked; counters that must match
+    assert verdict([_verdict_row("dali", 1.0, 1.0, p90=0.4)])["ok"]
+    assert not verdict([_verdict_row("dali", 1.0, 1.0, p90=0.4)], Thresholds(step_p90=0.25))["ok"]
+    assert not verdict([_verdict_row("dali", 1.0, 1.0, exact=False)])["ok"]
+    assert verdict([_verdict_row("oracle", 1.0, 1.0, exact=False, expected=False)])["ok"]
+    with pytest.raises(ValueError, match="threshold total"):
+        Thresholds(total=float("nan"))
+
+
+def test_cli_exits_nonzero_and_prints_fail_when_a_threshold_is_exceeded(mix_path, tmp_path, monkeypatch):
+    """A validation whose result exceeds the threshold: exit status 1, one FAIL line per problem."""
+    import dali_exec.validate as V
+
+    def fake_validate(trace, cfg, out, **kw):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "validation.md").write_text("# Executor vs simulator\n")
+        rows = [_verdict_row("cpu-only", 2.0, 1.0), _verdict_row("dali", 1.0, 1.05)]
+        return types.SimpleNamespace(failed=[], verdict=verdict(rows, cfg.thresholds))
+
+    monkeypatch.setattr(V, "validate", fake_validate)
+    args = ["exec", "validate", "--trace", str(mix_path), "--systems", "cpu-only,dali", "-o", str(tmp_path / "v")]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 1
+    assert "FAIL cpu-only: total time error -50.0% exceeds +-15%" in r.stderr
+    assert "FAIL order: dali is faster than cpu-only measured" in r.stderr  # and simulated slower
+    assert "validation failed: 2 problem(s)" in r.stderr
+    r = CliRunner().invoke(cli, args + ["--max-total-error", "0.6", "--order-margin", "2"])
+    assert r.exit_code == 0 and "OK: every system within the thresholds" in r.stderr
 
 
 # ---- the comparison arithmetic on hand-made results ----------------------------------------------------

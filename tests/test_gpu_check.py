@@ -54,6 +54,7 @@ def test_help_and_bad_arguments():
                           (["--bogus"], "unknown argument '--bogus'"),
                           (["--out"], "--out needs a value"),
                           (["--budget", "ten"], "--budget must be a whole number"),
+                          (["--max-total-error", "x"], "--max-total-error must be a number"),
                           (["--workloads", "llama"], "unknown workload 'llama'"),
                           (["--python", "/no/such/python"], "no python3 found")):
         r = _run(*args)
@@ -92,12 +93,19 @@ def _check_outputs(out: Path, workloads: list[str], systems: list[str]):
 
 
 def test_one_workload_runs_on_the_cpu(tmp_path):
+    """A loose threshold passes (tiny quick shapes are not a validation); a zero one fails, printing FAIL."""
     out = tmp_path / "out"
-    r = _run("--device", "cpu", "--quick", "--workloads", "mixtral", "--systems", "gpu-lru",
+    r = _run("--device", "cpu", "--quick", "--workloads", "mixtral", "--systems", "gpu-lru", "--max-total-error", "100",
              "--out", str(out), "--work", str(tmp_path / "work"), "--python", sys.executable)
     assert r.returncode == 0, r.stdout + r.stderr
     _check_outputs(out, ["mixtral"], ["gpu-lru"])
     assert r.stdout.rstrip().splitlines()[-1].startswith("| mixtral  | gpu-lru")
+    assert "## Verdict\n\nOK" in (out / "summary.md").read_text()
+    r = _run("--device", "cpu", "--quick", "--workloads", "mixtral", "--systems", "gpu-lru", "--max-total-error", "0",
+             "--out", str(tmp_path / "out0"), "--work", str(tmp_path / "work0"), "--python", sys.executable)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stdout.rstrip().splitlines()[-1].startswith("FAIL mixtral: gpu-lru: total time error")
+    assert "## Verdict\n\nFAIL" in (tmp_path / "out0" / "summary.md").read_text()
 
 
 @pytest.mark.slow
@@ -114,7 +122,8 @@ def test_quick_cpu_mode_with_carried_wheels(tmp_path, block_pip):
     env = {"DALI_SITE": str(tmp_path / "dali-site"), **({"BLOCK_PIP": "1"} if block_pip else {})}
     assert subprocess.run([str(py), "-c", "import simpy"], capture_output=True, env={**os.environ, **env}).returncode
     out = tmp_path / "out"
-    r = _run("--device", "cpu", "--quick", "--out", str(out), "--python", str(py), env=env)
+    r = _run("--device", "cpu", "--quick", "--max-total-error", "100", "--order-margin", "100", "--out", str(out),
+             "--python", str(py), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     systems = ["cpu-only", "gpu-lru", "dali", "llamacpp", "ktransformers", "hybrimoe", "dali-plus"]
     _check_outputs(out, ["mixtral", "deepseek"], systems)

@@ -316,9 +316,10 @@ def test_llamacpp_budget_fits_one_layer(trace):
     """A budget of the fixed working set + 1.5 layers of experts: whole-layers gives the last layer
     all 5 experts and layer 0 none, and static-layers (cpu_layers = -1) runs layer 0 on the CPU."""
     m = trace.model
-    # llamacpp has no staging or prefetch buffers; KV cache: batch 1, the longest step reads 6 tokens
+    # llamacpp has one layer of staging buffers (its op-offload copies) and no prefetch buffers; KV cache:
+    # batch 1, the longest step reads 6 tokens
     kv = kv_cache_bytes(m, 6)
-    fixed = m.bytes_of(m.non_expert_params) + kv
+    fixed = m.bytes_of(m.non_expert_params) + kv + m.num_experts * m.expert_bytes
     budget = fixed + 5 * m.expert_bytes * 3 // 2
     r = simulate(trace, "llamacpp", timing=False, overrides={"memory": {"gpu_memory_gib": repr(budget / 2**30)}})
     assert r.manifest["memory"]["budget_gib"] * 2**30 == budget
@@ -394,7 +395,7 @@ def test_golden_makespan_by_hand(trace, profile, monkeypatch):
         assert s["makespan_s"] == 72.0
         assert s["events"] == 72
         assert s["prefill_s"] == 29.0 and s["decode_s"] == 43.0
-        assert s["busy"] == {"gpu": 47 / 72, "cpu": 0.0, "pcie": 50 / 72}
+        assert s["busy"] == {"gpu": 47 / 72, "cpu": 0.0, "pcie": 50 / 72, "host": 0.0}
         assert r.per_step["time_s"].tolist() == [18.0, 9.0, 7.0, 11.0, 11.0, 9.0, 7.0]
         assert r.per_layer["time_s"].tolist() == [33 + 3.5, 32 + 3.5]
         # per sequence: seq 0 TTFT 18 s (3 prompt tokens), decode 9+7+11 = 27 s for 3 tokens;
@@ -412,7 +413,7 @@ def test_golden_cpu_only_and_llamacpp_makespan(trace, profile):
     all hits on the GPU) = 87 s, events 47, no copies."""
     r = simulate(trace, "cpu-only", hardware=profile)
     assert r.summary["makespan_s"] == 127.0 and r.summary["events"] == 47
-    assert r.summary["busy"] == {"gpu": 7 / 127, "cpu": 120 / 127, "pcie": 0.0}
+    assert r.summary["busy"] == {"gpu": 7 / 127, "cpu": 120 / 127, "pcie": 0.0, "host": 0.0}
     r = simulate(trace, "llamacpp", hardware=profile, overrides={"placement": {"cpu_layers": "1"}})
     assert r.summary["makespan_s"] == 87.0 and r.summary["events"] == 47
     assert r.summary["busy"]["pcie"] == 0.0

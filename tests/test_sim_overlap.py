@@ -160,7 +160,7 @@ def test_case_a_copies_overlap_computes(monkeypatch, overlap_trace, profile):
     assert r.per_layer["gpu_wait_s"].tolist() == [3.0, 4.0]
     assert r.per_layer["time_s"].tolist() == [7.5 + 2.5, 7.5 + 3.5]
     assert r.per_step["time_s"].tolist() == [15.0, 6.0]
-    assert s["busy"] == {"gpu": 14 / 21, "cpu": 0.0, "pcie": 14 / 21}
+    assert s["busy"] == {"gpu": 14 / 21, "cpu": 0.0, "pcie": 14 / 21, "host": 0.0}
     # interval args: the step and, for computes, the tokens
     by = {(iv.track, iv.name, iv.start): iv.args for iv in r.intervals}
     assert by[("gpu", "L0 E0", 2.5)] == {"step": 0, "tokens": 2}
@@ -246,7 +246,7 @@ def test_case_c_cpu_and_gpu_lanes(monkeypatch, overlap_trace, profile):
     assert spans(r) == sorted(CASE_C)
     s = r.summary
     assert s["makespan_s"] == 18.0 and s["events"] == 18  # 4 dense + 3 CPU + 7 GPU computes + 4 copies
-    assert s["busy"] == {"gpu": 10 / 18, "cpu": 12 / 18, "pcie": 8 / 18}
+    assert s["busy"] == {"gpu": 10 / 18, "cpu": 12 / 18, "pcie": 8 / 18, "host": 0.0}
     assert (s["cpu_experts"], s["gpu_experts"], s["hits"], s["on_demand"], s["admitted"]) == (3, 7, 3, 4, 4)
     assert s["cpu_tokens"] == 4 and s["gpu_tokens"] == 8
     assert r.per_step["time_s"].tolist() == [12.0, 6.0]

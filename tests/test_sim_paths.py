@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections import Counter
 import json
 from pathlib import Path
 
@@ -188,10 +189,17 @@ def check_chrome(doc: dict, n_intervals: int) -> dict[str, int]:
 def test_timeline_chrome_format(traces, tmp_path):
     r = simulate(traces["gpt-oss-slice"], "llamacpp", timeline=True)  # CPU and GPU lanes
     assert len(r.intervals) == r.summary["events"]
-    counts = check_chrome(chrome_trace(r.intervals), r.summary["events"])
-    assert counts["cpu"] == r.summary["cpu_experts"]
-    # GPU: one interval per GPU expert and per dense part (24 MoE layers x 213 steps)
-    assert counts["gpu"] == r.summary["gpu_experts"] + 24 * 213
+    check_chrome(chrome_trace(r.intervals), r.summary["events"])
+    kinds = Counter((iv.track, iv.name.split(" ")[0] if not iv.name.startswith("L") else "expert") for iv in r.intervals)
+    assert kinds[("cpu", "expert")] == r.summary["cpu_experts"]
+    assert kinds[("gpu", "expert")] == r.summary["gpu_experts"]
+    # one dense part per MoE layer and step (24 x 213), one LM head per step (llama.cpp's implementation)
+    assert kinds[("gpu", "dense")] == 24 * 213 and kinds[("gpu", "lm_head")] == 213
+    # a CPU layer hands its activations over and back, and runs its experts as one grouped set of ops
+    cpu_layers = int((r.per_layer["cpu_experts"] > 0).sum())
+    assert kinds[("cpu", "handoff")] == 2 * kinds[("cpu", "overhead")] and kinds[("cpu", "overhead")] >= 213 * cpu_layers
+    assert set(kinds) <= {("cpu", k) for k in ("expert", "handoff", "overhead")} | \
+        {("gpu", k) for k in ("expert", "dense", "lm_head", "overhead")} | {("host", "host"), ("pcie", "fetch")}
     out = write_timeline(tmp_path / "sub" / "t.json", r.intervals, "test")
     assert out.exists() and not list(out.parent.glob("*.partial"))
     doc = json.loads(out.read_text())
@@ -234,7 +242,7 @@ def test_no_timeline_unless_asked(traces):
     ("gpu-lru", {"memory": {"layout": "diagonal"}}, ValueError, r"memory\.layout must be one of uniform, whole-layers, none"),
     ("gpu-lru", {"memory": {"cache_init": "best"}}, ValueError, r"memory\.cache_init must be empty, random or frequency"),
     ("gpu-lru", {"memory": {"cache_ratio": "0.5", "cache_experts": "2"}}, ValueError, r"cache_ratio or memory\.cache_experts, not both"),
-    ("gpu-lru", {"memory": {"staging_slots": "-1"}}, ValueError, r"memory.staging_slots must not be negative, got -1"),
+    ("gpu-lru", {"memory": {"staging_slots": "-2"}}, ValueError, r"memory.staging_slots must be >= 0 \(or -1 = one layer.s experts\), got -2"),
     ("gpu-lru", {"cache": {"policy": "nope"}}, UnknownNameError, r"unknown cache policy 'nope'; known: .*lfu, lru, static"),
     ("gpu-lfu", {"cache": {"count": "bytes"}}, ValueError, r"cache\.count must be 'tokens' or 'activations', got 'bytes'"),
     ("gpu-lru", {"memory": {"cache_experts": "0", "staging_slots": "0"}}, ValueError, r"memory\.staging_slots is 0"),
@@ -247,7 +255,7 @@ def test_bad_system_parameters(system, over, error, pattern):
 
 
 def test_unknown_hardware_profile():
-    with pytest.raises(UnknownNameError, match=r"unknown hardware profile 'nope'; known: rtx3090-epyc7532"):
+    with pytest.raises(UnknownNameError, match=r"unknown hardware profile 'nope'; known: .*rtx3090-epyc7532"):
         simulate(GOLDEN, "gpu-lru", hardware="nope")
     with pytest.raises(Exception, match=r"no-such-file\.json"):
         simulate(GOLDEN, "gpu-lru", hardware=str(REPO / "no-such-file.json"))

@@ -1,7 +1,9 @@
 """Timing one piece of work on the accelerator or the host: warm-up runs, then the median of repeats.
 
 On CUDA a run is bracketed by events on the current stream (device time, no host sync inside); on the
-host by ``perf_counter``. The median resists the odd slow run of a shared machine.
+host by ``perf_counter``. The median resists the odd slow run of a shared machine. ``prepare`` runs
+before each timed run, outside the timing (e.g. to flush caches, so a piece of work is timed as cold
+as it is in a replay, where other experts have passed through the caches since it last ran).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Callable
 import torch
 
 
-def time_call(fn: Callable[[int], object], *, cuda: torch.device | None, repeats: int, warmup: int) -> float:
+def time_call(fn: Callable[[int], object], *, cuda: torch.device | None, repeats: int, warmup: int,
+              prepare: Callable[[], object] | None = None) -> float:
     """Median seconds of ``fn(i)`` over ``repeats`` runs after ``warmup`` runs (``i`` = the run index,
     for callers that rotate their inputs so weights are not cache-resident)."""
     if repeats < 1 or warmup < 0:
@@ -25,6 +28,8 @@ def time_call(fn: Callable[[int], object], *, cuda: torch.device | None, repeats
         torch.cuda.synchronize(cuda)
         stream = torch.cuda.current_stream(cuda)
         for i in range(repeats):
+            if prepare is not None:
+                prepare()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             fn(warmup + i)
@@ -33,6 +38,8 @@ def time_call(fn: Callable[[int], object], *, cuda: torch.device | None, repeats
             times.append(start.elapsed_time(end) * 1e-3)
     else:
         for i in range(repeats):
+            if prepare is not None:
+                prepare()
             t0 = time.perf_counter()
             fn(warmup + i)
             times.append(time.perf_counter() - t0)

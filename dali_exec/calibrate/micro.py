@@ -1,5 +1,6 @@
 """Microbenchmarks with the executor's own code: expert time vs tokens on each lane, host-to-device copy
-time vs bytes, and the dense part of a layer (and of a non-MoE block) vs tokens and context length.
+time vs bytes, device-to-host copies of activations, the dense part of a layer (and of a non-MoE block)
+vs tokens and context length, and how much each lane slows while the others work (contention).
 
 Each is timed by :func:`.bench.time_call` with the same pieces the executor runs: ``ExpertLayout.forward``
 on accelerator slots and on host memory (the CPU lane's worker thread and thread count), the
@@ -11,8 +12,11 @@ are not served from a cache.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +28,7 @@ from dali_exec.executor.devices import Devices
 from dali_exec.executor.ffn import ExpertLayout
 from dali_exec.executor.timing import Timer
 from dali_exec.calibrate.bench import time_call
+from dali_sim.hardware.contention import LANES, lane_combinations
 from dali_sim.models.spec import ModelSpec
 from dali_sim.sim.engine import Activity
 
@@ -35,37 +40,129 @@ class MicroSettings:
     rotate_bytes: int = 256 << 20  # distinct weight copies cycled through per measurement (>= this many bytes)
     max_copies: int = 16  # at most this many copies
     seed: int = 0
+    cold: bool = True  # flush the caches before each timed run, as a replay's other experts do
+    contention_tokens: int = 1  # expert workload of the contention measurements (decode-like)
+
+
+def llc_bytes() -> int:
+    """The host's last-level cache size (Linux sysfs), or 32 MiB when unknown."""
+    for index in (3, 2):
+        p = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size")
+        try:
+            text = p.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        return int(text.rstrip("KMG") or 0) * scale
+    return 32 << 20
+
+
+class _Flush:
+    """Evicts a device's caches: writes a buffer twice the last-level cache (host LLC or GPU L2)."""
+
+    def __init__(self, device: torch.device):
+        if device.type == "cuda":
+            size = 2 * int(torch.cuda.get_device_properties(device).L2_cache_size)
+        else:
+            size = 2 * llc_bytes()
+        self.buf = torch.zeros(max(size, 1 << 20), dtype=torch.uint8, device=device)
+
+    def __call__(self) -> None:
+        self.buf.add_(1)
+
+
+class _Loop:
+    """Runs ``fn(i)`` over and over on its own thread (with ``threads`` torch threads) until stopped: the
+    load of one lane while another lane is measured."""
+
+    def __init__(self, fn, threads: int | None, cuda: torch.device | None = None):
+        self.fn, self.threads, self.cuda = fn, threads, cuda
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="dali-calibrate-load")
+
+    def _run(self) -> None:
+        try:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+            stream = torch.cuda.Stream(self.cuda) if self.cuda is not None else None
+            i = 0
+            while not self._stop.is_set():
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        self.fn(i)
+                    stream.synchronize()
+                else:
+                    self.fn(i)
+                i += 1
+                self._started.set()
+        except BaseException as exc:  # reported by __exit__
+            self.error = exc
+            self._started.set()
+
+    def __enter__(self) -> "_Loop":
+        self._thread.start()
+        self._started.wait()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"calibration load failed: {self.error}") from self.error
 
 
 class Microbench:
     """Measures one model shape on one pair of lanes (the accelerator in this thread, the CPU on a worker)."""
 
-    def __init__(self, model: ModelSpec, devices: Devices, worker: CpuWorker, settings: MicroSettings = MicroSettings()):
+    def __init__(self, model: ModelSpec, devices: Devices, worker: CpuWorker, settings: MicroSettings = MicroSettings(),
+                 accel_threads: int | None = None):
         self.model, self.dev, self.worker, self.s = model, devices, worker, settings
+        self.accel_threads = accel_threads
         self.layout = ExpertLayout.of(model)
         self.cuda = devices.accel if devices.is_cuda else None
         self.gen = torch.Generator().manual_seed(settings.seed)
+        self._flush = {lane: _Flush(devices.of(lane)) for lane in ("gpu", "cpu")} if settings.cold else {}
+        self._weights: dict[str, tuple[torch.Tensor, int]] = {}
 
     def _copies(self, nbytes: int) -> int:
         return int(min(self.s.max_copies, max(2, math.ceil(self.s.rotate_bytes / max(nbytes, 1)))))
 
     def _timed(self, lane: str, fn) -> float:
+        kw = dict(repeats=self.s.repeats, warmup=self.s.warmup, prepare=self._flush.get(lane))
         if lane == "gpu":
-            return time_call(fn, cuda=self.cuda, repeats=self.s.repeats, warmup=self.s.warmup)
-        return self.worker.run(time_call, fn, cuda=None, repeats=self.s.repeats, warmup=self.s.warmup)
+            return time_call(fn, cuda=self.cuda, **kw)
+        return self.worker.run(time_call, fn, cuda=None, **kw)
+
+    def _expert_weights(self, lane: str) -> tuple[torch.Tensor, int]:
+        if lane not in self._weights:
+            lay = self.layout
+            nbytes = lay.numel * torch.empty((), dtype=self.dev.dtype).element_size()
+            k = self._copies(nbytes)
+            w = (torch.randn((k, lay.numel), generator=self.gen) * 0.02).to(device=self.dev.of(lane), dtype=self.dev.dtype)
+            self._weights[lane] = (w, k)
+        return self._weights[lane]
+
+    def expert_op(self, lane: str, n: int):
+        """``fn(i)``: one routed expert with ``n`` tokens as the executor's lane computes it: gather the
+        expert's tokens from a layer's activations, the expert, the gate weights, and (on the accelerator
+        lane) the scatter into the layer's output buffer (dali_exec/executor/runtime.py)."""
+        device = self.dev.of(lane)
+        lay, dt = self.layout, self.dev.dtype
+        w, k = self._expert_weights(lane)
+        T = max(n, self.model.top_k)  # the layer's tokens; the expert gets n of them
+        x = torch.randn((T, lay.hidden), generator=self.gen).to(device=device, dtype=dt)
+        idx = torch.arange(n, device=device)
+        gate = torch.rand((n, 1), generator=self.gen).to(device=device, dtype=dt)
+        out = torch.zeros((T * self.model.top_k, lay.hidden), dtype=dt, device=device)
+        if lane == "gpu":
+            return lambda i: out.index_copy_(0, idx, lay.forward(w[i % k], x.index_select(0, idx)) * gate)
+        return lambda i: lay.forward(w[i % k], x.index_select(0, idx)) * gate
 
     def expert_seconds(self, lane: str, tokens: list[int]) -> list[float]:
         """One routed expert with ``n`` tokens, for each ``n``, on ``lane`` (gpu | cpu)."""
-        device = self.dev.of(lane)
-        lay = self.layout
-        nbytes = lay.numel * torch.empty((), dtype=self.dev.dtype).element_size()
-        k = self._copies(nbytes)
-        w = (torch.randn((k, lay.numel), generator=self.gen) * 0.02).to(device=device, dtype=self.dev.dtype)
-        out = []
-        for n in tokens:
-            x = torch.randn((n, lay.hidden), generator=self.gen).to(device=device, dtype=self.dev.dtype)
-            out.append(self._timed(lane, lambda i, x=x: lay.forward(w[i % k], x)))
-        return out
+        return [self._timed(lane, self.expert_op(lane, n)) for n in tokens]
 
     def transfer_seconds(self, sizes: list[int]) -> list[float]:
         """Host-to-accelerator copies of ``b`` bytes through the executor's copy lane (pinned on CUDA)."""
@@ -93,6 +190,71 @@ class Microbench:
         finally:
             engine.close()
         return out
+
+    def d2h_seconds(self, sizes: list[int]) -> list[float]:
+        """Accelerator-to-host copies of ``b`` bytes (a CPU lane's activations), synchronous as the executor's
+        ``x.to(host)``; CUDA only (on the CPU device the CPU lane reads the same tensor)."""
+        elem = torch.empty((), dtype=self.dev.dtype).element_size()
+        src = torch.empty((max(sizes) // elem,), dtype=self.dev.dtype, device=self.dev.accel)
+        out = []
+        for b in sizes:
+            view = src[: b // elem]
+            out.append(time_call(lambda i, v=view: v.to("cpu"), cuda=None, repeats=self.s.repeats,
+                                 warmup=self.s.warmup))
+        return out
+
+    def _copy_op(self):
+        """``fn(i)``: one expert's host-to-accelerator copy as the copy lane makes it (pinned on CUDA)."""
+        dt, numel = self.dev.dtype, self.layout.numel
+        k = self._copies(numel * torch.empty((), dtype=dt).element_size())
+        src = torch.empty((k, numel), dtype=dt, pin_memory=self.dev.is_cuda)
+        src.uniform_(generator=self.gen)
+        dst = torch.empty((numel,), dtype=dt, device=self.dev.accel)
+        return lambda i: dst.copy_(src[i % k], non_blocking=self.dev.is_cuda)
+
+    def _load(self, lane: str):
+        """A background loop of ``lane``'s typical activity (``contention_tokens`` per expert, one copy)."""
+        n = self.s.contention_tokens
+        if lane == "h2d":
+            return _Loop(self._copy_op(), 1, self.cuda)
+        if lane == "gpu":
+            return _Loop(self.expert_op("gpu", n), self.accel_threads, self.cuda)
+        return _Loop(self.expert_op("cpu", n), self.worker.threads)
+
+    def _measure_lane(self, lane: str) -> float:
+        n = self.s.contention_tokens
+        if lane == "h2d":
+            op = self._copy_op()
+            kw = dict(repeats=self.s.repeats, warmup=self.s.warmup)
+            if self.cuda is None:
+                return time_call(op, cuda=None, **kw)
+            stream = torch.cuda.Stream(self.cuda)
+
+            def timed():
+                with torch.cuda.stream(stream):
+                    return time_call(op, cuda=self.cuda, **kw)
+            return timed()
+        return self._timed(lane, self.expert_op(lane, n))
+
+    def contention(self) -> dict[str, dict[str, float]]:
+        """Slowdown of each lane's activity (a ``contention_tokens`` expert on the accelerator and CPU lanes,
+        an expert's copy on the copy lane) while the other lanes of each combination run theirs in loops:
+        ``{"cpu+h2d": {"cpu": t_cpu_with_copies / t_cpu_alone, "h2d": ...}, ...}``, every factor >= 1
+        (a measured speed-up, noise, is clipped to 1)."""
+        alone = {lane: self._measure_lane(lane) for lane in LANES}
+        table: dict[str, dict[str, float]] = {}
+        for key in lane_combinations():
+            lanes = key.split("+")
+            factors = {}
+            for lane in lanes:
+                loads = [self._load(other) for other in lanes if other != lane]
+                with contextlib.ExitStack() as stack:
+                    for load in loads:
+                        stack.enter_context(load)
+                    t = self._measure_lane(lane)
+                factors[lane] = max(1.0, t / alone[lane]) if alone[lane] > 0 else 1.0
+            table[key] = factors
+        return table
 
     def dense_seconds(self, lane: str, tokens: list[int], contexts: list[int], moe: bool = True) -> list[list[float]]:
         """``seconds[i][j]``: the dense part of an MoE layer (``moe``) or a non-MoE block, ``tokens[j]``

@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dali_exec.calibrate.host import HostSettings, measure_host_costs
 from dali_exec.calibrate.micro import Microbench, MicroSettings
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices, cpu_name, host_memory_bytes, lane_threads
 from dali_exec.executor.problem import DTYPE_PRECISION, scale_model
+from dali_exec.executor.replay import ExecOptions
 from dali_sim import __version__
 from dali_sim.hardware.measured import (
     CurveTable,
@@ -29,6 +31,7 @@ from dali_sim.hardware.measured import (
     write_measured_profile,
 )
 from dali_sim.models.presets import get_model
+from dali_sim.models.spec import ModelSpec
 
 GIB = 1 << 30
 
@@ -47,6 +50,8 @@ class CalibrationConfig:
     transfer_sizes: tuple[float, ...] = (0.0625, 0.25, 1.0, 2.0)  # copies of these multiples of one expert's bytes
     settings: MicroSettings = field(default_factory=MicroSettings)
     name: str | None = None
+    contention: bool = True  # measure how the lanes slow each other (MeasuredProfile.contention)
+    host: HostSettings | None = field(default_factory=HostSettings)  # the executor's host costs; None = skip
 
     def __post_init__(self) -> None:
         for key in ("expert_tokens", "dense_tokens", "context_lens", "transfer_sizes"):
@@ -55,8 +60,12 @@ class CalibrationConfig:
                 raise ValueError(f"{key} must be strictly increasing positive numbers (at least 2; context_lens: "
                                  f"at least 1), got {list(v)}")
 
-    def model(self) -> "object":
-        return scale_model(get_model(self.model_shape), self.scale, None, DTYPE_PRECISION[self.dtype])
+    def full_model(self) -> ModelSpec:
+        """The full-size model the calibrated shape is scaled from."""
+        return get_model(self.model_shape)
+
+    def model(self) -> ModelSpec:
+        return scale_model(self.full_model(), self.scale, None, DTYPE_PRECISION[self.dtype])
 
 
 def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress: bool = False) -> MeasuredProfile:
@@ -68,7 +77,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     prev = torch.get_num_threads()
     if accel_threads is not None:
         torch.set_num_threads(accel_threads)
-    bench = Microbench(model, devices, worker, cfg.settings)
+    bench = Microbench(model, devices, worker, cfg.settings, accel_threads)
     xb = model.expert_bytes
     elem = torch.empty((), dtype=devices.dtype).element_size()
     sizes = sorted({max(elem, int(f * xb) // elem * elem) for f in cfg.transfer_sizes})
@@ -81,6 +90,14 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     if model.num_dense_layers:
         jobs += [("gpu_dense_block", lambda: bench.dense_seconds("gpu", dtoks, ctxs, moe=False)),
                  ("cpu_dense_block", lambda: bench.dense_seconds("cpu", dtoks, ctxs, moe=False))]
+    act_sizes = sorted({max(elem, n * model.hidden_size * elem) for n in (1, *dtoks)})
+    if devices.is_cuda:
+        jobs.append(("d2h", lambda: bench.d2h_seconds(act_sizes)))
+    if cfg.contention:
+        jobs.append(("contention", bench.contention))
+    if cfg.host is not None:
+        run = ExecOptions(device=str(devices.accel), cpu_threads=cpu_threads, accel_threads=accel_threads)
+        jobs.append(("host", lambda: measure_host_costs(cfg.full_model(), cfg.scale, cfg.dtype, devices, run, cfg.host)))
     results = {}
     try:
         for key, job in tqdm(jobs, desc=f"calibrate {model.name}", unit="table", disable=not progress, leave=False):
@@ -93,6 +110,8 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "cpu_expert": CurveTable(tuple(map(float, toks)), tuple(results["cpu_expert"])),
         "h2d": CurveTable(tuple(map(float, sizes)), tuple(results["h2d"])),
     }
+    if "d2h" in results:
+        tables["d2h"] = CurveTable(tuple(map(float, act_sizes)), tuple(results["d2h"]))
     for key in ("gpu_dense", "cpu_dense", "gpu_dense_block", "cpu_dense_block"):
         if key in results:
             tables[key] = DenseTable(tuple(map(float, dtoks)), tuple(map(float, ctxs)),
@@ -109,7 +128,12 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "devices": {"gpu": accel, "cpu": cpu_name(), "gpu_is_cpu_device": not cuda},
         "model_shape": cfg.model_shape, "scale": cfg.scale, "dtype": cfg.dtype,
         "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads},
-        "statistic": f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs",
+        "statistic": f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs"
+                     + (", caches flushed before each run" if cfg.settings.cold else ""),
+        "contention": (f"each lane with a {cfg.settings.contention_tokens}-token expert (copy lane: one expert's "
+                       "copy) while the other lanes of each combination loop theirs") if cfg.contention else "not measured",
+        "host": "dali_exec/calibrate/host.py (replays of cpu-only and all-resident gpu-static on a random workload; "
+                "Controller.plan per preset)" if cfg.host is not None else "not measured",
         "dense_part": "dali_exec.executor.dense.DenseBlock (docs/executor.md), decode layout",
     }
     gpu_name = accel if cuda else f"{accel} (measured as the executor's accelerator)"
@@ -118,7 +142,8 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         description=f"calibrated by dali exec calibrate for {model.name} ({cfg.dtype}) on {accel}",
         gpu=MeasuredDevice(gpu_name, devices.accel_memory_bytes() / GIB),
         cpu=MeasuredDevice(f"{cpu_name()}, {cpu_threads} threads", host_memory_bytes() / GIB),
-        link_name=link, model=ModelShape.of(model), provenance=provenance, **tables,
+        link_name=link, model=ModelShape.of(model), provenance=provenance, contention=results.get("contention"),
+        host=results.get("host"), **tables,
     )
 
 

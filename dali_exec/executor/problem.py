@@ -19,8 +19,9 @@ import numpy as np
 import pyarrow as pa
 
 from dali_sim.hardware.cost import CostModel
+from dali_sim.hardware.implementation import EXECUTOR
 from dali_sim.hardware.profile import Profile, load_profile
-from dali_sim.models.presets import get_model, get_precision
+from dali_sim.models.presets import apply_precision, get_model, get_precision
 from dali_sim.models.spec import ModelSpec
 from dali_sim.policies.systems import SystemConfig, resolve_system
 from dali_sim.runtime.memory import GIB, MemoryPlan, plan_memory
@@ -86,13 +87,14 @@ def scale_model(spec: ModelSpec, scale: float = 1.0, layers: int | None = None,
         dense_intermediate_size=_scaled(spec.dense_intermediate_size, scale),
         attention=attention,
         precision=get_precision(precision) if precision else spec.precision,
+        dense_precision=None if precision else spec.dense_precision,
     )
 
 
 def full_model_of(trace: Trace, model_shape: str | None, precision: str | None) -> ModelSpec:
     """The full-size model the replay stands for: ``model_shape`` (checked against the trace) or the trace's."""
     if model_shape is None:
-        return trace.model if precision is None else trace.model.with_precision(get_precision(precision))
+        return apply_precision(trace.model, precision)
     spec = get_model(model_shape, precision)
     where = trace.path or "the trace"
     have = (trace.num_experts, trace.top_k, tuple(trace.layers))
@@ -198,9 +200,11 @@ def prepare_replay(trace: Trace, system: str, options: ReplayOptions = ReplayOpt
     budget = replay_budget(full_plan, full, model, full_sys, kv, required)
     over = {k: dict(v) for k, v in (overrides or {}).items()}
     over.setdefault("memory", {})["gpu_memory_gib"] = repr(budget / GIB)
+    # the replay runs on dali's executor: a simulation of it (validation) times that implementation
+    over.setdefault("system", {})["implementation"] = EXECUTOR
     sysconf = resolve_system(system, over, model)
     plan = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, kv, required=required)
-    costs = CostModel(profile, model)
+    costs = CostModel(profile, model, implementation=sysconf.implementation, system=sysconf.name)
     return ReplaySetup(reduced, full, model, options, sysconf, profile, costs, workload, plan, full_plan, str(hardware))
 
 

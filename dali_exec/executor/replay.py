@@ -78,7 +78,7 @@ class Replay:
         future = FutureDemand.from_workload(w) if s.needs_future else None
         self.controller = Controller(w, setup.costs, self.placement, self.cache, self.prefetch, setup.memory.capacities,
                                      cache_init=s.memory.cache_init, prefetch_slots=setup.memory.prefetch_slots,
-                                     staging_slots=s.memory.staging_slots, seed=seed, future=future)
+                                     staging_slots=setup.memory.staging_slots, seed=seed, future=future)
         model = setup.model
         if store is None:
             store = HostExpertStore.random(model, devices.dtype, seed, pin=devices.is_cuda, progress=opts.progress)
@@ -97,13 +97,13 @@ class Replay:
         self.timer = Timer(devices.accel if devices.is_cuda else None)
         self._check_accelerator_memory()
         self.runtime = OffloadRuntime(self.store, devices, setup.memory.capacities, setup.memory.prefetch_slots,
-                                      s.memory.staging_slots, cpu_threads=self.cpu_threads, timer=self.timer,
+                                      setup.memory.staging_slots, cpu_threads=self.cpu_threads, timer=self.timer,
                                       copy_delay_s=opts.copy_delay_s)
         self.runtime.load(self.controller.initial_resident)
 
     def _check_accelerator_memory(self) -> None:
         m, model = self.setup.memory, self.setup.model
-        slots = (int(m.capacities.sum()) + m.prefetch_slots + self.setup.sysconf.memory.staging_slots) * model.expert_bytes
+        slots = (int(m.capacities.sum()) + m.prefetch_slots + m.staging_slots) * model.expert_bytes
         on_accel = slots + (sum(b.nbytes for b in self.blocks) + self.kv.nbytes if self.dense_device == self.dev.accel else 0)
         free = self.dev.accel_free_bytes()
         if self.dev.is_cuda and on_accel > free:
@@ -155,10 +155,12 @@ class Replay:
                         x, _ = self._dense(block, x, attn, Activity("block", step, b))
                         continue
                     t0 = self.timer.now()
+                    host0 = self.timer.mark()
                     sw = Stopwatch().start()
                     plan = self.controller.plan(step, layer)
                     counters.add(plan)
                     sw.stop()
+                    self.timer.add("host", Activity("host", step, layer), host0, self.timer.mark())
                     decision[:, layer] += (sw.wall, sw.cpu)
                     self.runtime.start_layer(plan)
                     residual, gate_input = self._dense(block, x, attn, Activity("dense", step, layer))

@@ -46,7 +46,7 @@ def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCo
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
     summary["executor"] = {"device": executor["devices"]["accelerator"],
                            "device_name": executor["devices"]["accelerator_name"]}
-    manifest = run_manifest(setup.trace, seed, profile, model, setup.memory, True)
+    manifest = run_manifest(setup.trace, seed, profile, model, setup.memory, True, sysconf.implementation)
     manifest["executor"] = {**executor, "replay": setup.describe()}
     config = {"system": sysconf.to_dict(), "hardware": setup.hardware, "batch_size": batch_size,
               "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": True,

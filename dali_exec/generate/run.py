@@ -37,6 +37,7 @@ from dali_sim import __version__
 from dali_sim.hardware.cost import CostModel
 from dali_sim.hardware.profile import load_profile
 from dali_sim.models.hf_config import spec_from_hf_config
+from dali_sim.hardware.implementation import EXECUTOR
 from dali_sim.policies.systems import resolve_system
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.memory import plan_memory
@@ -173,7 +174,10 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
                                                      model.config.model_type)
     spec = spec_from_hf_config(model.config.to_dict(), name=name or None, precision=DTYPE_PRECISION[dtype_name])
     check_spec(spec, blocks, model_path or name)
-    sysconf = resolve_system(system, overrides, spec)
+    # the run is dali's executor: its decisions use that implementation's costs (as a replay's do)
+    over = {k: dict(v) for k, v in (overrides or {}).items()}
+    over.setdefault("system", {})["implementation"] = EXECUTOR
+    sysconf = resolve_system(system, over, spec)
     check_online(sysconf)
     placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
     needed = prefetch.required_predictors()
@@ -206,14 +210,14 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
     workload = OnlineWorkload(spec, offsets, frequencies=freq, frequencies_source=freq_source,
                               config=WorkloadConfig(options.batch_size, options.prefill_chunk))
     profile = load_profile(hardware)
-    costs = CostModel(profile, spec)
+    costs = CostModel(profile, spec, implementation=sysconf.implementation, system=sysconf.name)
     L, E = spec.num_moe_layers, spec.num_experts
     max_kv = _max_kv_tokens([len(t) for t in token_ids], options.batch_size, options.max_new_tokens)
     mem = plan_memory(spec, sysconf.memory, profile.gpu_memory_bytes, max_kv,
                       required=placement.required_capacities(L, E))
     controller = Controller(workload, costs, placement, cache, prefetch, mem.capacities,
                             cache_init=sysconf.memory.cache_init, prefetch_slots=mem.prefetch_slots,
-                            staging_slots=sysconf.memory.staging_slots, seed=seed)
+                            staging_slots=mem.staging_slots, seed=seed)
 
     devices = Devices.create(options.device, dtype_name)
     cpu_threads, accel_threads = options.threads(devices)
@@ -222,13 +226,13 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
     store = pack_experts([b.experts for b in blocks], devices.dtype, pin=devices.is_cuda)
     if free_experts:
         _release(blocks)
-    slot_bytes = (int(mem.capacities.sum()) + mem.prefetch_slots + sysconf.memory.staging_slots) * \
+    slot_bytes = (int(mem.capacities.sum()) + mem.prefetch_slots + mem.staging_slots) * \
         store.expert_nbytes
     if devices.is_cuda and slot_bytes > devices.accel_free_bytes():
         raise ValueError(f"the expert slots need {slot_bytes / 2**30:.2f} GiB on {devices.accel_name()} but "
                          f"{devices.accel_free_bytes() / 2**30:.2f} GiB are free: lower --gpu-memory")
     timer = Timer(devices.accel if devices.is_cuda else None)
-    runtime = OffloadRuntime(store, devices, mem.capacities, mem.prefetch_slots, sysconf.memory.staging_slots,
+    runtime = OffloadRuntime(store, devices, mem.capacities, mem.prefetch_slots, mem.staging_slots,
                              cpu_threads=cpu_threads, timer=timer, copy_delay_s=options.copy_delay_s)
     session = None
     prev_threads = torch.get_num_threads()

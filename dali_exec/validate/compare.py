@@ -9,7 +9,9 @@ is optimistic (predicts less time than was measured).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -25,7 +27,7 @@ SHOWN_COUNTERS = ("hits", "on_demand", "prefetch_issued", "prefetch_used", "admi
 #: derived rates that follow from the counters (equal when the counters are)
 RATES = ("hit_rate", "gpu_fraction", "prefetch_precision", "prefetch_recall")
 #: activity kinds of timeline intervals (docs/simulator.md, Timelines)
-KINDS = ("dense", "block", "gpu_expert", "cpu_expert", "fetch", "prefetch", "swap")
+KINDS = ("host", "dense", "block", "gpu_expert", "cpu_expert", "fetch", "prefetch", "swap", "other")
 #: placement policies whose decisions are not reproducible run to run (a solver under a time limit)
 NONDETERMINISTIC_PLACEMENTS = ("optimal", "optimal-mem")
 
@@ -46,9 +48,11 @@ def activity_kind(iv: Interval) -> str:
     if name.startswith("dense"):
         return "dense"
     head = name.split(" ", 1)[0]
-    if head in ("fetch", "prefetch", "swap"):
+    if head in ("fetch", "prefetch", "swap", "host"):
         return head
-    return "gpu_expert" if iv.track == "gpu" else "cpu_expert"
+    if head.startswith("L") and " E" in name:
+        return "gpu_expert" if iv.track == "gpu" else "cpu_expert"
+    return "other"  # LM head, lane overheads, activation hand-overs, shared experts
 
 
 def busy_by_kind(intervals: Iterable[Interval]) -> dict[str, tuple[int, float]]:
@@ -157,6 +161,51 @@ def compare(executed: SimResult, simulated: SimResult) -> dict[str, Any]:
             "steps": steps}
 
 
+@dataclass(frozen=True)
+class Thresholds:
+    """When a validation fails (docs/validation.md, "Verdict"): a system's total time off by more than
+    ``total`` (relative), its per-step |error| 90th percentile above ``step_p90`` (None: not checked), two
+    systems whose measured times differ by more than ``order_margin`` ordered the other way round by the
+    simulator, or counters that must match and do not."""
+
+    total: float = 0.15
+    step_p90: float | None = None
+    order_margin: float = 0.10
+
+    def __post_init__(self) -> None:
+        for name in ("total", "step_p90", "order_margin"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"threshold {name} must be a finite number >= 0, got {v!r}")
+
+
+def verdict(rows: list[dict[str, Any]], thresholds: Thresholds = Thresholds()) -> dict[str, Any]:
+    """``{"ok": bool, "failures": [one line each], "thresholds": {...}}`` for the compared systems' rows."""
+    failures = []
+    for r in rows:
+        err = r["total_rel_err"]
+        if not math.isfinite(err) or abs(err) > thresholds.total:
+            failures.append(f"{r['system']}: total time error {100 * err:+.1f}% exceeds "
+                            f"+-{100 * thresholds.total:.0f}% (executed {r['exec_s']:.3f} s, simulated {r['sim_s']:.3f} s)")
+        p90 = r["step_abs_err_p90"]
+        if thresholds.step_p90 is not None and (not math.isfinite(p90) or p90 > thresholds.step_p90):
+            failures.append(f"{r['system']}: per-step |error| p90 {100 * p90:.1f}% exceeds "
+                            f"{100 * thresholds.step_p90:.0f}%")
+        if r["expected_exact"] and not r["exact"]:
+            failures.append(f"{r['system']}: counters differ ({', '.join(r['counters_differ'])}) where they must match")
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            ea, eb, sa, sb = a["exec_s"], b["exec_s"], a["sim_s"], b["sim_s"]
+            if min(ea, eb) <= 0 or abs(ea - eb) / min(ea, eb) <= thresholds.order_margin:
+                continue  # too close to call
+            if (ea < eb) != (sa < sb):
+                fast, slow = (a, b) if ea < eb else (b, a)
+                failures.append(f"order: {fast['system']} is faster than {slow['system']} measured "
+                                f"({fast['exec_s']:.3f} vs {slow['exec_s']:.3f} s), slower simulated "
+                                f"({fast['sim_s']:.3f} vs {slow['sim_s']:.3f} s)")
+    return {"ok": not failures, "failures": failures, "thresholds": dataclasses.asdict(thresholds)}
+
+
 def rank_agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Do executor and simulator order the systems the same way by total time? Kendall's tau over all
     pairs (ties count as neither concordant nor discordant) and the two orders."""
@@ -176,5 +225,5 @@ def rank_agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "discordant_pairs": int(disc), "pairs": int(pairs)}
 
 
-__all__ = ["KINDS", "RATES", "SHOWN_COUNTERS", "activity_kind", "busy_by_kind", "compare", "counters_equal",
-           "expected_exact", "idle_seconds", "rank_agreement", "rel_err", "step_table"]
+__all__ = ["KINDS", "RATES", "SHOWN_COUNTERS", "Thresholds", "activity_kind", "busy_by_kind", "compare",
+           "counters_equal", "expected_exact", "idle_seconds", "rank_agreement", "rel_err", "step_table", "verdict"]

@@ -115,6 +115,15 @@ def markdown(report) -> str:
         lines += ["", f"Order by total time, executor: {', '.join(rk['exec_order'])}; simulator: "
                       f"{', '.join(rk['sim_order'])} (Kendall tau {rk['kendall_tau']:.2f}, "
                       f"{rk['discordant_pairs']} of {rk['pairs']} pairs discordant)."]
+    v = report.verdict
+    if v:
+        t = v["thresholds"]
+        rule = (f"|total error| <= {100 * t['total']:.0f}% per system"
+                + (f", per-step |error| p90 <= {100 * t['step_p90']:.0f}%" if t.get("step_p90") is not None else "")
+                + f", the same order where measured times differ by more than {100 * t['order_margin']:.0f}%, "
+                  "counters exact where they must be")
+        lines += ["", "## Verdict", "", f"**{'OK' if v['ok'] else 'FAIL'}** ({rule})."]
+        lines += [f"- FAIL {f}" for f in v["failures"]]
     lines += ["", "## Counters (executor / simulator where they differ)", ""]
     rows = []
     for s in report.systems:
@@ -151,7 +160,7 @@ def to_json(report) -> dict[str, Any]:
         systems.append({**{k: v for k, v in s.items() if k != "steps"},
                         "steps": s["steps"].reset_index().to_dict(orient="list")})
     return {"settings": report.settings, "systems": systems, "skipped": report.skipped, "failed": report.failed,
-            "ranking": report.ranking}
+            "ranking": report.ranking, "verdict": report.verdict}
 
 
 def write_tables(report, out: Path) -> list[Path]:

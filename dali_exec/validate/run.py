@@ -23,7 +23,7 @@ from dali_exec.executor.devices import Devices, cpu_name
 from dali_exec.executor.problem import DTYPE_PRECISION, ReplayOptions, ReplaySetup, prepare_replay, scale_model
 from dali_exec.executor.replay import ExecOptions, Replay
 from dali_exec.executor.store import HostExpertStore
-from dali_exec.validate.compare import compare, rank_agreement
+from dali_exec.validate.compare import Thresholds, compare, rank_agreement, verdict
 from dali_sim import __version__
 from dali_sim.hardware.measured import MeasuredProfile, ModelShape, write_measured_profile
 from dali_sim.hardware.profile import load_profile
@@ -59,6 +59,7 @@ class ValidationConfig:
     time_budget_s: float | None = None  # start no further system once this is likely to be exceeded
     timelines: bool = True
     plot: bool = True
+    thresholds: Thresholds = Thresholds()  # when the validation fails (docs/validation.md, "Verdict")
 
     def __post_init__(self) -> None:
         if not self.systems:
@@ -78,7 +79,13 @@ class ValidationReport:
     skipped: list[dict[str, str]] = field(default_factory=list)
     failed: list[dict[str, str]] = field(default_factory=list)  # system, error (the others still ran)
     ranking: dict[str, Any] = field(default_factory=dict)
+    verdict: dict[str, Any] = field(default_factory=dict)  # ok, failures, thresholds
     files: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every system ran and the verdict holds."""
+        return bool(self.verdict.get("ok")) and not self.failed
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -110,8 +117,8 @@ class _SpecCalibration(CalibrationConfig):
 
     spec: ModelSpec | None = None
 
-    def model(self) -> ModelSpec:
-        return scale_model(self.spec, self.scale, None, DTYPE_PRECISION[self.dtype])
+    def full_model(self) -> ModelSpec:
+        return self.spec
 
 
 def check_profile(profile: Any, model: ModelSpec, devices: Devices, threads: tuple[int, int | None],
@@ -285,6 +292,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                 f"counters {'exact' if r['exact'] else 'DIFFER: ' + ', '.join(r['counters_differ'])}")
             longest = max(longest, time.perf_counter() - t0)
             report.ranking = rank_agreement(report.rows)
+            report.verdict = verdict(report.rows, cfg.thresholds)
             report.settings["elapsed_s"] = time.perf_counter() - t_start
             write_tables(report, out)
     if cfg.plot and report.systems:

@@ -168,14 +168,22 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @click.option("--time-budget", type=float, help="Seconds: start no further system once the budget would likely be exceeded.")
 @click.option("--no-timelines", is_flag=True, help="Do not write the Perfetto timelines.")
 @click.option("--no-plot", is_flag=True, help="Do not draw validation.png.")
+@click.option("--max-total-error", default=0.15, show_default=True, type=click.FloatRange(min=0),
+              help="Fail when a system's |total time error| exceeds this (relative).")
+@click.option("--max-step-p90", type=click.FloatRange(min=0),
+              help="Fail when a system's per-step |error| 90th percentile exceeds this (default: not checked).")
+@click.option("--order-margin", default=0.10, show_default=True, type=click.FloatRange(min=0),
+              help="Fail when two systems whose measured times differ by more than this are ordered the other way "
+                   "round by the simulator.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of the markdown table.")
 def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, scale, sequences, max_tokens, device,
                  dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, no_warmup,
-                 time_budget, no_timelines, no_plot, as_json, **kw) -> None:
+                 time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
     ex = _exec_module()
     from dali_exec.calibrate import MicroSettings
     from dali_exec.validate import ValidationConfig, validate
+    from dali_exec.validate.compare import Thresholds
     from dali_exec.validate.report import JSON, MARKDOWN
 
     names = tuple(s.strip() for s in systems.split(",") if s.strip())
@@ -186,12 +194,18 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
         run=ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads),
         batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw),
         warmup=not no_warmup, calibration=MicroSettings(repeats=repeats, warmup=1), time_budget_s=time_budget,
-        timelines=not no_timelines, plot=not no_plot)
+        timelines=not no_timelines, plot=not no_plot,
+        thresholds=Thresholds(total=max_total_error, step_p90=max_step_p90, order_margin=order_margin))
     report = validate(trace_path, cfg, out_dir, command=command_line(), log=lambda m: click.echo(m, err=True),
                       progress=True)
     click.echo((out_dir / (JSON if as_json else MARKDOWN)).read_text())
-    if report.failed:
-        raise click.ClickException("failed: " + "; ".join(f"{f['system']} ({f['error']})" for f in report.failed))
+    problems = [f"{f['system']} did not run ({f['error']})" for f in report.failed]
+    problems += report.verdict.get("failures", [])
+    if problems:
+        for p in problems:
+            click.echo(f"FAIL {p}", err=True)
+        raise click.ClickException(f"validation failed: {len(problems)} problem(s); see {out_dir / MARKDOWN}")
+    click.echo("OK: every system within the thresholds", err=True)
 
 
 _MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")

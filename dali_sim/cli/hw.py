@@ -66,6 +66,8 @@ def show_cmd(profile: str, as_json: bool) -> None:
                 if f == "name":
                     continue
                 value = getattr(spec, f)
+                if value is None:
+                    continue
                 shown = ", ".join(f"{k}={v:g}" for k, v in value.items()) if isinstance(value, dict) else f"{value:g}"
                 click.echo(f"  {f:20s} {shown}")
                 src = p.sources.get(f"{part}.{f}")
@@ -80,6 +82,15 @@ def show_cmd(profile: str, as_json: bool) -> None:
             axis = next(a for a in v if a not in ("seconds", "context_lens"))
             extra = f" x {len(v['context_lens'])} context lengths" if "context_lens" in v else ""
             click.echo(f"  table {k}: {len(v[axis])} {axis} points{extra}")
+        if p.contention is not None:
+            click.echo("contention (slowdown of each lane while the others run):")
+            for key, factors in p.contention.items():
+                click.echo(f"  {key:12s} " + ", ".join(f"{lane} x{f:.2f}" for lane, f in factors.items()))
+        if p.host is not None:
+            h = p.host
+            click.echo(f"executor host time: {1e6 * h.layer_s:.0f} us per layer visit + {1e6 * h.gpu_expert_s:.0f} us per "
+                       f"GPU expert + {1e6 * h.cpu_expert_s:.0f} us per CPU expert + {1e6 * h.copy_s:.0f} us per copy; "
+                       "decisions per layer visit: " + ", ".join(f"{k} {1e6 * v:.0f} us" for k, v in h.decision_s.items()))
         click.echo(f"provenance: {json.dumps(dict(p.provenance))}")
 
 
@@ -90,15 +101,19 @@ def show_cmd(profile: str, as_json: bool) -> None:
 @click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="Comma-separated token counts.")
 @click.option("--context-len", default=0, show_default=True, type=click.IntRange(min=0),
               help="Cached tokens each query attends to, for the dense time (decode layout).")
+@click.option("--implementation", default="bare", show_default=True,
+              help="Implementation whose per-call costs to include (docs/hardware.md, 'Implementations'); bare = the "
+                   "roofline alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def cost_cmd(profile: str, model_name: str, precision: str | None, tokens: str, context_len: int, as_json: bool) -> None:
+def cost_cmd(profile: str, model_name: str, precision: str | None, tokens: str, context_len: int, implementation: str,
+             as_json: bool) -> None:
     """Expert time on GPU and CPU per token count, one expert's transfer, dense time, crossover."""
     counts = _parse_tokens(tokens)
     limit = max(CROSSOVER_SEARCH_TOKENS, max(counts))
     p = _load(profile)
     try:
         model = get_model(model_name, precision)
-        cm = CostModel(p, model, lookup_tokens=limit)
+        cm = CostModel(p, model, implementation=implementation, lookup_tokens=limit)
         crossover = cm.crossover_tokens(max_tokens=limit)
         crossover_overlap = cm.crossover_tokens(overlap=True, max_tokens=limit)
         rows = [
@@ -118,7 +133,8 @@ def cost_cmd(profile: str, model_name: str, precision: str | None, tokens: str, 
         "profile": p.name,
         "kind": p.kind,
         "model": model.name,
-        "precision": model.precision.name,
+        "precision": model.precision_label,
+        "implementation": cm.impl.name,
         "expert_bytes": model.expert_bytes,
         "expert_transfer_s": cm.expert_transfer_time(),
         "context_len": context_len,
@@ -129,7 +145,7 @@ def cost_cmd(profile: str, model_name: str, precision: str | None, tokens: str, 
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"{p.name} ({p.kind}), {model.name} at {model.precision.name}: one expert = "
+    click.echo(f"{p.name} ({p.kind}), {model.name} at {model.precision_label}, implementation {cm.impl.name}: one expert = "
                f"{model.expert_bytes / 1e6:.1f} MB, transfer {cm.expert_transfer_time() * 1e3:.3f} ms")
     click.echo(f"dense part of one MoE layer at context_len={context_len}")
     header = ("tokens", "gpu_ms", "cpu_ms", "gpu+h2d_ms", "dense_gpu_ms", "dense_cpu_ms")

@@ -20,11 +20,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from dali_sim.hardware.contention import lane_combinations
 from dali_sim.hardware.profile import FieldReader, ProfileError, check_device, check_number
 from dali_sim.models.spec import ModelSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # format 1: no contention, no host costs, no d2h table
 CURVE_TABLES = {"gpu_expert": "tokens", "cpu_expert": "tokens", "h2d": "bytes"}
+OPTIONAL_CURVE_TABLES = {"d2h": "bytes"}
 DENSE_TABLES = ("gpu_dense", "cpu_dense")
 OPTIONAL_DENSE_TABLES = ("gpu_dense_block", "cpu_dense_block")
 
@@ -45,6 +48,24 @@ class DenseTable:
     tokens: tuple[float, ...]
     context_lens: tuple[float, ...]
     seconds: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """The executor's own host time, measured on the machine (seconds): per MoE layer visit, plus per
+    GPU expert, per CPU expert and per copy the layer issues, and the policies' decision time per layer
+    visit for each system measured (``Controller.plan``; docs/validation.md). Used by the
+    ``dali-executor`` implementation, whose time the simulator predicts in a validation."""
+
+    layer_s: float
+    gpu_expert_s: float
+    cpu_expert_s: float
+    copy_s: float
+    decision_s: Mapping[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer_s": self.layer_s, "gpu_expert_s": self.gpu_expert_s, "cpu_expert_s": self.cpu_expert_s,
+                "copy_s": self.copy_s, "decision_s": dict(self.decision_s)}
 
 
 @dataclass(frozen=True)
@@ -94,6 +115,9 @@ class MeasuredProfile:
     provenance: Mapping[str, Any]
     gpu_dense_block: DenseTable | None = None
     cpu_dense_block: DenseTable | None = None
+    d2h: CurveTable | None = None  # device-to-host copies (activations of CPU experts); None on the CPU device
+    contention: Mapping[str, Mapping[str, float]] | None = None  # slowdowns per set of busy lanes (contention.py)
+    host: HostCosts | None = None
     path: str = field(default="", compare=False)
 
     kind = "measured"
@@ -124,9 +148,17 @@ class MeasuredProfile:
             return {"tokens": list(t.tokens), "context_lens": list(t.context_lens), "seconds": [list(r) for r in t.seconds]}
 
         tables: dict[str, Any] = {k: curve(getattr(self, k), axis) for k, axis in CURVE_TABLES.items()}
+        for k, axis in OPTIONAL_CURVE_TABLES.items():
+            if getattr(self, k) is not None:
+                tables[k] = curve(getattr(self, k), axis)
         for k in DENSE_TABLES + OPTIONAL_DENSE_TABLES:
             if getattr(self, k) is not None:
                 tables[k] = dense(getattr(self, k))
+        extra: dict[str, Any] = {}
+        if self.contention is not None:
+            extra["contention"] = {k: dict(v) for k, v in self.contention.items()}
+        if self.host is not None:
+            extra["host"] = self.host.to_dict()
         return {
             "kind": self.kind,
             "format_version": FORMAT_VERSION,
@@ -137,6 +169,7 @@ class MeasuredProfile:
             "link": {"name": self.link_name},
             "model": dataclasses.asdict(self.model),
             "tables": tables,
+            **extra,
             "provenance": dict(self.provenance),
         }
 
@@ -187,10 +220,11 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
     top = FieldReader(source, data)
     if top.string("kind") != "measured":
         raise top.error("kind", f"must be 'measured' in a JSON profile, got {top.raw('kind')!r}")
-    if top.raw("format_version") != FORMAT_VERSION:
-        raise top.error("format_version", f"must be {FORMAT_VERSION}, got {top.raw('format_version')!r}")
-    top.reject_unknown({"kind", "format_version", "name", "description", "gpu", "cpu", "link", "model", "tables",
-                        "provenance"})
+    version = top.raw("format_version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise top.error("format_version", f"must be one of {list(READABLE_VERSIONS)}, got {version!r}")
+    allowed = {"kind", "format_version", "name", "description", "gpu", "cpu", "link", "model", "tables", "provenance"}
+    top.reject_unknown(allowed | ({"contention", "host"} if version >= 2 else set()))
 
     devices = {}
     for dev in ("gpu", "cpu"):
@@ -208,8 +242,10 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
     )
 
     tr = top.table("tables")
-    tr.reject_unknown(set(CURVE_TABLES) | set(DENSE_TABLES) | set(OPTIONAL_DENSE_TABLES))
+    tr.reject_unknown(set(CURVE_TABLES) | set(DENSE_TABLES) | set(OPTIONAL_DENSE_TABLES)
+                      | (set(OPTIONAL_CURVE_TABLES) if version >= 2 else set()))
     curves = {k: _curve(tr.table(k), axis) for k, axis in CURVE_TABLES.items()}
+    curves.update({k: _curve(tr.table(k), axis) for k, axis in OPTIONAL_CURVE_TABLES.items() if tr.has(k)})
     dense = {k: _dense(tr.table(k)) for k in DENSE_TABLES}
     dense.update({k: _dense(tr.table(k)) for k in OPTIONAL_DENSE_TABLES if tr.has(k)})
 
@@ -220,11 +256,35 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
     for k in versions.data:
         versions.string(k)
 
+    contention = _contention(top.table("contention")) if top.has("contention") else None
+    host = _host(top.table("host")) if top.has("host") else None
     return MeasuredProfile(
         name=top.string("name"), description=top.string("description", default="", nonempty=False),
         gpu=devices["gpu"], cpu=devices["cpu"], link_name=lr.string("name"), model=shape,
-        provenance=dict(pr.data), path=source if source != "<dict>" else "", **curves, **dense,
+        provenance=dict(pr.data), path=source if source != "<dict>" else "", contention=contention, host=host,
+        **curves, **dense,
     )
+
+
+def _contention(r: FieldReader) -> dict[str, dict[str, float]]:
+    """Every combination of two or more lanes, each lane's slowdown (>= 1)."""
+    r.reject_unknown(set(lane_combinations()))
+    out = {}
+    for key in lane_combinations():
+        cr = r.table(key)
+        lanes = key.split("+")
+        cr.reject_unknown(set(lanes))
+        out[key] = {lane: cr.number(lane, minimum=1.0, strict=False) for lane in lanes}
+    return out
+
+
+def _host(r: FieldReader) -> HostCosts:
+    keys = ("layer_s", "gpu_expert_s", "cpu_expert_s", "copy_s")
+    r.reject_unknown(set(keys) | {"decision_s"})
+    values = {k: r.number(k, strict=False) for k in keys}
+    dr = r.table("decision_s")
+    decision = {name: dr.number(name, strict=False) for name in dr.data}
+    return HostCosts(**values, decision_s=decision)
 
 
 def read_measured_profile(path: str | Path) -> MeasuredProfile:
@@ -284,9 +344,10 @@ class TableCosts:
         profile.check_model(model)
         self.profile = profile
         self._curves = {}
-        for k in CURVE_TABLES:
-            t: CurveTable = getattr(profile, k)
-            self._curves[k] = (np.asarray(t.x, float), np.asarray(t.seconds, float))
+        for k in (*CURVE_TABLES, *OPTIONAL_CURVE_TABLES):
+            t: CurveTable | None = getattr(profile, k)
+            if t is not None:
+                self._curves[k] = (np.asarray(t.x, float), np.asarray(t.seconds, float))
         self._dense = {k: self._dense_arrays(getattr(profile, k)) for k in DENSE_TABLES + OPTIONAL_DENSE_TABLES}
 
     @staticmethod
@@ -301,6 +362,27 @@ class TableCosts:
 
     def transfer(self, n_bytes: np.ndarray) -> np.ndarray:
         return interp_extrap(n_bytes, *self._curves["h2d"])
+
+    def activation_copy(self, n_bytes: np.ndarray) -> np.ndarray:
+        """One host<->device copy of activations: the measured d2h table; 0 when the accelerator is the CPU
+        device (the executor hands the CPU lane the same tensor); the h2d table for a format-1 profile."""
+        if "d2h" in self._curves:
+            return interp_extrap(n_bytes, *self._curves["d2h"])
+        if self.profile.provenance.get("devices", {}).get("gpu_is_cpu_device"):
+            return np.zeros_like(np.asarray(n_bytes, float))
+        return self.transfer(n_bytes)
+
+    def contention(self):
+        from dali_sim.hardware.contention import MeasuredSlowdowns
+
+        return MeasuredSlowdowns(self.profile.contention) if self.profile.contention is not None else None
+
+    def host_demand(self, device: str, n: np.ndarray) -> np.ndarray:
+        """Measured slowdowns do not use demands."""
+        return np.zeros_like(np.asarray(n, float))
+
+    def copy_demand(self, pageable: bool) -> float:
+        return 0.0
 
     def _dense_lookup(self, key: str, n: np.ndarray, ctx: np.ndarray) -> np.ndarray:
         arrays = self._dense[key]

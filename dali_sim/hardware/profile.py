@@ -99,26 +99,34 @@ class DeviceSpec:
 
     ``peak_tflops`` maps a weight precision name (``bf16``, ``q4_0``, ...) to the peak rate of the
     arithmetic used to multiply weights stored in it; ``default`` covers the others (quantised
-    weights are usually dequantised to a wider type before the multiply).
+    weights are usually dequantised to a wider type before the multiply). ``compute_efficiency`` is
+    keyed the same way: the share of that peak large matrix products reach.
     """
 
     name: str
     memory_gib: float
     peak_tflops: Mapping[str, float]
     mem_bandwidth_gbs: float
-    compute_efficiency: float
+    compute_efficiency: Mapping[str, float]
     memory_efficiency: float
-    expert_overhead_us: float
-    dense_overhead_us: float
+    kernel_us: float  # device time one small kernel (GPU, inside a CUDA graph) or parallel op (CPU) costs
+    launch_us: float  # host time to launch one kernel outside a graph (GPU); dispatch of one op (CPU)
+    sync_us: float  # one host-device round trip: the host waits for the device and reads a small result
+    gemm_tile_tokens: float  # tokens a GEMM tile holds: fewer tokens per call lower the compute rate (0 = none)
     activation_bytes: float
+    #: CPU only: the share of ``mem_bandwidth_gbs`` all host-memory readers together (cores and DMA) sustain
+    shared_bandwidth_efficiency: float | None = None
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for weights stored in ``precision``."""
         tf = self.peak_tflops.get(precision, self.peak_tflops["default"])
         return tf * 1e12
 
+    def efficiency(self, precision: str) -> float:
+        return self.compute_efficiency.get(precision, self.compute_efficiency["default"])
+
     def effective_flops(self, precision: str) -> float:
-        return self.peak_flops(precision) * self.compute_efficiency
+        return self.peak_flops(precision) * self.efficiency(precision)
 
     @property
     def effective_bandwidth(self) -> float:
@@ -132,16 +140,22 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """Host-to-device copy link (PCIe): ``latency + bytes / (bandwidth * efficiency)``."""
+    """Host-to-device copy link (PCIe): ``latency + bytes / (bandwidth * efficiency)``, the efficiency
+    of pinned (page-locked) host memory, or ``pageable_efficiency`` for copies from pageable memory
+    (staged by the driver through a pinned bounce buffer)."""
 
     name: str
     bandwidth_gbs: float
     efficiency: float
+    pageable_efficiency: float
     latency_us: float
 
     @property
     def effective_bandwidth(self) -> float:
         return self.bandwidth_gbs * 1e9 * self.efficiency
+
+    def bandwidth(self, pageable: bool = False) -> float:
+        return self.bandwidth_gbs * 1e9 * (self.pageable_efficiency if pageable else self.efficiency)
 
 
 @dataclass(frozen=True)
@@ -174,6 +188,8 @@ class HardwareProfile:
             d: dict[str, Any] = {}
             for f in spec.__dataclass_fields__:
                 value = getattr(spec, f)
+                if value is None:
+                    continue
                 d[f] = dict(value) if isinstance(value, Mapping) else value
                 if f"{part}.{f}" in self.sources:
                     d[f"{f}_source"] = self.sources[f"{part}.{f}"]
@@ -194,15 +210,18 @@ _DEVICE_NUMBERS = {
     # field: (minimum, strict, maximum)
     "memory_gib": (0.0, True, None),
     "mem_bandwidth_gbs": (0.0, True, None),
-    "compute_efficiency": (0.0, True, 1.0),
     "memory_efficiency": (0.0, True, 1.0),
-    "expert_overhead_us": (0.0, False, None),
-    "dense_overhead_us": (0.0, False, None),
+    "kernel_us": (0.0, False, None),
+    "launch_us": (0.0, False, None),
+    "sync_us": (0.0, False, None),
+    "gemm_tile_tokens": (0.0, False, None),
     "activation_bytes": (0.0, True, None),
 }
+_CPU_NUMBERS = {"shared_bandwidth_efficiency": (0.0, True, 1.0)}
 _LINK_NUMBERS = {
     "bandwidth_gbs": (0.0, True, None),
     "efficiency": (0.0, True, 1.0),
+    "pageable_efficiency": (0.0, True, 1.0),
     "latency_us": (0.0, False, None),
 }
 
@@ -222,20 +241,28 @@ def _need_source(r: FieldReader, key: str, sources: dict[str, str]) -> None:
     sources[r.where(key)] = r.string(skey)
 
 
-def _device_from(r: FieldReader, sources: dict[str, str]) -> DeviceSpec:
+def _precision_table(r: FieldReader, key: str, sources: dict[str, str], *, maximum: float | None = None,
+                     allow_number: bool = False) -> dict[str, float]:
+    """A table keyed by precision names with a required ``default`` (or, if allowed, one number)."""
     from dali_sim.models.presets import precision_names
 
-    numbers = _sourced_numbers(r, _DEVICE_NUMBERS, sources)
-    pt = r.table("peak_tflops")
-    allowed = set(precision_names()) | {"default"}
-    pt.reject_unknown(allowed)
-    if not pt.has("default"):
-        raise pt.error("default", "missing (the peak for precisions not listed)")
-    peak = {k: pt.number(k) for k in sorted(pt.data)}
-    _need_source(r, "peak_tflops", sources)
-    fields = {"peak_tflops", *_DEVICE_NUMBERS}
+    _need_source(r, key, sources)
+    if allow_number and not isinstance(r.raw(key), Mapping):
+        return {"default": r.number(key, maximum=maximum)}
+    t = r.table(key)
+    t.reject_unknown(set(precision_names()) | {"default"})
+    if not t.has("default"):
+        raise t.error("default", "missing (the value for precisions not listed)")
+    return {k: t.number(k, maximum=maximum) for k in sorted(t.data)}
+
+
+def _device_from(r: FieldReader, sources: dict[str, str], extra: Mapping[str, tuple] = {}) -> DeviceSpec:
+    numbers = _sourced_numbers(r, {**_DEVICE_NUMBERS, **extra}, sources)
+    peak = _precision_table(r, "peak_tflops", sources)
+    efficiency = _precision_table(r, "compute_efficiency", sources, maximum=1.0, allow_number=True)
+    fields = {"peak_tflops", "compute_efficiency", *_DEVICE_NUMBERS, *extra}
     r.reject_unknown({"name"} | fields | {f"{k}_source" for k in fields})
-    return DeviceSpec(name=r.string("name"), peak_tflops=peak, **numbers)
+    return DeviceSpec(name=r.string("name"), peak_tflops=peak, compute_efficiency=efficiency, **numbers)
 
 
 def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> HardwareProfile:
@@ -247,7 +274,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
     top.reject_unknown({"kind", "name", "description", "gpu", "cpu", "link"})
     sources: dict[str, str] = {}
     gpu = _device_from(top.table("gpu"), sources)
-    cpu = _device_from(top.table("cpu"), sources)
+    cpu = _device_from(top.table("cpu"), sources, _CPU_NUMBERS)
     lr = top.table("link")
     link_numbers = _sourced_numbers(lr, _LINK_NUMBERS, sources)
     lr.reject_unknown({"name"} | set(_LINK_NUMBERS) | {f"{k}_source" for k in _LINK_NUMBERS})

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from dali_sim.models.presets import get_precision
+from dali_sim.models.presets import apply_precision
 from dali_sim.models.spec import AttentionSpec, ModelSpec
 from dali_sim.registry import Registry
 
@@ -199,16 +199,15 @@ def spec_from_hf_config(config: Mapping[str, Any] | str | Path, name: str | None
     fields = HF_READERS.get(model_type)(c)
     if precision is None:
         quant = c("quantization_config", default={}) or {}
-        if quant.get("quant_method") == "mxfp4":
-            precision = "mxfp4"
-        else:
-            precision = _DTYPE_TO_PRECISION.get(str(c("torch_dtype", "dtype", default="bfloat16")), "bf16")
+        dtype = _DTYPE_TO_PRECISION.get(str(c("torch_dtype", "dtype", default="bfloat16")), "bf16")
+        # MXFP4 checkpoints (gpt-oss) quantise the routed experts only; the rest stays at the dtype
+        precision = f"mxfp4/{dtype}" if quant.get("quant_method") == "mxfp4" else dtype
     source = f"HF config.json ({where})" if where != "config" else "HF config"
     fields.setdefault("notes", "")
-    return ModelSpec(
+    spec = ModelSpec(
         name=name or str(c("_name_or_path", default=model_type)),
         family=model_type,
-        precision=get_precision(precision),
         source=source,
         **fields,
     )
+    return apply_precision(spec, precision)

@@ -41,6 +41,22 @@ def get_precision(name: str) -> Precision:
     return precisions[name]
 
 
+def parse_precision(text: str) -> tuple[Precision, Precision | None]:
+    """``"q4_0"`` -> (q4_0, None: the whole model); ``"mxfp4/bf16"`` -> (experts mxfp4, the rest bf16)."""
+    experts, sep, dense = text.partition("/")
+    if sep and not dense:
+        raise ValueError(f"precision {text!r}: expected EXPERTS or EXPERTS/DENSE, e.g. mxfp4/bf16")
+    return get_precision(experts), (get_precision(dense) if sep else None)
+
+
+def apply_precision(spec: ModelSpec, text: str | None) -> ModelSpec:
+    """``spec`` at the precision ``text`` (see :func:`parse_precision`); ``None`` leaves it as it is."""
+    if text is None:
+        return spec
+    experts, dense = parse_precision(text)
+    return spec.with_precision(experts, dense)
+
+
 def model_names() -> list[str]:
     return sorted(_load()[1])
 
@@ -53,5 +69,8 @@ def get_model(name: str, precision: str | None = None) -> ModelSpec:
     raw = dict(models[name])
     raw["moe_layers"] = expand_moe_layers(raw["moe_layers"], raw["num_layers"], f"model preset {name!r}")
     raw["attention"] = AttentionSpec(**raw["attention"])
-    raw["precision"] = get_precision(precision or raw.pop("precision", "bf16"))
-    return ModelSpec(name=name, **raw)
+    default = raw.pop("precision", "bf16")
+    dense_default = raw.pop("dense_precision", None)
+    spec = ModelSpec(name=name, **raw, precision=get_precision(default),
+                     dense_precision=get_precision(dense_default) if dense_default else None)
+    return apply_precision(spec, precision)

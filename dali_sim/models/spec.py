@@ -97,7 +97,9 @@ class ModelSpec:
     expert_bias: bool = False
     norm_topk_prob: bool = True  # top-k gate weights renormalised to sum to 1
     tie_word_embeddings: bool = False
-    precision: Precision = Precision("bf16", 2.0)
+    precision: Precision = Precision("bf16", 2.0)  # the routed experts' weight format
+    #: everything else (attention, router, shared experts, dense FFNs, embedding, LM head); None = ``precision``
+    dense_precision: Precision | None = None
     source: str = ""
     notes: str = ""
 
@@ -185,8 +187,20 @@ class ModelSpec:
         """Parameters used per token (top-k routed experts plus everything dense)."""
         return self.non_expert_params + self.num_moe_layers * self.top_k * self.expert_params
 
+    @property
+    def dense_format(self) -> Precision:
+        """The weight format of everything but the routed experts."""
+        return self.dense_precision or self.precision
+
+    @property
+    def precision_label(self) -> str:
+        """``mxfp4`` when the whole model has one format, else ``experts/dense`` (e.g. ``mxfp4/bf16``)."""
+        d = self.dense_format
+        return self.precision.name if d.name == self.precision.name else f"{self.precision.name}/{d.name}"
+
     def bytes_of(self, params: int) -> int:
-        return int(round(params * self.precision.bytes_per_param))
+        """Bytes of ``params`` non-expert parameters (at :attr:`dense_format`)."""
+        return int(round(params * self.dense_format.bytes_per_param))
 
     def moe_layer_index(self, layer: int) -> int:
         """Ordinal (0..num_moe_layers-1) of a block index that is an MoE layer."""
@@ -196,8 +210,9 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: layer {layer} is not an MoE layer {list(self.moe_layers)}") from None
 
     # ---- variants and serialisation ------------------------------------------------------
-    def with_precision(self, precision: Precision) -> "ModelSpec":
-        return dataclasses.replace(self, precision=precision)
+    def with_precision(self, precision: Precision, dense: Precision | None = None) -> "ModelSpec":
+        """Experts at ``precision`` and the rest at ``dense`` (default: the same: a whole-model format)."""
+        return dataclasses.replace(self, precision=precision, dense_precision=None if dense == precision else dense)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -216,9 +231,10 @@ class ModelSpec:
             raise ValueError(f"model spec lacks required fields {missing}")
         attn = d["attention"]
         d["attention"] = attn if isinstance(attn, AttentionSpec) else AttentionSpec(**attn)
-        prec = d.get("precision")
-        if isinstance(prec, Mapping):
-            d["precision"] = Precision(**prec)
+        for key in ("precision", "dense_precision"):
+            prec = d.get(key)
+            if isinstance(prec, Mapping):
+                d[key] = Precision(**prec)
         return cls(**d)
 
     def summary(self) -> dict[str, Any]:
@@ -230,7 +246,7 @@ class ModelSpec:
             "experts": self.num_experts,
             "top_k": self.top_k,
             "shared_experts": self.num_shared_experts,
-            "precision": self.precision.name,
+            "precision": self.precision_label,
             "expert_params": self.expert_params,
             "expert_bytes": self.expert_bytes,
             "all_experts_bytes": self.num_moe_layers * self.num_experts * self.expert_bytes,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Mapping
 
+from dali_sim.hardware.implementation import get_implementation
 from dali_sim.models.spec import ModelSpec
 from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS, Policy, PolicyConfig
 from dali_sim.registry import Registry, UnknownNameError
@@ -44,6 +45,7 @@ class SystemConfig:
     prefetch: PolicyChoice
     memory: MemoryConfig
     dense_device: str = "gpu"  # where attention, router and shared experts run
+    implementation: str = "bare"  # how the system's code runs (dali_sim/hardware/implementations.toml)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,7 +55,7 @@ class SystemConfig:
             "cache": self.cache.to_dict(),
             "prefetch": self.prefetch.to_dict(),
             "memory": dataclasses.asdict(self.memory),
-            "system": {"dense_device": self.dense_device},
+            "system": {"dense_device": self.dense_device, "implementation": self.implementation},
         }
 
     @property
@@ -132,16 +134,17 @@ def resolve_system(name: str, overrides: Mapping[str, Mapping[str, str]] | None 
             preset_part = {"policy": overrides[family]["policy"]}  # a new policy starts from its defaults
         choices[family] = _choice(family, preset_part, overrides.get(family, {}), name)
     memory = MemoryConfig().with_overrides({**p.get("memory", {}), **overrides.get("memory", {})}, "memory")
-    system = {"dense_device": "gpu", **p.get("system", {})}
+    system = {"dense_device": "gpu", "implementation": "bare", **p.get("system", {})}
     sys_over = dict(overrides.get("system", {}))
-    bad = sorted(set(sys_over) - {"dense_device"})
+    bad = sorted(set(sys_over) - {"dense_device", "implementation"})
     if bad:
-        raise ValueError(f"unknown parameter system.{bad[0]}; system parameters: dense_device")
+        raise ValueError(f"unknown parameter system.{bad[0]}; system parameters: dense_device, implementation")
     system.update(sys_over)
     if system["dense_device"] not in DEVICES:
         raise ValueError(f"system.dense_device must be gpu or cpu, got {system['dense_device']!r}")
+    get_implementation(system["implementation"])  # an unknown name fails here, listing the known ones
     return SystemConfig(name, p["description"], choices["placement"], choices["cache"], choices["prefetch"],
-                        memory, system["dense_device"])
+                        memory, system["dense_device"], system["implementation"])
 
 
 __all__ = ["PolicyChoice", "SystemConfig", "parse_overrides", "resolve_system", "system_names"]

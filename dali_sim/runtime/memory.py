@@ -31,7 +31,8 @@ class MemoryConfig(PolicyConfig):
         "help": "uniform layout: slots per layer; -1 = unset (if both unset: as many as the budget holds)"})
     cache_init: str = field(default="empty", metadata={"help": "initial cache contents: empty | random | frequency"})
     staging_slots: int = field(default=2, metadata={
-        "help": "expert-sized buffers for fetched experts that are not admitted to the cache"})
+        "help": "expert-sized buffers for fetched experts that are not admitted to the cache; -1 = one layer's "
+                "experts (an implementation that copies a whole layer's experts before computing them)"})
     prefetch_slots: int = field(default=0, metadata={
         "help": "expert-sized buffers for prefetched experts; -1 = one layer's experts (stream whole layers)"})
 
@@ -44,9 +45,10 @@ class MemoryConfig(PolicyConfig):
             raise ValueError(f"memory.cache_ratio must lie in [0, 1], got {self.cache_ratio}")
         if self.cache_ratio != -1.0 and self.cache_experts != -1:
             raise ValueError("give memory.cache_ratio or memory.cache_experts, not both")
-        if self.prefetch_slots < -1:
-            raise ValueError(f"memory.prefetch_slots must be >= 0 (or -1 = one layer's experts), got {self.prefetch_slots}")
-        for name in ("staging_slots", "gpu_memory_gib"):
+        for name in ("prefetch_slots", "staging_slots"):
+            if getattr(self, name) < -1:
+                raise ValueError(f"memory.{name} must be >= 0 (or -1 = one layer's experts), got {getattr(self, name)}")
+        for name in ("gpu_memory_gib",):
             if getattr(self, name) < 0:
                 raise ValueError(f"memory.{name} must not be negative, got {getattr(self, name)}")
         if self.cache_experts < -1:
@@ -60,6 +62,7 @@ class MemoryPlan:
     breakdown: dict[str, int]  # bytes per item
     notes: tuple[str, ...] = ()  # settings that did not apply, said out loud
     prefetch_slots: int = 0  # resolved (-1 in the config = one layer's experts)
+    staging_slots: int = 0  # resolved likewise
 
     @property
     def used_bytes(self) -> int:
@@ -87,10 +90,11 @@ def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max
     L, E, xb = model.num_moe_layers, model.num_experts, model.expert_bytes
     budget = int(cfg.gpu_memory_gib * GIB) if cfg.gpu_memory_gib > 0 else int(profile_gpu_bytes)
     prefetch_slots = E if cfg.prefetch_slots == -1 else cfg.prefetch_slots
+    staging_slots = E if cfg.staging_slots == -1 else cfg.staging_slots
     fixed = {
         "dense_weights": model.bytes_of(model.non_expert_params),
         "kv_cache": kv_cache_bytes(model, max_kv_tokens),
-        "staging_buffers": cfg.staging_slots * xb,
+        "staging_buffers": staging_slots * xb,
         "prefetch_buffers": prefetch_slots * xb,
     }
     free = budget - sum(fixed.values())
@@ -127,4 +131,4 @@ def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max
     else:
         caps = np.full(L, min(E, free // (L * xb)), dtype=np.int64)
     breakdown = fixed | {"expert_cache": int(caps.sum() * xb)}
-    return MemoryPlan(caps, budget, breakdown, tuple(notes), prefetch_slots)
+    return MemoryPlan(caps, budget, breakdown, tuple(notes), prefetch_slots, staging_slots)

@@ -1,17 +1,23 @@
-"""The SimPy engine: times each plan on GPU, CPU and the PCIe host-to-device link.
+"""The SimPy engine: times each plan on the GPU, the CPU, the PCIe host-to-device link and the host.
 
-Resources: ``gpu`` and ``cpu`` (one expert or dense part at a time each; the CPU runs one expert with
-all its cores; each has one user at a time by construction, so they are timed directly), ``pcie`` (a
-SimPy priority resource: on-demand copies before prefetches and cache swaps, non-preemptive),
-``staging`` (a SimPy resource: buffers for fetched experts that are not admitted to the cache).
+Lanes (docs/simulator.md): the accelerator lane (``gpu`` track: dense parts, GPU experts, the LM head;
+the ``host`` track, the implementation's own per-layer host work, runs on the same lane, before the
+dense part), the CPU lane (``cpu``) and the copy lane (``pcie``, a SimPy priority resource: on-demand
+copies before prefetches and cache swaps, non-preemptive), plus ``staging`` (buffers for fetched experts
+that are not admitted to the cache). Each lane runs one activity at a time; while several are busy
+they may slow each other (:mod:`dali_sim.hardware.contention`, applied by :class:`~.fluid.FluidLanes`).
 
-Per MoE layer: the layer's prefetches start (they share the link and run in the background); the
-dense part (attention, router, shared experts) runs on the dense device; then the GPU lane and the
-CPU lane run in parallel. On-demand copies start in touch order as soon as routing is known; the GPU
-lane computes whichever of its experts has its weights present, first in touch order, so later
-copies overlap earlier computes; a prefetched expert still in flight is waited for. The next layer
-starts when both lanes are done. Cache swaps chosen after a layer must land before that layer's next
-visit. Events are coarse: one per dense part, expert compute and copy.
+Per MoE layer: the layer's prefetches start (background copies sharing the link); the host work
+runs; the dense part (attention, router, shared experts unless the implementation overlaps them)
+runs on the dense device; then the GPU lane and the CPU lane run, in parallel unless the
+implementation runs them one after the other. The GPU lane starts with its per-layer overhead (and
+the shared experts when they overlap the CPU lane); on-demand copies start in touch order as soon as
+routing is known; the GPU computes whichever of its experts has its weights present, first in touch
+order, so later copies overlap earlier computes; a prefetched expert still in flight is waited for.
+The CPU lane gets its activations, pays its per-layer overhead, runs its experts back to back and
+returns its results. The next layer starts when both lanes are done. Cache swaps chosen after a layer
+must land before that layer's next visit. A step that the implementation ends with the LM head runs it
+on the dense device. Events are coarse: one per activity.
 """
 
 from __future__ import annotations
@@ -25,10 +31,15 @@ import simpy
 from dali_sim.hardware.cost import CostModel
 from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, Controller, LayerPlan
 from dali_sim.sim.counters import PlanCounters
+from dali_sim.sim.fluid import FluidLanes
+from dali_sim.trace.schema import DECODE
 from dali_sim.workload.builder import Workload
 
 ON_DEMAND, BACKGROUND = 0, 1  # PCIe priorities (lower first)
-TRACKS = ("gpu", "cpu", "pcie")
+TRACKS = ("gpu", "cpu", "pcie", "host")
+#: the lane of the contention model each track's activities load (the host work runs on the accelerator
+#: lane's thread)
+LANE_OF_TRACK = {"gpu": "gpu", "cpu": "cpu", "pcie": "h2d", "host": "gpu"}
 
 
 @dataclass
@@ -44,7 +55,7 @@ class Interval:
 class Activity:
     """What an interval was, formatted into a name only when a timeline is recorded."""
 
-    kind: str  # dense | block | expert | fetch | prefetch | swap
+    kind: str  # dense | block | expert | fetch | prefetch | swap | host | lm_head | overhead | shared | handoff
     step: int
     layer: int = -1  # MoE ordinal (block index for kind "block")
     expert: int = -1
@@ -60,6 +71,10 @@ class Activity:
             return f"L{self.layer} E{self.expert}"
         if self.kind == "swap":
             return f"swap L{self.layer} +E{self.expert} -E{self.other}"
+        if self.kind == "lm_head":
+            return "lm_head"
+        if self.kind in ("host", "overhead", "shared", "handoff"):
+            return f"{self.kind} L{self.layer}"
         return f"{self.kind} L{self.layer} E{self.expert}"
 
     def args(self) -> dict:
@@ -78,8 +93,19 @@ class EngineOutput:
     layer_time: np.ndarray  # (L,) seconds spent in each MoE layer (from its start to both lanes done)
     layer_wait: np.ndarray  # (L,) seconds the GPU lane waited for weights
     busy: dict[str, float]  # seconds each track was busy
-    events: int  # intervals simulated (dense parts + expert computes + copies)
+    events: int  # intervals simulated (dense parts + expert computes + copies + host work)
     intervals: list[Interval]
+    slowed: dict[str, float] = field(default_factory=dict)  # seconds each lane lost to contention
+
+
+@dataclass
+class _CpuLane:
+    """The CPU lane of one layer: activations in, per-layer overhead, experts (id, tokens), results out."""
+
+    handoff_in: float
+    overhead: float
+    experts: list[tuple[int, int]]
+    handoff_out: float
 
 
 class SimEngine:
@@ -87,22 +113,40 @@ class SimEngine:
                  *, dense_device: str = "gpu", staging_slots: int = 1, record: bool = False,
                  shortcut: bool = True, on_step=None):
         self.w, self.ctl, self.costs, self.counters = workload, controller, costs, counters
-        self.shortcut = shortcut  # compute uncontended layers directly (same times, fewer SimPy events)
+        self.shortcut = shortcut  # compute layers without interaction directly (same times, fewer SimPy events)
         self.on_step = on_step  # progress callback, called after each step
         self.dense_device = dense_device
         self.record = record
         self.env = simpy.Environment()
-        # GPU and CPU have one user at a time by construction (the layer's dense part, then one lane
-        # each), so they are timed directly; only the link is contended (on-demand vs background).
+        self.lanes = FluidLanes(self.env, costs.contention)
         self.pcie = simpy.PriorityResource(self.env, 1)
         self.staging = simpy.Resource(self.env, max(1, staging_slots))
+        impl = costs.impl
+        self.serial_lanes = not impl.lanes_overlap
         self.xfer = costs.expert_transfer_time()
+        self.copy_demand = costs.copy_demand
         self.gpu_table = costs.expert_time_table("gpu")
         self.cpu_table = costs.expert_time_table("cpu")
         args = (workload.step_tokens, workload.step_context, workload.step_kv)
-        self.dense_moe = np.asarray(costs.dense_time(dense_device, *args), dtype=float)
+        self.dense_moe = np.asarray(costs.dense_time(dense_device, *args, shared=not impl.shared_overlap), dtype=float)
+        self.dense_demand = np.asarray(costs.dense_host_demand(dense_device, *args), dtype=float)
+        self.shared = (np.asarray(costs.shared_expert_time("gpu", workload.step_tokens), dtype=float)
+                       if impl.shared_overlap and workload.model.num_shared_experts else None)
         self.dense_block = (np.asarray(costs.dense_block_time(dense_device, *args), dtype=float)
                             if workload.model.num_dense_layers else None)
+        self.lm_head = (np.asarray(costs.lm_head_time(dense_device, workload.step_logit_tokens), dtype=float)
+                        if impl.lm_head else None)
+        self.lane_overhead = {d: costs.lane_overhead(d) for d in ("gpu", "cpu")}
+        self.waits_all = impl.gpu_experts == "grouped" and impl.grouped_waits_all
+        self.counts_launches = impl.host == "launches"
+        # steps replayed from a CUDA graph (no per-kernel launch cost on the host)
+        fully_resident = bool((controller.capacities == workload.num_experts).all())
+        if impl.cuda_graphs == "decode":
+            self.graph_steps = workload.step_phase == DECODE
+        elif impl.cuda_graphs == "full-gpu" and fully_resident:
+            self.graph_steps = workload.step_tokens == 1
+        else:
+            self.graph_steps = np.zeros(workload.num_steps, bool)
         L = workload.num_layers
         self.layer_time = np.zeros(L)
         self.layer_wait = np.zeros(L)
@@ -133,10 +177,16 @@ class SimEngine:
         table = self.gpu_table if device == "gpu" else self.cpu_table
         return float(table[n]) if n < len(table) else float(self.costs.expert_time(device, n))
 
-    def _compute(self, track: str, duration: float, what: Activity):
+    def _compute(self, track: str, duration: float, what: Activity, demand: float = 0.0):
+        """One activity of ``duration`` seconds (alone) on ``track``, slowed while other lanes contend."""
+        if duration <= 0:
+            return
         start = self.env.now
-        yield self.env.timeout(duration)
+        yield self.lanes.run(LANE_OF_TRACK[track], duration, demand)
         self._log(track, start, self.env.now, what)
+
+    def _copy(self):
+        return self.lanes.run("h2d", self.xfer, self.copy_demand)
 
     def _background(self, what: Activity) -> simpy.Event:
         """A prefetch or swap copy at background priority; the event fires when it has landed."""
@@ -147,7 +197,7 @@ class SimEngine:
             with self.pcie.request(priority=BACKGROUND) as req:
                 yield req
                 start = self.env.now
-                yield self.env.timeout(self.xfer)
+                yield self._copy()
                 self._log("pcie", start, self.env.now, what)
             self.background_open -= 1
             done.succeed()
@@ -173,7 +223,7 @@ class SimEngine:
                 link = self.pcie.request(priority=ON_DEMAND)
                 yield link
             start = self.env.now
-            yield self.env.timeout(self.xfer)
+            yield self._copy()
             self._log_expert("pcie", start, self.env.now, "fetch", plan, e)
             done.succeed()
             if not signal[0].triggered:
@@ -181,14 +231,60 @@ class SimEngine:
         if link is not None:
             self.pcie.release(link)
 
-    def _cpu_lane_end(self, plan: LayerPlan, t: float) -> float:
-        """The CPU lane has no dependencies: its experts run back to back from ``t``."""
-        for i in np.flatnonzero(plan.source == CPU):
-            e, n = int(plan.experts[i]), int(plan.counts[i])
+    def _cpu_work(self, plan: LayerPlan) -> _CpuLane | None:
+        idx = np.flatnonzero(plan.source == CPU)
+        if not idx.size:
+            return None
+        experts = [(int(plan.experts[i]), int(plan.counts[i])) for i in idx]
+        off_dense = self.dense_device != "cpu"  # the lane's activations live on the dense device
+        pairs = sum(n for _, n in experts)
+        return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, self.lane_overhead["cpu"],
+                        experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0)
+
+    def _gpu_prologue(self, plan: LayerPlan, n_gpu: int) -> list[tuple[float, Activity]]:
+        """What the GPU lane runs before its experts: activations in (dense part on the CPU), the
+        per-layer overhead, the shared experts (when they overlap the CPU lane)."""
+        out = []
+        if n_gpu and self.dense_device == "cpu":
+            out.append((self.costs.activation_copy_time(plan.tokens), Activity("handoff", plan.step, plan.layer)))
+        if n_gpu:
+            out.append((self.lane_overhead["gpu"], Activity("overhead", plan.step, plan.layer)))
+        if self.shared is not None:
+            out.append((float(self.shared[plan.step]), Activity("shared", plan.step, plan.layer)))
+        return [(d, a) for d, a in out if d > 0]
+
+    def _gpu_epilogue(self, plan: LayerPlan) -> float:
+        """Results back to the dense device when it is the CPU (MoE-Lightning)."""
+        if self.dense_device != "cpu" or not plan.on_gpu.any():
+            return 0.0
+        return self.costs.activation_copy_time(int(plan.counts[plan.on_gpu].sum()))
+
+    def _cpu_lane_end(self, plan: LayerPlan, lane: _CpuLane | None, t: float) -> float:
+        """The CPU lane computed directly (no contention can change it): everything back to back from ``t``."""
+        if lane is None:
+            return t
+        for d, kind in ((lane.handoff_in, "handoff"), (lane.overhead, "overhead")):
+            if d > 0:
+                self._log("cpu", t, t + d, Activity(kind, plan.step, plan.layer))
+                t += d
+        for e, n in lane.experts:
             d = self._expert_time("cpu", n)
             self._log_expert("cpu", t, t + d, "expert", plan, e, n)
             t += d
+        if lane.handoff_out > 0:
+            self._log("cpu", t, t + lane.handoff_out, Activity("handoff", plan.step, plan.layer))
+            t += lane.handoff_out
         return t
+
+    def _cpu_lane(self, plan: LayerPlan, lane: _CpuLane):
+        """The CPU lane as SimPy activities (rates may change while it runs)."""
+        yield from self._compute("cpu", lane.handoff_in, Activity("handoff", plan.step, plan.layer))
+        yield from self._compute("cpu", lane.overhead, Activity("overhead", plan.step, plan.layer))
+        for e, n in lane.experts:
+            start = self.env.now
+            yield self.lanes.run("cpu", self._expert_time("cpu", n), self.costs.host_demand("cpu", n))
+            self._log_expert("cpu", start, self.env.now, "expert", plan, e, n)
+        yield from self._compute("cpu", lane.handoff_out, Activity("handoff", plan.step, plan.layer))
 
     def _gpu_sources(self, plan: LayerPlan):
         """GPU experts in touch order -> arrival event (None = present), on-demand copies, workloads."""
@@ -205,10 +301,12 @@ class SimEngine:
         return ready, fetches, dict(zip(plan.experts.tolist(), plan.counts.tolist()))
 
     def _gpu_compute(self, plan: LayerPlan, e: int, n: int):
-        return self._compute("gpu", self._expert_time("gpu", n), Activity("expert", plan.step, plan.layer, e, tokens=n))
+        start = self.env.now
+        yield self.lanes.run("gpu", self._expert_time("gpu", n), 0.0)
+        self._log_expert("gpu", start, self.env.now, "expert", plan, e, n)
 
-    def _gpu_lane(self, plan: LayerPlan, ready, fetches, counts):
-        """Event-by-event GPU lane (the link may be contended)."""
+    def _gpu_lane(self, plan: LayerPlan, ready, fetches, counts, prologue):
+        """Event-by-event GPU lane (the link may be contended, rates may change)."""
         env = self.env
         events = [(e, staged, env.event()) for e, staged in fetches]
         for e, _, ev in events:
@@ -217,8 +315,16 @@ class SimEngine:
         signal = [env.event()]  # fires when any of this layer's copies lands; re-armed after each wait
         if events:
             env.process(self._on_demand(plan, events, staging, signal))
+        for d, what in prologue:
+            yield from self._compute("gpu", d, what)
         own = {id(ev) for _, _, ev in events}
         remaining = list(ready)  # touch order
+        if self.waits_all:
+            pending = [ev for ev in ready.values() if ev is not None and not ev.triggered]
+            if pending:
+                start = env.now
+                yield env.all_of(pending)
+                self.layer_wait[plan.layer] += env.now - start
         while remaining:
             e = next((x for x in remaining if ready[x] is None or ready[x].triggered), None)
             if e is None:
@@ -233,22 +339,35 @@ class SimEngine:
             yield from self._gpu_compute(plan, e, counts[e])
             if e in staging:
                 self.staging.release(staging.pop(e))
+        yield from self._compute("gpu", self._gpu_epilogue(plan), Activity("handoff", plan.step, plan.layer))
 
     def _uncontended(self, ready) -> bool:
         """True when this layer's copies cannot meet any other copy: no background copy is open (issued
         and not landed, including ones whose process has not started yet), the link is idle (no other
-        copy can be issued before the layer ends) and every prefetched expert has arrived. The layer's
-        times then follow from the rules alone, without SimPy events."""
+        copy can be issued before the layer ends) and every prefetched expert has arrived."""
         if not self.shortcut or self.background_open or self.pcie.count or self.pcie.queue:
             return False
         return all(ev is None or ev.triggered for ev in ready.values())
 
-    def _gpu_lane_end(self, plan: LayerPlan, now: float, order: list[int], counts: dict[int, int],
+    def _interferes(self, plan: LayerPlan, cpu: _CpuLane | None, fetches, step: int) -> bool:
+        """Could this layer's own activities slow each other (the lanes' largest demands together)?"""
+        if self.lanes.contention is None:
+            return False
+        busy = {"gpu": 0.0}
+        if self.dense_device == "cpu":
+            busy["cpu"] = float(self.dense_demand[step])
+        if cpu is not None:
+            busy["cpu"] = max(busy.get("cpu", 0.0), max(self.costs.host_demand("cpu", n) for _, n in cpu.experts))
+        if fetches:
+            busy["h2d"] = self.copy_demand
+        return self.lanes.would_interfere(busy)
+
+    def _gpu_lane_end(self, plan: LayerPlan, link_t: float, t: float, order: list[int], counts: dict[int, int],
                       fetches: list[tuple[int, bool]]) -> float:
-        """The event-by-event rules computed directly: copies back to back in touch order from ``now``,
+        """The event-by-event rules computed directly: copies back to back in touch order from ``link_t``,
         a staged one starting only when a staging buffer is free (buffers free up when their expert's
-        GPU compute ends); the GPU runs, in touch order, the first expert whose weights are present,
-        else waits for the next arrival. Returns the lane's end."""
+        GPU compute ends); from ``t`` the GPU runs, in touch order, the first expert whose weights are
+        present, else waits for the next arrival. Returns the lane's end."""
         rank = {e: i for i, e in enumerate(order)}
         fetched = {e for e, _ in fetches}
         present = [rank[e] for e in order if e not in fetched]  # heap of touch positions
@@ -257,8 +376,7 @@ class SimEngine:
         staged_of = dict(fetches)
         free = self.staging.capacity - self.staging.count
         releases: list[float] = []  # buffer release times known so far (all <= the GPU's time)
-        link_t, ci, li = now, 0, 0
-        t = now
+        ci, li = 0, 0
         left = len(order)
         while left:
             while ci < len(fetches):  # start every copy whose start time is known
@@ -275,6 +393,8 @@ class SimEngine:
                 link_t = start + self.xfer
                 landed.append((link_t, rank[e]))
                 ci += 1
+            if self.waits_all and ci == len(fetches) and landed:
+                t = max(t, landed[-1][0])  # a grouped launch needs every expert's weights
             while li < len(landed) and landed[li][0] <= t:
                 heapq.heappush(present, landed[li][1])
                 li += 1
@@ -293,6 +413,19 @@ class SimEngine:
                 releases.append(t)
         return t
 
+    def _direct_gpu_lane(self, plan: LayerPlan, start: float, ready, counts, fetches, prologue) -> float:
+        t = start
+        for d, what in prologue:
+            self._log("gpu", t, t + d, what)
+            t += d
+        if ready:
+            t = self._gpu_lane_end(plan, start, t, list(ready), counts, fetches)
+        tail = self._gpu_epilogue(plan)
+        if tail > 0:
+            self._log("gpu", t, t + tail, Activity("handoff", plan.step, plan.layer))
+            t += tail
+        return t
+
     # ---- steps --------------------------------------------------------------------------------
     def _layer(self, step: int, layer: int):
         env = self.env
@@ -307,24 +440,39 @@ class SimEngine:
         for e in plan.prefetch_wasted:
             self.arrivals.pop((layer, e), None)
         ready, fetches, counts = self._gpu_sources(plan)
+        cpu = self._cpu_work(plan)
         dense = float(self.dense_moe[step])
-        what = Activity("dense", step, layer)
-        if self._uncontended(ready):
-            # nothing can change while the dense part runs: the whole layer is computed directly
+        prologue = self._gpu_prologue(plan, len(ready))
+        device_s = 0.0
+        if self.counts_launches:  # the GPU work the layer's launches start (a launch-bound layer takes longer)
+            device_s = (dense if self.dense_device == "gpu" else 0.0) + sum(d for d, _ in prologue) + \
+                sum(self._expert_time("gpu", counts[e]) for e in ready)
+        copies = len(fetches) + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
+        host = self.costs.host_layer_time(len(ready), len(cpu.experts) if cpu else 0, copies, device_s=device_s,
+                                          graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
+        host_what, dense_what = Activity("host", step, layer), Activity("dense", step, layer)
+        if self._uncontended(ready) and not self._interferes(plan, cpu, fetches, step):
+            # nothing can change while the layer runs: the whole layer is computed directly
             now = env.now
-            self._log(self.dense_device, now, now + dense, what)
-            lanes = now + dense
-            end = max(self._cpu_lane_end(plan, lanes), self._gpu_lane_end(plan, lanes, list(ready), counts, fetches))
-            yield env.timeout(end - now)
+            if host > 0:
+                self._log("host", now, now + host, host_what)
+            t = now + host
+            self._log(self.dense_device, t, t + dense, dense_what)
+            lanes = t + dense
+            cpu_end = self._cpu_lane_end(plan, cpu, lanes)
+            gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes else lanes, ready, counts, fetches,
+                                            prologue)
+            yield env.timeout(max(cpu_end, gpu_end) - now)
         else:
-            yield from self._compute(self.dense_device, dense, what)
-            cpu_end = self._cpu_lane_end(plan, env.now)
-            if self._uncontended(ready):
-                yield env.timeout(self._gpu_lane_end(plan, env.now, list(ready), counts, fetches) - env.now)
-            else:
-                yield from self._gpu_lane(plan, ready, fetches, counts)
-            if cpu_end > env.now:
-                yield env.timeout(cpu_end - env.now)
+            yield from self._compute("host", host, host_what)
+            yield from self._compute(self.dense_device, dense, dense_what, float(self.dense_demand[step]))
+            cpu_proc = env.process(self._cpu_lane(plan, cpu)) if cpu is not None else None
+            if self.serial_lanes and cpu_proc is not None:
+                yield cpu_proc
+                cpu_proc = None
+            yield from self._gpu_lane(plan, ready, fetches, counts, prologue)
+            if cpu_proc is not None:
+                yield cpu_proc
         if plan.swaps:
             self.swaps_landing[layer] = [self._background(Activity("swap", step, layer, a, other=b))
                                          for a, b in plan.swaps]
@@ -334,6 +482,7 @@ class SimEngine:
         w = self.w
         moe_blocks = set(w.model.moe_layers)
         starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
+        demand = self.dense_demand
         for step in range(w.num_steps):
             starts[step] = self.env.now
             layer = 0
@@ -342,7 +491,10 @@ class SimEngine:
                     yield from self._layer(step, layer)
                     layer += 1
                 else:
-                    yield from self._compute(self.dense_device, self.dense_block[step], Activity("block", step, block))
+                    yield from self._compute(self.dense_device, self.dense_block[step], Activity("block", step, block),
+                                             float(demand[step]))
+            if self.lm_head is not None:
+                yield from self._compute(self.dense_device, float(self.lm_head[step]), Activity("lm_head", step))
             ends[step] = self.env.now
             if self.on_step:
                 self.on_step()
@@ -354,4 +506,4 @@ class SimEngine:
         self.env.run()
         # background copies may still run after the last layer: the makespan is the last step's end
         return EngineOutput(out["starts"], out["ends"], self.layer_time, self.layer_wait, self.busy, self.events,
-                            self.intervals)
+                            self.intervals, dict(self.lanes.slowed_s))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,9 +14,10 @@ from tqdm import tqdm
 
 from dali_sim import __version__
 from dali_sim.hardware.cost import CostModel
+from dali_sim.hardware.implementation import EXECUTOR
 from dali_sim.jsonsafe import json_safe
 from dali_sim.hardware.profile import load_profile
-from dali_sim.models.presets import get_precision
+from dali_sim.models.presets import apply_precision
 from dali_sim.policies.systems import SystemConfig, resolve_system
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.future import future_path, load_future
@@ -95,10 +97,11 @@ def simulate(
     needs one (``belady``); default: the one ``dali trace enrich`` wrote beside the trace."""
     if not isinstance(trace, Trace):
         trace = read_trace(trace)
-    model = trace.model if precision is None else trace.model.with_precision(get_precision(precision))
+    model = apply_precision(trace.model, precision)
     sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides, model)
     profile = load_profile(hardware)
-    costs = CostModel(profile, model)
+    sysconf, impl_note = implementation_for(sysconf, profile)
+    costs = CostModel(profile, model, implementation=sysconf.implementation, system=sysconf.name)
     placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
     workload = Workload(trace, WorkloadConfig(batch_size, prefill_chunk), predictors=prefetch.required_predictors())
     mem = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, workload.max_batch_context,
@@ -107,7 +110,7 @@ def simulate(
     next_uses = load_future(trace, workload.config, future, needed_by=f"{needers[0].name!r}") if needers else None
     controller = Controller(workload, costs, placement, cache, prefetch, mem.capacities,
                             cache_init=sysconf.memory.cache_init, prefetch_slots=mem.prefetch_slots,
-                            staging_slots=sysconf.memory.staging_slots, seed=seed, future=next_uses)
+                            staging_slots=mem.staging_slots, seed=seed, future=next_uses)
     counters = PlanCounters(workload.num_layers)
     # the bar appears only for runs longer than 2 s
     bar = tqdm(total=workload.num_steps, desc=f"{'sim' if timing else 'replay'} {sysconf.name}", unit="step",
@@ -115,7 +118,7 @@ def simulate(
     out: EngineOutput | None = None
     if timing:
         engine = SimEngine(workload, controller, costs, counters, dense_device=sysconf.dense_device,
-                           staging_slots=sysconf.memory.staging_slots, record=timeline, on_step=bar.update)
+                           staging_slots=mem.staging_slots, record=timeline, on_step=bar.update)
         out = engine.run()
     else:
         for step in range(workload.num_steps):
@@ -127,7 +130,7 @@ def simulate(
     summary, per_layer, per_seq, per_step = result_tables(
         workload, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=batch_size,
         bounds=controller.bounds)
-    manifest = run_manifest(trace, seed, profile, model, mem, timing)
+    manifest = run_manifest(trace, seed, profile, model, mem, timing, sysconf.implementation, impl_note)
     if next_uses is not None:
         used = Path(future) if future is not None else future_path(trace.path, workload.config)
         manifest["future"] = {"path": str(used), "sha256": file_sha256(used)}
@@ -136,9 +139,23 @@ def simulate(
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
 
 
-def run_manifest(trace: Trace, seed: int, profile, model, memory, timing: bool) -> dict[str, Any]:
-    """What a run used (inputs with their hashes, versions, memory plan): simulator and executor alike."""
+def implementation_for(sysconf: SystemConfig, profile) -> tuple[SystemConfig, str]:
+    """The implementation a run times: the system's own on an analytic profile; on a measured profile
+    (dali's executor measured on a machine) the executor's, unless the run asks for ``bare`` (the policies
+    alone). Returns the system to run and a note when it was changed."""
+    if profile.kind == "analytic" or sysconf.implementation in (EXECUTOR, "bare"):
+        return sysconf, ""
+    note = (f"measured profile {profile.name!r} describes dali's executor: implementation {EXECUTOR!r} instead of "
+            f"the system's {sysconf.implementation!r}")
+    return dataclasses.replace(sysconf, implementation=EXECUTOR), note
+
+
+def run_manifest(trace: Trace, seed: int, profile, model, memory, timing: bool, implementation: str,
+                 implementation_note: str = "") -> dict[str, Any]:
+    """What a run used (inputs with their hashes, versions, memory plan, implementation): simulator and
+    executor alike."""
     return {
+        "implementation": {"name": implementation, **({"note": implementation_note} if implementation_note else {})},
         "dali_version": __version__,
         "trace": str(trace.path) if trace.path else None,
         "trace_sha256": file_sha256(trace.path) if trace.path else None,
@@ -190,4 +207,4 @@ def timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict
         "events": out.events,
     }
 
-__all__ = ["DEFAULT_HARDWARE", "SimResult", "per_sequence", "result_tables", "run_manifest", "simulate", "timed_summary"]
+__all__ = ["DEFAULT_HARDWARE", "SimResult", "implementation_for", "per_sequence", "result_tables", "run_manifest", "simulate", "timed_summary"]

@@ -183,6 +183,10 @@ class Workload:
         self.step_kv = np.bincount(step[order][starts], weights=per_seq_kv, minlength=S).astype(np.int64)
         self.step_batch = np.zeros(S, np.int64)
         self.step_batch[step] = self.sequences["batch"].to_numpy()[np.searchsorted(self.sequences["seq_id"], seq)]
+        # tokens whose logits the step computes: every decode token; in prefill only each prompt's last token
+        last_pre = self.sequences["last_prefill_step"].to_numpy()
+        self.step_logit_tokens = np.where(self.step_phase == DECODE, self.step_tokens,
+                                          np.bincount(last_pre[last_pre >= 0], minlength=S)[:S]).astype(np.int64)
 
     # ---- access -------------------------------------------------------------------------------
     def activated(self, step: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,191 @@
+"""The executor's own host time, measured: what a layer visit costs beyond the device work it times.
+
+A replay's layer is more than its timed activities (dense part, experts, copies): the policies decide
+(``Controller.plan``), the runtime groups the routing, issues copies, hands the CPU lane its work, waits
+for threads to wake, combines the outputs. The simulator adds this host time per layer visit
+(``HostCosts``, the ``dali-executor`` implementation) so that it predicts the executor, not only the
+devices. Two measurements, both on a random workload of the calibrated shape (never the trace that is
+later validated):
+
+* **bookkeeping**: short replays of two systems whose lanes never overlap: ``cpu-only`` (dense part,
+  then the CPU lane) and ``gpu-static`` with every expert resident (dense part, then the GPU lane), at
+  two batch sizes. Per step, the time no timed activity covers (step time minus dense parts, expert
+  computes and the policies' own decision time) is fitted by least squares as
+  ``layers x layer_s + GPU experts x gpu_expert_s + CPU experts x cpu_expert_s`` (non-negative);
+  ``copy_s`` is the host time of issuing one copy to the copy lane (thread CPU time of ``submit``).
+* **decisions**: ``Controller.plan`` per layer visit for every system preset, median of the run's
+  per-visit thread CPU times, on the same workload with the memory plan of the default budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+
+from dali_exec.executor.copies import ON_DEMAND, CopyEngine
+from dali_exec.executor.devices import Devices
+from dali_exec.executor.problem import ReplayOptions, prepare_replay
+from dali_exec.executor.replay import ExecOptions, Replay
+from dali_exec.executor.store import HostExpertStore
+from dali_exec.executor.timing import Timer
+from dali_sim.hardware.measured import HostCosts
+from dali_sim.models.spec import ModelSpec
+from dali_sim.policies.systems import system_names
+from dali_sim.runtime.controller import Controller
+from dali_sim.runtime.future import FutureDemand
+from dali_sim.sim.engine import Activity
+from dali_sim.trace.reader import Trace, read_trace
+from dali_sim.trace.schema import DECODE, PREFILL, PredictorInfo
+from dali_sim.trace.writer import TraceWriter
+
+#: lookahead columns of the workload (every predictor a preset reads), with their target offsets
+PREDICTORS = (("residual", 1), ("next-gate", 1), ("gate2", 2), ("gate3", 3))
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    layers: int = 4  # MoE layers of the replays (host time is per layer visit)
+    sequences: int = 8
+    prompt_tokens: int = 12
+    decode_tokens: int = 10
+    batch_sizes: tuple[int, ...] = (1, 4)
+    copies: int = 64  # copy submissions timed for copy_s
+    seed: int = 0
+
+
+def workload_trace(model: ModelSpec, s: HostSettings, directory: Path) -> Trace:
+    """A random-routing trace of ``model`` (the full-size shape, every MoE layer; replays cut it to their
+    first layers), with every lookahead column a preset reads."""
+    rng = np.random.default_rng(s.seed)
+    layers = np.asarray(model.moe_layers)
+    L, E, k = len(layers), model.num_experts, model.top_k
+    tokens = s.prompt_tokens + s.decode_tokens
+    seq = np.repeat(np.arange(s.sequences), tokens * L)
+    pos = np.tile(np.repeat(np.arange(tokens), L), s.sequences)
+    layer = np.tile(layers, s.sequences * tokens)
+    n = len(seq)
+    experts = np.argsort(rng.random((n, E)), axis=1)[:, :k]
+    weights = np.full((n, k), 1.0 / k, np.float32)
+    phase = np.where(pos < s.prompt_tokens, PREFILL, DECODE)
+    predictors = [PredictorInfo(name, offset, "random logits (calibration workload)") for name, offset in PREDICTORS]
+    look = {}
+    for name, offset in PREDICTORS:
+        logits = rng.standard_normal((n, E)).astype(np.float32)
+        ordinal = np.searchsorted(layers, layer)
+        logits[ordinal + offset >= L] = np.nan  # no target layer
+        look[name] = logits
+    path = directory / "host-calibration.parquet"
+    with TraceWriter(path, model, predictors=predictors,
+                     provenance={"source": "random routing", "command": "dali_exec.calibrate.host"}) as w:
+        w.write(seq_id=seq, phase=phase, pos=pos, layer=layer, experts=experts, weights=weights, lookahead=look)
+    return read_trace(path)
+
+
+def _critical_busy(result, steps: int) -> np.ndarray:
+    """Per step: seconds of the dense parts, expert computes and decisions (the activities a layer of a
+    system without overlapping lanes runs one after the other)."""
+    busy = np.zeros(steps)
+    for iv in result.intervals:
+        if iv.track in ("gpu", "cpu", "host"):
+            busy[int(iv.args["step"])] += iv.end - iv.start
+    return busy
+
+
+def _bookkeeping_rows(trace: Trace, opts: ReplayOptions, devices: Devices, run: ExecOptions,
+                      store: HostExpertStore, s: HostSettings):
+    """(rows of [layer visits, GPU experts, CPU experts], unexplained seconds) per step of the replays."""
+    X, y = [], []
+    full = {"memory": {"gpu_memory_gib": repr(float(1 << 20)), "cache_experts": str(trace.num_experts)}}
+    for system, over in (("cpu-only", None), ("gpu-static", full)):
+        for batch in s.batch_sizes:
+            setup = prepare_replay(trace, system, opts, batch_size=batch, overrides=over)
+            replay = Replay(setup, devices, run, seed=s.seed, store=store)
+            try:
+                replay.run()  # warm-up (lazy initialisation)
+                result = replay.run()
+            finally:
+                replay.close()
+            w = setup.workload
+            per_step = result.per_step
+            covered = _critical_busy(result, w.num_steps)
+            counts = np.zeros((w.num_steps, 2))
+            for step in range(w.num_steps):
+                for layer in range(w.num_layers):
+                    _, c, _ = w.activated(step, layer)
+                    counts[step, 0 if system == "gpu-static" else 1] += len(c)
+            for step in range(w.num_steps):
+                X.append([w.num_layers, *counts[step]])
+                y.append(float(per_step["time_s"].iloc[step]) - covered[step])
+    return np.array(X, float), np.array(y, float)
+
+
+def _copy_submit_seconds(devices: Devices, model: ModelSpec, n: int) -> float:
+    """Host (thread CPU) seconds of handing one copy to the copy lane."""
+    numel = max(1, model.hidden_size)
+    src = torch.zeros((numel,), dtype=devices.dtype, pin_memory=devices.is_cuda)
+    dst = torch.zeros((numel,), dtype=devices.dtype, device=devices.accel)
+    engine = CopyEngine(devices.copy_stream, Timer(devices.accel if devices.is_cuda else None), device=devices.accel)
+    what = Activity("fetch", 0, 0, 0)
+    try:
+        times = []
+        for _ in range(n):
+            t0 = time.thread_time()
+            ticket = engine.submit(dst, src, ON_DEMAND, what)
+            times.append(time.thread_time() - t0)
+            ticket.wait()
+    finally:
+        engine.close()
+    return float(statistics.median(times))
+
+
+def decision_seconds(trace: Trace, opts: ReplayOptions, s: HostSettings) -> dict[str, float]:
+    """Median thread CPU seconds of ``Controller.plan`` per layer visit, for every system preset that can
+    run on the workload with the default budget scaled to the replay (as a validation runs it); a preset
+    that cannot, e.g. for lack of memory, is left out."""
+    out = {}
+    for system in system_names():
+        try:
+            setup = prepare_replay(trace, system, opts, batch_size=max(s.batch_sizes))
+        except (ValueError, KeyError):
+            continue
+        sc = setup.sysconf
+        placement, cache, prefetch = (c.build() for c in (sc.placement, sc.cache, sc.prefetch))
+        w = setup.workload
+        ctl = Controller(w, setup.costs, placement, cache, prefetch, setup.memory.capacities,
+                         cache_init=sc.memory.cache_init, prefetch_slots=setup.memory.prefetch_slots,
+                         staging_slots=setup.memory.staging_slots, seed=s.seed,
+                         future=FutureDemand.from_workload(w) if sc.needs_future else None)
+        times = []
+        for step in range(w.num_steps):
+            for layer in range(w.num_layers):
+                t0 = time.thread_time()
+                ctl.plan(step, layer)
+                times.append(time.thread_time() - t0)
+        out[system] = float(statistics.median(times))
+    return out
+
+
+def measure_host_costs(model: ModelSpec, scale: float, dtype: str, devices: Devices, run: ExecOptions,
+                       s: HostSettings = HostSettings()) -> HostCosts:
+    """The executor's :class:`HostCosts` for ``model`` (full size) replayed at ``scale`` in ``dtype``."""
+    with tempfile.TemporaryDirectory(prefix="dali-host-") as tmp:
+        trace = workload_trace(model, s, Path(tmp))
+        opts = ReplayOptions(scale=scale, layers=min(s.layers, model.num_moe_layers), dtype=dtype)
+        setup = prepare_replay(trace, "cpu-only", opts)
+        store = HostExpertStore.random(setup.model, devices.dtype, s.seed, pin=devices.is_cuda)
+        X, y = _bookkeeping_rows(trace, opts, devices, dataclasses.replace(run, progress=False), store, s)
+        coef, _ = nnls(X, np.maximum(y, 0.0))
+        decisions = decision_seconds(trace, opts, s)
+    return HostCosts(layer_s=float(coef[0]), gpu_expert_s=float(coef[1]), cpu_expert_s=float(coef[2]),
+                     copy_s=_copy_submit_seconds(devices, model, s.copies), decision_s=decisions)
+
+
+__all__ = ["HostSettings", "PREDICTORS", "decision_seconds", "measure_host_costs", "workload_trace"]
