@@ -83,10 +83,13 @@ def random_rows(model: ModelSpec, seqs: int, tokens: int, seed: int = 0):
     return dict(seq_id=seq, phase=phase, pos=pos, layer=layer, experts=experts, weights=weights)
 
 
-def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), xfer=2.0, dense=0.5) -> Path:
+def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), xfer=2.0, dense=0.5, d2h=0.0,
+                         contention: dict | None = None, host: dict | None = None) -> Path:
     """A measured profile of round numbers for ``model``'s shape (all exact in binary floating point):
     GPU expert = 1 s per token (table 1 s at 1 token, 2 s at 2, extended linearly), CPU expert = 3 s
-    per token, one expert's copy = ``xfer`` s, dense part of a layer = ``dense`` s at any size."""
+    per token, one expert's copy = ``xfer`` s, dense part of a layer = ``dense`` s at any size, an
+    activation hand-over ``d2h`` s; ``contention`` (slowdowns, default none) and ``host`` (the executor's
+    host costs, default none) replace the neutral tables."""
     shape = ModelShape.of(model)
     data = {
         "kind": "measured", "format_version": 2, "name": "simple-numbers",
@@ -98,13 +101,14 @@ def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), x
             "gpu_expert": {"tokens": [1, 2], "seconds": list(gpu)},
             "cpu_expert": {"tokens": [1, 2], "seconds": list(cpu)},
             "h2d": {"bytes": [1, model.expert_bytes], "seconds": [xfer, xfer]},
-            "d2h": {"bytes": [1, model.expert_bytes], "seconds": [0.0, 0.0]},  # activation copies are free here
+            "d2h": {"bytes": [1, model.expert_bytes], "seconds": [d2h, d2h]},
             "gpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[dense, dense]]},
             "cpu_dense": {"tokens": [1, 2], "context_lens": [0], "seconds": [[dense, dense]]},
         },
-        "contention": {key: dict.fromkeys(key.split("+"), 1.0) for key in lane_combinations()},
+        "contention": {key: {lane: (contention or {}).get(key, {}).get(lane, 1.0) for lane in key.split("+")}
+                       for key in lane_combinations()},
         "host": {"layer_s": 0.0, "gpu_expert_s": 0.0, "cpu_expert_s": 0.0, "copy_s": 0.0,
-                 "decision_s": dict.fromkeys([*system_names(), "split"], 0.0)},
+                 "decision_s": dict.fromkeys([*system_names(), "split"], 0.0), **(host or {})},
         "provenance": {"command": "tests (hand-computed timelines)", "date": "2025-01-01", "versions": {}},
     }
     path.write_text(json.dumps(data))

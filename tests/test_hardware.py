@@ -408,6 +408,58 @@ def test_measured_round_trip(tmp_path):
     assert not [f for f in out.parent.iterdir() if f.name != "copy.json"]  # no temp file left behind
 
 
+def test_measured_format_2_round_trip_with_contention_host_and_d2h(tmp_path):
+    """Format 2 adds the slowdowns per lane combination, the executor's host costs and the d2h table;
+    a format-1 file (the example) still loads, without them, and is written back as format 2."""
+    import dataclasses
+
+    from dali_sim.hardware.contention import lane_combinations
+    from dali_sim.hardware.measured import CurveTable, HostCosts
+
+    p = load_profile(EXAMPLE)
+    assert p.contention is None and p.host is None and p.d2h is None
+    table = {k: {lane: 1.0 + 0.25 * i for i, lane in enumerate(k.split("+"))} for k in lane_combinations()}
+    host = HostCosts(layer_s=4e-4, gpu_expert_s=3e-5, cpu_expert_s=1e-4, copy_s=5e-6, decision_s={"dali": 6e-5})
+    v2 = dataclasses.replace(p, contention=table, host=host, d2h=CurveTable((1024.0, 65536.0), (1e-5, 3e-5)))
+    out = write_measured_profile(tmp_path / "v2.json", v2)
+    data = json.loads(out.read_text())
+    assert data["format_version"] == 2 and set(data["contention"]) == set(lane_combinations())
+    q = load_profile(out)
+    assert q == v2 and q.host.decision_s == {"dali": 6e-5}
+    cm = CostModel(q, get_model_for(q))
+    assert cm.contention.rates({"cpu": 0.0, "h2d": 0.0}) == {"cpu": 1 / 1.0, "h2d": 1 / 1.25}
+    # a missing combination or lane, or a slowdown below 1, names the field
+    for mutate, where in ((lambda d: d["contention"].pop("cpu+h2d"), "contention.cpu+h2d: missing"),
+                          (lambda d: d["contention"]["gpu+h2d"].pop("gpu"), "contention.gpu+h2d.gpu: missing"),
+                          (lambda d: d["contention"]["cpu+gpu"].update(cpu=0.9), "contention.cpu+gpu.cpu: must be >= 1"),
+                          (lambda d: d["host"].pop("copy_s"), "host.copy_s: missing"),
+                          (lambda d: d["host"]["decision_s"].update(dali=-1.0), "host.decision_s.dali: must be >= 0")):
+        bad = json.loads(out.read_text())
+        mutate(bad)
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ProfileError, match=re.escape(where)):
+            load_profile(tmp_path / "bad.json")
+    # format 1 has no such fields
+    old = json.loads(out.read_text())
+    old["format_version"] = 1
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ProfileError, match="unknown field"):
+        load_profile(tmp_path / "old.json")
+
+
+def get_model_for(p: MeasuredProfile):
+    """A spec of the shape a measured profile was taken for (the example's toy shape)."""
+    return next(m for m in (toy_model(), get_model("mixtral-8x7b")) if _shape_matches(p, m))
+
+
+def _shape_matches(p, m) -> bool:
+    try:
+        p.check_model(m)
+        return True
+    except ProfileError:
+        return False
+
+
 def test_measured_writer_refuses_bad_profile_and_writes_nothing(tmp_path):
     p = load_profile(EXAMPLE)
     from dataclasses import replace

@@ -95,7 +95,7 @@ class RooflineCosts:
         shared_k = c("shared") if self._has_shared else 0
         self._fixed = {
             ("gpu", "expert"): c("expert") * gpu_k if impl.gpu_experts == "per-expert" else 0.0,
-            ("cpu", "expert"): c("cpu_expert") * cpu_k,
+            ("cpu", "expert"): c("cpu_expert") * cpu_k + c("sync_cpu_expert") * profile.gpu.sync_us * 1e-6,
             ("gpu", "dense"): (c(dense_key) + shared_k) * gpu_k, ("cpu", "dense"): c("cpu_dense") * cpu_k,
             ("gpu", "attn"): c(dense_key) * gpu_k, ("cpu", "attn"): c("cpu_dense") * cpu_k,
             ("gpu", "shared"): shared_k * gpu_k, ("cpu", "shared"): 0.0,
@@ -373,7 +373,8 @@ class CostModel:
         self._launches_moe = c("moe") if impl.gpu_experts == "grouped" else 0
         self._launches_expert = c("expert") if impl.gpu_experts == "per-expert" else 0
         sync = self.profile.gpu.sync_us * 1e-6
-        self._sync_layer, self._sync_expert = c("sync_layer") * sync, c("sync_expert") * sync
+        self._sync_layer = (c("sync_layer") + c("sync_all_experts") * self.model.num_experts) * sync
+        self._sync_expert = c("sync_expert") * sync
         return (0.0, 0.0, 0.0, 0.0)
 
     def host_layer_time(self, n_gpu: int, n_cpu: int, n_copies: int, *, device_s: float = 0.0,

@@ -27,6 +27,8 @@ COPY_FROM = ("pinned", "pageable")
 HOST_MODELS = ("none", "measured", "launches")
 GPU_KERNELS = ("per-expert", "grouped")
 CUDA_GRAPHS = ("none", "full-gpu", "decode")
+OVERLAP = ("always", "decode", "never")  # when two things may run at the same time: in every step, decode only, never
+LM_HEAD = ("none", "last", "all")  # logits for no token, every decode token and a prompt's last, or every token
 #: kernel counts an implementation declares (``kernels``), each per MoE layer unless said otherwise
 KERNEL_KEYS = {
     "dense_gqa": "GPU kernels of the dense part of a layer with GQA/MHA attention (norms, projections, rope, "
@@ -42,6 +44,10 @@ KERNEL_KEYS = {
     "cpu_dense": "CPU parallel ops of the dense part of a layer (or a dense block, or the LM head) on the CPU",
     "sync_layer": "host-GPU synchronisations per MoE layer (the host waits for the GPU, e.g. to read expert ids)",
     "sync_expert": "host-GPU synchronisations per routed GPU expert (e.g. a .tolist() of its token indices)",
+    "sync_all_experts": "host-GPU synchronisations per expert of the model's layer (active or not) in a layer with GPU "
+                        "experts (a loop over every expert asking whether it has tokens)",
+    "sync_cpu_expert": "host-GPU round trips per routed CPU expert (its tokens and weights read to the host one expert "
+                       "at a time), on the CPU lane",
 }
 
 
@@ -52,13 +58,14 @@ class Implementation:
     name: str
     description: str
     copy_from: str = "pinned"  # host memory expert copies read: pinned (DMA at the link's rate) or pageable
-    lanes_overlap: bool = True  # a layer's CPU lane and GPU lane run at the same time (else one after the other)
-    shared_overlap: bool = False  # shared experts run on the GPU lane while the CPU lane works (else in the dense part)
-    lm_head: bool = False  # each step ends with the LM head (logits) on the dense device
+    lanes_overlap: str = "always"  # when a layer's CPU lane and GPU lane run at the same time (else one after the other)
+    shared_overlap: str = "never"  # when shared experts run on the GPU lane while the CPU lane works (else in the dense part)
+    lm_head: str = "none"  # each step ends with the LM head: none | last (a prompt's last token, every decode token) | all
     activation_copies: bool = False  # a lane on another device than the dense part gets its activations over the link
     host: str = "none"  # host time per layer: none | measured (the profile's executor costs) | launches
     gpu_experts: str = "per-expert"  # routed GPU experts: kernels per expert, or one grouped launch per layer
-    grouped_waits_all: bool = False  # a grouped GPU launch starts only when every expert's weights are present
+    compute_waits_copies: bool = False  # a layer's GPU experts start only when all its on-demand copies have landed
+    evict_writeback: bool = False  # an eviction copies the evicted expert back to the host (one more copy on the link)
     cuda_graphs: str = "none"  # steps replayed from a captured graph: none | full-gpu (1-token steps, all on GPU) | decode
     host_op_us: float = 0.0  # framework host time per GPU kernel beyond the profile's launch_us (e.g. Python)
     kernels: Mapping[str, int] = field(default_factory=dict)  # kernel counts (KERNEL_KEYS); missing = 0
@@ -67,7 +74,8 @@ class Implementation:
     def __post_init__(self) -> None:
         where = f"implementation {self.name!r}"
         for key, allowed in (("copy_from", COPY_FROM), ("host", HOST_MODELS), ("gpu_experts", GPU_KERNELS),
-                             ("cuda_graphs", CUDA_GRAPHS)):
+                             ("cuda_graphs", CUDA_GRAPHS), ("lanes_overlap", OVERLAP), ("shared_overlap", OVERLAP),
+                             ("lm_head", LM_HEAD)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{where}: {key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         for f in fields(self):
@@ -86,6 +94,11 @@ class Implementation:
 
     def count(self, key: str) -> int:
         return int(self.kernels.get(key, 0))
+
+    @staticmethod
+    def in_step(mode: str, decode: bool) -> bool:
+        """Whether an ``OVERLAP`` mode holds in a decode (or prefill) step."""
+        return mode == "always" or (mode == "decode" and decode)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("sources", "kernels")}
@@ -140,5 +153,5 @@ def get_implementation(name: str | Implementation) -> Implementation:
     return impls[name]
 
 
-__all__ = ["COPY_FROM", "EXECUTOR", "CUDA_GRAPHS", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "Implementation", "get_implementation",
+__all__ = ["COPY_FROM", "CUDA_GRAPHS", "EXECUTOR", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "LM_HEAD", "OVERLAP", "Implementation", "get_implementation",
            "implementation_from_dict", "implementation_names"]

@@ -122,22 +122,31 @@ class SimEngine:
         self.pcie = simpy.PriorityResource(self.env, 1)
         self.staging = simpy.Resource(self.env, max(1, staging_slots))
         impl = costs.impl
-        self.serial_lanes = not impl.lanes_overlap
+        decode = workload.step_phase == DECODE
+        # per step: the lanes one after the other; shared experts on the GPU lane beside the CPU lane
+        self.serial_lanes = np.array([not impl.in_step(impl.lanes_overlap, d) for d in decode])
+        shared_lane = np.array([impl.in_step(impl.shared_overlap, d) for d in decode]) & (workload.model.num_shared_experts > 0)
         self.xfer = costs.expert_transfer_time()
         self.copy_demand = costs.copy_demand
         self.gpu_table = costs.expert_time_table("gpu")
         self.cpu_table = costs.expert_time_table("cpu")
         args = (workload.step_tokens, workload.step_context, workload.step_kv)
-        self.dense_moe = np.asarray(costs.dense_time(dense_device, *args, shared=not impl.shared_overlap), dtype=float)
+        self.dense_moe = np.asarray(costs.dense_time(dense_device, *args), dtype=float)
         self.dense_demand = np.asarray(costs.dense_host_demand(dense_device, *args), dtype=float)
-        self.shared = (np.asarray(costs.shared_expert_time("gpu", workload.step_tokens), dtype=float)
-                       if impl.shared_overlap and workload.model.num_shared_experts else None)
+        self.shared = None
+        if shared_lane.any():
+            attn = np.asarray(costs.dense_time(dense_device, *args, shared=False), dtype=float)
+            self.dense_moe = np.where(shared_lane, attn, self.dense_moe)
+            self.shared = np.where(shared_lane, np.asarray(costs.shared_expert_time("gpu", workload.step_tokens)), 0.0)
         self.dense_block = (np.asarray(costs.dense_block_time(dense_device, *args), dtype=float)
                             if workload.model.num_dense_layers else None)
-        self.lm_head = (np.asarray(costs.lm_head_time(dense_device, workload.step_logit_tokens), dtype=float)
-                        if impl.lm_head else None)
+        self.lm_head = None
+        if impl.lm_head != "none":
+            logits = workload.step_tokens if impl.lm_head == "all" else workload.step_logit_tokens
+            self.lm_head = np.asarray(costs.lm_head_time(dense_device, logits), dtype=float)
         self.lane_overhead = {d: costs.lane_overhead(d) for d in ("gpu", "cpu")}
-        self.waits_all = impl.gpu_experts == "grouped" and impl.grouped_waits_all
+        self.waits_all = impl.compute_waits_copies
+        self.writeback = impl.evict_writeback
         self.counts_launches = impl.host == "launches"
         # steps replayed from a CUDA graph (no per-kernel launch cost on the host)
         fully_resident = bool((controller.capacities == workload.num_experts).all())
@@ -211,6 +220,13 @@ class SimEngine:
         first: a queued prefetch never slips in between); a staged one first takes a staging buffer,
         and while it waits for one the link is released for background copies."""
         link = None
+        if self.writeback and plan.evicted:  # evicted experts go back to the host first, on the same link
+            link = self.pcie.request(priority=ON_DEMAND)
+            yield link
+            for e in plan.evicted:
+                start = self.env.now
+                yield self._copy()
+                self._log_expert("pcie", start, self.env.now, "writeback", plan, e)
         for e, staged, done in fetches:
             if staged:
                 if self.staging.count >= self.staging.capacity and link is not None:
@@ -313,14 +329,17 @@ class SimEngine:
             ready[e] = ev
         staging: dict[int, object] = {}
         signal = [env.event()]  # fires when any of this layer's copies lands; re-armed after each wait
-        if events:
-            env.process(self._on_demand(plan, events, staging, signal))
+        copying = None
+        if events or (self.writeback and plan.evicted):
+            copying = env.process(self._on_demand(plan, events, staging, signal))
         for d, what in prologue:
             yield from self._compute("gpu", d, what)
         own = {id(ev) for _, _, ev in events}
         remaining = list(ready)  # touch order
         if self.waits_all:
             pending = [ev for ev in ready.values() if ev is not None and not ev.triggered]
+            if copying is not None:
+                pending.append(copying)  # the write-backs too
             if pending:
                 start = env.now
                 yield env.all_of(pending)
@@ -368,6 +387,12 @@ class SimEngine:
         a staged one starting only when a staging buffer is free (buffers free up when their expert's
         GPU compute ends); from ``t`` the GPU runs, in touch order, the first expert whose weights are
         present, else waits for the next arrival. Returns the lane's end."""
+        if self.writeback:
+            for e in plan.evicted:
+                self._log_expert("pcie", link_t, link_t + self.xfer, "writeback", plan, e)
+                link_t += self.xfer
+            if self.waits_all:
+                t = max(t, link_t)
         rank = {e: i for i, e in enumerate(order)}
         fetched = {e for e, _ in fetches}
         present = [rank[e] for e in order if e not in fetched]  # heap of touch positions
@@ -460,14 +485,14 @@ class SimEngine:
             self._log(self.dense_device, t, t + dense, dense_what)
             lanes = t + dense
             cpu_end = self._cpu_lane_end(plan, cpu, lanes)
-            gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes else lanes, ready, counts, fetches,
-                                            prologue)
+            gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, ready, counts,
+                                            fetches, prologue)
             yield env.timeout(max(cpu_end, gpu_end) - now)
         else:
             yield from self._compute("host", host, host_what)
             yield from self._compute(self.dense_device, dense, dense_what, float(self.dense_demand[step]))
             cpu_proc = env.process(self._cpu_lane(plan, cpu)) if cpu is not None else None
-            if self.serial_lanes and cpu_proc is not None:
+            if self.serial_lanes[step] and cpu_proc is not None:
                 yield cpu_proc
                 cpu_proc = None
             yield from self._gpu_lane(plan, ready, fetches, counts, prologue)

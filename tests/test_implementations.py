@@ -1,0 +1,327 @@
+"""Implementation traits: the shipped table, the costs they add, and how the engine applies them, on
+hand-computed cases (round-number profiles) and on the cost model's own formulas."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from importlib import resources
+
+import numpy as np
+import pytest
+from conftest import OVERLAP_MODEL, round_number_profile
+from test_hardware import TOY_PARAMS, toy_model, toy_profile_dict
+from test_sim_overlap import spans, split_system
+
+from dali_sim.hardware import CostModel, load_profile, profile_from_dict
+from dali_sim.hardware.implementation import (
+    KERNEL_KEYS,
+    Implementation,
+    get_implementation,
+    implementation_from_dict,
+    implementation_names,
+)
+from dali_sim.policies.systems import resolve_system
+from dali_sim.runtime.controller import Controller
+from dali_sim.runtime.memory import plan_memory
+from dali_sim.sim.counters import PlanCounters
+from dali_sim.sim.engine import SimEngine
+from dali_sim.sim.simulate import simulate
+from dali_sim.trace import read_trace
+from dali_sim.workload.builder import Workload, WorkloadConfig
+
+
+# ---- the table ------------------------------------------------------------------------------------
+def test_every_shipped_implementation_loads_and_cites_every_trait():
+    raw = tomllib.loads(resources.files("dali_sim.hardware").joinpath("implementations.toml").read_text())
+    assert set(raw) == set(implementation_names()) >= {"llamacpp", "ktransformers", "dali-executor", "bare"}
+    for name, table in raw.items():
+        impl = get_implementation(name)
+        traits = [k for k in table if not k.endswith("_source") and k != "description"]
+        assert all(impl.sources[t].strip() for t in traits), name
+        assert set(impl.kernels) <= set(KERNEL_KEYS)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"copy_from": "dma"}, "copy_from must be one of pinned, pageable"),
+    ({"kernels": {"bogus": 1}, "kernels_source": "x"}, "unknown key"),
+    ({"kernels": {"expert": -1}, "kernels_source": "x"}, "kernels.expert must be a non-negative integer"),
+    ({"lanes_overlap": "yes"}, "lanes_overlap must be one of always, decode, never"),
+    ({"activation_copies": "yes", "activation_copies_source": "x"}, "activation_copies must be true or false"),
+    ({"host_op_us": -1.0, "host_op_us_source": "x"}, "host_op_us must be a finite number >= 0"),
+    ({"speed": 1, "speed_source": "x"}, "no trait 'speed'"),
+])
+def test_bad_implementation_tables_are_refused(change, message):
+    base = {"description": "d", "copy_from": "pinned", "copy_from_source": "s", "lanes_overlap": "always",
+            "lanes_overlap_source": "s"}
+    with pytest.raises(ValueError, match=message):
+        implementation_from_dict("x", {**base, **change})
+    with pytest.raises(ValueError, match="lanes_overlap_source: missing"):
+        implementation_from_dict("x", {"description": "d", "lanes_overlap": "always"})
+
+
+def test_unknown_implementation_is_refused_listing_the_known():
+    with pytest.raises(ValueError, match="unknown implementation 'nope'; known: .*llamacpp"):
+        resolve_system("gpu-lru", {"system": {"implementation": "nope"}})
+
+
+# ---- costs the traits add (toy profile: GPU 100 TFLOP/s peak x 0.5, 1000 GB/s x 0.5) ----------------
+def _cm(impl=None, profile_over=None, **model_kw):
+    d = toy_profile_dict()
+    for part, fields in (profile_over or {}).items():
+        d[part].update(fields)
+    return CostModel(profile_from_dict(d), toy_model(**model_kw), implementation=impl or "bare")
+
+
+def test_gemm_tile_fill_lowers_the_rate_but_not_below_simt():
+    """Tile of 128 tokens: at n = 64 the tensor rate is 50 TFLOP/s x 2*64/192 = 33.3; at n = 16, 50 x
+    32/144 = 11.1 < the fp32 (SIMT) rate 50 x 0.5 = 25, so 25; at n >= 128 the full 50."""
+    cm = _cm(profile_over={"gpu": {"gemm_tile_tokens": 128}})
+    for n, rate in ((64, 50e12 * 128 / 192), (16, 25e12), (128, 50e12), (1000, 50e12)):
+        flops_t = 2 * n * TOY_PARAMS / rate
+        bytes_t = (2 * TOY_PARAMS + n * 2 * (2 * 1024 + 2 * 2048)) / 500e9
+        assert cm.expert_time("gpu", n) == pytest.approx(max(flops_t, bytes_t)), n
+
+
+def test_kernel_counts_times_kernel_cost():
+    impl = Implementation("k", "d", gpu_experts="grouped", kernels={"dense_gqa": 3, "moe": 7, "head": 2, "cpu_moe": 4})
+    cm, bare = _cm(impl), _cm()
+    assert cm.expert_time("gpu", 4) == bare.expert_time("gpu", 4)  # grouped: nothing per expert
+    assert cm.lane_overhead("gpu") == pytest.approx(7 * 10e-6) and cm.lane_overhead("cpu") == pytest.approx(4 * 5e-6)
+    assert cm.dense_time("gpu", 4, 16) == pytest.approx(bare.dense_time("gpu", 4, 16) + 3 * 10e-6)
+    assert cm.lm_head_time("gpu", 4) == pytest.approx(bare.lm_head_time("gpu", 4) + 2 * 10e-6)
+    per = Implementation("p", "d", gpu_experts="per-expert", kernels={"expert": 5, "cpu_expert": 2})
+    cp = _cm(per)
+    assert cp.expert_time("gpu", 4) == pytest.approx(bare.expert_time("gpu", 4) + 5 * 10e-6)
+    assert cp.expert_time("cpu", 4) == pytest.approx(bare.expert_time("cpu", 4) + 2 * 5e-6)
+    assert cp.lane_overhead("gpu") == 0.0
+
+
+def test_host_launches_syncs_and_graphs():
+    """launch 4 us + the framework's 2 us per kernel; 10 dense kernels, 3 per GPU expert, one per copy;
+    2 syncs per GPU expert of 15 us each."""
+    impl = Implementation("h", "d", host="launches", host_op_us=2.0, gpu_experts="per-expert",
+                          kernels={"dense_gqa": 10, "expert": 3, "sync_expert": 2})
+    cm = _cm(impl, profile_over={"gpu": {"launch_us": 4.0, "sync_us": 15.0}})
+    launches = (10 + 2 * 3 + 1) * 6e-6  # 2 GPU experts, 1 copy
+    assert cm.host_layer_time(2, 0, 1) == pytest.approx(launches + 4 * 15e-6)
+    # device work hides launches, not syncs
+    assert cm.host_layer_time(2, 0, 1, device_s=1.0) == pytest.approx(4 * 15e-6)
+    assert cm.host_layer_time(2, 0, 1, device_s=launches / 2) == pytest.approx(launches / 2 + 4 * 15e-6)
+    assert cm.host_layer_time(2, 0, 1, graph=True) == 0.0
+    # a dense part on the CPU launches nothing on the GPU
+    assert cm.host_layer_time(0, 3, 0, dense_on_gpu=False) == 0.0
+    assert _cm().host_layer_time(5, 5, 5) == 0.0  # bare
+
+
+def test_a_loop_over_every_expert_syncs_once_per_expert_of_the_layer():
+    """KTransformers' GPU-resident layers ask every one of the layer's experts (4 in the toy) whether it has
+    tokens: 4 syncs of 15 us in a layer that runs GPU experts, none in one that does not."""
+    impl = Implementation("a", "d", host="launches", kernels={"sync_all_experts": 1})
+    cm = _cm(impl, profile_over={"gpu": {"sync_us": 15.0}})
+    assert cm.host_layer_time(1, 0, 0, device_s=1.0) == pytest.approx(4 * 15e-6)
+    assert cm.host_layer_time(0, 2, 0, device_s=1.0) == 0.0
+
+
+def test_pageable_copies_use_the_pageable_efficiency():
+    pinned = _cm(Implementation("a", "d", copy_from="pinned"))
+    pageable = _cm(Implementation("b", "d", copy_from="pageable"))
+    assert pinned.transfer_time(1e9) == pytest.approx(10e-6 + 1e9 / (25e9 * 0.8))
+    assert pageable.transfer_time(1e9) == pytest.approx(10e-6 + 1e9 / (25e9 * 0.4))
+    # host memory a copy draws: the DMA's read; a pageable one also the driver's staging copy (read + write)
+    assert pinned.copy_demand == pytest.approx(25e9 * 0.8)
+    assert pageable.copy_demand == pytest.approx(3 * 25e9 * 0.4)
+
+
+def test_dense_precision_and_shared_split():
+    """mxfp4 experts and a bf16 rest: the dense part reads bf16 bytes; without the shared experts the
+    dense part is cheaper by about the shared experts' own time."""
+    from dali_sim.models.presets import get_precision
+
+    spec = toy_model(num_shared_experts=1, shared_expert_intermediate_size=2048,
+                     precision=get_precision("mxfp4"), dense_precision=get_precision("bf16"))
+    cm = CostModel(profile_from_dict(toy_profile_dict()), spec)
+    assert spec.expert_bytes == round(TOY_PARAMS * 0.53125) and spec.bytes_of(100) == 200
+    full, attn, shared = cm.dense_time("gpu", 1, 0), cm.dense_time("gpu", 1, 0, shared=False), cm.shared_expert_time("gpu", 1)
+    assert attn < full and full == pytest.approx(attn + shared, rel=1e-3)
+    assert spec.precision_label == "mxfp4/bf16"
+
+
+def test_lm_head_tokens_per_step(overlap_trace):
+    """Decode steps need logits for every token, a prefill step for each prompt's last token only."""
+    w = Workload(overlap_trace, WorkloadConfig(1))
+    assert w.step_tokens.tolist() == [2, 1] and w.step_logit_tokens.tolist() == [1, 1]
+
+
+# ---- the engine applies the traits (round numbers: GPU 1 s/token, CPU 3 s/token, copy 2 s, dense 0.5 s) --
+def _engine(trace, system, profile_path, impl):
+    """One timed run of ``system`` with implementation ``impl`` (bypassing simulate()'s choice)."""
+    profile = load_profile(profile_path)
+    model = trace.model
+    costs = CostModel(profile, model, implementation=impl, system=system.name)
+    placement, cache, prefetch = (c.build() for c in (system.placement, system.cache, system.prefetch))
+    w = Workload(trace, WorkloadConfig(1))
+    mem = plan_memory(model, system.memory, profile.gpu_memory_bytes, w.max_batch_context,
+                      required=placement.required_capacities(w.num_layers, w.num_experts))
+    ctl = Controller(w, costs, placement, cache, prefetch, mem.capacities, cache_init=system.memory.cache_init,
+                     prefetch_slots=mem.prefetch_slots, staging_slots=mem.staging_slots)
+    engine = SimEngine(w, ctl, costs, PlanCounters(w.num_layers), staging_slots=mem.staging_slots, record=True)
+    return engine.run()
+
+
+def _spans(out):
+    return sorted((iv.track, iv.name, iv.start, iv.end) for iv in out.intervals)
+
+
+def test_serial_lanes_run_the_cpu_lane_then_the_gpu_lane(overlap_trace, round_profile):
+    """Case C with lanes one after the other: step 0 layer 0: dense 0-0.5, CPU E0 0.5-6.5; then the GPU
+    lane: copies E1 6.5-8.5, E2 8.5-10.5, computes E1 8.5-9.5, E2 10.5-11.5."""
+    impl = dataclasses.replace(get_implementation("bare"), name="serial", lanes_overlap="never")
+    out = _engine(overlap_trace, split_system([0]), round_profile, impl)
+    first = [s for s in _spans(out) if s[2] < 11.5]
+    assert first == sorted([("gpu", "dense L0", 0.0, 0.5), ("cpu", "L0 E0", 0.5, 6.5),
+                            ("pcie", "fetch L0 E1", 6.5, 8.5), ("pcie", "fetch L0 E2", 8.5, 10.5),
+                            ("gpu", "L0 E1", 8.5, 9.5), ("gpu", "L0 E2", 10.5, 11.5)])
+
+
+def test_a_grouped_launch_waits_for_every_copy(overlap_trace, round_profile):
+    """gpu-lru (all on the GPU) with a grouped launch that needs all weights: step 0 layer 0 copies E0, E1,
+    E2 back to back 0.5-6.5 (admitted E0, E1 and staged E2 with one layer of buffers), then computes all:
+    E0 (2 tokens) 6.5-8.5, E1 8.5-9.5, E2 9.5-10.5."""
+    impl = dataclasses.replace(get_implementation("bare"), name="grouped", gpu_experts="grouped",
+                               compute_waits_copies=True)
+    system = resolve_system("gpu-lru", {"memory": {"cache_experts": "2", "staging_slots": "-1"}})
+    out = _engine(overlap_trace, system, round_profile, impl)
+    gpu = [s for s in _spans(out) if s[0] == "gpu" and s[2] < 10.5 and not s[1].startswith("dense")]
+    assert gpu == [("gpu", "L0 E0", 6.5, 8.5), ("gpu", "L0 E1", 8.5, 9.5), ("gpu", "L0 E2", 9.5, 10.5)]
+    assert max(s[3] for s in _spans(out) if s[0] == "pcie" and s[2] < 6.5) == 6.5
+
+
+def test_activation_handovers_frame_the_cpu_lane(tmp_path, overlap_trace):
+    """An activation copy of 0.25 s each way: the CPU lane of step 0 layer 0 is 0.5-0.75 (in), E0 0.75-6.75,
+    6.75-7.0 (out); the layer ends at 7.0 instead of 6.5."""
+    prof = round_number_profile(tmp_path / "d2h.json", OVERLAP_MODEL, d2h=0.25)
+    impl = dataclasses.replace(get_implementation("bare"), name="handover", activation_copies=True)
+    out = _engine(overlap_trace, split_system([0]), prof, impl)
+    cpu = [s for s in _spans(out) if s[0] == "cpu" and s[2] < 7.0]
+    assert cpu == [("cpu", "L0 E0", 0.75, 6.75), ("cpu", "handoff L0", 0.5, 0.75), ("cpu", "handoff L0", 6.75, 7.0)]
+    assert out.step_start[1] == pytest.approx(out.step_end[0])
+
+
+def test_lanes_overlap_only_in_decode(overlap_trace, round_profile):
+    """Lanes that overlap in decode only (KTransformers' graph path): step 0 (the prompt) runs its CPU lane
+    first as in test_serial_lanes...; step 1 (decode) overlaps: layer 0's E1 (GPU) and E0 (CPU) start
+    together after its dense part."""
+    impl = dataclasses.replace(get_implementation("bare"), name="decode-overlap", lanes_overlap="decode")
+    out = _engine(overlap_trace, split_system([0]), round_profile, impl)
+    by_name = {}
+    for track, name, a, b in _spans(out):
+        by_name.setdefault((track, name), []).append((a, b))
+    assert by_name[("cpu", "L0 E0")][0] == (0.5, 6.5) and by_name[("pcie", "fetch L0 E1")][0][0] == 6.5
+    t1 = out.step_start[1]
+    dense = [a for a, _ in by_name[("gpu", "dense L0")] if a >= t1][0]
+    assert by_name[("gpu", "L0 E1")][-1][0] == dense + 0.5 == by_name[("cpu", "L0 E0")][-1][0]
+
+
+def test_lm_head_over_the_last_or_every_prompt_token():
+    """An implementation computing logits for every prompt token pays the LM head on the whole prompt."""
+    trace = read_trace(_tiny_trace())
+    base = {"placement": {"policy": "gpu-only"}, "memory": {"cache_experts": "32"}}
+    runs = {}
+    for mode in ("last", "all"):
+        impl = dataclasses.replace(get_implementation("bare"), name=f"head-{mode}", lm_head=mode)
+        w = Workload(trace, WorkloadConfig(1))
+        system = resolve_system("gpu-static", base, trace.model)
+        profile = load_profile("rtx4090-ddr5-desktop")
+        costs = CostModel(profile, trace.model, implementation=impl)
+        mem = plan_memory(trace.model, system.memory, profile.gpu_memory_bytes, w.max_batch_context)
+        ctl = Controller(w, costs, system.placement.build(), system.cache.build(), system.prefetch.build(),
+                         mem.capacities, cache_init="frequency")
+        out = SimEngine(w, ctl, costs, PlanCounters(w.num_layers), record=True).run()
+        runs[mode] = [iv.end - iv.start for iv in out.intervals if iv.name == "lm_head"]
+        head = costs.lm_head_time("gpu", np.array([1, 8]))
+    assert runs["last"][0] == pytest.approx(head[0]) and runs["all"][0] == pytest.approx(head[1])
+    assert runs["last"][1:] == runs["all"][1:]  # decode steps: one token each
+
+
+def test_evictions_write_back_before_the_copies(tmp_path, overlap_trace, round_profile):
+    """mixtral-offloading writes the evicted expert back to the host on the same link, and computes wait for
+    the layer's copies: step 1 layer 1 (cache {0, 2}, E1 missing, E0 evicted): write-back E0 then fetch E1,
+    then E1 and E2 are computed."""
+    impl = dataclasses.replace(get_implementation("bare"), name="writeback", evict_writeback=True,
+                               compute_waits_copies=True)
+    system = resolve_system("gpu-lru", {"memory": {"cache_experts": "2"}})
+    out = _engine(overlap_trace, system, round_profile, impl)
+    wb = [s for s in _spans(out) if s[1].startswith("writeback")]
+    assert [s[1] for s in wb] == ["writeback L1 E0"]
+    _, _, a, b = wb[0]
+    fetch = next(s for s in _spans(out) if s[1] == "fetch L1 E1" and s[2] >= b)
+    assert fetch[2] == b and b - a == 2.0
+    computes = [s for s in _spans(out) if s[0] == "gpu" and s[2] >= a and not s[1].startswith("dense")]
+    assert computes and min(s[2] for s in computes) >= fetch[3]
+
+
+def test_measured_host_costs_run_before_the_dense_part(tmp_path, overlap_trace):
+    """The executor's host time per layer visit: 0.25 s + 0.5 s per GPU expert + the system's 0.125 s of
+    decisions; case C's first layer (2 GPU experts, 1 CPU expert, 2 copies): 1.375 s of host work first."""
+    prof = round_number_profile(tmp_path / "host.json", OVERLAP_MODEL,
+                                host={"layer_s": 0.25, "gpu_expert_s": 0.5, "decision_s": {"split": 0.125}})
+    r = simulate(overlap_trace, split_system([0]), hardware=prof, timeline=True)
+    first = sorted(s for s in spans(r) if s[2] < 2.0)
+    assert ("host", "host L0", 0.0, 1.375) in first and ("gpu", "dense L0", 1.375, 1.875) in first
+    assert r.manifest["implementation"]["name"] == "dali-executor"
+    assert "describes dali's executor" in r.manifest["implementation"]["note"]
+    bare = simulate(overlap_trace, dataclasses.replace(split_system([0]), implementation="bare"), hardware=prof)
+    assert bare.summary["makespan_s"] == 18.0 and "note" not in bare.manifest["implementation"]
+
+
+def test_executor_implementation_needs_measured_host_costs(overlap_trace):
+    system = dataclasses.replace(resolve_system("gpu-lru"), implementation="dali-executor")
+    with pytest.raises(ValueError, match="needs the executor's measured host costs"):
+        simulate(overlap_trace, system)
+    # the no-timing path never asks for host time
+    assert simulate(overlap_trace, system, timing=False).summary["hits"] >= 0
+
+
+def test_which_steps_replay_a_cuda_graph():
+    """llama.cpp 2025: one-token steps of a run whose experts are all resident; with CPU-held experts none.
+    llama.cpp 2026: every decode step, also with CPU-held experts; KTransformers likewise."""
+    trace = read_trace(_tiny_trace())
+    w = Workload(trace, WorkloadConfig(1))
+    decode = w.step_tokens == 1
+    assert decode.sum() == 6 and not decode.all()
+
+    def graphs(impl, cpu_layers=None):
+        over = {"placement": {"cpu_layers": str(cpu_layers)}} if cpu_layers is not None else None
+        system = resolve_system("llamacpp", over, trace.model)
+        profile = load_profile("rtx4090-ddr5-desktop")
+        costs = CostModel(profile, trace.model, implementation=impl)
+        placement = system.placement.build()
+        mem = plan_memory(trace.model, system.memory, profile.gpu_memory_bytes, w.max_batch_context,
+                          required=placement.required_capacities(w.num_layers, w.num_experts))
+        ctl = Controller(w, costs, placement, system.cache.build(), system.prefetch.build(), mem.capacities,
+                         cache_init=system.memory.cache_init, staging_slots=mem.staging_slots)
+        return SimEngine(w, ctl, costs, PlanCounters(w.num_layers)).graph_steps.tolist()
+
+    assert graphs("llamacpp-2025") == decode.tolist()
+    assert graphs("llamacpp-2025", cpu_layers=2) == [False] * w.num_steps
+    assert graphs("llamacpp", cpu_layers=2) == decode.tolist()
+    assert graphs("llamacpp-2023") == [False] * w.num_steps
+
+
+_TINY = {}
+
+
+def _tiny_trace():
+    """A gpt-oss-20b-shaped synthetic trace: 1 sequence, 8 prompt + 6 generated tokens."""
+    if "path" not in _TINY:
+        import tempfile
+        from pathlib import Path
+
+        from dali_sim.trace.synth import SynthConfig, synthesize
+
+        path = Path(tempfile.mkdtemp()) / "tiny.parquet"
+        synthesize(SynthConfig("gpt-oss-20b", sequences=1, prompt_len=8, gen_len=6, seed=0,
+                               precision="mxfp4/q8_0"), path)
+        _TINY["path"] = path
+    return _TINY["path"]
