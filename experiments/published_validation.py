@@ -143,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", type=C.str_list, default=None, help="comma-separated row ids")
     args = p.parse_args(argv)
     rows = Row.load()
+    if args.quick and not args.only:  # a smoke run: two short rows (a GPU one and a CPU one)
+        args.only = [rows[0].id, next(r.id for r in rows if r.system == "cpu-only" and r.metric == "decode")]
     if args.only:
         unknown = set(args.only) - {r.id for r in rows}
         if unknown:
@@ -163,12 +165,17 @@ def main(argv=None) -> int:
     table = df[["id", "machine", "model", "weights", "offload", "test", "published_tok_s", "simulated_tok_s",
                 "ratio", "in_band"]]
     commands = "\n".join(f"- `{r['id']}`: `{r['command']}`" for r in records)
-    md = ["# Simulated against published tokens/s", summary, C.markdown_table(table),
+    what = ("## What this shows\n\nFor each published measurement, the tokens/s dali predicts for the same model, "
+            "weight format, machine and implementation, with every parameter taken from the shared hardware profiles "
+            "and implementations (docs/hardware.md): the ratio is how far the cost model is from a real machine. The "
+            "acceptance band is [0.75, 1.33]; docs/validation.md explains each miss.")
+    md = ["# Simulated against published tokens/s", summary, what, C.markdown_table(table),
           "Sources (verbatim quotes in experiments/published/rows.toml):\n\n"
           + "\n".join(f"- `{r['id']}`: {r['source']}, {r['url']}" for r in records),
           "Commands (each row, from a fresh shell):\n\n" + commands]
-    manifest = {"script": "experiments/published_validation.py", "rows": str(ROWS.relative_to(C.REPO)),
-                "band": BAND, "miss_factor": MISS, "summary": summary, "dali_version": C.dali_sim.__version__}
+    manifest = C.base_manifest("published_validation", args, [], rows=str(ROWS.relative_to(C.REPO)), band=BAND,
+                               miss_factor=MISS, summary=summary, row_ids=[r.id for r in rows],
+                               hardware_per_row={r.id: r.hardware for r in rows}, quick=args.quick)
     C.write_outputs(args.out, "published_validation", df, figure(df), md, manifest, show)
     print(summary)
     return 0

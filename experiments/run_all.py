@@ -17,7 +17,7 @@ import common as C  # noqa: E402
 
 SCRIPTS = ("fig12_13_speedups", "fig14_assignment", "table4_greedy_vs_exact", "fig17_18_sensitivity",
            "fig19_breakdown", "presets_vs_oracle", "prefetch_accuracy",
-           "recorded_trace")
+           "recorded_trace", "published_validation")
 
 
 def main(argv=None) -> int:

@@ -195,3 +195,29 @@ def test_recorded_trace(tmp_path):
     assert {"dali", "dali-plus", "oracle"} <= set(ok.system)
     assert np.allclose(ok.loc[ok.system == "oracle", "decode_vs_oracle"], 1.0)
     assert (ok.decode_tokens_per_s > 0).all() and ok.loc[ok.system == "dali", "prefetch_precision"].gt(0).all()
+
+
+def test_published_validation(tmp_path):
+    """The published-measurement table: every row resolves (model, weights, machine, system, implementation)
+    and the quick run simulates two rows, with their verdict against the band."""
+    sys.path.insert(0, str(EXP))
+    import published_validation as PV
+
+    rows = PV.Row.load()
+    assert len(rows) >= 10 and len({r.id for r in rows}) == len(rows)
+    for r in rows:
+        assert r.quote and r.url.startswith("https://") and r.published > 0
+        r.synth()  # the model and weight format exist
+        from dali_sim.hardware import load_profile
+        from dali_sim.policies import resolve_system
+
+        load_profile(r.hardware)
+        resolve_system(r.system, r.overrides())
+        assert r.commands("t.parquet").startswith("dali trace synth --model")
+    _run("published_validation", tmp_path)
+    df = pd.read_csv(tmp_path / "published_validation.csv")
+    assert len(df) == 2 and (df["simulated_tok_s"] > 0).all()
+    assert np.allclose(df["ratio"], df["simulated_tok_s"] / df["published_tok_s"])
+    assert (df["in_band"] == df["ratio"].between(0.75, 1.33)).all()
+    md = (tmp_path / "published_validation.md").read_text()
+    assert "What this shows" in md and "dali trace synth" in md
