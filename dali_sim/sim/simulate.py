@@ -126,7 +126,7 @@ def simulate(
 
     summary, per_layer, per_seq, per_step = result_tables(
         workload, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=batch_size,
-        bounds=controller.bounds)
+        bounds=controller.bounds, oracles=controller.oracles)
     manifest = run_manifest(trace, seed, profile, model, mem, timing)
     if next_uses is not None:
         used = Path(future) if future is not None else future_path(trace.path, workload.config)
@@ -151,14 +151,16 @@ def run_manifest(trace: Trace, seed: int, profile, model, memory, timing: bool) 
 
 
 def result_tables(w: Workload, counters: PlanCounters, out: EngineOutput | None, model, *, system: str,
-                  hardware: str, batch_size: int, bounds: dict[str, str]):
+                  hardware: str, batch_size: int, bounds: dict[str, str], oracles: dict[str, str] | None = None):
     """(summary, per_layer, per_sequence, per_step) of a run, timed when ``out`` is given: one layout
-    for the simulator and the executor, so both report every metric of docs/metrics.md the same way."""
+    for the simulator and the executor, so both report every metric of docs/metrics.md the same way.
+    ``bounds`` / ``oracles``: family -> policy of the run's bounds and oracle heuristics (docs/policies.md)."""
     totals = counters.totals()
     per_layer = counters.frame(model.moe_layers)
     per_layer["hit_rate"] = per_layer["hits"] / per_layer["activated"].replace(0, np.nan)
     summary: dict[str, Any] = {"system": system, "hardware": hardware, "model": model.name,
-                               "batch_size": batch_size, "bounds": bounds, **w.describe(), **totals,
+                               "batch_size": batch_size, "bounds": bounds, "oracles": oracles or {},
+                               **w.describe(), **totals,
                                **derived(totals, model.expert_bytes)}
     per_seq = per_sequence(w, out)
     per_step = pd.DataFrame({"phase": np.where(w.step_phase == PREFILL, "prefill", "decode"),
