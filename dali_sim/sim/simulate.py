@@ -20,8 +20,9 @@ from dali_sim.policies.systems import SystemConfig, resolve_system
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.future import future_path, load_future
 from dali_sim.runtime.memory import plan_memory
-from dali_sim.sim.counters import PlanCounters, derived, ratio
+from dali_sim.sim.counters import COUNTERS, PlanCounters, derived, ratio
 from dali_sim.sim.engine import EngineOutput, Interval, SimEngine
+from dali_sim.sim.lower_bound import bound_memory, time_lower_bound
 from dali_sim.trace.provenance import file_sha256
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
@@ -99,6 +100,11 @@ def simulate(
     sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides, model)
     profile = load_profile(hardware)
     costs = CostModel(profile, model)
+    if sysconf.time_bound:
+        if not timing:
+            raise ValueError(f"system {sysconf.name!r} is a time bound: it has no counts-only mode (drop --no-timing)")
+        return _time_bound(trace, sysconf, model, profile, costs, WorkloadConfig(batch_size, prefill_chunk),
+                           seed=seed, hardware=hardware)
     placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
     workload = Workload(trace, WorkloadConfig(batch_size, prefill_chunk), predictors=prefetch.required_predictors())
     mem = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, workload.max_batch_context,
@@ -134,6 +140,31 @@ def simulate(
     config = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": batch_size,
               "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": timing}
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
+
+
+def _time_bound(trace: Trace, sysconf: SystemConfig, model, profile, costs: CostModel, config: WorkloadConfig, *,
+                seed: int, hardware) -> SimResult:
+    """A time bound's result (``dali_sim.sim.lower_bound``) in the simulator's layout: the times are
+    bounds; the cache and transfer counters do not apply (NaN)."""
+    w = Workload(trace, config)
+    memory = bound_memory(model, sysconf.memory, profile.gpu_memory_bytes, w.max_batch_context)
+    lb = time_lower_bound(w, costs, memory.expert_slots)
+    counters = PlanCounters(w.num_layers)
+    counters.c["activated"] += np.bincount(np.arange(w.num_steps * w.num_layers).repeat(np.diff(w.actual.ptr))
+                                           % w.num_layers, minlength=w.num_layers)
+    out = EngineOutput(lb.step_start, lb.step_end, lb.layer_s, np.full(w.num_layers, np.nan), {}, 0, [])
+    summary, per_layer, per_seq, per_step = result_tables(
+        w, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=config.batch_size,
+        bounds={"time": sysconf.name})
+    na = [k for k in summary if k in COUNTERS and k != "activated"] + list(derived(counters.totals(), 1))
+    summary.update(dict.fromkeys(na, float("nan")))
+    per_layer[[c for c in per_layer.columns if c not in ("activated", "time_s")]] = np.nan
+    summary["lower_bound"] = lb.details
+    manifest = run_manifest(trace, seed, profile, model, memory, True)
+    config_out = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": config.batch_size,
+                  "prefill_chunk": config.prefill_chunk, "seed": seed, "precision": model.precision.name,
+                  "timing": True}
+    return SimResult(summary, per_layer, per_seq, per_step, config_out, manifest)
 
 
 def run_manifest(trace: Trace, seed: int, profile, model, memory, timing: bool) -> dict[str, Any]:

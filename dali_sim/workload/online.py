@@ -14,10 +14,10 @@ uses (``activated``, ``step_phase``, ``step_tokens``, ``predicted_counts`` / ``p
         plan = controller.plan(step, layer)      # the same controller and policies as the simulator
 
 so the same controller and policies run unchanged. What cannot be run online is refused by
-:func:`check_online`: bounds (``optimal`` placement and cache) and oracle
-heuristics (policies that read the future: ``belady`` cache, ``oracle`` prefetch); asking for a layer not yet routed is an error. Frequencies (for
-``cache_init = frequency`` and frequency-based placements) come from a prior trace
-(:func:`frequencies_from_trace`) or are uniform. No torch here.
+:func:`check_online`: bounds (``optimal`` placement and cache, the ``lower-bound`` preset) and oracle
+heuristics (policies that read the future: ``belady`` cache, ``oracle`` prefetch); asking for a layer
+not yet routed is an error. Frequencies (for ``cache_init = frequency`` and frequency-based
+placements) come from a prior trace (:func:`frequencies_from_trace`) or are uniform. No torch here.
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ def check_online(sysconf) -> None:
     """Refuse a system that a running model cannot run: a time bound, a bound policy, or a policy that
     reads the future (a running model knows the routing of a layer only once it has run). ``sysconf``: a
     resolved ``SystemConfig``."""
+    if sysconf.time_bound:
+        raise ValueError(f"system {sysconf.name!r} is a time bound computed by the simulator (`dali sim run`), "
+                         "not a system that runs")
     for family in ("placement", "cache", "prefetch"):
         policy = getattr(sysconf, family).build()
         if not (policy.is_bound or policy.reads_future):
