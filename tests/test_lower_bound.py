@@ -114,7 +114,7 @@ def test_always_paid_takes_the_faster_device():
         step_tokens, step_context, step_kv = np.array([1, 64]), np.array([10.0, 32.0]), np.array([10, 64])
         num_steps, num_layers = 2, model.num_moe_layers
     W.model = model
-    moe, blocks = always_paid(costs, W)
+    moe, blocks = always_paid([costs], W)
     for d in ("gpu", "cpu"):
         assert (moe <= costs.dense_time(d, W.step_tokens, W.step_context, W.step_kv) + 1e-15).all()
         assert (blocks <= 6 * costs.dense_block_time(d, W.step_tokens, W.step_context, W.step_kv) + 1e-15).all()

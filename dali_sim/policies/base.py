@@ -191,6 +191,13 @@ class CachePolicy(Policy[C]):
         """Initial contents of a layer's cache (``init`` is empty | random | frequency)."""
         return initial_contents(layer, capacity, ctx, init, rng)
 
+    def next_use_times(self, ctx: SetupContext):
+        """``ctx.future`` for a cache that needs next-use times, or the error that names the command."""
+        if ctx.future is None:
+            raise ValueError(f"cache {self.name!r} needs next-use times (`dali trace enrich`), which the runtime "
+                             "gives to policies that read the future only")
+        return ctx.future
+
     def observe(self, view: LayerView) -> None:
         """Start of every (step, layer), before any touch (frequency counters, windows)."""
 

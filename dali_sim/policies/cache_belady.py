@@ -44,10 +44,7 @@ class Belady(CachePolicy[BeladyConfig]):
     needs_future = True
 
     def setup(self, ctx: SetupContext) -> None:
-        if ctx.future is None:
-            raise ValueError("cache 'belady' needs next-use times (`dali trace enrich`), which the runtime gives "
-                             "to policies that read the future only")
-        self.future = ctx.future
+        self.future = self.next_use_times(ctx)
 
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
         depth = self.config.depth

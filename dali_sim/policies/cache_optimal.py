@@ -125,10 +125,7 @@ class OptimalCache(CachePolicy[OptimalCacheConfig]):
     needs_future = True
 
     def setup(self, ctx: SetupContext) -> None:
-        if ctx.future is None:
-            raise ValueError("cache 'optimal' needs next-use times (`dali trace enrich`), which the runtime gives "
-                             "to policies that read the future only")
-        self.future = ctx.future
+        self.future = self.next_use_times(ctx)
         L, E = ctx.num_layers, ctx.num_experts
         self.capacities = np.asarray(ctx.capacities)
         self.live = np.zeros((L, E), bool)  # kept by the schedule until the expert's next use

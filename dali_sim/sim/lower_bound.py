@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -39,21 +39,27 @@ EXACT_MAX = 12
 THETAS = np.linspace(0.0, 1.0, 65)
 
 
-def always_paid(costs: CostModel, w: Workload) -> tuple[np.ndarray, np.ndarray]:
+def _least(costs: Sequence[CostModel], fn) -> np.ndarray:
+    """The smallest of ``fn(cost model)`` over the cost models systems may use."""
+    return np.min([np.asarray(fn(c), float) for c in costs], axis=0)
+
+
+def always_paid(costs: Sequence[CostModel], w: Workload) -> tuple[np.ndarray, np.ndarray]:
     """Seconds every system pays in each step outside its routed experts, whatever its policies:
     ``(per MoE layer (S,), all non-MoE blocks of the step (S,))``. The engine runs each MoE layer's
     dense part (attention, router, shared experts) before the layer's experts can start, and each
-    non-MoE block whole, on the system's dense device; the bound takes the faster device.
+    non-MoE block whole, on the system's dense device; the bound takes the faster device and the
+    cheapest of ``costs`` (the cost models the systems compared may have).
 
     New terms that every system pays in every layer or step (a per-layer host or framework overhead,
     say) belong here, computed from :class:`CostModel` methods; terms that depend on what a system
     decides (which experts run where, copies) do not."""
     args = (w.step_tokens, w.step_context, w.step_kv)
-    moe = np.min([np.asarray(costs.dense_time(d, *args), float) for d in DEVICES], axis=0)
+    moe = _least(costs, lambda c: np.min([c.dense_time(d, *args) for d in DEVICES], axis=0))
     blocks = np.zeros(w.num_steps)
     num_blocks = w.model.num_layers - w.num_layers
     if num_blocks:
-        blocks = num_blocks * np.min([np.asarray(costs.dense_block_time(d, *args), float) for d in DEVICES], axis=0)
+        blocks = num_blocks * _least(costs, lambda c: np.min([c.dense_block_time(d, *args) for d in DEVICES], axis=0))
     return moe, blocks
 
 
@@ -87,17 +93,17 @@ def _relaxed_table(c: np.ndarray, g: np.ndarray) -> np.ndarray:
     return out
 
 
-def lane_profiles(costs: CostModel, w: Workload) -> list[tuple[np.ndarray, np.ndarray]]:
+def lane_profiles(costs: Sequence[CostModel], w: Workload) -> list[tuple[np.ndarray, np.ndarray]]:
     """For the (step, MoE layer) segments ``i = step * L + layer``, grouped by their number n of
     activated experts: ``(segments, table)``, ``table[j, k]`` = a lower bound on the time segment j's
     experts take when exactly k of them run on the GPU, every transfer free: the longer of the CPU
     lane (the sum of ``expert_time("cpu", n_e)``) and the GPU lane (the sum of ``expert_time("gpu",
-    n_e)``), since the engine runs one expert at a time on each lane. Exact up to :data:`EXACT_MAX`
-    experts, a relaxation above."""
+    n_e)``, the cheapest of ``costs``), since the engine runs one expert at a time on each lane. Exact
+    up to :data:`EXACT_MAX` experts, a relaxation above."""
     ptr = w.actual.ptr
     counts = w.actual.count.astype(np.int64)
-    cpu = np.asarray(costs.expert_time("cpu", counts), float)
-    gpu = np.asarray(costs.expert_time("gpu", counts), float)
+    cpu = _least(costs, lambda c: c.expert_time("cpu", counts))
+    gpu = _least(costs, lambda c: c.expert_time("gpu", counts))
     sizes = np.diff(ptr)
     groups = []
     for n in np.unique(sizes).tolist():
@@ -179,8 +185,9 @@ def _spans(w: Workload) -> list[tuple[int, int, list[int]]]:
     return [(int(a), int(b), sorted({s for s in marks if a <= s <= b} | {int(b)})) for a, b in zip(starts, ends)]
 
 
-def time_lower_bound(w: Workload, costs: CostModel, slots: int) -> LowerBound:
-    """Step times such that no system with at most ``slots`` expert-sized GPU buffers is faster.
+def time_lower_bound(w: Workload, costs: Sequence[CostModel], slots: int) -> LowerBound:
+    """Step times such that no system with at most ``slots`` expert-sized GPU buffers whose costs are
+    one of ``costs`` is faster (every term is the least over ``costs``).
 
     Valid for every system: each batch's prefill and decode time (hence ``prefill_s``, ``decode_s``),
     the time from a batch's start to the end of a sequence's prefill (TTFT) and from a batch's first
@@ -189,7 +196,7 @@ def time_lower_bound(w: Workload, costs: CostModel, slots: int) -> LowerBound:
     S, L = w.num_steps, w.num_layers
     per_layer, blocks = always_paid(costs, w)
     fixed = L * per_layer + blocks
-    tau = float(costs.expert_transfer_time())
+    tau = float(min(c.expert_transfer_time() for c in costs))
     phi = np.zeros((len(LAMBDAS), S))  # per step: sum over layers of min_k (lambda m_k + (1 - lambda) tau k)
     layer_s = per_layer.sum() * np.ones(L)
     for seg, table in lane_profiles(costs, w):

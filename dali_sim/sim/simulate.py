@@ -148,7 +148,7 @@ def _time_bound(trace: Trace, sysconf: SystemConfig, model, profile, costs: Cost
     bounds; the cache and transfer counters do not apply (NaN)."""
     w = Workload(trace, config)
     memory = bound_memory(model, sysconf.memory, profile.gpu_memory_bytes, w.max_batch_context)
-    lb = time_lower_bound(w, costs, memory.expert_slots)
+    lb = time_lower_bound(w, [costs], memory.expert_slots)
     counters = PlanCounters(w.num_layers)
     counters.c["activated"] += np.bincount(np.arange(w.num_steps * w.num_layers).repeat(np.diff(w.actual.ptr))
                                            % w.num_layers, minlength=w.num_layers)
