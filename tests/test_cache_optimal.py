@@ -199,7 +199,9 @@ def test_optimal_needs_the_future_and_a_known_init():
 
 
 # ---- shipped traces ------------------------------------------------------------------------------
-SHIPPED = sorted(p for p in (REPO / "traces").glob("*.parquet") if ".hidden" not in p.name)
+#: the shipped traces (not their sidecars: hidden states, next-use files `dali trace enrich` writes beside them)
+SHIPPED = sorted(p for p in (REPO / "traces").glob("*.parquet")
+                 if ".hidden." not in p.name and ".future-" not in p.name)
 
 
 def _per_layer_hits(trace, cache, slots, batch, future):
