@@ -46,7 +46,7 @@ from conftest import REPO, round_number_profile  # noqa: E402
 PROMPTS = ["Hello world, this is", "abc", "The quick brown fox jumps"]
 CALIBRATION = ["calibration text for the residual vectors", "more text, of another kind: 1 2 3 4 5", "zzz yyy"]
 BATCH, NEW = 3, 8
-BOUNDS = ("oracle",)
+BOUNDS = ("oracle-heuristic", "lower-bound")
 SYSTEMS = [s for s in system_names() if s not in BOUNDS]
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "gpt_oss", "olmoe")
 MORE_FAMILIES = ("qwen2_moe", "deepseek_v3", "glm4_moe", "flex_olmo")
@@ -280,10 +280,12 @@ def test_every_preset_generates_the_plain_tokens_more_families(cases, family):
 def test_bounds_are_refused(cases):
     c = cases("mixtral")
     with pytest.raises(ValueError, match="placement policy 'optimal' is a bound"):
-        c.run("oracle")
+        c.run("oracle-heuristic")
+    with pytest.raises(ValueError, match="'lower-bound' is a time bound"):
+        c.run("lower-bound")
     for family, policy in (("cache", "belady"), ("prefetch", "oracle")):
         over = {family: {"policy": policy}, "memory": {"cache_experts": "2", "prefetch_slots": "2"}}
-        with pytest.raises(ValueError, match=f"{family} policy '{policy}' is a bound"):
+        with pytest.raises(ValueError, match=f"{family} policy '{policy}' is an oracle heuristic"):
             c.run("gpu-lru", overrides=over)
     assert hasattr(c.model.model.layers[0].mlp.experts, "gate_up_proj")  # refused before touching the model
 
@@ -430,7 +432,7 @@ def test_cli(tmp_path):
     simulated = json.loads(r.output)
     assert {k: online[k] for k in COUNTERS} == {k: simulated[k] for k in COUNTERS}
     assert online["hits"] > 0 and online["on_demand"] > 0
-    r = runner.invoke(cli, base + ["--system", "oracle"])
+    r = runner.invoke(cli, base + ["--system", "oracle-heuristic"])
     assert r.exit_code == 1 and "is a bound" in r.output
     r = runner.invoke(cli, base + ["--system", "dali"])
     assert r.exit_code == 1 and "--residual FILE" in r.output

@@ -22,7 +22,7 @@ from dali_sim.workload.online import OnlineWorkload, check_online, frequencies_f
 from conftest import tiny_model
 
 BATCH = 2
-BOUNDS = {"oracle"}
+BOUNDS = {"oracle-heuristic", "lower-bound"}
 ONLINE = [s for s in system_names() if s not in BOUNDS]
 OVER = {"memory": {"cache_experts": "1"}}
 
@@ -174,13 +174,17 @@ def test_bad_inputs():
         w.begin_step("decode", 0)
 
 
-@pytest.mark.parametrize("family,policy", [("placement", "optimal"), ("cache", "belady"), ("prefetch", "oracle")])
-def test_bounds_are_refused_naming_the_policy(family, policy):
+@pytest.mark.parametrize("family,policy,kind", [("placement", "optimal", "a bound"), ("cache", "optimal", "a bound"),
+                                                 ("cache", "belady", "an oracle heuristic"),
+                                                 ("prefetch", "oracle", "an oracle heuristic")])
+def test_bounds_are_refused_naming_the_policy(family, policy, kind):
     sysconf = resolve_system("gpu-lru", {family: {"policy": policy}, "memory": {"prefetch_slots": "2"}})
-    with pytest.raises(ValueError, match=f"{family} policy '{policy}' is a bound"):
+    with pytest.raises(ValueError, match=f"{family} policy '{policy}' is {kind}"):
         check_online(sysconf)
     with pytest.raises(ValueError, match="policy 'optimal' is a bound"):
-        check_online(resolve_system("oracle"))
+        check_online(resolve_system("oracle-heuristic"))
+    with pytest.raises(ValueError, match="'lower-bound' is a time bound computed by the simulator"):
+        check_online(resolve_system("lower-bound"))
     for name in ONLINE:
         check_online(resolve_system(name))
 

@@ -62,7 +62,7 @@ def _check_against_reference(records, setup, rtol=1e-5, atol=1e-5):
 
 def _simulated_counts(setup, tmp_path):
     future = None
-    if setup.sysconf.cache.name == "belady":  # a bound that reads next-use times from a file beside the trace
+    if setup.sysconf.needs_future:  # belady, optimal: next-use times from a file beside the trace
         from dali_sim.runtime.future import write_future
 
         future = write_future(setup.trace, WorkloadConfig(BATCH), out=tmp_path / "reduced.future.parquet")
@@ -70,7 +70,12 @@ def _simulated_counts(setup, tmp_path):
     return simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False, **kw)
 
 
-@pytest.mark.parametrize("system", system_names())
+def test_a_time_bound_is_not_replayed(mix):
+    with pytest.raises(ValueError, match="'lower-bound' is a time bound computed by the simulator"):
+        execute(mix, "lower-bound", TINY, CPU_RUN, batch_size=BATCH)
+
+
+@pytest.mark.parametrize("system", [s for s in system_names() if s != "lower-bound"])
 def test_every_preset_equals_the_reference_and_counts_like_the_simulator(mix, system, tmp_path):
     records = []
     result = execute(mix, system, TINY, CPU_RUN, batch_size=BATCH, on_layer=records.append)

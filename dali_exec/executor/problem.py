@@ -190,6 +190,9 @@ def prepare_replay(trace: Trace, system: str, options: ReplayOptions = ReplayOpt
     model = scale_model(full, options.scale, options.layers, DTYPE_PRECISION[options.dtype])
     reduced = reduce_trace(trace, model, options.sequences, options.max_tokens)
     full_sys = resolve_system(system, overrides, full)
+    if full_sys.time_bound:
+        raise ValueError(f"system {system!r} is a time bound computed by the simulator (`dali sim run`), not a "
+                         "system the executor can replay")
     profile = load_profile(hardware)
     placement, prefetch = full_sys.placement.build(), full_sys.prefetch.build()
     workload = Workload(reduced, WorkloadConfig(batch_size, prefill_chunk), predictors=prefetch.required_predictors())

@@ -40,7 +40,7 @@ def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCo
     w, model, sysconf, profile = setup.workload, setup.model, setup.sysconf, setup.profile
     summary, per_layer, per_seq, per_step = result_tables(
         w, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=batch_size,
-        bounds=controller.bounds)
+        bounds=controller.bounds, oracles=controller.oracles)
     per_layer["decision_s"], per_layer["decision_cpu_s"] = decision_s
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = bookkeeping_s
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)

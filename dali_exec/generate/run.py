@@ -318,7 +318,7 @@ def _result(session: OffloadSession, spec, sysconf, profile, mem, hardware, opti
                        len(intervals), intervals)
     summary, per_layer, per_seq, per_step = result_tables(
         w, session.counters, out, spec, system=sysconf.name, hardware=profile.name, batch_size=options.batch_size,
-        bounds=controller.bounds)
+        bounds=controller.bounds, oracles=controller.oracles)
     per_layer["decision_s"], per_layer["decision_cpu_s"] = t.decision
     book = t.bookkeeping + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = book

@@ -214,8 +214,9 @@ _MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 @exec_group.command("generate")
 @click.option("--model", "model_path", required=True, metavar="PATH_OR_NAME",
               help="A local transformers MoE checkpoint folder (or a name in the local HF cache); nothing is downloaded.")
-@click.option("--system", required=True, help="System preset (see `dali sim systems`); bounds (oracle, optimal, belady) "
-                                               "cannot run online and are refused.")
+@click.option("--system", required=True, help="System preset (see `dali sim systems`); bounds and oracle heuristics "
+                                               "(lower-bound, oracle-heuristic; the optimal, belady and oracle "
+                                               "policies) cannot run online and are refused.")
 @click.option("--prompts", "prompts_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Prompts: .txt (one per line), .jsonl or .json (as `dali trace record`).")
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Prompts generated side by side (left-padded).")

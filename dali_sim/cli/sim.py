@@ -11,7 +11,7 @@ import pandas as pd
 from dali_sim.cli.common import UserErrorGroup, echo_json
 from dali_sim.hardware.profile import load_profile, profile_names
 from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS
-from dali_sim.policies.systems import parse_overrides, resolve_system, system_description, system_names
+from dali_sim.policies.systems import FAMILIES, parse_overrides, resolve_system, system_description, system_names
 from dali_sim.sim.simulate import DEFAULT_HARDWARE, SimResult, simulate
 from dali_sim.sim.timeline import write_timeline
 from dali_sim.trace import read_trace
@@ -59,8 +59,8 @@ def common_options(f):
         click.option("--no-timing", is_flag=True,
                      help="Fast replay: cache hits and transfer counts only, no SimPy, no times."),
         click.option("--future", type=click.Path(path_type=Path),
-                     help="Next-use file for bounds that read it (belady); default: the one `dali trace enrich` "
-                          "wrote beside the trace."),
+                     help="Next-use file for policies that read it (belady, optimal); default: the one `dali trace "
+                          "enrich` wrote beside the trace."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
     ]
     return option_group(*options)(f)
@@ -92,7 +92,38 @@ def _fmt(v, unit: str = "", digits: int = 3) -> str:
     return f"{v:,.{digits}f}{unit}" if isinstance(v, float) else f"{v:,}{unit}"
 
 
+def label_lines(summary: dict) -> list[str]:
+    """The BOUND / ORACLE lines of a result: what its bounds bound, and which policies read the future."""
+    lines = []
+    for family, name in summary.get("bounds", {}).items():
+        what = ("time: no system is faster with this cost model, GPU memory and batching" if family == "time"
+                else FAMILIES[family].get(name).bound_of or "an exact optimum")
+        lines.append(f"BOUND: {family} {name} bounds {what}; it is not an achievable system")
+    for family, name in summary.get("oracles", {}).items():
+        lines.append(f"ORACLE HEURISTIC: {family} {name} reads the future: a reference point, neither achievable "
+                     "nor a bound")
+    return lines
+
+
+def format_time_bound(r: SimResult) -> str:
+    s, mem, lb = r.summary, r.manifest["memory"], r.summary["lower_bound"]
+    return "\n".join([
+        f"system {s['system']} on {s['hardware']}: {s['model']} ({r.config['precision']}), batch {s['batch_size']}, "
+        f"{s['steps']} steps ({s['prefill_steps']} prefill, {s['decode_steps']} decode), {s['tokens']:,} tokens",
+        "GPU memory: " + ", ".join(f"{k} {v:.2f}" for k, v in mem["breakdown_gib"].items())
+        + f" of {mem['budget_gib']:.2f} GiB ({lb['expert_slots']} expert buffers, any layout)",
+        *label_lines(s),
+        f"time: prefill {_fmt(s['prefill_s'], ' s')}, decode {_fmt(s['decode_s'], ' s')} (makespan "
+        f"{_fmt(s['makespan_s'], ' s')}; with every transfer free: {_fmt(lb['compute_s'], ' s')})",
+        f"per sequence: prefill {_fmt(s['prefill_tokens_per_s'], ' tok/s', 2)}, decode "
+        f"{_fmt(s['decode_tokens_per_s'], ' tok/s', 2)}, TTFT {_fmt(s['ttft_s'], ' s')}, "
+        f"TPOT {_fmt(s['tpot_s'] * 1e3 if s['tpot_s'] == s['tpot_s'] else float('nan'), ' ms', 1)} (bounds)",
+    ] + [f"note: {n}" for n in mem["notes"]])
+
+
 def format_run(r: SimResult) -> str:
+    if "time" in r.summary["bounds"]:
+        return format_time_bound(r)
     s, mem = r.summary, r.manifest["memory"]
     caps = mem["cache_slots_per_layer"]
     caps_txt = f"{caps[0]} slots/layer" if len(set(caps)) == 1 else f"slots per layer {caps}"
@@ -106,9 +137,7 @@ def format_run(r: SimResult) -> str:
         f"prefetches ({_fmt(s['prefetch_precision'])} precision), {s['bytes_h2d'] / 2**30:,.2f} GiB host-to-GPU",
     ]
     lines += [f"note: {n}" for n in mem["notes"]]
-    if s["bounds"]:
-        lines.append("BOUND: " + ", ".join(f"{k} {v}" for k, v in s["bounds"].items())
-                     + " is a bound (exact or oracle), not an achievable system")
+    lines += label_lines(s)
     if "makespan_s" in s:
         lines += [
             f"time: prefill {_fmt(s['prefill_s'], ' s')}, decode {_fmt(s['decode_s'], ' s')} "
@@ -199,21 +228,22 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
     for name, r in results.items():
         for note in r.manifest["memory"]["notes"]:
             click.echo(f"note ({name}): {note}")
-        if r.summary["bounds"]:
-            click.echo(f"BOUND ({name}): " + ", ".join(f"{k} {v}" for k, v in r.summary["bounds"].items())
-                       + " is a bound, not an achievable system")
+        for line in label_lines(r.summary):
+            click.echo(f"{name}: {line}")
 
 
 @sim.command("systems")
 @click.option("--verbose", "-v", is_flag=True, help="Also show each system's resolved parameters.")
 def systems_cmd(verbose: bool) -> None:
     """List the system presets with a line of description each."""
-    for name in system_names():
-        click.echo(f"{name:<14} {system_description(name)}")
+    names = system_names()
+    width = max(map(len, names))
+    for name in names:
+        click.echo(f"{name:<{width}} {system_description(name)}")
         if verbose:
             for section, values in resolve_system(name).to_dict().items():
                 if isinstance(values, dict):
-                    click.echo(f"{'':<16}{section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+                    click.echo(f"{'':<{width + 2}}{section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     click.echo("\npolicies: placement " + ", ".join(PLACEMENTS.names()) + "; cache " + ", ".join(CACHES.names())
                + "; prefetch " + ", ".join(PREFETCHERS.names()))
 

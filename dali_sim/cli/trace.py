@@ -80,7 +80,7 @@ def info(path: Path, as_json: bool) -> None:
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Where to write (default: beside the trace, X.future-b<B>[-c<C>].parquet).")
 def enrich(path: Path, batch_size: int, prefill_chunk: int, output: Path | None) -> None:
-    """Compute next-use times for bounds that read the future (the `belady` cache).
+    """Compute next-use times for policies that read the future (the `optimal` and `belady` caches).
 
     Next uses depend on the batching (a batch-mate's later use counts), so they are computed for one
     batch size and prefill chunk; `dali sim` finds the file beside the trace and refuses a stale one.

@@ -23,6 +23,8 @@ from dali_sim.registry import UnknownNameError
 
 #: the implementation a measured profile describes: dali's own executor, whose costs calibration measured
 EXECUTOR = "dali-executor"
+#: a time bound's implementation: the least cost of every implementation the profile can price
+ANY = "any"
 COPY_FROM = ("pinned", "pageable")
 HOST_MODELS = ("none", "measured", "launches")
 GPU_KERNELS = ("per-expert", "grouped")
@@ -153,5 +155,5 @@ def get_implementation(name: str | Implementation) -> Implementation:
     return impls[name]
 
 
-__all__ = ["COPY_FROM", "CUDA_GRAPHS", "EXECUTOR", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "LM_HEAD", "OVERLAP", "Implementation", "get_implementation",
+__all__ = ["ANY", "COPY_FROM", "CUDA_GRAPHS", "EXECUTOR", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "LM_HEAD", "OVERLAP", "Implementation", "get_implementation",
            "implementation_from_dict", "implementation_names"]

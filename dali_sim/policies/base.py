@@ -52,7 +52,7 @@ class LayerView:
     #: ``lookahead_rank(name, layer)``: (E,) best predicted rank per expert (top_k = not predicted),
     #: to break ties in predicted counts by the predictor's own scores
     lookahead_rank: Callable[[str, int], np.ndarray] | None = None
-    #: the true (E,) workload of a later layer of this step: given only to policies that are bounds
+    #: the true (E,) workload of a later layer of this step: given only to policies that read the future
     true_counts: Callable[[int], np.ndarray] | None = None
 
     def workload(self) -> np.ndarray:
@@ -115,11 +115,23 @@ class Policy(ABC, Generic[C]):
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Config: ClassVar[type[PolicyConfig]] = NoConfig
-    #: a bound (an exact solution or an oracle) is not an achievable policy; results are labelled as
-    #: bounds, and only bounds get ``LayerView.true_counts`` (the future)
+    #: a bound: the exact optimum of something a run measures (``bound_of`` says what), so no policy
+    #: of its family can do better on that measure; results list it under ``summary["bounds"]``
     is_bound: ClassVar[bool] = False
-    #: reads next-use times (``SetupContext.future``), precomputed by ``dali trace enrich``; bounds only
+    #: what a bound bounds, in a few words (printed with the ``BOUND`` line)
+    bound_of: ClassVar[str] = ""
+    #: reads the run's future (``LayerView.true_counts`` or next-use times): not achievable by a running
+    #: system. Such a policy that is not a bound is an *oracle heuristic*, a reference point that is
+    #: neither achievable nor a limit; results list it under ``summary["oracles"]``
+    reads_future: ClassVar[bool] = False
+    #: reads next-use times (``SetupContext.future``), precomputed by ``dali trace enrich`` (implies
+    #: ``reads_future``)
     needs_future: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.needs_future and not cls.reads_future:
+            raise TypeError(f"policy {cls.name!r} needs next-use times, so it reads the future: set reads_future")
 
     def __init__(self, config: C | None = None):
         self.config: C = config if config is not None else self.Config()  # type: ignore[assignment]
@@ -140,7 +152,7 @@ class SetupContext:
     block_of_layer: tuple[int, ...]  # MoE ordinal -> block index
     staging_slots: int = 0  # expert buffers for fetched experts that are not admitted
     prefetch_slots: int = 0  # expert buffers for prefetched experts
-    #: next-use times (``dali_sim.runtime.future.FutureDemand``): given to bounds that need them only
+    #: next-use times (``dali_sim.runtime.future.FutureDemand``): given only to policies that read the future
     future: Any = None
 
 
@@ -178,6 +190,13 @@ class CachePolicy(Policy[C]):
     def initial(self, layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:
         """Initial contents of a layer's cache (``init`` is empty | random | frequency)."""
         return initial_contents(layer, capacity, ctx, init, rng)
+
+    def next_use_times(self, ctx: SetupContext):
+        """``ctx.future`` for a cache that needs next-use times, or the error that names the command."""
+        if ctx.future is None:
+            raise ValueError(f"cache {self.name!r} needs next-use times (`dali trace enrich`), which the runtime "
+                             "gives to policies that read the future only")
+        return ctx.future
 
     def observe(self, view: LayerView) -> None:
         """Start of every (step, layer), before any touch (frequency counters, windows)."""

@@ -1,4 +1,4 @@
-"""Belady's replacement (a BOUND): evict the entry used farthest in the future.
+"""Belady's replacement (an ORACLE HEURISTIC, not a bound): evict the entry used farthest in the future.
 
 One request at a time, evicting the entry whose next use is farthest and bypassing an incoming one
 used later still minimises misses. Here a step activates several experts of a layer at once and all
@@ -6,8 +6,12 @@ of them are protected while it runs (the shared cache semantics), so equal next 
 experts both needed at the next step cannot both hit with one slot, and the one used again soonest
 after that is the one worth keeping. Candidates are therefore compared by their next ``depth`` uses,
 lexicographically (the farthest first use, then the farthest second use, ...). The next-use times come
-from ``dali trace enrich`` (``SetupContext.future``, given to bounds only), computed from the
-workload's steps, so they are exact for the batch size they were computed for.
+from ``dali trace enrich`` (``SetupContext.future``, given to policies that read the future only),
+computed from the workload's steps, so they are exact for the batch size they were computed for.
+
+Under these semantics Belady is *not* optimal: a free slot always admits (even an expert never used
+again) and a step's misses are decided one at a time. Steps ``[0,2] [2,1] [1,2]`` with one slot: belady
+1 hit, the optimum 2 (tests/test_cache_optimal.py). The exact optimum is the ``optimal`` cache.
 """
 
 from __future__ import annotations
@@ -32,17 +36,15 @@ class BeladyConfig(PolicyConfig):
 @registered(CACHES)
 class Belady(CachePolicy[BeladyConfig]):
     name = "belady"
-    description = ("BOUND: evict the evictable entry used farthest in the future (ties by the following uses), "
-                   "and bypass an incoming expert used later than all of them (reads next-use times)")
+    description = ("ORACLE HEURISTIC (reads next-use times; not a bound: `optimal` can get more hits): evict the "
+                   "evictable entry used farthest in the future (ties by the following uses), and bypass an incoming "
+                   "expert used later than all of them")
     Config = BeladyConfig
-    is_bound = True
+    reads_future = True
     needs_future = True
 
     def setup(self, ctx: SetupContext) -> None:
-        if ctx.future is None:
-            raise ValueError("cache 'belady' needs next-use times (`dali trace enrich`), which the runtime gives "
-                             "to bounds only")
-        self.future = ctx.future
+        self.future = self.next_use_times(ctx)
 
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
         depth = self.config.depth

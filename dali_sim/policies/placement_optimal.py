@@ -143,6 +143,7 @@ class Optimal(PlacementPolicy[OptimalConfig]):
                    "ignores GPU memory")
     Config = OptimalConfig
     is_bound = True
+    bound_of = "DALI's per-layer objective max(T_cpu, T_gpu) for the layer's cache contents (not the time)"
 
     def __init__(self, config=None):
         super().__init__(config)

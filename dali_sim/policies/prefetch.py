@@ -1,4 +1,4 @@
-"""Prefetch policies: none, and the oracle bound."""
+"""Prefetch policies: none, and the oracle (an oracle heuristic: it reads the true routing)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,16 @@ class OracleConfig(PolicyConfig):
         "help": "prefetch the k experts of the next layer with the largest true workload; 0 = all activated"})
     worth_only: bool = field(default=False, metadata={
         "help": "only experts whose true workload makes the GPU after the copy faster than the CPU "
-                "(the worth-prefetch rule, with overlap 0.5); the oracle preset sets it"})
+                "(the worth-prefetch rule, with overlap 0.5); the oracle-heuristic preset sets it"})
 
 
 @registered(PREFETCHERS)
 class OraclePrefetch(PrefetchPolicy[OracleConfig]):
     name = "oracle"
-    description = "BOUND: prefetch the next layer's truly activated experts, largest workload first (sees the future)"
+    description = ("ORACLE HEURISTIC (reads the true routing; not a bound: a perfect prediction copied at the wrong "
+                   "time still costs time): prefetch the next layer's truly activated experts, largest workload first")
     Config = OracleConfig
-    is_bound = True
+    reads_future = True
 
     def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
         target = view.layer + 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Mapping
 
-from dali_sim.hardware.implementation import get_implementation
+from dali_sim.hardware.implementation import ANY, get_implementation
 from dali_sim.models.spec import ModelSpec
 from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS, Policy, PolicyConfig
 from dali_sim.registry import Registry, UnknownNameError
@@ -38,30 +38,42 @@ class PolicyChoice:
 
 @dataclass(frozen=True)
 class SystemConfig:
+    """A resolved preset. A *time bound* (``time_bound``, preset key ``bound = "time"``: ``lower-bound``)
+    has no policies (``placement``, ``cache`` and ``prefetch`` are None): the simulator computes its time
+    directly (``dali_sim.sim.lower_bound``), and the executor refuses it."""
+
     name: str
     description: str
-    placement: PolicyChoice
-    cache: PolicyChoice
-    prefetch: PolicyChoice
+    placement: PolicyChoice | None
+    cache: PolicyChoice | None
+    prefetch: PolicyChoice | None
     memory: MemoryConfig
     dense_device: str = "gpu"  # where attention, router and shared experts run
     implementation: str = "bare"  # how the system's code runs (dali_sim/hardware/implementations.toml)
+    time_bound: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "description": self.description,
-            "placement": self.placement.to_dict(),
-            "cache": self.cache.to_dict(),
-            "prefetch": self.prefetch.to_dict(),
+            "placement": self.placement.to_dict() if self.placement else None,
+            "cache": self.cache.to_dict() if self.cache else None,
+            "prefetch": self.prefetch.to_dict() if self.prefetch else None,
             "memory": dataclasses.asdict(self.memory),
             "system": {"dense_device": self.dense_device, "implementation": self.implementation},
         }
+        if self.time_bound:
+            out["bound"] = "time"
+        return out
+
+    def policies(self) -> tuple[PolicyChoice, ...]:
+        """The placement, cache and prefetch choices (none for a time bound)."""
+        return tuple(c for c in (self.placement, self.cache, self.prefetch) if c is not None)
 
     @property
     def needs_future(self) -> bool:
         """Whether a policy reads next-use times (``dali trace enrich``), e.g. the ``belady`` cache."""
-        return any(c.build().needs_future for c in (self.placement, self.cache, self.prefetch))
+        return any(c.build().needs_future for c in self.policies())
 
 
 @functools.lru_cache(maxsize=1)
@@ -127,8 +139,16 @@ def resolve_system(name: str, overrides: Mapping[str, Mapping[str, str]] | None 
     unknown = sorted(set(overrides) - {"placement", "cache", "prefetch", "memory", "system"})
     if unknown:
         raise ValueError(f"unknown --set section(s) {unknown}; sections: placement, cache, prefetch, memory, system")
-    choices = {}
+    time_bound = p.get("bound") == "time"
+    if "bound" in p and not time_bound:
+        raise ValueError(f"system {name!r}: bound = {p['bound']!r}; the only kind is \"time\"")
+    choices: dict[str, PolicyChoice | None] = dict.fromkeys(FAMILIES)
     for family in FAMILIES:
+        if time_bound:
+            if overrides.get(family):
+                raise ValueError(f"system {name!r} is a time bound with no {family} policy: drop the --set "
+                                 f"{family}.* overrides for it")
+            continue
         preset_part = dict(p[family])
         if "policy" in overrides.get(family, {}) and overrides[family]["policy"] != preset_part["policy"]:
             preset_part = {"policy": overrides[family]["policy"]}  # a new policy starts from its defaults
@@ -142,9 +162,13 @@ def resolve_system(name: str, overrides: Mapping[str, Mapping[str, str]] | None 
     system.update(sys_over)
     if system["dense_device"] not in DEVICES:
         raise ValueError(f"system.dense_device must be gpu or cpu, got {system['dense_device']!r}")
-    get_implementation(system["implementation"])  # an unknown name fails here, listing the known ones
+    if system["implementation"] == ANY:
+        if not time_bound:
+            raise ValueError(f"system {name!r}: system.implementation={ANY} is only for a time bound (lower-bound)")
+    else:
+        get_implementation(system["implementation"])  # an unknown name fails here, listing the known ones
     return SystemConfig(name, p["description"], choices["placement"], choices["cache"], choices["prefetch"],
-                        memory, system["dense_device"], system["implementation"])
+                        memory, system["dense_device"], system["implementation"], time_bound)
 
 
 __all__ = ["PolicyChoice", "SystemConfig", "parse_overrides", "resolve_system", "system_names"]

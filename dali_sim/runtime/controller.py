@@ -76,8 +76,8 @@ class Controller:
         )
         self.ctx = ctx
         rng = np.random.default_rng(seed)
-        for policy in (placement, cache, prefetch):  # next-use times go to bounds only
-            policy.setup(dataclasses.replace(ctx, future=future) if policy.is_bound else ctx)
+        for policy in (placement, cache, prefetch):  # next-use times go to policies that read the future only
+            policy.setup(dataclasses.replace(ctx, future=future) if policy.reads_future else ctx)
         self.resident = np.zeros((L, E), dtype=bool)
         for layer in range(L):
             init = cache.initial(layer, int(self.capacities[layer]), ctx, cache_init, rng)
@@ -89,9 +89,11 @@ class Controller:
         self.pending = np.zeros((L, E), dtype=bool)  # prefetched (in flight or arrived) for each layer
         self.n_pending = np.zeros(L, dtype=np.int64)
         self._predictors = tuple(workload.predicted)
-        #: the families whose policy is a bound (exact or oracle); results are labelled with it
-        self.bounds = {family: p.name for family, p in (("placement", placement), ("cache", cache),
-                                                        ("prefetch", prefetch)) if p.is_bound}
+        families = (("placement", placement), ("cache", cache), ("prefetch", prefetch))
+        #: the families whose policy is a bound (an exact optimum); results are labelled with it
+        self.bounds = {family: p.name for family, p in families if p.is_bound}
+        #: the families whose policy reads the future without being a bound (oracle heuristics)
+        self.oracles = {family: p.name for family, p in families if p.reads_future and not p.is_bound}
 
     def _lookahead(self, step: int, layer: int, what: str = "counts"):
         def get(name: str, target: int) -> np.ndarray:
@@ -128,8 +130,8 @@ class Controller:
         )
 
     def _view_for(self, policy, view: LayerView) -> LayerView:
-        """Bounds get the true later workloads; every other policy the plain view."""
-        if not policy.is_bound:
+        """Policies that read the future get the true later workloads; every other policy the plain view."""
+        if not policy.reads_future:
             return view
         return dataclasses.replace(view, true_counts=self._true_counts(view.step, view.layer))
 

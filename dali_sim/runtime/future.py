@@ -1,4 +1,5 @@
-"""Next-use times, for bounds only (Belady): when is each expert of a layer used next?
+"""Next-use times for policies that read the future (``belady``, ``optimal``): when is each expert
+of a layer used next?
 
 They depend on the batching (a batch-mate's later use counts), so they are computed from the
 workload's step stream, once per (trace, batch size, prefill chunk), by ``dali trace enrich``, and
@@ -46,6 +47,16 @@ class FutureDemand:
 
     def __len__(self) -> int:
         return len(self._steps)
+
+    @property
+    def num_steps(self) -> int:
+        """One past the last step with an activation."""
+        return int(self._steps.max()) + 1 if len(self._steps) else 0
+
+    def layer_uses(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(experts, steps) of every activation at ``layer``, sorted by expert, then step."""
+        lo, hi = self._start[layer * self.num_experts], self._start[(layer + 1) * self.num_experts]
+        return self._key[lo:hi] - layer * self.num_experts, self._steps[lo:hi]
 
     def next_use(self, layer: int, experts: np.ndarray, step: int) -> np.ndarray:
         """For each expert, the first step after ``step`` at which it is activated at ``layer``

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from dali_sim import __version__
 from dali_sim.hardware.cost import CostModel
-from dali_sim.hardware.implementation import EXECUTOR
+from dali_sim.hardware.implementation import ANY, EXECUTOR, implementation_names
 from dali_sim.jsonsafe import json_safe
 from dali_sim.hardware.profile import load_profile
 from dali_sim.models.presets import apply_precision
@@ -22,8 +22,9 @@ from dali_sim.policies.systems import SystemConfig, resolve_system
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.future import future_path, load_future
 from dali_sim.runtime.memory import plan_memory
-from dali_sim.sim.counters import PlanCounters, derived, ratio
+from dali_sim.sim.counters import COUNTERS, PlanCounters, derived, ratio
 from dali_sim.sim.engine import EngineOutput, Interval, SimEngine
+from dali_sim.sim.lower_bound import bound_memory, time_lower_bound
 from dali_sim.trace.provenance import file_sha256
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
@@ -100,6 +101,11 @@ def simulate(
     model = apply_precision(trace.model, precision)
     sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides, model)
     profile = load_profile(hardware)
+    if sysconf.time_bound:
+        if not timing:
+            raise ValueError(f"system {sysconf.name!r} is a time bound: it has no counts-only mode (drop --no-timing)")
+        return _time_bound(trace, sysconf, model, profile, WorkloadConfig(batch_size, prefill_chunk),
+                           seed=seed, hardware=hardware)
     sysconf, impl_note = implementation_for(sysconf, profile)
     costs = CostModel(profile, model, implementation=sysconf.implementation, system=sysconf.name)
     placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
@@ -129,7 +135,7 @@ def simulate(
 
     summary, per_layer, per_seq, per_step = result_tables(
         workload, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=batch_size,
-        bounds=controller.bounds)
+        bounds=controller.bounds, oracles=controller.oracles)
     manifest = run_manifest(trace, seed, profile, model, mem, timing, sysconf.implementation, impl_note)
     if next_uses is not None:
         used = Path(future) if future is not None else future_path(trace.path, workload.config)
@@ -137,6 +143,35 @@ def simulate(
     config = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": batch_size,
               "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": timing}
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
+
+
+def _time_bound(trace: Trace, sysconf: SystemConfig, model, profile, config: WorkloadConfig, *,
+                seed: int, hardware) -> SimResult:
+    """A time bound's result (``dali_sim.sim.lower_bound``) in the simulator's layout: the times are
+    bounds; the cache and transfer counters do not apply (NaN). Its costs are the least over
+    :func:`bound_implementations` (every term separately), so no system run by one of them is faster."""
+    names = bound_implementations(sysconf, profile)
+    costs = [CostModel(profile, model, implementation=n, system=sysconf.name) for n in names]
+    w = Workload(trace, config)
+    memory = bound_memory(model, sysconf.memory, profile.gpu_memory_bytes, w.max_batch_context)
+    lb = time_lower_bound(w, costs, memory.expert_slots)
+    counters = PlanCounters(w.num_layers)
+    counters.c["activated"] += np.bincount(np.arange(w.num_steps * w.num_layers).repeat(np.diff(w.actual.ptr))
+                                           % w.num_layers, minlength=w.num_layers)
+    out = EngineOutput(lb.step_start, lb.step_end, lb.layer_s, np.full(w.num_layers, np.nan), {}, 0, [])
+    summary, per_layer, per_seq, per_step = result_tables(
+        w, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=config.batch_size,
+        bounds={"time": sysconf.name})
+    na = [k for k in summary if k in COUNTERS and k != "activated"] + list(derived(counters.totals(), 1))
+    summary.update(dict.fromkeys(na, float("nan")))
+    per_layer[[c for c in per_layer.columns if c not in ("activated", "time_s")]] = np.nan
+    summary["lower_bound"] = lb.details
+    manifest = run_manifest(trace, seed, profile, model, memory, True, ",".join(names),
+                            f"a time bound over implementations {', '.join(names)}" if len(names) > 1 else "")
+    config_out = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": config.batch_size,
+                  "prefill_chunk": config.prefill_chunk, "seed": seed, "precision": model.precision.name,
+                  "timing": True}
+    return SimResult(summary, per_layer, per_seq, per_step, config_out, manifest)
 
 
 def implementation_for(sysconf: SystemConfig, profile) -> tuple[SystemConfig, str]:
@@ -148,6 +183,17 @@ def implementation_for(sysconf: SystemConfig, profile) -> tuple[SystemConfig, st
     note = (f"measured profile {profile.name!r} describes dali's executor: implementation {EXECUTOR!r} instead of "
             f"the system's {sysconf.implementation!r}")
     return dataclasses.replace(sysconf, implementation=EXECUTOR), note
+
+
+def bound_implementations(sysconf: SystemConfig, profile) -> list[str]:
+    """The implementations a time bound takes the least of: the one it names, or for ``any`` every
+    implementation the profile can price (a measured profile: dali's executor and ``bare``; an analytic
+    one: all but the executor, whose host costs only a measured profile has)."""
+    if sysconf.implementation != ANY:
+        return [implementation_for(sysconf, profile)[0].implementation]
+    if profile.kind != "analytic":
+        return [EXECUTOR, "bare"]
+    return [n for n in implementation_names() if n != EXECUTOR]
 
 
 def run_manifest(trace: Trace, seed: int, profile, model, memory, timing: bool, implementation: str,
@@ -168,14 +214,16 @@ def run_manifest(trace: Trace, seed: int, profile, model, memory, timing: bool, 
 
 
 def result_tables(w: Workload, counters: PlanCounters, out: EngineOutput | None, model, *, system: str,
-                  hardware: str, batch_size: int, bounds: dict[str, str]):
+                  hardware: str, batch_size: int, bounds: dict[str, str], oracles: dict[str, str] | None = None):
     """(summary, per_layer, per_sequence, per_step) of a run, timed when ``out`` is given: one layout
-    for the simulator and the executor, so both report every metric of docs/metrics.md the same way."""
+    for the simulator and the executor, so both report every metric of docs/metrics.md the same way.
+    ``bounds`` / ``oracles``: family -> policy of the run's bounds and oracle heuristics (docs/policies.md)."""
     totals = counters.totals()
     per_layer = counters.frame(model.moe_layers)
     per_layer["hit_rate"] = per_layer["hits"] / per_layer["activated"].replace(0, np.nan)
     summary: dict[str, Any] = {"system": system, "hardware": hardware, "model": model.name,
-                               "batch_size": batch_size, "bounds": bounds, **w.describe(), **totals,
+                               "batch_size": batch_size, "bounds": bounds, "oracles": oracles or {},
+                               **w.describe(), **totals,
                                **derived(totals, model.expert_bytes)}
     per_seq = per_sequence(w, out)
     per_step = pd.DataFrame({"phase": np.where(w.step_phase == PREFILL, "prefill", "decode"),

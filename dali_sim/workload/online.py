@@ -13,11 +13,11 @@ uses (``activated``, ``step_phase``, ``step_tokens``, ``predicted_counts`` / ``p
         w.set_layer(layer, ids, predicted={"residual": ids_predicted_for_layer_plus_1})
         plan = controller.plan(step, layer)      # the same controller and policies as the simulator
 
-so the same controller and policies run unchanged. What cannot be known online is refused: bounds
-(policies that read the future: ``optimal`` placement, ``belady`` cache, ``oracle`` prefetch) by
-:func:`check_online`; asking for a layer not yet routed is an error. Frequencies (for
-``cache_init = frequency`` and frequency-based placements) come from a prior trace
-(:func:`frequencies_from_trace`) or are uniform. No torch here.
+so the same controller and policies run unchanged. What cannot be run online is refused by
+:func:`check_online`: bounds (``optimal`` placement and cache, the ``lower-bound`` preset) and oracle
+heuristics (policies that read the future: ``belady`` cache, ``oracle`` prefetch); asking for a layer
+not yet routed is an error. Frequencies (for ``cache_init = frequency`` and frequency-based
+placements) come from a prior trace (:func:`frequencies_from_trace`) or are uniform. No torch here.
 """
 
 from __future__ import annotations
@@ -56,17 +56,26 @@ def predictor_offset(name: str) -> int:
 
 
 def check_online(sysconf) -> None:
-    """Refuse a system with a policy that needs the future (a bound, or next-use times): a running model
-    knows the routing of a layer only once it has run. ``sysconf``: a resolved ``SystemConfig``."""
+    """Refuse a system that a running model cannot run: a time bound, a bound policy, or a policy that
+    reads the future (a running model knows the routing of a layer only once it has run). ``sysconf``: a
+    resolved ``SystemConfig``."""
+    if sysconf.time_bound:
+        raise ValueError(f"system {sysconf.name!r} is a time bound computed by the simulator (`dali sim run`), "
+                         "not a system that runs")
     for family in ("placement", "cache", "prefetch"):
-        choice = getattr(sysconf, family)
-        policy = choice.build()
-        if policy.is_bound or policy.needs_future:
+        policy = getattr(sysconf, family).build()
+        if not (policy.is_bound or policy.reads_future):
+            continue
+        kind = "a bound" if policy.is_bound else "an oracle heuristic"
+        if policy.reads_future:
             what = "next-use times" if policy.needs_future else "the true routing of later layers"
-            raise ValueError(
-                f"system {sysconf.name!r}: the {family} policy {policy.name!r} is a bound: it reads the future "
-                f"({what}), which a running model does not know; bounds can only be simulated on a recorded trace "
-                f"(`dali trace record`, then `dali sim run`). Choose another system or --set {family}.policy=...")
+            why = f"it reads the future ({what}), which a running model does not know"
+        else:
+            why = "a reference to compare with, not a system"
+        raise ValueError(
+            f"system {sysconf.name!r}: the {family} policy {policy.name!r} is {kind}: {why}; bounds and oracle "
+            f"heuristics can only be simulated on a recorded trace (`dali trace record`, then `dali sim run`). "
+            f"Choose another system or --set {family}.policy=...")
 
 
 def frequencies_from_trace(path: str | Path, model: ModelSpec) -> np.ndarray:
