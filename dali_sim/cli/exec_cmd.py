@@ -9,7 +9,9 @@ from pathlib import Path
 
 import click
 
-from dali_sim.cli.common import UserErrorGroup, command_line
+from dali_sim.cli.common import (GIB_TYPE, SEED_TYPE, UserErrorGroup, check_outputs, checkpoint_files, command_line,
+                                 require_exec)
+from dali_sim.files import check_output, write_text_atomic
 from dali_sim.cli.sim import format_run, option_group, overrides, policy_options
 from dali_sim.sim.simulate import DEFAULT_HARDWARE
 from dali_sim.sim.timeline import write_timeline
@@ -49,7 +51,7 @@ def _emit(result, timeline: Path | None, csv_path: Path | None, as_json: bool, t
     if timeline:
         write_timeline(timeline, result.intervals, title)
     if csv_path:
-        result.per_layer.to_csv(csv_path)
+        write_text_atomic(csv_path, result.per_layer.to_csv())
     if as_json:
         click.echo(result.to_json())
         return True
@@ -57,12 +59,12 @@ def _emit(result, timeline: Path | None, csv_path: Path | None, as_json: bool, t
     return False
 
 
+def _profile_file(hardware: str) -> list[Path]:
+    return [Path(hardware)] if Path(hardware).is_file() else []
+
+
 def _exec_module():
-    try:
-        import dali_exec.executor as ex
-    except ImportError as exc:
-        raise click.ClickException(str(exc)) from None
-    return ex
+    return require_exec("dali_exec.executor")
 
 
 @click.group(name="exec", cls=UserErrorGroup)
@@ -87,9 +89,9 @@ def exec_group() -> None:
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch.")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int,
               help="Prompt positions per prefill step (0 = whole prompt in one step).")
-@click.option("--gpu-memory", type=float, help="GPU memory budget of the full-size model in GiB (default: the profile's).")
+@click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget of the full-size model in GiB (default: the profile's).")
 @policy_options
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies and of the random weights.")
+@click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores, or half of them without CUDA).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device (default: the rest).")
 @click.option("--timeline", type=click.Path(path_type=Path), help="Write a Chrome/Perfetto trace JSON here.")
@@ -98,6 +100,7 @@ def exec_group() -> None:
 def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_tokens, device, dtype, precision, hardware,
             batch_size, prefill_chunk, seed, cpu_threads, accel_threads, timeline, csv_path, as_json, **kw) -> None:
     """Replay a trace's routing on real devices with random weights of the model's shape."""
+    check_outputs({"timeline": timeline, "CSV table": csv_path}, [trace_path, *_profile_file(hardware)])
     ex = _exec_module()
     options = ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
                                max_tokens=max_tokens, precision=precision, dtype=dtype)
@@ -135,6 +138,7 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
 def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, expert_tokens, dense_tokens,
                   context_lens, repeats, warmup, name, output) -> None:
     """Measure expert, transfer and dense times and write a measured hardware profile (docs/hardware.md)."""
+    check_outputs({"profile": output}, [])
     _exec_module()
     from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate_to
 
@@ -158,9 +162,9 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @replay_options
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch.")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int, help="Prompt positions per prefill step (0 = whole prompt).")
-@click.option("--gpu-memory", type=float, help="GPU memory budget of the full-size model in GiB [default: 24, the default profile's GPU].")
+@click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget of the full-size model in GiB [default: 24, the default profile's GPU].")
 @policy_options
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies and of the random weights.")
+@click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default as `dali exec run`).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
 @click.option("--repeats", default=3, show_default=True, type=int, help="Calibration: timed runs per point.")
@@ -173,6 +177,7 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
                  dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, no_warmup,
                  time_budget, no_timelines, no_plot, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
+    check_output(out_dir, [trace_path, profile], "report folder", folder=True)
     ex = _exec_module()
     from dali_exec.calibrate import MicroSettings
     from dali_exec.validate import ValidationConfig, validate
@@ -219,9 +224,9 @@ _MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
               help="Weights dtype of the model (auto = the checkpoint's); experts are stored and copied in it.")
 @click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True,
               help="Hardware profile whose costs the policies use and whose GPU memory is the default budget.")
-@click.option("--gpu-memory", type=float, help="GPU memory budget in GiB (default: the profile's).")
+@click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget in GiB (default: the profile's).")
 @policy_options
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies.")
+@click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed of the policies.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores but one with CUDA; "
                                               "the process's thread count on the CPU device).")
 @click.option("--accel-threads", type=int, help="Threads of the main thread on the CPU device (default: unchanged).")
@@ -243,10 +248,11 @@ def generate_cmd(model_path, system, prompts_file, batch_size, max_new_tokens, p
     dali exec generate --model models/dali-tiny-moe --prompts prompts/multidomain.txt --system gpu-lru --cache-experts 8
     dali exec generate --model M --prompts P --system dali --residual res.safetensors --batch-size 4
     """
-    try:
-        from dali_exec.generate import GenerateOptions, generate_from_path
-    except ImportError as exc:
-        raise click.ClickException(str(exc)) from None
+    check_outputs({"timeline": timeline, "CSV table": csv_path},
+                  [*checkpoint_files(model_path), prompts_file, residual_file,
+                   frequencies_from, *_profile_file(hardware)])
+    require_exec("dali_exec.generate")
+    from dali_exec.generate import GenerateOptions, generate_from_path
     opts = GenerateOptions(batch_size=batch_size, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
                            residual=residual_file, frequencies_from=frequencies_from, device=device,
                            cpu_threads=cpu_threads, accel_threads=accel_threads, progress=not quiet and not as_json)

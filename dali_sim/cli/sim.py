@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 import pandas as pd
 
-from dali_sim.cli.common import UserErrorGroup, echo_json
+from dali_sim.cli.common import GIB_TYPE, SEED_TYPE, UserErrorGroup, check_outputs, echo_json
+from dali_sim.files import write_text_atomic
 from dali_sim.hardware.profile import load_profile, profile_names
 from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS
 from dali_sim.policies.systems import parse_overrides, resolve_system, system_description, system_names
@@ -53,9 +54,9 @@ def common_options(f):
         click.option("--prefill-chunk", default=0, show_default=True, type=int,
                      help="Prompt positions per prefill step (0 = whole prompt in one step)."),
         policy_options,
-        click.option("--gpu-memory", type=float, help="GPU memory budget in GiB (default: the profile's GPU)."),
+        click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget in GiB (default: the profile's GPU)."),
         click.option("--precision", help="Weight format of the experts, e.g. bf16, q8_0, q4_0, mxfp4."),
-        click.option("--seed", default=0, show_default=True, type=int, help="Seed for random choices."),
+        click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed for random choices."),
         click.option("--no-timing", is_flag=True,
                      help="Fast replay: cache hits and transfer counts only, no SimPy, no times."),
         click.option("--future", type=click.Path(path_type=Path),
@@ -77,6 +78,12 @@ def overrides(kw) -> dict[str, dict[str, str]]:
         if kw.get(flag) is not None:
             memory[key] = str(kw[flag])
     return over
+
+
+def run_inputs(kw) -> list[Path]:
+    """The files a `dali sim` run reads (an output must be none of them)."""
+    hardware = Path(kw["hardware"])
+    return [kw["trace_path"], kw["future"], hardware if hardware.is_file() else None]
 
 
 def _run(trace, system: str, kw, timeline: bool = False) -> SimResult:
@@ -131,6 +138,7 @@ def run_cmd(system: str, timeline: Path | None, **kw) -> None:
     """Simulate one system on a trace and print its metrics (docs/metrics.md)."""
     if timeline and kw["no_timing"]:
         raise click.UsageError("--timeline needs timing; drop --no-timing")
+    check_outputs({"timeline": timeline}, run_inputs(kw))
     result = _run(read_trace(kw["trace_path"]), system, kw, timeline=timeline is not None)
     if timeline:
         write_timeline(timeline, result.intervals, f"{system} on {kw['trace_path']}")
@@ -172,11 +180,12 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
         names.append(baseline)
     for name in names:
         resolve_system(name, overrides(kw))  # fail fast on a bad name or parameter
+    check_outputs({"CSV table": csv_path}, run_inputs(kw))
     trace = read_trace(kw["trace_path"])
     results = {name: _run(trace, name, kw) for name in names}
     table = compare_table(results, baseline)
     if csv_path:
-        table.to_csv(csv_path)
+        write_text_atomic(csv_path, table.to_csv())
     if kw["as_json"]:
         echo_json({"baseline": baseline, "systems": {n: r.to_dict() for n, r in results.items()},
                    "table": table.reset_index().to_dict(orient="records")})

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import click
 
-from dali_sim.cli.common import command_line
+from dali_sim.cli.common import check_outputs, checkpoint_files, command_line, require_exec
 from dali_sim.trace.provenance import default_provenance, file_sha256
+from dali_sim.trace.schema import hidden_sidecar_name
 
 _DTYPES = ["float32", "bfloat16", "float16", "auto"]
 
@@ -80,6 +81,12 @@ def record(model_path, dtype, device, prompts_file, batch_size, max_new_tokens, 
     dali trace calibrate-residual --model models/tiny-qwen3-moe --texts calib.txt -o res.safetensors
     dali trace record --model models/tiny-qwen3-moe --prompts p.txt --residual res.safetensors -o t.parquet
     """
+    inputs = [*checkpoint_files(model_path), prompts_file, residual_file]
+    outputs = {"trace": output}
+    if hidden_states:
+        outputs["hidden-state sidecar"] = output.with_name(hidden_sidecar_name(output))
+    check_outputs(outputs, inputs)
+    require_exec("dali_exec.recorder")
     from dali_exec.recorder import RecordOptions, ResidualVectors, load_model, read_prompts, record_trace
 
     prompts = read_prompts(prompts_file)
@@ -122,11 +129,13 @@ def record(model_path, dtype, device, prompts_file, batch_size, max_new_tokens, 
 def calibrate_residual(model_path, dtype, device, texts_file, batch_size, max_length, output, quiet) -> None:
     """Compute DALI's residual vectors: per MoE layer l, the mean over calibration tokens of (gate input
     of MoE layer l+1 - gate input of MoE layer l). `dali trace record --residual` uses them."""
+    if max_length < 1:
+        raise click.BadParameter(f"must be >= 1, got {max_length}", param_hint="--max-length")
+    check_outputs({"residual file": output}, [*checkpoint_files(model_path), texts_file])
+    require_exec("dali_exec.recorder")
     from dali_exec.models import get_adapter
     from dali_exec.recorder import calibrate_residuals, load_model, read_prompts, tokenize
 
-    if max_length < 1:
-        raise click.BadParameter(f"must be >= 1, got {max_length}", param_hint="--max-length")
     texts = read_prompts(texts_file)
     model, tokenizer = load_model(model_path, device=device, dtype=dtype, progress=not quiet)
     from dali_exec.recorder.record import special_ids
