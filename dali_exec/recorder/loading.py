@@ -48,13 +48,29 @@ def load_model(path_or_name: str, *, device: str = "cpu", dtype: str = "float32"
     target = resolve_device(device)
     config = load_config(path_or_name)
     get_adapter(config)  # unsupported family: fail before loading weights
-    model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=DTYPES[dtype], local_files_only=True)
+    model = _load_weights(AutoModelForCausalLM, path_or_name, DTYPES[dtype])
     model = model.to(target).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path_or_name, local_files_only=True)
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return model, tokenizer
+
+
+def _load_weights(auto, path_or_name: str, dtype):
+    """``auto.from_pretrained`` with its failures (no weights, an unreadable pickle, a truncated file) as one
+    line naming the model."""
+    import pickle
+
+    try:
+        return auto.from_pretrained(path_or_name, dtype=dtype, local_files_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--model {path_or_name}: cannot load its pickle weights (.bin; torch loads only plain "
+                         f"tensors from pickles): {first}; convert them to safetensors") from None
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--model {path_or_name}: cannot load the weights: {first.removeprefix('Error ')}") from None
 
 
 def config_file(path_or_name: str) -> Path | None:

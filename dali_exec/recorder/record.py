@@ -14,7 +14,7 @@ import torch
 from dali_exec.models import get_adapter
 from dali_exec.recorder.generation import ForwardRows, greedy_generate
 from dali_exec.recorder.hooks import RoutingCapture
-from dali_exec.recorder.prompts import Prompt, tokenize
+from dali_exec.recorder.prompts import Prompt, check_fits, tokenize
 from dali_exec.recorder.residual import ResidualVectors, config_sha256
 from dali_exec.recorder.sink import RowSink
 from dali_sim.models.hf_config import spec_from_hf_config
@@ -132,11 +132,7 @@ def record_trace(
     if len({p.index for p in prompts}) != len(prompts):
         raise ValueError(f"{prompts_source or 'prompts'}: prompt indices (the trace's seq_id) must be unique")
     token_ids = tokenize(prompts, tokenizer, prompts_source or "prompts")
-    vocab = int(model.config.vocab_size)
-    for p, ids in zip(prompts, token_ids):
-        if max(ids) >= vocab:
-            raise ValueError(f"{prompts_source or 'prompts'}: prompt {p.index} ({p.name}) has token id {max(ids)} "
-                             f">= vocab_size {vocab}")
+    check_fits(prompts, token_ids, model.config, options.max_new_tokens, prompts_source or "prompts")
     eos, pad = special_ids(model, tokenizer)
 
     predictors = [NEXT_GATE] if options.next_gate else []

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from dali_sim.models.presets import get_model
-from dali_sim.trace.importers import IMPORTERS, Importer, expand_inputs
+from dali_sim.trace.importers import IMPORTERS, Importer, expand_inputs, input_named
 from dali_sim.trace.importers.jsonio import load_json, require
 from dali_sim.trace.provenance import default_provenance
 from dali_sim.trace.schema import SequenceInfo
@@ -108,12 +108,13 @@ def run(paths: Sequence[Path], out: Path, command: str) -> Path:
                     seq_id=seq_id, name=str(span.get("id", f"{path.stem}-{seq_id}")), prompt_tokens=n,
                     generated_tokens=0, attrs={"source_file": path.name, "token_start": start},
                 ))
-                writer.write(
-                    seq_id=seq_id, phase="prefill",
-                    pos=np.repeat(np.arange(n), len(layers)),
-                    layer=np.tile(layers, n),
-                    experts=selections[start:end].reshape(-1, 1),
-                )
+                with input_named(path):
+                    writer.write(
+                        seq_id=seq_id, phase="prefill",
+                        pos=np.repeat(np.arange(n), len(layers)),
+                        layer=np.tile(layers, n),
+                        experts=selections[start:end].reshape(-1, 1),
+                    )
                 seq_id += 1
     return out
 
