@@ -6,11 +6,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
-
-import pyarrow as pa
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dali_sim.models.spec import ModelSpec, typed_fields
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
@@ -185,11 +186,15 @@ def _checked_meta(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def fixed_list(value_type: pa.DataType, width: int) -> pa.DataType:
+    import pyarrow as pa
+
     return pa.list_(value_type, width)
 
 
 def arrow_schema(meta: TraceMeta) -> pa.Schema:
     """The Arrow schema of a trace with these optional columns."""
+    import pyarrow as pa  # here, not at the top: the commands import this module for TraceError
+
     k, e = meta.top_k, meta.num_experts
     fields = [
         pa.field("seq_id", pa.int32(), nullable=False),

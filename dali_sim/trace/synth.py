@@ -31,7 +31,7 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
@@ -39,10 +39,11 @@ from dali_sim.files import check_output, files_of
 from dali_sim.models.presets import get_model
 from dali_sim.models.spec import ModelSpec
 from dali_sim.registry import UnknownNameError
-from dali_sim.trace.calibrate import Calibration, calibrate, load_counts
 from dali_sim.trace.provenance import default_provenance
 from dali_sim.trace.schema import PredictorInfo, SequenceInfo
-from dali_sim.trace.writer import TraceWriter
+
+if TYPE_CHECKING:
+    from dali_sim.trace.calibrate import Calibration
 
 # Defaults, tuned so a gpt-oss-20b trace matches the real GPT-OSS-20B decode statistics (see the doc).
 DEFAULT_SKEW = 1.4
@@ -513,6 +514,9 @@ def synthesize(config: SynthConfig, out_path: str | Path, command: str | None = 
 
     ``progress``: a tqdm bar on stderr (None = only when stderr is a terminal).
     """
+    from dali_sim.trace.calibrate import calibrate, load_counts  # here: pyarrow and pandas are slow to import
+    from dali_sim.trace.writer import TraceWriter
+
     check_output(out_path, files_of(config.popularity_from), "trace")
     spec = config.spec()
     check_fits_disk(config, out_path)

@@ -20,7 +20,6 @@ from dali_sim.trace.importers import IMPORTERS, Importer, expand_inputs, input_n
 from dali_sim.trace.importers.jsonio import load_json, require
 from dali_sim.trace.provenance import default_provenance
 from dali_sim.trace.schema import SequenceInfo
-from dali_sim.trace.writer import TraceWriter
 
 MODEL = "gpt-oss-20b"
 SOURCE = "github.com/AmanPriyanshu/GPT-OSS-MoE-ExpertFingerprinting@72b368f60045221f21eeb65debb27d58de92e565"
@@ -98,6 +97,8 @@ def _parse_file(path: Path, num_layers: int, top_k: int, num_experts: int):
 
 
 def run(paths: Sequence[Path], out: Path, command: str) -> Path:
+    from dali_sim.trace.writer import TraceWriter  # here: pyarrow is slow to import, `dali --help` lists formats
+
     files = expand_inputs(paths, "*.json")
     model = get_model(MODEL)
     layers = np.asarray(model.moe_layers)

@@ -19,7 +19,6 @@ from dali_sim.trace.importers import IMPORTERS, Importer, expand_inputs, input_n
 from dali_sim.trace.importers.jsonio import load_json, require
 from dali_sim.trace.provenance import default_provenance
 from dali_sim.trace.schema import SequenceInfo
-from dali_sim.trace.writer import TraceWriter
 
 MODEL = "switch-base-8"
 METADATA_NAME = "capture-metadata.json"
@@ -90,6 +89,8 @@ def _convert_one(path: Path, model) -> tuple[np.ndarray, list[dict]]:
 
 
 def run(paths: Sequence[Path], out: Path, command: str) -> Path:
+    from dali_sim.trace.writer import TraceWriter  # here: pyarrow is slow to import, `dali --help` lists formats
+
     files = expand_inputs(paths, "router-trace.v2.json")
     model = get_model(MODEL)
     layers = np.asarray(model.moe_layers)
