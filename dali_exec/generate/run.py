@@ -360,7 +360,7 @@ def _definition(name: str) -> str:
 
 
 def generate_from_path(model_path: str, prompts_file: str | Path, system: str,
-                       options: GenerateOptions = GenerateOptions(), *, dtype: str = "float32",
+                       options: GenerateOptions = GenerateOptions(), *, dtype: str = "fp32",
                        **kw) -> GenerateResult:
     """Load a local checkpoint (``local_files_only``; on the CPU, moved to the dense device once its experts
     are in the host store) and :func:`generate` for the prompts of a file (.txt, .jsonl, .json)."""

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from dali_exec.models import get_adapter
+from dali_sim.dtypes import canonical_dtype
 
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -36,15 +37,15 @@ def load_config(path_or_name: str):
 
 
 def load_model(path_or_name: str, *, device: str = "cpu", dtype: str = "float32", progress: bool = True):
-    """(model in eval mode on ``device``, tokenizer or None). ``dtype``: auto (the checkpoint's), float32, ..."""
+    """(model in eval mode on ``device``, tokenizer or None). ``dtype``: auto (the checkpoint's), fp32, bf16, fp16
+    (or torch's names: float32, ...)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     if not progress:
         hf_logging.disable_progress_bar()
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dtype = canonical_dtype(dtype, allow_auto=True)
     target = resolve_device(device)
     config = load_config(path_or_name)
     get_adapter(config)  # unsupported family: fail before loading weights

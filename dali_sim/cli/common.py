@@ -13,7 +13,6 @@ from typing import Any, Iterable, Mapping
 import click
 
 from dali_sim.files import check_output
-from dali_sim.jsonsafe import json_safe
 from dali_sim.registry import UnknownNameError
 from dali_sim.trace.schema import TraceError
 
@@ -67,6 +66,35 @@ class GiBType(click.ParamType):
 
 
 GIB_TYPE = GiBType()
+
+
+class DtypeType(click.ParamType):
+    """A weight dtype of the one vocabulary (:mod:`dali_sim.dtypes`): bf16, fp16, fp32 (and auto where a
+    checkpoint is loaded); bfloat16, float16, float32 are accepted as aliases."""
+
+    name = "DTYPE"
+
+    def __init__(self, allow_auto: bool = False):
+        self.allow_auto = allow_auto
+
+    def convert(self, value, param, ctx):
+        from dali_sim.dtypes import canonical_dtype
+
+        try:
+            return canonical_dtype(value, allow_auto=self.allow_auto)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "[bf16|fp16|fp32" + ("|auto]" if self.allow_auto else "]")
+
+
+#: replayed or calibrated random weights (exec run, validate, calibrate): bf16 by default
+REPLAY_DTYPE = DtypeType()
+#: a real checkpoint's weights (trace record, calibrate-residual, exec generate): fp32 by default, auto = its own
+MODEL_DTYPE = DtypeType(allow_auto=True)
+#: tokens generated per prompt, the same default wherever a real model generates (record, generate)
+MAX_NEW_TOKENS = 32
 #: seeds: NumPy seeds are non-negative
 SEED_TYPE = click.IntRange(min=0)
 
@@ -120,6 +148,8 @@ def command_line() -> str:
 
 def echo_json(data: Any) -> None:
     """Strict JSON (NaN -> null) on stdout."""
+    from dali_sim.jsonsafe import json_safe
+
     click.echo(json.dumps(json_safe(data), indent=2, allow_nan=False, default=str))
 
 

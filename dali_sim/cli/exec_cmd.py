@@ -9,14 +9,12 @@ from pathlib import Path
 
 import click
 
-from dali_sim.cli.common import (GIB_TYPE, SEED_TYPE, UserErrorGroup, check_outputs, checkpoint_files, command_line,
-                                 require_exec)
+from dali_sim.cli.common import (GIB_TYPE, MAX_NEW_TOKENS, MODEL_DTYPE, REPLAY_DTYPE, SEED_TYPE, UserErrorGroup,
+                                 check_outputs, checkpoint_files, command_line, require_exec)
 from dali_sim.files import check_output, write_text_atomic
-from dali_sim.cli.sim import format_run, option_group, overrides, policy_options
-from dali_sim.sim.simulate import DEFAULT_HARDWARE
-from dali_sim.sim.timeline import write_timeline
+from dali_sim.cli.sim import CPU_DEVICE_LANES, format_run, option_group, overrides, policy_options
+from dali_sim.hardware.profile import DEFAULT_HARDWARE
 
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:
@@ -37,8 +35,8 @@ replay_options = option_group(
     click.option("--max-tokens", type=int, help="Replay only the first N tokens of each sequence."),
     click.option("--device", type=click.Choice(["cuda", "cpu"]),
                  help="Accelerator (default: cuda if present, else the CPU device)."),
-    click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True,
-                 help="Weight storage of the replay."),
+    click.option("--dtype", type=REPLAY_DTYPE, default="bf16", show_default=True,
+                 help="Weight storage of the replay (bfloat16, float16, float32 also accepted)."),
     click.option("--precision", help="Weight format of the full model for the memory plan (default: the model's)."),
 )
 
@@ -46,6 +44,8 @@ replay_options = option_group(
 def _emit(result, timeline: Path | None, csv_path: Path | None, as_json: bool, title: str) -> bool:
     """Write the optional timeline and per-layer CSV, then print the result: JSON (returns True, the
     caller is done) or the text summary of `dali sim run` (returns False, the caller adds its lines)."""
+
+    from dali_sim.sim.timeline import write_timeline
 
     result.manifest["command"] = command_line()
     if timeline:
@@ -55,7 +55,10 @@ def _emit(result, timeline: Path | None, csv_path: Path | None, as_json: bool, t
     if as_json:
         click.echo(result.to_json())
         return True
-    click.echo(format_run(result))
+    devices = result.manifest["executor"]["devices"]
+    on_cpu = devices["accelerator"] == "cpu"  # the profile then only gives the policies' costs
+    click.echo(format_run(result, executed_on=devices["accelerator_name"],
+                          lanes=CPU_DEVICE_LANES if on_cpu else None))
     return False
 
 
@@ -106,7 +109,7 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
                                max_tokens=max_tokens, precision=precision, dtype=dtype)
     run_opts = ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads, progress=True)
     result = ex.execute(trace_path, system, options, run_opts, hardware=hardware, batch_size=batch_size,
-                        prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw))
+                        prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, [system])[system])
     if _emit(result, timeline, csv_path, as_json, f"dali exec {system} on {trace_path}"):
         return
     ov, e = result.summary["overhead"], result.manifest["executor"]
@@ -125,7 +128,8 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
 @click.option("--model-shape", required=True, help="Model shape preset (see `dali model list`).")
 @click.option("--scale", default=1.0, show_default=True, type=float, help="Calibrate the shape scaled as `dali exec run --scale`.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Accelerator (default: cuda if present, else the CPU device).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True, help="Weight storage.")
+@click.option("--dtype", type=REPLAY_DTYPE, default="bf16", show_default=True,
+              help="Weight storage, as `dali exec run --dtype` (bfloat16, float16, float32 also accepted).")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane.")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
 @click.option("--expert-tokens", default="1,2,4,8,16,32,64,128,256", show_default=True, help="Token counts of the expert tables.")
@@ -148,8 +152,13 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
                             context_lens=_ints(context_lens, "--context-lens"),
                             settings=MicroSettings(repeats=repeats, warmup=warmup), name=name)
     path = calibrate_to(output, cfg, command=command_line(), progress=True)
-    click.echo(f"wrote {path}: use it with `dali sim run --hardware {path}` (a trace of this shape) "
-               f"or `dali exec run --hardware {path} --scale {scale:g}`")
+    from dali_sim.hardware.profile import load_profile
+
+    shape = load_profile(path).model
+    click.echo(f"wrote {path}, measured for {shape.model} at {shape.precision}. Simulate with it on a trace of that "
+               f"shape: `dali trace synth --model {shape.model} --precision {shape.precision} -o t.parquet` then "
+               f"`dali sim run --trace t.parquet --hardware {path} --system ...`; or replay with "
+               f"`dali exec run --hardware {path} --scale {scale:g} --dtype {dtype}`")
 
 
 @exec_group.command("validate")
@@ -189,7 +198,7 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
         replay=ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
                                 max_tokens=max_tokens, precision=precision, dtype=dtype),
         run=ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads),
-        batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw),
+        batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, names),
         warmup=not no_warmup, calibration=MicroSettings(repeats=repeats, warmup=1), time_budget_s=time_budget,
         timelines=not no_timelines, plot=not no_plot)
     report = validate(trace_path, cfg, out_dir, command=command_line(), log=lambda m: click.echo(m, err=True),
@@ -197,9 +206,6 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
     click.echo((out_dir / (JSON if as_json else MARKDOWN)).read_text())
     if report.failed:
         raise click.ClickException("failed: " + "; ".join(f"{f['system']} ({f['error']})" for f in report.failed))
-
-
-_MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 @exec_group.command("generate")
@@ -210,7 +216,8 @@ _MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 @click.option("--prompts", "prompts_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Prompts: .txt (one per line), .jsonl or .json (as `dali trace record`).")
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Prompts generated side by side (left-padded).")
-@click.option("--max-new-tokens", default=32, show_default=True, type=int, help="Tokens generated per prompt (greedy; fewer at EOS).")
+@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=0),
+              help="Tokens generated per prompt (greedy; fewer at EOS).")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int,
               help="Prompt columns per prefill forward pass (0 = the whole prompt at once).")
 @click.option("--residual", "residual_file", type=click.Path(dir_okay=False, path_type=Path),
@@ -220,8 +227,9 @@ _MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
               help="A trace of this model (`dali trace record`): per-expert frequencies for cache_init=frequency and "
                    "frequency-based policies (default: uniform).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Accelerator (default: cuda if present, else the CPU device).")
-@click.option("--dtype", type=click.Choice(_MODEL_DTYPES), default="float32", show_default=True,
-              help="Weights dtype of the model (auto = the checkpoint's); experts are stored and copied in it.")
+@click.option("--dtype", type=MODEL_DTYPE, default="fp32", show_default=True,
+              help="Weights dtype of the model, as `dali trace record --dtype` (auto = the checkpoint's; bfloat16, "
+                   "float16, float32 also accepted); experts are stored and copied in it.")
 @click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True,
               help="Hardware profile whose costs the policies use and whose GPU memory is the default budget.")
 @click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget in GiB (default: the profile's).")
@@ -257,7 +265,7 @@ def generate_cmd(model_path, system, prompts_file, batch_size, max_new_tokens, p
                            residual=residual_file, frequencies_from=frequencies_from, device=device,
                            cpu_threads=cpu_threads, accel_threads=accel_threads, progress=not quiet and not as_json)
     result = generate_from_path(model_path, prompts_file, system, opts, dtype=dtype, hardware=hardware, seed=seed,
-                                overrides=overrides(kw))
+                                overrides=overrides(kw, [system])[system])
     if _emit(result, timeline, csv_path, as_json, f"dali exec generate {system} on {model_path}"):
         return
     s, e = result.summary, result.manifest["executor"]

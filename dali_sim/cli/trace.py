@@ -9,11 +9,9 @@ import click
 from dali_sim.cli.common import UserErrorGroup, check_outputs, command_line, echo_json, printable
 from dali_sim.cli.trace_stats import stats
 from dali_sim.cli.trace_synth import synth
-from dali_sim.runtime.future import future_path, write_future
-from dali_sim.trace import read_trace
-from dali_sim.trace.reader import read_meta_and_checksum
-from dali_sim.trace.importers import IMPORTERS, import_trace
-from dali_sim.workload.builder import WorkloadConfig
+from dali_sim.trace.importers import IMPORTERS
+
+# heavy modules (pyarrow, pandas) are imported inside the commands: `dali --help` stays fast
 
 
 @click.group(cls=UserErrorGroup)
@@ -28,6 +26,9 @@ def trace() -> None:
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Trace to write (.parquet).")
 def import_cmd(fmt: str, files: tuple[Path, ...], output: Path) -> None:
     """Convert public routing traces (FILES or folders of them) into a dali trace."""
+    from dali_sim.trace import read_trace
+    from dali_sim.trace.importers import import_trace
+
     path = import_trace(fmt, files, output, command_line())
     t = read_trace(path)
     click.echo(f"wrote {path}: {len(t)} rows, {t.num_sequences} sequences, model {t.model.name}")
@@ -44,7 +45,9 @@ def formats() -> None:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--allow-partial", is_flag=True, help="Accept a partial trace left by an interrupted writer.")
 def validate(path: Path, allow_partial: bool) -> None:
-    """Check a trace fully; print the first offending row if it is bad (exit code 1)."""
+    """Check a trace fully (checksums included); print the first offending row if it is bad (exit code 1)."""
+    from dali_sim.trace import read_trace
+
     t = read_trace(path, allow_partial=allow_partial)
     checked = ("checksums verified" if t.checksum is not None else
                "no checksum: written by an older dali, so changed bytes cannot be detected; rewrite it to add one")
@@ -56,6 +59,8 @@ def validate(path: Path, allow_partial: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the whole metadata as JSON.")
 def info(path: Path, as_json: bool) -> None:
     """Show a trace's metadata (model, provenance, columns) without reading its rows."""
+    from dali_sim.trace.reader import read_meta_and_checksum
+
     meta, record = read_meta_and_checksum(path)
     if as_json:
         import json
@@ -94,6 +99,10 @@ def enrich(path: Path, batch_size: int, prefill_chunk: int, output: Path | None)
     Next uses depend on the batching (a batch-mate's later use counts), so they are computed for one
     batch size and prefill chunk; `dali sim` finds the file beside the trace and refuses a stale one.
     """
+    from dali_sim.runtime.future import future_path, write_future
+    from dali_sim.trace import read_trace
+    from dali_sim.workload.builder import WorkloadConfig
+
     config = WorkloadConfig(batch_size, prefill_chunk)
     out = output or future_path(path, config)
     check_outputs({"next-use file": out}, [path])

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import click
 
-from dali_sim.cli.common import check_outputs, checkpoint_files, command_line, require_exec
+from dali_sim.cli.common import MAX_NEW_TOKENS, MODEL_DTYPE, check_outputs, checkpoint_files, command_line, require_exec
 from dali_sim.trace.provenance import default_provenance, file_sha256
 from dali_sim.trace.schema import hidden_sidecar_name
 
-_DTYPES = ["float32", "bfloat16", "float16", "auto"]
 
 
 def _exec_versions() -> dict[str, str]:
@@ -25,8 +24,8 @@ def _exec_versions() -> dict[str, str]:
 
 
 def _model_options(f):
-    f = click.option("--dtype", type=click.Choice(_DTYPES), default="float32", show_default=True,
-                     help="Weights dtype; auto = the checkpoint's.")(f)
+    f = click.option("--dtype", type=MODEL_DTYPE, default="fp32", show_default=True,
+                     help="Weights dtype; auto = the checkpoint's (bfloat16, float16, float32 also accepted).")(f)
     f = click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")(f)
     f = click.option("--model", "model_path", required=True, metavar="PATH_OR_NAME",
                      help="A local transformers checkpoint folder (or a name in the local HF cache); nothing is "
@@ -53,7 +52,7 @@ def _spec(model_path: str):
                    "input_ids, and optional name).")
 @click.option("--batch-size", type=int, default=1, show_default=True,
               help="Prompts generated side by side (left-padded; padding is never recorded).")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=MAX_NEW_TOKENS, show_default=True,
               help="Tokens generated per prompt (fewer if EOS comes first); greedy decoding.")
 @click.option("--prefill-chunk", type=int, default=0, show_default=True,
               help="Prompt positions per prefill forward pass; 0 = the whole prompt at once.")
@@ -64,17 +63,21 @@ def _spec(model_path: str):
               help="Residual vectors from `dali trace calibrate-residual`: adds the `residual` lookahead column "
                    "(DALI). Without it only the `next-gate` column is recorded.")
 @click.option("--no-next-gate", is_flag=True, help="Leave out the `next-gate` lookahead column.")
+@click.option("--next-gates", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Record the routers of the next N MoE layers on each gate input: next-gate (l+1) and, for N >= 2, "
+                   "`gate2` .. `gateN` (l+2 ..), the look-ahead HybriMoE reads (--next-gates 3).")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Trace to write (.parquet); OUT.parquet.partial if the run stops early.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 def record(model_path, dtype, device, prompts_file, batch_size, max_new_tokens, prefill_chunk, hidden_states,
-           router_logits, residual_file, no_next_gate, output, quiet) -> None:
+           router_logits, residual_file, no_next_gate, next_gates, output, quiet) -> None:
     """Record the routing of a transformers MoE model while it generates greedily for each prompt.
 
     One row per (sequence, position, MoE layer), prefill and decode: top-k expert ids and weights,
-    the lookahead columns `next-gate` (router of layer l+1 on the gate input of layer l) and, with
-    --residual, `residual` (the same plus DALI's residual vector); optionally router logits and gate
-    inputs. See docs/recorder.md.
+    the lookahead columns `next-gate` (router of layer l+1 on the gate input of layer l), with
+    --residual `residual` (the same plus DALI's residual vector) and with --next-gates 3 `gate2` and
+    `gate3` (routers of layers l+2, l+3: HybriMoE); optionally router logits and gate inputs. See
+    docs/recorder.md.
 
     \b
     dali trace record --model models/tiny-qwen3-moe --prompts prompts.jsonl --batch-size 4 -o t.parquet
@@ -93,7 +96,7 @@ def record(model_path, dtype, device, prompts_file, batch_size, max_new_tokens, 
     residuals = ResidualVectors.load(residual_file) if residual_file is not None else None
     options = RecordOptions(batch_size=batch_size, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
                             router_logits=router_logits, hidden_states=hidden_states, next_gate=not no_next_gate,
-                            residuals=residuals)
+                            residuals=residuals, next_gates=next_gates)
     spec = _spec(model_path)
     model, tokenizer = load_model(model_path, device=device, dtype=dtype, progress=not quiet)
     extra = {"model": model_path, "prompts": {"file": prompts_file.name, "sha256": file_sha256(prompts_file)}}

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from dali_sim.hardware.measured import MeasuredProfile
 
 DEVICES = ("gpu", "cpu")
+DEFAULT_HARDWARE = "rtx3090-epyc7532"  # the DALI paper's testbed: the default profile of every command
 PROFILE_SUFFIXES = (".toml", ".json")
 GIB = 1 << 30
 #: a sanity bound on memory sizes (2^40 GiB = 1 ZiB), far below where GiB -> bytes overflows; not a cost

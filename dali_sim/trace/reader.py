@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -24,6 +23,9 @@ from dali_sim.trace.schema import (
     partial_path,
 )
 from dali_sim.trace.validate import RowArrays, check_rows, check_structure
+
+if TYPE_CHECKING:
+    import pandas as pd  # the methods that return frames import it: `dali trace info` needs no pandas
 
 
 def fixed_list_to_numpy(column: pa.ChunkedArray | pa.Array, width: int, dtype=None) -> np.ndarray:
@@ -128,8 +130,8 @@ class Trace:
             known = ", ".join(sorted(self.meta.predictors)) or "none"
             raise TraceError(
                 f"{self.path or 'trace'}: no lookahead column {predictor!r} (this trace has: {known}); "
-                "`dali trace record` records real ones (next-gate, residual), "
-                "`dali trace synth --lookahead NAME=ACCURACY` makes synthetic ones"
+                "`dali trace record` records real ones (next-gate; residual with --residual; gate2 and gate3 "
+                "with --next-gates 3), `dali trace synth --lookahead NAME=ACCURACY[@OFFSET]` makes synthetic ones"
             )
         if predictor not in self._lookahead:
             col = self.meta.predictors[predictor].column
