@@ -2,9 +2,9 @@
 
 Each trial copies the file, XORs one byte at a random offset with a random non-zero value, and reads
 the copy as dali does (``read_trace`` with validation, or ``load_future``). A trial is *rejected*
-(an error naming the file), *crashed* (any other exception), *identical* (every column and the metadata read back equal to the
-original's, e.g. a changed statistic or padding byte) or *silently different* (read as ok with other
-data: what must never happen).
+(an error naming the file), *crashed* (any other exception), *identical* (every column and the
+metadata read back equal to the original's, e.g. a changed statistic or padding byte) or *silently
+different* (read as ok with other data: what must never happen).
 
     python benchmarks/corruption.py traces/gpt-oss-20b.parquet --flips 200
     python benchmarks/corruption.py --synth --flips 300          # a small synthetic trace
@@ -77,7 +77,7 @@ def run(path: Path, flips: int, seed: int, read) -> dict[str, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace", nargs="?", type=Path, help="Trace to corrupt (default with --synth: a small synthetic one).")
+    ap.add_argument("trace", nargs="?", type=Path, help="Trace to corrupt (or --synth: a small synthetic one).")
     ap.add_argument("--synth", action="store_true", help="Corrupt a small synthetic trace with a lookahead column.")
     ap.add_argument("--future", action="store_true", help="Corrupt the trace's next-use file instead (batch size 2).")
     ap.add_argument("--flips", type=int, default=300)

@@ -177,5 +177,5 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
-__all__ = ["PathError", "atomic_output", "check_input", "check_output", "deferred_signals", "files_of", "temp_path", "write_error",
-           "write_text_atomic"]
+__all__ = ["PathError", "atomic_output", "check_input", "check_output", "deferred_signals", "files_of", "temp_path",
+           "write_error", "write_text_atomic"]

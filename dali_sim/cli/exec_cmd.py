@@ -92,9 +92,11 @@ def exec_group() -> None:
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch.")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int,
               help="Prompt positions per prefill step (0 = whole prompt in one step).")
-@click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget of the full-size model in GiB (default: the profile's).")
+@click.option("--gpu-memory", type=GIB_TYPE,
+              help="GPU memory budget of the full-size model in GiB (default: the profile's).")
 @policy_options
-@click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed of the policies and of the random weights.")
+@click.option("--seed", default=0, show_default=True, type=SEED_TYPE,
+              help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores, or half of them without CUDA).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device (default: the rest).")
 @click.option("--timeline", type=click.Path(path_type=Path), help="Write a Chrome/Perfetto trace JSON here.")
@@ -171,9 +173,11 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @replay_options
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch.")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int, help="Prompt positions per prefill step (0 = whole prompt).")
-@click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget of the full-size model in GiB [default: 24, the default profile's GPU].")
+@click.option("--gpu-memory", type=GIB_TYPE,
+              help="GPU memory budget of the full-size model in GiB [default: 24, the default profile's GPU].")
 @policy_options
-@click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed of the policies and of the random weights.")
+@click.option("--seed", default=0, show_default=True, type=SEED_TYPE,
+              help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default as `dali exec run`).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
 @click.option("--repeats", default=3, show_default=True, type=int, help="Calibration: timed runs per point.")

@@ -16,7 +16,6 @@ from dali_sim.trace.provenance import default_provenance, file_sha256
 from dali_sim.trace.schema import hidden_sidecar_name
 
 
-
 def _exec_versions() -> dict[str, str]:
     from dali_sim.trace.provenance import software_versions
 

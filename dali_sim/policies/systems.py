@@ -99,7 +99,8 @@ def merge_overrides(*parts: Mapping[str, Mapping[str, str]] | None) -> dict[str,
     return out
 
 
-def system_overrides(items: list[str] | tuple[str, ...], systems: Sequence[str]) -> dict[str, dict[str, dict[str, str]]]:
+def system_overrides(items: list[str] | tuple[str, ...],
+                     systems: Sequence[str]) -> dict[str, dict[str, dict[str, str]]]:
     """``--set`` items per system: ``SYSTEM:section.key=value`` applies to SYSTEM only (and wins over a plain
     ``section.key=value``, which applies to every system). A SYSTEM that is not run is an error."""
     common: list[str] = []

@@ -104,7 +104,8 @@ class TraceMeta:
         try:
             d = json.loads(text)
         except UnicodeDecodeError as exc:
-            raise TraceError(f"{where}: '{META_KEY}' metadata is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            raise TraceError(f"{where}: '{META_KEY}' metadata is not UTF-8 text ({exc.reason} at byte "
+                             f"{exc.start})") from None
         except json.JSONDecodeError as exc:
             raise TraceError(f"{where}: '{META_KEY}' metadata is not valid JSON ({exc})") from None
         if not isinstance(d, dict):

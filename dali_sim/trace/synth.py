@@ -193,7 +193,8 @@ class SynthConfig:
         set_("seed", _int("seed", self.seed, 0))
         set_("prompt_len_jitter", _fraction("prompt_len_jitter", self.prompt_len_jitter, 0.0, 1.0))
         set_("gen_len_jitter", _fraction("gen_len_jitter", self.gen_len_jitter, 0.0, 1.0))
-        longest = round(self.prompt_len * (1 + self.prompt_len_jitter)) + round(self.gen_len * (1 + self.gen_len_jitter))
+        longest = (round(self.prompt_len * (1 + self.prompt_len_jitter))
+                   + round(self.gen_len * (1 + self.gen_len_jitter)))
         if longest > MAX_POSITIONS:
             raise ValueError(f"a sequence of up to {longest:,} tokens exceeds {MAX_POSITIONS:,} positions (int32)")
         skew = _fraction("skew", self.skew, 0.0, math.inf)
