@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import common as C  # noqa: E402
+import style as S  # noqa: E402
 
 NAME = "fig12_13_speedups"
 BASELINES = ("llamacpp", "ktransformers", "moe-lightning", "hybrimoe")
@@ -135,28 +136,28 @@ def gap_notes(summ: pd.DataFrame) -> list[str]:
 
 def plot(df: pd.DataFrame):
     models = list(dict.fromkeys(df.model))
-    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 6.5), squeeze=False)
+    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 6.8), squeeze=False)
+    systems = [s for s in BASELINES if s in set(df.system)]  # the same order, hence colours, in every panel
     for j, m in enumerate(models):
         d = df[(df.model == m) & df.system.isin(BASELINES)]
+        bss = sorted(d.batch_size.unique())
         for i, phase in enumerate(("decode", "prefill")):
             ax = axes[i, j]
-            bss = sorted(d.batch_size.unique())
-            systems = list(dict.fromkeys(d.system))
-            width = 0.8 / max(len(systems), 1)
-            x = np.arange(len(bss))
-            for k, s in enumerate(systems):
-                v = d[d.system == s].set_index("batch_size").reindex(bss)[f"dali_{phase}_speedup"]
-                ax.bar(x + (k - (len(systems) - 1) / 2) * width, v.to_numpy(), width, label=f"vs {s}")
+            values = {s: d[d.system == s].set_index("batch_size").reindex(bss)[f"dali_{phase}_speedup"].to_numpy()
+                      for s in systems}
+            ax.set_title(f"{m} ({phase})", fontsize=9)
+            if S.no_data(ax, np.concatenate([v for v in values.values()] or [[]]),
+                         f"no {phase} speedups: this trace has no {phase} steps" if len(d) else "no runs"):
+                ax.set_title(f"{m} ({phase})", fontsize=9)
+                continue
+            x = S.grouped_bars(ax, bss, systems, values, labels={s: f"vs {s}" for s in systems})
             ax.axhline(1.0, color="k", lw=0.8)
-            ax.set_xticks(x, [str(b) for b in bss])
+            S.tick_labels(ax, x, [str(b) for b in bss])
             ax.set_xlabel("batch size")
             ax.set_ylabel(f"DALI {phase} speedup (x)")
-            ax.set_yscale("log")
-            ax.set_title(f"{m} ({phase})", fontsize=9)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=7)
+            S.log_y(ax)
     fig.suptitle("DALI speedup over baselines (simulated, rtx3090-epyc7532)", fontsize=10)
-    fig.tight_layout()
+    S.legend_below(fig, axes)
     return fig
 
 

@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import common as C  # noqa: E402
+import style as S  # noqa: E402
 
 NAME = "fig14_assignment"
 PLACEMENTS = {"all-cpu": "cpu-only", "hybrimoe": "hybrimoe", "dali-greedy": "dali-greedy", "optimal": "optimal"}
@@ -72,24 +73,23 @@ def run(args) -> pd.DataFrame:
 
 def plot(df: pd.DataFrame):
     groups = list(df.groupby(["model", "phase"], sort=False))
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.3 * len(groups), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.3 * len(groups), 4.0), squeeze=False)
+    labels = list(PLACEMENTS)
     for ax, ((m, ph), d) in zip(axes[0], groups):
         bss = sorted(d.batch_size.unique())
-        labels = list(PLACEMENTS)
-        width = 0.8 / len(labels)
-        x = np.arange(len(bss))
-        for k, lab in enumerate(labels):
-            v = d[d.placement == lab].set_index("batch_size").reindex(bss)["moe_ms_per_token"]
-            ax.bar(x + (k - (len(labels) - 1) / 2) * width, v.to_numpy(), width,
-                   label=lab + (" (BOUND)" if lab == "optimal" else ""), hatch="//" if lab == "optimal" else None)
-        ax.set_xticks(x, [str(b) for b in bss])
+        values = {lab: d[d.placement == lab].set_index("batch_size").reindex(bss)["moe_ms_per_token"].to_numpy()
+                  for lab in labels}
+        ax.set_title(f"{m}\n{ph}", fontsize=8)
+        if S.no_data(ax, np.concatenate(list(values.values())), f"no {ph} steps"):
+            ax.set_title(f"{m}\n{ph}", fontsize=8)
+            continue
+        x = S.grouped_bars(ax, bss, labels, values, labels={"optimal": "optimal (BOUND)"})
+        S.tick_labels(ax, x, [str(b) for b in bss])
         ax.set_xlabel("batch size")
         ax.set_ylabel("MoE ms / token")
-        ax.set_yscale("log")
-        ax.set_title(f"{m}\n{ph}", fontsize=8)
-    axes[0, 0].legend(fontsize=7)
+        S.log_y(ax)
     fig.suptitle("Assignment only (frequency cache, no prefetch), rtx3090-epyc7532", fontsize=9)
-    fig.tight_layout()
+    S.legend_below(fig, axes)  # under the panels: a legend inside one covered its bars
     return fig
 
 

@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import common as C  # noqa: E402
+import style as S  # noqa: E402
 
 NAME = "fig17_18_sensitivity"
 SYSTEMS = ("dali", "dali-plus")
@@ -96,7 +97,7 @@ def run(args) -> pd.DataFrame:
 def plot(df: pd.DataFrame):
     models = list(dict.fromkeys(df.model))
     fig, axes = plt.subplots(len(models), len(SWEEPS), figsize=(4.2 * len(SWEEPS), 3.2 * len(models)), squeeze=False)
-    style = {"dali": ("tab:blue", "o-"), "dali-plus": ("tab:green", "s-"), "oracle-heuristic": ("k", "^--")}
+    marker = {"dali": "o-", "dali-plus": "s-", "oracle-heuristic": "^--"}
     for i, m in enumerate(models):
         for j, sweep in enumerate(SWEEPS):
             ax = axes[i, j]
@@ -104,9 +105,8 @@ def plot(df: pd.DataFrame):
             labels = list(dict.fromkeys(d.value))
             x = np.arange(len(labels))
             for s, g in d.groupby("system", sort=False):
-                c, ls = style.get(s, ("0.5", "x-"))
                 v = g.set_index("value").reindex(labels).decode_tokens_per_s.to_numpy(dtype=float)
-                ax.plot(x, v, ls, color=c, label=s)
+                ax.plot(x, v, marker.get(s, "x-"), color=S.color(s), label=s)
             ax.set_xticks(x, labels)
             ax.set_xlabel({"cache_ratio": "cache ratio", "k": "prefetch size k", "window": "window (w, u)"}[sweep])
             ax.set_ylabel("decode tokens/s per seq.")

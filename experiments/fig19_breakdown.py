@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import common as C  # noqa: E402
+import style as S  # noqa: E402
 
 NAME = "fig19_breakdown"
 NO_SWAP = {"cache": {"u": 0}}
@@ -110,7 +111,7 @@ def plot(df: pd.DataFrame):
     bars = [("dali", "greedy", "greedy"), ("dali", "+prefetch", "+res. prefetch"), ("dali", "+cache", "+cache = dali"),
             ("dali-plus", "+prefetch", "+worth-prefetch"), ("dali-plus", "+cache", "+cache = dali-plus"),
             ("reference", "oracle-heuristic", "oracle-heuristic")]
-    colors = ["0.6", "tab:blue", "tab:blue", "tab:green", "tab:green", "k"]
+    colors = ["0.6", S.color("dali"), S.color("dali"), S.color("dali-plus"), S.color("dali-plus"), S.color("oracle-heuristic")]
     for j, (m, bs) in enumerate(keys):
         d = df[(df.model == m) & (df.batch_size == bs)].set_index(["ladder", "step"])
         for i, phase in enumerate(("decode", "prefill")):
@@ -120,7 +121,7 @@ def plot(df: pd.DataFrame):
             ax.bar(x, v, color=colors, alpha=0.85, hatch=None)
             for k in (2, 4):  # full presets: outlined
                 ax.bar(x[k], v[k], color="none", edgecolor="k", lw=1.2)
-            ax.set_xticks(x, [b[2] for b in bars], rotation=60, ha="right", fontsize=7)
+            S.tick_labels(ax, x, [b[2] for b in bars], rotation=60)
             ax.set_ylabel(f"{phase} tokens/s per sequence", fontsize=8)
             ax.set_title(f"{m} bs={bs} ({phase})", fontsize=8)
     fig.suptitle("Incremental breakdown (simulated, rtx3090-epyc7532)", fontsize=10)

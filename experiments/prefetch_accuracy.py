@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import common as C  # noqa: E402
+import style as S  # noqa: E402
 from dali_sim.trace.provenance import file_sha256  # noqa: E402
 from dali_sim.trace.reader import Trace, read_trace  # noqa: E402
 from dali_sim.trace.schema import DECODE  # noqa: E402
@@ -110,7 +111,7 @@ def plot(rec: pd.DataFrame, sim: pd.DataFrame | None):
     for ax, k in zip(axes[0], ks):
         for p, style in zip(PREDICTORS, ("s--", "o-")):
             d = rec[(rec.k == k) & (rec.predictor == p)]
-            ax.plot(d.batch_size, d.recall, style, label=p)
+            ax.plot(d.batch_size, d.recall, style, label=p, color=S.color(p))
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("decode batch size")
@@ -121,7 +122,7 @@ def plot(rec: pd.DataFrame, sim: pd.DataFrame | None):
         ax = axes[0, -1]
         for p, style in zip(PREDICTORS, ("s--", "o-")):
             d = sim[sim.predictor == p]
-            ax.plot(d.layer, d.cosine_mean, style, label=p)
+            ax.plot(d.layer, d.cosine_mean, style, label=p, color=S.color(p))
         ax.set_xlabel("MoE layer l")
         ax.set_ylabel("cos(predictor input, x_{l+1})")
         ax.set_title("input similarity", fontsize=9)

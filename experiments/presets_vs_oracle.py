@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import common as C  # noqa: E402
+import style as S  # noqa: E402
 from dali_sim.policies import system_names  # noqa: E402
 
 NAME = "presets_vs_oracle"
@@ -64,13 +65,13 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 def plot(summ: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(8, 3.8))
     x = np.arange(len(summ))
-    ax.bar(x - 0.2, summ["decode / oracle (geomean)"], 0.4, label="decode")
-    ax.bar(x + 0.2, summ["prefill / oracle (geomean)"], 0.4, label="prefill")
+    ax.bar(x - 0.2, summ["decode / oracle (geomean)"], 0.4, label="decode", color=S.colors(summ["system"]))
+    ax.bar(x + 0.2, summ["prefill / oracle (geomean)"], 0.4, label="prefill", color=S.colors(summ["system"]),
+           hatch="..", edgecolor="white")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(x, summ["system"], rotation=35, ha="right", fontsize=8)
+    S.tick_labels(ax, x, summ["system"], fontsize=8, rotation=35)
     ax.set_ylabel("tokens/s / oracle's (geomean)")
-    ax.set_title("every preset against the oracle-heuristic preset", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_title("every preset against the oracle-heuristic preset; plain: decode, dotted: prefill", fontsize=9)
     return fig
 
 

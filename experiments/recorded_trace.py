@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import common as C  # noqa: E402
+import style as S  # noqa: E402
 from dali_sim.models import get_model  # noqa: E402
 from dali_sim.policies import system_names  # noqa: E402
 from dali_sim.runtime.memory import kv_cache_bytes  # noqa: E402
@@ -93,12 +94,13 @@ def plot(df: pd.DataFrame):
         x = np.arange(len(order))
         for k, bs in enumerate(bss):
             v = df[df.batch_size == bs].set_index("system").reindex(order)[f"{phase}_vs_oracle"]
-            ax.bar(x + (k - (len(bss) - 1) / 2) * width, v.to_numpy(), width, label=f"batch {bs}")
+            ax.bar(x + (k - (len(bss) - 1) / 2) * width, v.to_numpy(), width, label=f"batch {bs}",
+                   color=S.colors(order), alpha=0.45 + 0.55 * (k + 1) / len(bss), edgecolor="white")
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(x, order, rotation=40, ha="right", fontsize=7)
+        S.tick_labels(ax, x, order, rotation=40)
         ax.set_ylabel(f"{phase} tokens/s / oracle's")
-        ax.set_title(f"{phase}: recorded dali-tiny-moe routing", fontsize=9)
-    axes[0].legend(fontsize=7)
+        ax.set_title(f"{phase}: recorded dali-tiny-moe routing (bars left to right: batch "
+                     f"{', '.join(map(str, bss))})", fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import common as C  # noqa: E402
+import style as S  # noqa: E402
 from dali_sim.hardware import CostModel, load_profile  # noqa: E402
 from dali_sim.policies.placement_dali import greedy_assign, makespan  # noqa: E402
 from dali_sim.policies.placement_optimal import optimal_assign  # noqa: E402
@@ -106,18 +107,18 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def plot(summ: pd.DataFrame, d: pd.DataFrame):
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    lab = summ.model.str.replace("-", "\n", n=1) + "\nbs " + summ.batch_size.astype(str) + " " + summ.phase.str[:3]
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 0.45 * len(summ) + 4), 4.4))
+    lab = summ.model + " bs " + summ.batch_size.astype(str) + " " + summ.phase.str[:3]
     x = np.arange(len(summ))
-    axes[0].bar(x, summ.greedy_over_optimal - 1, color="tab:orange")
-    axes[0].set_xticks(x, lab, fontsize=6)
+    axes[0].bar(x, summ.greedy_over_optimal - 1, color=S.color("dali-greedy"))
+    S.tick_labels(axes[0], x, lab, fontsize=6, rotation=45)  # one line each, rotated: they overlapped
     axes[0].set_ylabel("greedy / optimal - 1 (plan MoE time)")
     axes[0].set_title("Greedy's gap to the exact optimum (BOUND)", fontsize=9)
-    axes[1].bar(x - 0.2, summ.greedy_wall_us, 0.4, label="greedy")
-    axes[1].bar(x + 0.2, summ.optimal_wall_us, 0.4, label="exact (enum/HiGHS)")
-    axes[1].set_yscale("log")
-    axes[1].set_xticks(x, lab, fontsize=6)
+    axes[1].bar(x - 0.2, summ.greedy_wall_us, 0.4, label="greedy", color=S.color("dali-greedy"))
+    axes[1].bar(x + 0.2, summ.optimal_wall_us, 0.4, label="exact (enum/HiGHS)", color=S.color("optimal"))
+    S.tick_labels(axes[1], x, lab, fontsize=6, rotation=45)
     axes[1].set_ylabel("solver wall time per layer (us)")
+    S.log_y(axes[1])
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     return fig

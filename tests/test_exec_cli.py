@@ -30,11 +30,38 @@ def _invoke(*args):
 
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory):
+def calibrated(tmp_path_factory):
     path = tmp_path_factory.mktemp("cal") / "mixtral-x64.json"
     r = _invoke("exec", "calibrate", "--model-shape", "mixtral-8x7b", "--scale", SCALE, *QUICK, "-o", str(path))
     assert r.exit_code == 0, r.output
-    return path
+    return path, r.output
+
+
+@pytest.fixture(scope="module")
+def profile(calibrated):
+    return calibrated[0]
+
+
+def test_calibrated_profile_is_usable_end_to_end(calibrated, tmp_path):
+    """The path `dali exec calibrate` promises: calibrate (tiny, CPU), synthesize a trace of the scaled shape by
+    name, simulate it with the profile."""
+    path, said = calibrated
+    synth = f"dali trace synth --model mixtral-8x7b-x{SCALE} --precision fp32"
+    assert synth in said and f"--hardware {path}" in said
+    trace = tmp_path / "scaled.parquet"
+    r = _invoke("trace", "synth", "--model", f"mixtral-8x7b-x{SCALE}", "--precision", "fp32", "--sequences", "2",
+                "--prompt-len", "8", "--gen-len", "8", "-q", "-o", str(trace))
+    assert r.exit_code == 0, r.output
+    r = _invoke("sim", "run", "--trace", str(trace), "--system", "gpu-lru", "--hardware", str(path), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["model"] == f"mixtral-8x7b-x{SCALE}" and out["hardware"] == read_measured_profile(path).name
+    assert out["makespan_s"] > 0
+    # the same shape by name in the other commands
+    r = _invoke("model", "show", f"mixtral-8x7b-x{SCALE}", "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["spec"]["hidden_size"] == 64
+    r = _invoke("hw", "cost", str(path), "--model", f"mixtral-8x7b-x{SCALE}", "--precision", "fp32")
+    assert r.exit_code == 0, r.output
 
 
 def test_calibrate_writes_a_measured_profile_of_the_scaled_shape(profile):
@@ -89,8 +116,13 @@ def test_exec_run_prints_metrics_and_writes_timeline_and_csv(profile, tmp_path):
             "--hardware", str(profile), "--batch-size", "2"]
     r = _invoke(*args, "--timeline", str(tl), "--csv", str(csv))
     assert r.exit_code == 0, r.output
-    assert "system fiddler on measured-mixtral-8x7b-x0.015625-cpu" in r.output
     assert "overhead per layer: decisions" in r.output and "executed on" in r.output
+    if not torch.cuda.is_available():  # the CPU device is not reported as the profile's GPU
+        first = r.output.splitlines()[0]
+        assert first.startswith("system fiddler executed on CPU device")
+        assert "policies' costs from measured-mixtral-8x7b-x0.015625-cpu" in first
+        busy = next(line for line in r.output.splitlines() if line.startswith("busy:"))
+        assert "ACCEL (CPU device)" in busy and "GPU" not in busy
     events = json.loads(tl.read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("dense L1") for e in events)
     assert csv.read_text().splitlines()[0].startswith("layer,activated,hits")

@@ -316,3 +316,22 @@ def test_activity_kinds_idle_time_and_rank_agreement():
     assert rk["exec_order"] == ["a", "b", "c"] and rk["sim_order"] == ["b", "a", "c"]
     assert rk["discordant_pairs"] == 1 and rk["kendall_tau"] == pytest.approx(1 / 3)
     assert math.isnan(rel_err(1.0, 0.0)) and rel_err(3.0, 2.0) == 0.5 and math.isnan(rel_err(float("nan"), 1.0))
+
+
+# ---- per-system --set -------------------------------------------------------------------------------
+def test_per_system_overrides_reach_each_system_only():
+    from dali_exec.validate.run import _budget_overrides
+
+    cfg = ValidationConfig(systems=("gpu-lru", "dali"), gpu_memory_gib=12.0,
+                           overrides={"gpu-lru": {"cache": {"policy": "lfu"}}, "dali": {"prefetch": {"k": "2"}}})
+    assert _budget_overrides(cfg, "gpu-lru") == {"cache": {"policy": "lfu"}, "memory": {"gpu_memory_gib": "12.0"}}
+    assert _budget_overrides(cfg, "dali") == {"prefetch": {"k": "2"}, "memory": {"gpu_memory_gib": "12.0"}}
+    common = ValidationConfig(systems=("gpu-lru", "dali"), overrides={"memory": {"gpu_memory_gib": "8"}})
+    assert _budget_overrides(common, "dali") == {"memory": {"gpu_memory_gib": "8"}}
+
+
+def test_validate_refuses_a_set_for_a_system_it_does_not_run(mix_path, tmp_path):
+    r = CliRunner().invoke(cli, ["exec", "validate", "--trace", str(mix_path), "--systems", "gpu-lru,cpu-only",
+                                 "--set", "dali:prefetch.k=2", "-o", str(tmp_path / "val")])
+    assert r.exit_code == 1 and "system 'dali' is not one of the systems run here" in r.output
+    assert not (tmp_path / "val").exists()  # refused before any work

@@ -92,3 +92,22 @@ def test_ablation_notebook_skips_missing_csv(results, tmp_path, monkeypatch):
     assert _images(cells["fig14_assignment"]) >= 1
     for name in ("fig12_13_speedups", "table4_greedy_vs_exact"):
         assert _images(cells[name]) == 0 and "skipping" in _text(cells[name])
+
+
+def test_run_all_saves_the_notebook_with_its_figures(results, tmp_path):
+    """`experiments/run_all.py` executes the notebook on its results and keeps the outputs, so a reader of
+    `experiments/results/ablation.ipynb` sees the figures; the source notebook stays clean."""
+    sys.path.insert(0, str(EXP))
+    import run_all
+
+    out = tmp_path / "results"
+    out.mkdir()
+    for f in results.glob("*.csv"):
+        (out / f.name).write_bytes(f.read_bytes())
+    saved = run_all.render_notebook(out, timeout=120)
+    assert saved == out / "ablation.ipynb"
+    cells = _cells_by_tag(nbformat.read(saved, as_version=4))
+    for name in SCRIPTS:
+        assert _images(cells[name]) >= 1, name
+    assert str(out.resolve()) in _text(cells["setup"])
+    test_notebook_committed_without_outputs()

@@ -182,7 +182,7 @@ def test_solver_status_is_checked(monkeypatch):
     def stopped(*args, **kwargs):
         return SimpleNamespace(status=1, x=None, message="Time limit reached.")
 
-    monkeypatch.setattr(popt, "milp", stopped)
+    monkeypatch.setattr("scipy.optimize.milp", stopped)  # imported by the solver when it runs
     n = popt.ENUMERATE_MAX + 1  # small layers are enumerated, larger ones go to HiGHS
     with pytest.raises(SolverError, match="status 1.*time_limit_s"):
         optimal_assign(np.arange(1, n + 1), np.arange(n, 0, -1))

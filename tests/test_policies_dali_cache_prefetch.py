@@ -443,7 +443,8 @@ def test_missing_column_names_the_commands(one_layer, two_layer):
                      overrides={"prefetch": {"policy": name}, "memory": {"prefetch_slots": "2"}})
         msg = str(err.value)
         assert f"no lookahead column {column!r}" in msg and "this trace has: none" in msg
-        assert "`dali trace record`" in msg and "`dali trace synth --lookahead NAME=ACCURACY`" in msg
+        assert "`dali trace record`" in msg and "`dali trace synth --lookahead NAME=ACCURACY[@OFFSET]`" in msg
+        assert "gate2 and gate3 with --next-gates 3" in msg
     trace, profile = two_layer
     with pytest.raises(TraceError, match=r"no lookahead column 'next-gate' \(this trace has: residual\)"):
         simulate(trace, "gpu-lru", hardware=profile, timing=False,

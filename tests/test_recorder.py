@@ -91,7 +91,9 @@ def recorded(request, tmp_path_factory, tok):
     gen = torch.Generator().manual_seed(0)
     residuals = ResidualVectors({b.layer: torch.randn(32, generator=gen) for b in blocks[:-1]}, {"model_type": name})
     out = tmp_path_factory.mktemp(name) / "t.parquet"
-    options = RecordOptions(batch_size=2, max_new_tokens=6, router_logits=True, hidden_states=True, residuals=residuals)
+    depth = min(3, len(blocks) - 1)  # gate2, gate3 where the tiny model has the layers
+    options = RecordOptions(batch_size=2, max_new_tokens=6, router_logits=True, hidden_states=True, residuals=residuals,
+                            next_gates=depth)
     result = record_trace(model, PROMPTS, out, tokenizer=tok, options=options)
     return name, model, result, read_trace(out), residuals
 
@@ -129,6 +131,17 @@ def test_trace_matches_the_models_own_routing(recorded, tok):
                 with torch.no_grad():
                     want = get_adapter(model).router_logits(nxt, x + shift).float().numpy()
                 np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+            # gate<d>: router of the MoE layer d on, on this layer's gate input (HybriMoE)
+            far = {n: p.target_offset for n, p in trace.meta.predictors.items() if n.startswith("gate")}
+            assert far or len(blocks) < 3
+            for pred, d in far.items():
+                got = t.lookahead(pred)[rows]
+                if ordinal + d >= len(blocks):
+                    assert np.isnan(got).all()
+                    continue
+                with torch.no_grad():
+                    want = get_adapter(model).router_logits(blocks[ordinal + d], x).float().numpy()
+                np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_generated_tokens_equal_generate(recorded, tok):
@@ -152,7 +165,9 @@ def test_trace_metadata(recorded):
     name, model, _, trace, _ = recorded
     m = trace.meta
     assert m.model.family == name and m.status == "complete"
-    assert m.has_router_logits and set(m.predictors) == {"next-gate", "residual"}
+    far = {f"gate{d}": d for d in range(2, min(3, m.model.num_moe_layers - 1) + 1)}
+    assert m.has_router_logits and set(m.predictors) == {"next-gate", "residual", *far}
+    assert {name: m.predictors[name].target_offset for name in far} == far
     assert m.hidden_states.dim == 32 and "gate input" in m.hidden_states.what
     assert m.provenance["recorder"]["model_type"] == name
     assert m.weights_note == get_adapter(model).weights_note(get_adapter(model).blocks(model)[0])

@@ -77,6 +77,60 @@ def test_record_without_residual_has_only_next_gate(files, tmp_path):
     assert code == 0 and read_trace(tmp_path / "b.parquet").meta.predictors == {}
 
 
+def test_record_next_gates_gives_hybrimoe_its_lookahead(tmp_path):
+    """--next-gates 3 records gate2 and gate3 (routers of MoE layers l+2, l+3 on the gate input x_l), equal to
+    a direct computation on the prompt, and HybriMoE, which needs them, then simulates on the recorded trace."""
+    from conftest import REPO
+    from dali_exec.models import get_adapter
+    from dali_exec.recorder import load_model, read_prompts, tokenize
+    from dali_sim.sim import simulate
+
+    model_dir = REPO / "models" / "dali-tiny-moe"  # 4 MoE layers
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the quick brown fox\n")
+    out = tmp_path / "t.parquet"
+    code, text = run("trace", "record", "--model", model_dir, "--prompts", prompts, "--max-new-tokens", "3",
+                     "--next-gates", "3", "-q", "-o", out)
+    assert code == 0, text
+    t = read_trace(out).sorted()
+    assert {p.name: p.target_offset for p in t.meta.predictors.values()} == {"next-gate": 1, "gate2": 2, "gate3": 3}
+
+    model, tok = load_model(str(model_dir), progress=False)
+    adapter = get_adapter(model)
+    blocks = adapter.blocks(model)
+    ids = tokenize(read_prompts(prompts), tok, "p")[0]
+    gate_inputs = {}
+    def keep(ordinal):
+        return lambda module, inputs, output: gate_inputs.__setitem__(ordinal, inputs[0].reshape(len(ids), -1))
+
+    hooks = [b.router.register_forward_hook(keep(i)) for i, b in enumerate(blocks)]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    prefill = t.phase == 0
+    for ordinal, block in enumerate(blocks):
+        rows = prefill & (t.layer == block.layer)
+        for d, name in ((2, "gate2"), (3, "gate3")):
+            got = t.lookahead(name)[rows]
+            if ordinal + d >= len(blocks):
+                assert np.isnan(got).all()
+                continue
+            with torch.no_grad():
+                want = adapter.router_logits(blocks[ordinal + d], gate_inputs[ordinal]).float().numpy()
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    r = simulate(t, "hybrimoe", overrides={"memory": {"cache_experts": "8"}})
+    assert r.summary["decode_steps"] > 0 and r.config["system"]["prefetch"]["predictor3"] == "gate3"
+    # without the option HybriMoE is refused, and the hint names the option
+    code, text = run("trace", "record", "--model", model_dir, "--prompts", prompts, "--max-new-tokens", "3", "-q",
+                     "-o", tmp_path / "plain.parquet")
+    assert code == 0, text
+    with pytest.raises(ValueError, match="gate2 and gate3 with --next-gates 3"):
+        simulate(read_trace(tmp_path / "plain.parquet"), "hybrimoe")
+
+
 def test_clear_errors(files, tmp_path):
     from transformers import LlamaConfig
 

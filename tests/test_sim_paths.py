@@ -293,7 +293,7 @@ def test_bad_workload_arguments(tmp_path):
 
 @pytest.mark.parametrize("item", ["memory.cache_experts", "cache_experts=2", "memory=2", "memory.=2"])
 def test_parse_overrides_rejects_malformed(item):
-    with pytest.raises(ValueError, match=r"expected section\.key=value"):
+    with pytest.raises(ValueError, match=r"expected \[SYSTEM:\]section\.key=value"):
         parse_overrides([item])
 
 
@@ -338,7 +338,7 @@ def test_cli_run_set_and_text(traces):
     (["--system", "gpu-lru", "--hardware", "nope"], "Error: unknown hardware profile 'nope'"),
     (["--system", "gpu-lru", "--set", "cache.foo=1"], "Error: unknown parameter cache.foo"),
     (["--system", "gpu-lru", "--set", "foo.bar=1"], "Error: unknown --set section(s) ['foo']"),
-    (["--system", "gpu-lru", "--set", "cache_experts"], "Error: --set 'cache_experts': expected section.key=value"),
+    (["--system", "gpu-lru", "--set", "cache_experts"], "Error: --set 'cache_experts': expected [SYSTEM:]section.key=value"),
     (["--system", "gpu-lru", "--cache-ratio", "2"], "Error: memory.cache_ratio must lie in [0, 1], got 2.0"),
 ])
 def test_cli_errors(args, message):
@@ -376,18 +376,72 @@ def test_cli_compare(tmp_path):
 
 
 def test_cli_compare_text_and_baseline():
-    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,gpu-static", "--baseline", "cpu-only")
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,gpu-static", "--baseline", "cpu-only",
+                 "--cache-experts", "2")
     assert res.exit_code == 0, res.output
-    assert "speedups over cpu-only" in res.output
-    lines = {line.split()[0]: line.split() for line in res.output.splitlines()[1:] if line.strip()}
-    header = res.output.splitlines()[1].split()
-    assert header[-2:] == ["prefill_speedup", "decode_speedup"]
+    out = res.output.splitlines()
+    # the header names the setting every row shares
+    assert out[0].startswith("golden-moe (bf16) on rtx3090-epyc7532: GPU budget 24.0 GiB")
+    assert "batch 1" in out[0] and "tokens" in out[0] and "cache slots per MoE layer" in out[0]
+    header = out[1].split()
+    assert header[0] == "slots/layer" and header[-4:] == ["prefill", "x", "decode", "x"]
+    lines = {line.split()[0]: line.split() for line in out[2:] if line.strip() and not line.startswith(
+        ("legend", "winner", "system", "note"))}
     assert set(lines) >= {"gpu-lru", "gpu-static", "cpu-only"}  # the baseline is added as a row
     assert lines["cpu-only"][-2:] == ["1.00x", "1.00x"]
-    # --no-timing: no times, hence no speedup columns
+    legend = next(line for line in out if line.startswith("legend:"))
+    for term in ("hit %", "GPU %", "tokens per second per sequence", "speedup over cpu-only"):
+        assert term in legend
+    winner = out[-1]
+    assert winner.startswith("winner: ")
+    res_json = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,gpu-static", "--baseline",
+                      "cpu-only", "--cache-experts", "2", "--json")
+    d = json.loads(res_json.output)
+    best = max((r for r in d["table"]), key=lambda r: r["decode_tokens_per_s"])
+    assert d["winner"]["system"] == best["system"] and winner.startswith(f"winner: {best['system']}, ")
+    # --no-timing: no times, hence no speedup columns and no winner
     res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only", "--no-timing", "--json")
     assert res.exit_code == 0, res.output
-    assert "decode_speedup" not in json.loads(res.output)["table"][0]
+    assert "decode_speedup" not in json.loads(res.output)["table"][0] and json.loads(res.output)["winner"] is None
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only", "--no-timing")
+    assert res.output.splitlines()[-1] == "winner: none named: no times (--no-timing)"
+
+
+def test_compare_header_says_when_cache_slots_differ_by_system():
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only", "--set", "gpu-lru:memory.cache_experts=2")
+    assert res.exit_code == 0, res.output
+    assert "cache slots per MoE layer by system" in res.output.splitlines()[0]
+    rows = {line.split()[0]: line.split() for line in res.output.splitlines()[3:5]}
+    assert rows["gpu-lru"][1] == "2" and rows["cpu-only"][1] == "0"
+
+
+def test_compare_per_system_overrides():
+    """`--set SYSTEM:section.key=value` applies to SYSTEM only; plain --set to every system; a SYSTEM that is
+    not compared is an error."""
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,gpu-lfu", "--cache-experts", "2",
+                 "--set", "gpu-lru:cache.policy=lfu", "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)["systems"]
+    assert d["gpu-lru"]["config"]["system"]["cache"]["policy"] == "lfu"
+    assert d["gpu-lfu"]["config"]["system"]["cache"]["policy"] == "lfu"
+    assert d["gpu-lru"]["config"]["system"]["memory"]["cache_experts"] == 2  # --cache-experts: every system
+    # a key that only one system has: before, it failed for the others
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only", "--set",
+                 "gpu-lru:memory.cache_experts=3", "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)["systems"]
+    assert d["gpu-lru"]["config"]["system"]["memory"]["cache_experts"] == 3
+    assert d["cpu-only"]["config"]["system"]["memory"]["cache_experts"] == -1
+    # the specific one wins over a plain one, whatever the order
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,gpu-lfu", "--set",
+                 "gpu-lru:memory.cache_experts=1", "--set", "memory.cache_experts=2", "--json")
+    d = json.loads(res.output)["systems"]
+    assert d["gpu-lru"]["config"]["system"]["memory"]["cache_experts"] == 1
+    assert d["gpu-lfu"]["config"]["system"]["memory"]["cache_experts"] == 2
+    res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only", "--set", "dali:prefetch.k=2")
+    assert res.exit_code == 1 and "system 'dali' is not one of the systems run here (gpu-lru, cpu-only)" in res.output
+    res = invoke("run", "--trace", str(GOLDEN), "--system", "gpu-lru", "--set", "gpu-lru:cache.policy=lfu", "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["config"]["system"]["cache"]["policy"] == "lfu"
 
 
 def test_cli_compare_fails_fast_on_a_bad_name():

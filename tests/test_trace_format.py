@@ -102,8 +102,9 @@ def test_killed_writer_is_reported_as_truncated(tmp_path, tiny):
     rows = random_rows(tiny, 2, 4)
     path = tmp_path / "k.parquet"
     w = TraceWriter(path, tiny, row_group_size=4)
-    w.write(**rows)  # row groups are on disk, the footer is not
-    shutil.copy(tmp_path / "k.parquet.partial", tmp_path / "killed.parquet")
+    w.write(**rows)  # row groups are on disk (in the writer's temporary file), the footer is not
+    [tmp] = tmp_path.glob(".k.parquet.*.partial")
+    shutil.copy(tmp, tmp_path / "killed.parquet")
     w.close()
     with pytest.raises(TraceError, match="killed.parquet: not a readable Parquet file"):
         read_trace(tmp_path / "killed.parquet")

@@ -18,10 +18,12 @@ from typing import Any, Mapping
 import numpy as np
 import pyarrow as pa
 
+from dali_sim.dtypes import canonical_dtype
 from dali_sim.hardware.cost import CostModel
 from dali_sim.hardware.implementation import EXECUTOR
 from dali_sim.hardware.profile import Profile, load_profile
 from dali_sim.models.presets import apply_precision, get_model, get_precision
+from dali_sim.models.scaled import scale_model
 from dali_sim.models.spec import ModelSpec
 from dali_sim.policies.systems import SystemConfig, resolve_system
 from dali_sim.runtime.memory import GIB, MemoryPlan, plan_memory
@@ -52,43 +54,7 @@ class ReplayOptions:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if self.dtype not in DTYPE_PRECISION:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_PRECISION)}, got {self.dtype!r}")
-
-
-def _scaled(value: int, scale: float) -> int:
-    return max(1, int(round(value * scale))) if value else 0
-
-
-def scale_model(spec: ModelSpec, scale: float = 1.0, layers: int | None = None,
-                precision: str | None = None) -> ModelSpec:
-    """``spec`` with hidden, intermediate and attention head sizes times ``scale`` (head counts, experts,
-    top-k and vocabulary kept), cut to its first ``layers`` MoE layers (and the dense blocks before
-    them), at ``precision``. The identity for ``scale=1, layers=None, precision=None``."""
-    n = spec.num_moe_layers if layers is None else layers
-    if not 1 <= n <= spec.num_moe_layers:
-        raise ValueError(f"layers must lie in 1..{spec.num_moe_layers} (the MoE layers of {spec.name}), got {layers}")
-    moe_layers = spec.moe_layers[:n]
-    a = spec.attention
-    attention = dataclasses.replace(
-        a, head_dim=_scaled(a.head_dim, scale), q_lora_rank=_scaled(a.q_lora_rank, scale),
-        kv_lora_rank=_scaled(a.kv_lora_rank, scale), qk_nope_head_dim=_scaled(a.qk_nope_head_dim, scale),
-        qk_rope_head_dim=_scaled(a.qk_rope_head_dim, scale), v_head_dim=_scaled(a.v_head_dim, scale))
-    name = spec.name
-    if scale != 1.0:
-        name += f"-x{scale:g}"
-    if n != spec.num_moe_layers:
-        name += f"-{n}L"
-    return dataclasses.replace(
-        spec, name=name, num_layers=moe_layers[-1] + 1, moe_layers=moe_layers,
-        hidden_size=_scaled(spec.hidden_size, scale),
-        expert_intermediate_size=_scaled(spec.expert_intermediate_size, scale),
-        shared_expert_intermediate_size=_scaled(spec.shared_expert_intermediate_size, scale),
-        dense_intermediate_size=_scaled(spec.dense_intermediate_size, scale),
-        attention=attention,
-        precision=get_precision(precision) if precision else spec.precision,
-        dense_precision=None if precision else spec.dense_precision,
-    )
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 
 
 def full_model_of(trace: Trace, model_shape: str | None, precision: str | None) -> ModelSpec:

@@ -30,7 +30,7 @@ from dali_exec.generate.experts import pack_experts
 from dali_exec.generate.session import PADDING, OffloadSession
 from dali_exec.models import get_adapter
 from dali_exec.recorder.generation import greedy_generate
-from dali_exec.recorder.prompts import Prompt, read_prompts, tokenize
+from dali_exec.recorder.prompts import Prompt, check_fits, read_prompts, tokenize
 from dali_exec.recorder.record import check_spec, special_ids
 from dali_exec.recorder.residual import ResidualVectors, config_sha256
 from dali_sim import __version__
@@ -197,10 +197,7 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
 
     source = prompts_source or "prompts"
     token_ids = tokenize(prompts, tokenizer, source)
-    vocab = int(model.config.vocab_size)
-    for p, ids in zip(prompts, token_ids):
-        if max(ids) >= vocab:
-            raise ValueError(f"{source}: prompt {p.index} ({p.name}) has token id {max(ids)} >= vocab_size {vocab}")
+    check_fits(prompts, token_ids, model.config, options.max_new_tokens, source)
     eos, pad = special_ids(model, tokenizer)
 
     freq, freq_source = None, "uniform (every expert 1; no --frequencies-from)"
@@ -367,7 +364,7 @@ def _definition(name: str) -> str:
 
 
 def generate_from_path(model_path: str, prompts_file: str | Path, system: str,
-                       options: GenerateOptions = GenerateOptions(), *, dtype: str = "float32",
+                       options: GenerateOptions = GenerateOptions(), *, dtype: str = "fp32",
                        **kw) -> GenerateResult:
     """Load a local checkpoint (``local_files_only``; on the CPU, moved to the dense device once its experts
     are in the host store) and :func:`generate` for the prompts of a file (.txt, .jsonl, .json)."""

@@ -78,21 +78,23 @@ class StepRouting:
     weights: np.ndarray  # float32 (L, N, k)
     router_logits: np.ndarray | None  # float32 (L, N, E)
     hidden: np.ndarray | None  # float16 (L, N, H): gate inputs
-    lookahead: dict[str, np.ndarray]  # name -> float32 (L, N, E); NaN for the last MoE layer
+    lookahead: dict[str, np.ndarray]  # name -> float32 (L, N, E); NaN where the target layer does not exist
 
 
 class RoutingCapture(GateInputHooks):
     """Routing of every MoE layer for the recorded tokens of each forward pass.
 
-    ``next_gate``: add router_{l+1}(x_l); ``residuals`` (MoE block index -> vector): add
-    router_{l+1}(x_l + r_l) as ``residual``. Values stay on the device until :meth:`collect`.
+    ``next_gate``: add router_{l+1}(x_l); ``gate_depth`` D >= 2: add router_{l+d}(x_l) as ``gate<d>`` for
+    d = 2..D (HybriMoE's look-ahead); ``residuals`` (MoE block index -> vector): add router_{l+1}(x_l + r_l)
+    as ``residual``. Values stay on the device until :meth:`collect`.
     """
 
     def __init__(self, model, adapter: MoEAdapter, *, router_logits: bool = False, hidden: bool = False,
                  next_gate: bool = True, residuals: Mapping[int, torch.Tensor] | None = None,
-                 blocks: list[MoEBlock] | None = None):
+                 blocks: list[MoEBlock] | None = None, gate_depth: int = 1):
         super().__init__(model, adapter, blocks)
         self.want_logits, self.want_hidden, self.next_gate = router_logits, hidden, next_gate
+        self.far_gates = {f"gate{d}": d for d in range(2, gate_depth + 1)}
         self.residuals: dict[int, torch.Tensor] = {}
         if residuals is not None:
             missing = [b.layer for b in self.blocks[:-1] if b.layer not in residuals]
@@ -103,7 +105,8 @@ class RoutingCapture(GateInputHooks):
 
     @property
     def predictor_names(self) -> list[str]:
-        return (["next-gate"] if self.next_gate else []) + (["residual"] if self.residuals else [])
+        return ((["next-gate"] if self.next_gate else []) + (["residual"] if self.residuals else [])
+                + list(self.far_gates))
 
     def _reset(self) -> None:
         n = len(self.blocks)
@@ -134,6 +137,9 @@ class RoutingCapture(GateInputHooks):
                 r = self.residuals[self.blocks[ordinal].layer]
                 shifted = (x.float() + r).to(x.dtype)
                 self._pred["residual"][ordinal] = self.adapter.router_logits(nxt, shifted).float()
+        for name, d in self.far_gates.items():
+            if ordinal + d < len(self.blocks):
+                self._pred[name][ordinal] = self.adapter.router_logits(self.blocks[ordinal + d], x).float()
 
     def collect(self) -> StepRouting:
         """Arrays of the last forward pass (one device-to-host copy per kind)."""
@@ -143,11 +149,11 @@ class RoutingCapture(GateInputHooks):
             return torch.stack(parts).cpu().numpy()
 
         lookahead = {}
+        n, experts = len(self._ids[-1]), self.blocks[-1].num_experts
         for name, parts in self._pred.items():
-            n, experts = len(self._ids[-1]), self.blocks[-1].num_experts
-            last = np.full((1, n, experts), np.nan, dtype=np.float32)  # no MoE layer after the last
-            head = [stacked(parts[:-1])] if len(parts) > 1 else []
-            lookahead[name] = np.concatenate(head + [last])
+            have = [p for p in parts if p is not None]  # the first layers; the last ones have no target
+            missing = np.full((len(parts) - len(have), n, experts), np.nan, dtype=np.float32)
+            lookahead[name] = np.concatenate(([stacked(have)] if have else []) + [missing])
         return StepRouting(
             ids=stacked(self._ids),
             weights=stacked(self._weights),

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from dali_sim.files import check_input
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -51,10 +53,11 @@ def _parse(value: Any, index: int, where: str) -> Prompt:
 
 def read_prompts(path: str | Path) -> list[Prompt]:
     """Prompts of a .txt / .jsonl / .json file; errors name the file and line (or item)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    text = path.read_text(encoding="utf-8")
+    path = check_input(path, "prompt file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     suffix = path.suffix.lower()
     values: list[tuple[Any, str]] = []
     if suffix == ".txt":
@@ -100,3 +103,18 @@ def tokenize(prompts: Sequence[Prompt], tokenizer, where: str, max_length: int |
             raise ValueError(f"{where}: prompt {p.index} ({p.name}) has no tokens")
         out.append(ids)
     return out
+
+
+def check_fits(prompts: Sequence[Prompt], token_ids: Sequence[Sequence[int]], config, max_new_tokens: int,
+               where: str) -> None:
+    """Every prompt's ids lie in the model's vocabulary and the prompt plus ``max_new_tokens`` fits its
+    positions (``max_position_embeddings``; beyond it transformers only warns and the routing is garbage)."""
+    vocab = int(config.vocab_size)
+    limit = getattr(config, "max_position_embeddings", None)
+    for p, ids in zip(prompts, token_ids):
+        if max(ids) >= vocab:
+            raise ValueError(f"{where}: prompt {p.index} ({p.name}) has token id {max(ids)} >= vocab_size {vocab}")
+        if limit is not None and len(ids) + max_new_tokens > int(limit):
+            raise ValueError(f"{where}: prompt {p.index} ({p.name}) has {len(ids)} tokens; with --max-new-tokens "
+                             f"{max_new_tokens} that exceeds the model's {int(limit)} positions "
+                             "(max_position_embeddings): shorten it or generate fewer tokens")

@@ -14,7 +14,7 @@ import torch
 from dali_exec.models import get_adapter
 from dali_exec.recorder.generation import ForwardRows, greedy_generate
 from dali_exec.recorder.hooks import RoutingCapture
-from dali_exec.recorder.prompts import Prompt, tokenize
+from dali_exec.recorder.prompts import Prompt, check_fits, tokenize
 from dali_exec.recorder.residual import ResidualVectors, config_sha256
 from dali_exec.recorder.sink import RowSink
 from dali_sim.models.hf_config import spec_from_hf_config
@@ -24,25 +24,35 @@ from dali_sim.trace.provenance import default_provenance
 
 NEXT_GATE = PredictorInfo(
     "next-gate", 1, "router of the next MoE layer applied to this layer's gate input (mixtral-offloading, AdapMoE)")
+
+
+def far_gate(d: int) -> PredictorInfo:
+    """``gate<d>``: the router of the MoE layer d layers on, on this layer's gate input (HybriMoE reads d = 2, 3)."""
+    return PredictorInfo(f"gate{d}", d, f"router of the MoE layer {d} layers on applied to this layer's gate input "
+                                        "(HybriMoE's look-ahead)")
 HIDDEN_WHAT = ("gate input of each (token, MoE layer): the hidden state the block's router receives "
                "(after the post-attention norm)")
 
 
 @dataclass(frozen=True)
 class RecordOptions:
-    """What to record and how to generate. ``residuals`` adds the ``residual`` lookahead column."""
+    """What to record and how to generate. ``residuals`` adds the ``residual`` lookahead column;
+    ``next_gates`` D >= 2 adds ``gate2`` .. ``gate<D>`` (the routers of the MoE layers 2..D on)."""
 
     batch_size: int = 1
-    max_new_tokens: int = 64
+    max_new_tokens: int = 32
     prefill_chunk: int = 0
     router_logits: bool = False
     hidden_states: bool = False
     next_gate: bool = True
     residuals: ResidualVectors | None = None
+    next_gates: int = 1
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.next_gates < 1:
+            raise ValueError(f"next_gates must be >= 1 (1 = only the next layer's router), got {self.next_gates}")
         for name in ("max_new_tokens", "prefill_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -132,11 +142,7 @@ def record_trace(
     if len({p.index for p in prompts}) != len(prompts):
         raise ValueError(f"{prompts_source or 'prompts'}: prompt indices (the trace's seq_id) must be unique")
     token_ids = tokenize(prompts, tokenizer, prompts_source or "prompts")
-    vocab = int(model.config.vocab_size)
-    for p, ids in zip(prompts, token_ids):
-        if max(ids) >= vocab:
-            raise ValueError(f"{prompts_source or 'prompts'}: prompt {p.index} ({p.name}) has token id {max(ids)} "
-                             f">= vocab_size {vocab}")
+    check_fits(prompts, token_ids, model.config, options.max_new_tokens, prompts_source or "prompts")
     eos, pad = special_ids(model, tokenizer)
 
     predictors = [NEXT_GATE] if options.next_gate else []
@@ -148,11 +154,16 @@ def record_trace(
             "router of the next MoE layer applied to this layer's gate input plus the calibrated residual vector "
             f"(DALI); vectors: {options.residuals.source or '(in memory)'}, "
             f"{options.residuals.meta.get('num_tokens', '?')} calibration tokens")))
+    if options.next_gates >= len(blocks):
+        raise ValueError(f"--next-gates {options.next_gates}: the model has {len(blocks)} MoE layers, so at most "
+                         f"{len(blocks) - 1} of them follow a layer")
+    predictors += [far_gate(d) for d in range(2, options.next_gates + 1)]
     prov = dict(provenance) if provenance is not None else default_provenance("record")
     prov.setdefault("recorder", _recorder_details(model, options, eos, pad))
 
     capture = RoutingCapture(model, adapter, router_logits=options.router_logits, hidden=options.hidden_states,
-                             next_gate=options.next_gate, residuals=residuals, blocks=blocks)
+                             next_gate=options.next_gate, residuals=residuals, blocks=blocks,
+                             gate_depth=options.next_gates)
     result = RecordResult(output, 0)
     with TraceWriter(output, spec, provenance=prov, weights_note=adapter.weights_note(blocks[0]),
                      router_logits=options.router_logits, predictors=predictors,

@@ -19,6 +19,7 @@ import torch
 from dali_exec.models import MoEAdapter
 from dali_exec.recorder.generation import left_pad
 from dali_exec.recorder.hooks import GateInputHooks
+from dali_sim.files import atomic_output, check_input
 
 META_KEY = "dali.residual"
 FORMAT = "dali-residual-v1"
@@ -50,9 +51,9 @@ class ResidualVectors:
         from safetensors.torch import save_file
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {f"layer.{layer}": v.detach().float().cpu().contiguous() for layer, v in sorted(self.vectors.items())}
-        save_file(tensors, str(path), metadata={META_KEY: json.dumps(self.meta, sort_keys=True)})
+        with atomic_output(path) as tmp:
+            save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(self.meta, sort_keys=True)})
         return path
 
     @classmethod
@@ -62,6 +63,7 @@ class ResidualVectors:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such residual file (make one with `dali trace calibrate-residual`)")
+        check_input(path, "residual file")
         try:
             with safe_open(str(path), framework="pt") as f:
                 raw = (f.metadata() or {}).get(META_KEY)
@@ -76,7 +78,19 @@ class ResidualVectors:
             raise ValueError(f"{path}: not a dali residual file (no '{META_KEY}' metadata)")
         if not vectors:
             raise ValueError(f"{path}: holds no residual vectors")
-        return cls(vectors, json.loads(raw), str(path))
+        for layer, v in sorted(vectors.items()):
+            if v.ndim != 1 or not v.is_floating_point():
+                raise ValueError(f"{path}: tensor layer.{layer} has shape {tuple(v.shape)} and dtype "
+                                 f"{str(v.dtype).replace('torch.', '')}; a residual vector is 1-D floating point")
+            if not torch.isfinite(v).all():
+                bad = int((~torch.isfinite(v)).sum())
+                raise ValueError(f"{path}: tensor layer.{layer} has {bad} non-finite values (NaN or inf); "
+                                 "recompute the vectors with `dali trace calibrate-residual`")
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            raise ValueError(f"{path}: its '{META_KEY}' metadata is not valid JSON") from None
+        return cls(vectors, meta if isinstance(meta, dict) else {}, str(path))
 
     def check_matches(self, model, moe_layers: Sequence[int], where: str) -> None:
         """Raise a clear error unless these vectors fit the model (hidden size, MoE layers, family)."""

@@ -12,17 +12,11 @@ from typing import Any
 import pandas as pd
 
 from dali_exec.validate.compare import KINDS, SHOWN_COUNTERS
+from dali_sim.files import atomic_output, write_text_atomic
 from dali_sim.jsonsafe import json_safe
 
 CSV, MARKDOWN, JSON = "validation.csv", "validation.md", "validation.json"
 STEPS, PLOT = "per_step.csv", "validation.png"
-
-
-def _atomic_text(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
 
 
 def summary_frame(report) -> pd.DataFrame:
@@ -166,10 +160,10 @@ def to_json(report) -> dict[str, Any]:
 def write_tables(report, out: Path) -> list[Path]:
     """validation.csv, validation.md, validation.json and per_step.csv (atomically)."""
     out = Path(out)
-    paths = [_atomic_text(out / CSV, summary_frame(report).to_csv(index=False)),
-             _atomic_text(out / STEPS, steps_frame(report).to_csv(index=False)),
-             _atomic_text(out / MARKDOWN, markdown(report)),
-             _atomic_text(out / JSON, json.dumps(json_safe(to_json(report)), indent=1, allow_nan=False,
+    paths = [write_text_atomic(out / CSV, summary_frame(report).to_csv(index=False)),
+             write_text_atomic(out / STEPS, steps_frame(report).to_csv(index=False)),
+             write_text_atomic(out / MARKDOWN, markdown(report)),
+             write_text_atomic(out / JSON, json.dumps(json_safe(to_json(report)), indent=1, allow_nan=False,
                                                  default=str))]
     for p in paths:
         if p.name not in report.files:
@@ -216,10 +210,9 @@ def write_plot(report, path: Path, title: str | None = None) -> Path:
     fig.suptitle(title or f"executor vs simulator: {st['replay_model']} on {st['device_name']}", fontsize=9)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    fig.savefig(tmp, dpi=110, format="png")
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    tmp.replace(path)
     if path.name not in report.files:
         report.files.append(path.name)
     return path

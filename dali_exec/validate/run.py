@@ -53,7 +53,9 @@ class ValidationConfig:
     prefill_chunk: int = 0
     seed: int = 0
     gpu_memory_gib: float | None = None  # the full-size model's budget; None = the default profile's GPU (24 GiB)
-    overrides: Mapping[str, Mapping[str, str]] | None = None
+    #: section -> key -> value for every system, or system name -> such overrides (per system, e.g. from
+    #: `--set SYSTEM:section.key=value`); the budget (``memory.gpu_memory_gib``) is added unless given
+    overrides: Mapping[str, Mapping[str, Any]] | None = None
     warmup: bool = True  # an untimed warm-up replay before each system's measured one
     calibration: MicroSettings = VALIDATION_MICRO
     time_budget_s: float | None = None  # start no further system once this is likely to be exceeded
@@ -149,8 +151,14 @@ def check_profile(profile: Any, model: ModelSpec, devices: Devices, threads: tup
                          "first)")
 
 
-def _budget_overrides(cfg: ValidationConfig) -> dict[str, dict[str, str]]:
-    over = {k: dict(v) for k, v in (cfg.overrides or {}).items()}
+OVERRIDE_SECTIONS = ("placement", "cache", "prefetch", "memory", "system")
+
+
+def _budget_overrides(cfg: ValidationConfig, system: str) -> dict[str, dict[str, str]]:
+    given = cfg.overrides or {}
+    if given and set(given).isdisjoint(OVERRIDE_SECTIONS):  # keyed by system
+        given = given.get(system, {})
+    over = {k: dict(v) for k, v in given.items()}
     mem = over.setdefault("memory", {})
     if "gpu_memory_gib" not in mem:
         gib = cfg.gpu_memory_gib if cfg.gpu_memory_gib is not None else \
@@ -214,14 +222,14 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
     if not isinstance(trace, Trace):
         trace = read_trace(trace)
     opts, run = cfg.replay, dataclasses.replace(cfg.run, progress=progress)
-    over = _budget_overrides(cfg)
-    kw = dict(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, overrides=over)
+    kw = {system: dict(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk,
+                       overrides=_budget_overrides(cfg, system)) for system in cfg.systems}
     # every system is prepared first, so a bad name, a missing lookahead column or an impossible budget
     # fails before anything is measured (the profile does not change the plans' memory: the budget is set)
     prepared = []
     for system in cfg.systems:
         try:
-            prepared.append(prepare_replay(trace, system, opts, hardware=DEFAULT_HARDWARE, **kw))
+            prepared.append(prepare_replay(trace, system, opts, hardware=DEFAULT_HARDWARE, **kw[system]))
         except (ValueError, KeyError, TraceError, UnknownNameError) as exc:
             raise ValueError(f"system {system}: {exc}") from None
     setup0 = prepared[0]
@@ -251,7 +259,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         "replay_model": model.name, "scale": opts.scale, "layers": model.num_moe_layers,
         "sequences": opts.sequences, "max_tokens": opts.max_tokens, "dtype": opts.dtype,
         "batch_size": cfg.batch_size, "prefill_chunk": cfg.prefill_chunk, "seed": cfg.seed,
-        "gpu_memory_gib": float(over["memory"]["gpu_memory_gib"]),
+        "gpu_memory_gib": float(kw[cfg.systems[0]]["overrides"]["memory"]["gpu_memory_gib"]),
         "replay_budget_gib": setup0.memory.budget_bytes / 2**30,
         "steps": setup0.workload.num_steps, "tokens": int(setup0.workload.step_tokens.sum()),
         "device": str(devices.accel), "device_name": devices.accel_name(), "host": cpu_name(),
@@ -270,8 +278,8 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                 continue
             t0 = time.perf_counter()
             try:
-                setup, executed, simulated = _run_system(trace, system, opts, run, kw, devices, store, profile_path,
-                                                         cfg, Path(tmpdir))
+                setup, executed, simulated = _run_system(trace, system, opts, run, kw[system], devices, store,
+                                                         profile_path, cfg, Path(tmpdir))
             except Exception as exc:  # one system's failure must not lose the others (KeyboardInterrupt passes)
                 report.failed.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
                 say(f"{system}: FAILED ({report.failed[-1]['error']})")

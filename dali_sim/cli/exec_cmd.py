@@ -9,12 +9,12 @@ from pathlib import Path
 
 import click
 
-from dali_sim.cli.common import UserErrorGroup, command_line
-from dali_sim.cli.sim import format_run, option_group, overrides, policy_options
-from dali_sim.sim.simulate import DEFAULT_HARDWARE
-from dali_sim.sim.timeline import write_timeline
+from dali_sim.cli.common import (GIB_TYPE, MAX_NEW_TOKENS, MODEL_DTYPE, REPLAY_DTYPE, SEED_TYPE, UserErrorGroup,
+                                 check_outputs, checkpoint_files, command_line, require_exec)
+from dali_sim.files import check_output, write_text_atomic
+from dali_sim.cli.sim import CPU_DEVICE_LANES, format_run, option_group, overrides, policy_options
+from dali_sim.hardware.profile import DEFAULT_HARDWARE
 
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:
@@ -35,8 +35,8 @@ replay_options = option_group(
     click.option("--max-tokens", type=int, help="Replay only the first N tokens of each sequence."),
     click.option("--device", type=click.Choice(["cuda", "cpu"]),
                  help="Accelerator (default: cuda if present, else the CPU device)."),
-    click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True,
-                 help="Weight storage of the replay."),
+    click.option("--dtype", type=REPLAY_DTYPE, default="bf16", show_default=True,
+                 help="Weight storage of the replay (bfloat16, float16, float32 also accepted)."),
     click.option("--precision", help="Weight format of the full model for the memory plan (default: the model's)."),
 )
 
@@ -45,24 +45,29 @@ def _emit(result, timeline: Path | None, csv_path: Path | None, as_json: bool, t
     """Write the optional timeline and per-layer CSV, then print the result: JSON (returns True, the
     caller is done) or the text summary of `dali sim run` (returns False, the caller adds its lines)."""
 
+    from dali_sim.sim.timeline import write_timeline
+
     result.manifest["command"] = command_line()
     if timeline:
         write_timeline(timeline, result.intervals, title)
     if csv_path:
-        result.per_layer.to_csv(csv_path)
+        write_text_atomic(csv_path, result.per_layer.to_csv())
     if as_json:
         click.echo(result.to_json())
         return True
-    click.echo(format_run(result))
+    devices = result.manifest["executor"]["devices"]
+    on_cpu = devices["accelerator"] == "cpu"  # the profile then only gives the policies' costs
+    click.echo(format_run(result, executed_on=devices["accelerator_name"],
+                          lanes=CPU_DEVICE_LANES if on_cpu else None))
     return False
 
 
+def _profile_file(hardware: str) -> list[Path]:
+    return [Path(hardware)] if Path(hardware).is_file() else []
+
+
 def _exec_module():
-    try:
-        import dali_exec.executor as ex
-    except ImportError as exc:
-        raise click.ClickException(str(exc)) from None
-    return ex
+    return require_exec("dali_exec.executor")
 
 
 @click.group(name="exec", cls=UserErrorGroup)
@@ -87,9 +92,11 @@ def exec_group() -> None:
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch.")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int,
               help="Prompt positions per prefill step (0 = whole prompt in one step).")
-@click.option("--gpu-memory", type=float, help="GPU memory budget of the full-size model in GiB (default: the profile's).")
+@click.option("--gpu-memory", type=GIB_TYPE,
+              help="GPU memory budget of the full-size model in GiB (default: the profile's).")
 @policy_options
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies and of the random weights.")
+@click.option("--seed", default=0, show_default=True, type=SEED_TYPE,
+              help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores, or half of them without CUDA).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device (default: the rest).")
 @click.option("--timeline", type=click.Path(path_type=Path), help="Write a Chrome/Perfetto trace JSON here.")
@@ -98,12 +105,13 @@ def exec_group() -> None:
 def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_tokens, device, dtype, precision, hardware,
             batch_size, prefill_chunk, seed, cpu_threads, accel_threads, timeline, csv_path, as_json, **kw) -> None:
     """Replay a trace's routing on real devices with random weights of the model's shape."""
+    check_outputs({"timeline": timeline, "CSV table": csv_path}, [trace_path, *_profile_file(hardware)])
     ex = _exec_module()
     options = ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
                                max_tokens=max_tokens, precision=precision, dtype=dtype)
     run_opts = ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads, progress=True)
     result = ex.execute(trace_path, system, options, run_opts, hardware=hardware, batch_size=batch_size,
-                        prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw))
+                        prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, [system])[system])
     if _emit(result, timeline, csv_path, as_json, f"dali exec {system} on {trace_path}"):
         return
     ov, e = result.summary["overhead"], result.manifest["executor"]
@@ -122,7 +130,8 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
 @click.option("--model-shape", required=True, help="Model shape preset (see `dali model list`).")
 @click.option("--scale", default=1.0, show_default=True, type=float, help="Calibrate the shape scaled as `dali exec run --scale`.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Accelerator (default: cuda if present, else the CPU device).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True, help="Weight storage.")
+@click.option("--dtype", type=REPLAY_DTYPE, default="bf16", show_default=True,
+              help="Weight storage, as `dali exec run --dtype` (bfloat16, float16, float32 also accepted).")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane.")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
 @click.option("--expert-tokens", default="1,2,4,8,16,32,64,128,256", show_default=True, help="Token counts of the expert tables.")
@@ -135,6 +144,7 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
 def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, expert_tokens, dense_tokens,
                   context_lens, repeats, warmup, name, output) -> None:
     """Measure expert, transfer and dense times and write a measured hardware profile (docs/hardware.md)."""
+    check_outputs({"profile": output}, [])
     _exec_module()
     from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate_to
 
@@ -144,8 +154,13 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
                             context_lens=_ints(context_lens, "--context-lens"),
                             settings=MicroSettings(repeats=repeats, warmup=warmup), name=name)
     path = calibrate_to(output, cfg, command=command_line(), progress=True)
-    click.echo(f"wrote {path}: use it with `dali sim run --hardware {path}` (a trace of this shape) "
-               f"or `dali exec run --hardware {path} --scale {scale:g}`")
+    from dali_sim.hardware.profile import load_profile
+
+    shape = load_profile(path).model
+    click.echo(f"wrote {path}, measured for {shape.model} at {shape.precision}. Simulate with it on a trace of that "
+               f"shape: `dali trace synth --model {shape.model} --precision {shape.precision} -o t.parquet` then "
+               f"`dali sim run --trace t.parquet --hardware {path} --system ...`; or replay with "
+               f"`dali exec run --hardware {path} --scale {scale:g} --dtype {dtype}`")
 
 
 @exec_group.command("validate")
@@ -158,9 +173,11 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @replay_options
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch.")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int, help="Prompt positions per prefill step (0 = whole prompt).")
-@click.option("--gpu-memory", type=float, help="GPU memory budget of the full-size model in GiB [default: 24, the default profile's GPU].")
+@click.option("--gpu-memory", type=GIB_TYPE,
+              help="GPU memory budget of the full-size model in GiB [default: 24, the default profile's GPU].")
 @policy_options
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies and of the random weights.")
+@click.option("--seed", default=0, show_default=True, type=SEED_TYPE,
+              help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default as `dali exec run`).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
 @click.option("--repeats", default=3, show_default=True, type=int, help="Calibration: timed runs per point.")
@@ -180,6 +197,7 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
                  dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, no_warmup,
                  time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
+    check_output(out_dir, [trace_path, profile], "report folder", folder=True)
     ex = _exec_module()
     from dali_exec.calibrate import MicroSettings
     from dali_exec.validate import ValidationConfig, validate
@@ -192,7 +210,7 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
         replay=ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
                                 max_tokens=max_tokens, precision=precision, dtype=dtype),
         run=ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads),
-        batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw),
+        batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, names),
         warmup=not no_warmup, calibration=MicroSettings(repeats=repeats, warmup=1), time_budget_s=time_budget,
         timelines=not no_timelines, plot=not no_plot,
         thresholds=Thresholds(total=max_total_error, step_p90=max_step_p90, order_margin=order_margin))
@@ -208,9 +226,6 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
     click.echo("OK: every system within the thresholds", err=True)
 
 
-_MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
-
-
 @exec_group.command("generate")
 @click.option("--model", "model_path", required=True, metavar="PATH_OR_NAME",
               help="A local transformers MoE checkpoint folder (or a name in the local HF cache); nothing is downloaded.")
@@ -220,7 +235,8 @@ _MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 @click.option("--prompts", "prompts_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Prompts: .txt (one per line), .jsonl or .json (as `dali trace record`).")
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Prompts generated side by side (left-padded).")
-@click.option("--max-new-tokens", default=32, show_default=True, type=int, help="Tokens generated per prompt (greedy; fewer at EOS).")
+@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=0),
+              help="Tokens generated per prompt (greedy; fewer at EOS).")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int,
               help="Prompt columns per prefill forward pass (0 = the whole prompt at once).")
 @click.option("--residual", "residual_file", type=click.Path(dir_okay=False, path_type=Path),
@@ -230,13 +246,14 @@ _MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
               help="A trace of this model (`dali trace record`): per-expert frequencies for cache_init=frequency and "
                    "frequency-based policies (default: uniform).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Accelerator (default: cuda if present, else the CPU device).")
-@click.option("--dtype", type=click.Choice(_MODEL_DTYPES), default="float32", show_default=True,
-              help="Weights dtype of the model (auto = the checkpoint's); experts are stored and copied in it.")
+@click.option("--dtype", type=MODEL_DTYPE, default="fp32", show_default=True,
+              help="Weights dtype of the model, as `dali trace record --dtype` (auto = the checkpoint's; bfloat16, "
+                   "float16, float32 also accepted); experts are stored and copied in it.")
 @click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True,
               help="Hardware profile whose costs the policies use and whose GPU memory is the default budget.")
-@click.option("--gpu-memory", type=float, help="GPU memory budget in GiB (default: the profile's).")
+@click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget in GiB (default: the profile's).")
 @policy_options
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policies.")
+@click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed of the policies.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores but one with CUDA; "
                                               "the process's thread count on the CPU device).")
 @click.option("--accel-threads", type=int, help="Threads of the main thread on the CPU device (default: unchanged).")
@@ -258,15 +275,16 @@ def generate_cmd(model_path, system, prompts_file, batch_size, max_new_tokens, p
     dali exec generate --model models/dali-tiny-moe --prompts prompts/multidomain.txt --system gpu-lru --cache-experts 8
     dali exec generate --model M --prompts P --system dali --residual res.safetensors --batch-size 4
     """
-    try:
-        from dali_exec.generate import GenerateOptions, generate_from_path
-    except ImportError as exc:
-        raise click.ClickException(str(exc)) from None
+    check_outputs({"timeline": timeline, "CSV table": csv_path},
+                  [*checkpoint_files(model_path), prompts_file, residual_file,
+                   frequencies_from, *_profile_file(hardware)])
+    require_exec("dali_exec.generate")
+    from dali_exec.generate import GenerateOptions, generate_from_path
     opts = GenerateOptions(batch_size=batch_size, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
                            residual=residual_file, frequencies_from=frequencies_from, device=device,
                            cpu_threads=cpu_threads, accel_threads=accel_threads, progress=not quiet and not as_json)
     result = generate_from_path(model_path, prompts_file, system, opts, dtype=dtype, hardware=hardware, seed=seed,
-                                overrides=overrides(kw))
+                                overrides=overrides(kw, [system])[system])
     if _emit(result, timeline, csv_path, as_json, f"dali exec generate {system} on {model_path}"):
         return
     s, e = result.summary, result.manifest["executor"]

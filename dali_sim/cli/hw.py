@@ -6,9 +6,8 @@ import json
 
 import click
 
-from dali_sim.hardware.cost import CostModel
 from dali_sim.hardware.profile import HardwareProfile, ProfileError, load_profile, profile_names
-from dali_sim.models.presets import get_model
+from dali_sim.models import resolve_model
 from dali_sim.registry import UnknownNameError
 
 DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512"
@@ -96,7 +95,9 @@ def show_cmd(profile: str, as_json: bool) -> None:
 
 @hw.command(name="cost")
 @click.argument("profile")
-@click.option("--model", "model_name", required=True, help="Model preset name (see `dali model list`).")
+@click.option("--model", "model_name", required=True,
+              help="Model: a preset (see `dali model list`; scaled ones too, e.g. mixtral-8x7b-x0.125), a config.json "
+                   "or a model folder, as `dali model show` takes.")
 @click.option("--precision", default=None, help="Weight precision (default: the preset's).")
 @click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="Comma-separated token counts.")
 @click.option("--context-len", default=0, show_default=True, type=click.IntRange(min=0),
@@ -108,11 +109,13 @@ def show_cmd(profile: str, as_json: bool) -> None:
 def cost_cmd(profile: str, model_name: str, precision: str | None, tokens: str, context_len: int, implementation: str,
              as_json: bool) -> None:
     """Expert time on GPU and CPU per token count, one expert's transfer, dense time, crossover."""
+    from dali_sim.hardware.cost import CostModel
+
     counts = _parse_tokens(tokens)
     limit = max(CROSSOVER_SEARCH_TOKENS, max(counts))
     p = _load(profile)
     try:
-        model = get_model(model_name, precision)
+        model = resolve_model(model_name, precision)
         cm = CostModel(p, model, implementation=implementation, lookup_tokens=limit)
         crossover = cm.crossover_tokens(max_tokens=limit)
         crossover_overlap = cm.crossover_tokens(overlap=True, max_tokens=limit)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from dali_sim.cli.common import UserErrorGroup, echo_json
-from dali_sim.models import get_model, model_names, precision_names, spec_from_hf_config
+from dali_sim.models import get_model, model_names, precision_names, resolve_model
 
 
 @click.group(cls=UserErrorGroup)
@@ -33,11 +31,9 @@ def list_models() -> None:
 @click.option("--precision", help="Weight format, e.g. bf16, q8_0, q4_0, mxfp4 (default: the preset's).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full spec as JSON.")
 def show(name_or_config: str, precision: str | None, as_json: bool) -> None:
-    """Show a preset, or the spec read from a config.json (or a model folder holding one)."""
-    if name_or_config in model_names() or not Path(name_or_config).exists():
-        spec = get_model(name_or_config, precision)
-    else:
-        spec = spec_from_hf_config(name_or_config, precision=precision)
+    """Show a preset (or a scaled one, e.g. mixtral-8x7b-x0.125), or the spec read from a config.json (or a
+    model folder holding one)."""
+    spec = resolve_model(name_or_config, precision)
     if as_json:
         echo_json({"spec": spec.to_dict(), "derived": spec.summary()})
         return

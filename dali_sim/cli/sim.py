@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import click
-import pandas as pd
 
-from dali_sim.cli.common import UserErrorGroup, echo_json
-from dali_sim.hardware.profile import load_profile, profile_names
-from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS
-from dali_sim.policies.systems import FAMILIES, parse_overrides, resolve_system, system_description, system_names
-from dali_sim.sim.simulate import DEFAULT_HARDWARE, SimResult, simulate
-from dali_sim.sim.timeline import write_timeline
-from dali_sim.trace import read_trace
+from dali_sim.cli.common import GIB_TYPE, SEED_TYPE, UserErrorGroup, check_outputs, echo_json
+from dali_sim.cli.sim_compare import label_lines
+from dali_sim.hardware.profile import DEFAULT_HARDWARE
+
+if TYPE_CHECKING:
+    from dali_sim.sim.simulate import SimResult
+
+# heavy modules (pandas, pyarrow, the policies) are imported inside the commands: `dali --help` stays fast
 
 
 @click.group(cls=UserErrorGroup)
@@ -37,8 +38,9 @@ policy_options = option_group(
     click.option("--cache-experts", type=int, help="Cache slots per layer."),
     click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]),
                  help="Initial cache contents (default: the system's)."),
-    click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
-                 help="Override a system parameter, e.g. --set cache.policy=lfu (repeatable)."),
+    click.option("--set", "sets", multiple=True, metavar="[SYSTEM:]SECTION.KEY=VALUE",
+                 help="Override a system parameter, e.g. --set cache.policy=lfu (every system) or "
+                      "--set dali:prefetch.k=2 (that system only); repeatable."),
 )
 
 
@@ -53,9 +55,9 @@ def common_options(f):
         click.option("--prefill-chunk", default=0, show_default=True, type=int,
                      help="Prompt positions per prefill step (0 = whole prompt in one step)."),
         policy_options,
-        click.option("--gpu-memory", type=float, help="GPU memory budget in GiB (default: the profile's GPU)."),
+        click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget in GiB (default: the profile's GPU)."),
         click.option("--precision", help="Weight format of the experts, e.g. bf16, q8_0, q4_0, mxfp4."),
-        click.option("--seed", default=0, show_default=True, type=int, help="Seed for random choices."),
+        click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed for random choices."),
         click.option("--no-timing", is_flag=True,
                      help="Fast replay: cache hits and transfer counts only, no SimPy, no times."),
         click.option("--future", type=click.Path(path_type=Path),
@@ -66,22 +68,31 @@ def common_options(f):
     return option_group(*options)(f)
 
 
-def overrides(kw) -> dict[str, dict[str, str]]:
-    """``--set`` plus the memory flags (:data:`policy_options`, ``--gpu-memory``) as system overrides."""
+def overrides(kw, systems: Sequence[str]) -> dict[str, dict[str, dict[str, str]]]:
+    """Per system of ``systems``: its ``--set`` items (plain ones and its ``SYSTEM:`` ones) plus the memory
+    flags (:data:`policy_options`, ``--gpu-memory``), as system overrides."""
+    from dali_sim.policies.systems import merge_overrides, system_overrides
+
     if kw["cache_ratio"] is not None and kw["cache_experts"] is not None:
         raise click.UsageError("give --cache-ratio or --cache-experts, not both")
-    over = parse_overrides(kw["sets"])
-    memory = over.setdefault("memory", {})
-    for flag, key in (("cache_ratio", "cache_ratio"), ("cache_experts", "cache_experts"),
-                      ("cache_init", "cache_init"), ("gpu_memory", "gpu_memory_gib")):
-        if kw.get(flag) is not None:
-            memory[key] = str(kw[flag])
-    return over
+    memory = {key: str(kw[flag]) for flag, key in (("cache_ratio", "cache_ratio"), ("cache_experts", "cache_experts"),
+                                                    ("cache_init", "cache_init"), ("gpu_memory", "gpu_memory_gib"))
+              if kw.get(flag) is not None}
+    return {name: merge_overrides(over, {"memory": memory})
+            for name, over in system_overrides(kw["sets"], list(systems)).items()}
 
 
-def _run(trace, system: str, kw, timeline: bool = False) -> SimResult:
+def run_inputs(kw) -> list[Path]:
+    """The files a `dali sim` run reads (an output must be none of them)."""
+    hardware = Path(kw["hardware"])
+    return [kw["trace_path"], kw["future"], hardware if hardware.is_file() else None]
+
+
+def _run(trace, system: str, kw, over, timeline: bool = False) -> SimResult:
+    from dali_sim.sim.simulate import simulate
+
     return simulate(trace, system, hardware=kw["hardware"], batch_size=kw["batch_size"],
-                    prefill_chunk=kw["prefill_chunk"], seed=kw["seed"], overrides=overrides(kw),
+                    prefill_chunk=kw["prefill_chunk"], seed=kw["seed"], overrides=over,
                     precision=kw["precision"], timing=not kw["no_timing"], timeline=timeline, progress=True,
                     future=kw["future"])
 
@@ -90,19 +101,6 @@ def _fmt(v, unit: str = "", digits: int = 3) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:,.{digits}f}{unit}" if isinstance(v, float) else f"{v:,}{unit}"
-
-
-def label_lines(summary: dict) -> list[str]:
-    """The BOUND / ORACLE lines of a result: what its bounds bound, and which policies read the future."""
-    lines = []
-    for family, name in summary.get("bounds", {}).items():
-        what = ("time: no system is faster with this cost model, GPU memory and batching" if family == "time"
-                else FAMILIES[family].get(name).bound_of or "an exact optimum")
-        lines.append(f"BOUND: {family} {name} bounds {what}; it is not an achievable system")
-    for family, name in summary.get("oracles", {}).items():
-        lines.append(f"ORACLE HEURISTIC: {family} {name} reads the future: a reference point, neither achievable "
-                     "nor a bound")
-    return lines
 
 
 def format_time_bound(r: SimResult) -> str:
@@ -121,20 +119,29 @@ def format_time_bound(r: SimResult) -> str:
     ] + [f"note: {n}" for n in mem["notes"]])
 
 
-def format_run(r: SimResult) -> str:
+#: what the lanes are called when the accelerator is the CPU device (`dali exec --device cpu`)
+CPU_DEVICE_LANES = {"gpu": "ACCEL (CPU device)", "cpu": "CPU lane", "pcie": "COPIES"}
+
+
+def format_run(r: SimResult, executed_on: str | None = None, lanes: dict[str, str] | None = None) -> str:
+    """The text summary of a run. ``executed_on``: the device an executor ran on (the profile then only
+    gives the policies' costs); ``lanes``: names of the busy lanes (default GPU, CPU, PCIE)."""
     if "time" in r.summary["bounds"]:
         return format_time_bound(r)
     s, mem = r.summary, r.manifest["memory"]
     caps = mem["cache_slots_per_layer"]
     caps_txt = f"{caps[0]} slots/layer" if len(set(caps)) == 1 else f"slots per layer {caps}"
+    where = f"on {s['hardware']}" if executed_on is None else \
+        f"executed on {executed_on} (policies' costs from {s['hardware']})"
+    accel = "GPU" if lanes is None else lanes["gpu"]
     lines = [
-        f"system {s['system']} on {s['hardware']}: {s['model']} ({r.config['precision']}), batch {s['batch_size']}, "
+        f"system {s['system']} {where}: {s['model']} ({r.config['precision']}), batch {s['batch_size']}, "
         f"{s['steps']} steps ({s['prefill_steps']} prefill, {s['decode_steps']} decode), {s['tokens']:,} tokens",
-        "GPU memory: " + ", ".join(f"{k} {v:.2f}" for k, v in mem["breakdown_gib"].items())
+        f"{accel} memory: " + ", ".join(f"{k} {v:.2f}" for k, v in mem["breakdown_gib"].items())
         + f" of {mem['budget_gib']:.2f} GiB ({caps_txt})",
-        f"cache: hit rate {_fmt(100 * s['hit_rate'], '%', 1)}, on GPU {_fmt(100 * s['gpu_fraction'], '%', 1)} of "
+        f"cache: hit rate {_fmt(100 * s['hit_rate'], '%', 1)}, on {accel} {_fmt(100 * s['gpu_fraction'], '%', 1)} of "
         f"{s['activated']:,} activated experts; {s['on_demand']:,} on-demand copies, {s['prefetch_issued']:,} "
-        f"prefetches ({_fmt(s['prefetch_precision'])} precision), {s['bytes_h2d'] / 2**30:,.2f} GiB host-to-GPU",
+        f"prefetches ({_fmt(s['prefetch_precision'])} precision), {s['bytes_h2d'] / 2**30:,.2f} GiB host-to-{accel}",
     ]
     lines += [f"note: {n}" for n in mem["notes"]]
     lines += label_lines(s)
@@ -145,7 +152,8 @@ def format_run(r: SimResult) -> str:
             f"per sequence: prefill {_fmt(s['prefill_tokens_per_s'], ' tok/s', 2)}, decode "
             f"{_fmt(s['decode_tokens_per_s'], ' tok/s', 2)}, TTFT {_fmt(s['ttft_s'], ' s')}, "
             f"TPOT {_fmt(s['tpot_s'] * 1e3 if s['tpot_s'] == s['tpot_s'] else float('nan'), ' ms', 1)}",
-            "busy: " + ", ".join(f"{k.upper()} {_fmt(100 * v, '%', 1)}" for k, v in s["busy"].items()),
+            "busy: " + ", ".join(f"{(lanes or {}).get(k, k.upper())} {_fmt(100 * v, '%', 1)}"
+                                 for k, v in s["busy"].items()),
         ]
     else:
         lines.append("time: not simulated (--no-timing)")
@@ -160,7 +168,12 @@ def run_cmd(system: str, timeline: Path | None, **kw) -> None:
     """Simulate one system on a trace and print its metrics (docs/metrics.md)."""
     if timeline and kw["no_timing"]:
         raise click.UsageError("--timeline needs timing; drop --no-timing")
-    result = _run(read_trace(kw["trace_path"]), system, kw, timeline=timeline is not None)
+    check_outputs({"timeline": timeline}, run_inputs(kw))
+    over = overrides(kw, [system])[system]
+    from dali_sim.sim.timeline import write_timeline
+    from dali_sim.trace import read_trace
+
+    result = _run(read_trace(kw["trace_path"]), system, kw, over, timeline=timeline is not None)
     if timeline:
         write_timeline(timeline, result.intervals, f"{system} on {kw['trace_path']}")
     if kw["as_json"]:
@@ -171,71 +184,49 @@ def run_cmd(system: str, timeline: Path | None, **kw) -> None:
             click.echo(f"timeline: {timeline} (open in ui.perfetto.dev)")
 
 
-COMPARE_COLUMNS = ["hit_rate", "gpu_fraction", "on_demand", "bytes_h2d", "prefill_s", "decode_s",
-                   "prefill_tokens_per_s", "decode_tokens_per_s"]
-
-
-def compare_table(results: dict[str, SimResult], baseline: str) -> pd.DataFrame:
-    rows = {name: {c: r.summary.get(c, float("nan")) for c in COMPARE_COLUMNS} for name, r in results.items()}
-    df = pd.DataFrame.from_dict(rows, orient="index")
-    df.index.name = "system"
-    if "decode_s" in results[baseline].summary:
-        base = df.loc[baseline]
-        for phase in ("prefill", "decode"):
-            df[f"{phase}_speedup"] = base[f"{phase}_s"] / df[f"{phase}_s"]
-    return df
-
-
 @sim.command("compare")
 @common_options
 @click.option("--systems", required=True, help="Comma-separated system presets.")
 @click.option("--baseline", help="System the speedups are relative to (default: the first).")
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Also write the table as CSV.")
 def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw) -> None:
-    """Run several systems on identical inputs and print a table with speedups over a baseline."""
+    """Run several systems on identical inputs: a header with the setting, one row per system with speedups
+    over a baseline, a legend, and the winner (the most tokens per second per sequence; bounds excluded)."""
     names = [s.strip() for s in systems.split(",") if s.strip()]
     if not names:
         raise click.UsageError("--systems is empty")
     baseline = baseline or names[0]
     if baseline not in names:
         names.append(baseline)
+    from dali_sim.cli.sim_compare import compare_table, format_compare, winner
+    from dali_sim.files import write_text_atomic
+    from dali_sim.policies.systems import resolve_system
+    from dali_sim.trace import read_trace
+
+    over = overrides(kw, names)
     for name in names:
-        resolve_system(name, overrides(kw))  # fail fast on a bad name or parameter
+        resolve_system(name, over[name])  # fail fast on a bad name or parameter
+    check_outputs({"CSV table": csv_path}, run_inputs(kw))
     trace = read_trace(kw["trace_path"])
-    results = {name: _run(trace, name, kw) for name in names}
+    results = {name: _run(trace, name, kw, over[name]) for name in names}
     table = compare_table(results, baseline)
     if csv_path:
-        table.to_csv(csv_path)
+        write_text_atomic(csv_path, table.to_csv())
     if kw["as_json"]:
-        echo_json({"baseline": baseline, "systems": {n: r.to_dict() for n, r in results.items()},
+        echo_json({"baseline": baseline, "winner": winner(results, baseline),
+                   "systems": {n: r.to_dict() for n, r in results.items()},
                    "table": table.reset_index().to_dict(orient="records")})
         return
-    first = results[names[0]]
-    s = first.summary
-    click.echo(f"{s['model']} on {s['hardware']}, batch {s['batch_size']}, {s['tokens']:,} tokens; "
-               f"speedups over {baseline}")
-    show = table.copy()
-    show["hit_rate"] = 100 * show["hit_rate"]
-    show["gpu_fraction"] = 100 * show["gpu_fraction"]
-    show["bytes_h2d"] = show["bytes_h2d"] / 2**30
-    digits = {"hit_rate": 1, "gpu_fraction": 1, "on_demand": 0, "bytes_h2d": 2, "prefill_s": 3, "decode_s": 3,
-              "prefill_tokens_per_s": 2, "decode_tokens_per_s": 2, "prefill_speedup": 2, "decode_speedup": 2}
-    formats = {c: (lambda d, x: lambda v: f"{v:,.{d}f}{x}")(d, "x" if c.endswith("speedup") else "")
-               for c, d in digits.items() if c in show}
-    headers = {"hit_rate": "hit %", "gpu_fraction": "GPU %", "bytes_h2d": "H2D GiB",
-               "prefill_tokens_per_s": "prefill tok/s", "decode_tokens_per_s": "decode tok/s"}
-    click.echo(show.to_string(formatters=formats, na_rep="-", header=[headers.get(c, c) for c in show.columns]))
-    for name, r in results.items():
-        for note in r.manifest["memory"]["notes"]:
-            click.echo(f"note ({name}): {note}")
-        for line in label_lines(r.summary):
-            click.echo(f"{name}: {line}")
+    click.echo(format_compare(results, baseline, table))
 
 
 @sim.command("systems")
 @click.option("--verbose", "-v", is_flag=True, help="Also show each system's resolved parameters.")
 def systems_cmd(verbose: bool) -> None:
     """List the system presets with a line of description each."""
+    from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS
+    from dali_sim.policies.systems import resolve_system, system_description, system_names
+
     names = system_names()
     width = max(map(len, names))
     for name in names:
@@ -251,6 +242,8 @@ def systems_cmd(verbose: bool) -> None:
 @sim.command("profiles")
 def profiles_cmd() -> None:
     """List the shipped hardware profiles with a line of description each."""
+    from dali_sim.hardware.profile import load_profile, profile_names
+
     for name in profile_names():
         mark = " (default)" if name == DEFAULT_HARDWARE else ""
         click.echo(f"{name:<24} {load_profile(name).description}{mark}")

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import click
 
-from dali_sim.cli.common import UserErrorGroup, command_line, echo_json
+from dali_sim.cli.common import UserErrorGroup, check_outputs, command_line, echo_json, printable
 from dali_sim.cli.trace_stats import stats
 from dali_sim.cli.trace_synth import synth
-from dali_sim.runtime.future import write_future
-from dali_sim.trace import read_meta, read_trace
-from dali_sim.trace.importers import IMPORTERS, import_trace
-from dali_sim.workload.builder import WorkloadConfig
+from dali_sim.trace.importers import IMPORTERS
+
+# heavy modules (pyarrow, pandas) are imported inside the commands: `dali --help` stays fast
 
 
 @click.group(cls=UserErrorGroup)
@@ -27,6 +26,9 @@ def trace() -> None:
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Trace to write (.parquet).")
 def import_cmd(fmt: str, files: tuple[Path, ...], output: Path) -> None:
     """Convert public routing traces (FILES or folders of them) into a dali trace."""
+    from dali_sim.trace import read_trace
+    from dali_sim.trace.importers import import_trace
+
     path = import_trace(fmt, files, output, command_line())
     t = read_trace(path)
     click.echo(f"wrote {path}: {len(t)} rows, {t.num_sequences} sequences, model {t.model.name}")
@@ -43,9 +45,13 @@ def formats() -> None:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--allow-partial", is_flag=True, help="Accept a partial trace left by an interrupted writer.")
 def validate(path: Path, allow_partial: bool) -> None:
-    """Check a trace fully; print the first offending row if it is bad (exit code 1)."""
+    """Check a trace fully (checksums included); print the first offending row if it is bad (exit code 1)."""
+    from dali_sim.trace import read_trace
+
     t = read_trace(path, allow_partial=allow_partial)
-    click.echo(f"{path}: ok ({len(t)} rows, {t.num_sequences} sequences, status {t.meta.status})")
+    checked = ("checksums verified" if t.checksum is not None else
+               "no checksum: written by an older dali, so changed bytes cannot be detected; rewrite it to add one")
+    click.echo(f"{path}: ok ({len(t)} rows, {t.num_sequences} sequences, status {t.meta.status}; {checked})")
 
 
 @trace.command("info")
@@ -53,23 +59,31 @@ def validate(path: Path, allow_partial: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the whole metadata as JSON.")
 def info(path: Path, as_json: bool) -> None:
     """Show a trace's metadata (model, provenance, columns) without reading its rows."""
-    meta = read_meta(path)
+    from dali_sim.trace.reader import read_meta_and_checksum
+
+    meta, record = read_meta_and_checksum(path)
     if as_json:
         import json
 
         echo_json(json.loads(meta.to_json()))
         return
     m = meta.model
-    click.echo(f"{path}: schema v{meta.schema_version}, {meta.status}, {meta.num_rows} rows")
-    click.echo(f"  model: {m.name} ({m.num_moe_layers} MoE layers {list(m.moe_layers)[:4]}..., "
-               f"{m.num_experts} experts, top-{m.top_k})")
-    click.echo(f"  weights: {meta.weights_note if meta.has_weights else 'none'}")
-    click.echo(f"  router logits: {'yes' if meta.has_router_logits else 'no'}")
-    preds = ", ".join(f"{p.name} (layer+{p.target_offset})" for p in meta.predictors.values()) or "none"
-    click.echo(f"  lookahead predictors: {preds}")
-    click.echo(f"  hidden states: {meta.hidden_states.file if meta.hidden_states else 'none'}")
-    click.echo(f"  sequences: {len(meta.sequences)} described")
-    click.echo(f"  source: {meta.provenance.get('source')}  command: {meta.provenance.get('command')}")
+    lines = [
+        f"{path}: schema v{meta.schema_version}, {meta.status}, {meta.num_rows} rows",
+        f"  model: {m.name} ({m.num_moe_layers} MoE layers {list(m.moe_layers)[:4]}..., "
+        f"{m.num_experts} experts, top-{m.top_k})",
+        f"  weights: {meta.weights_note if meta.has_weights else 'none'}",
+        f"  router logits: {'yes' if meta.has_router_logits else 'no'}",
+        "  lookahead predictors: "
+        + (", ".join(f"{p.name} (layer+{p.target_offset})" for p in meta.predictors.values()) or "none"),
+        f"  hidden states: {meta.hidden_states.file if meta.hidden_states else 'none'}",
+        f"  sequences: {len(meta.sequences)} described",
+        f"  source: {meta.provenance.get('source')}  command: {meta.provenance.get('command')}",
+        "  checksum: " + ("SHA-256 of the metadata and of every column, and Parquet page checksums"
+                          if record is not None else "none (written by an older dali)"),
+    ]
+    for line in lines:  # metadata is text from a file: escape codes are shown, not obeyed
+        click.echo(printable(line))
 
 
 @trace.command("enrich")
@@ -85,7 +99,14 @@ def enrich(path: Path, batch_size: int, prefill_chunk: int, output: Path | None)
     Next uses depend on the batching (a batch-mate's later use counts), so they are computed for one
     batch size and prefill chunk; `dali sim` finds the file beside the trace and refuses a stale one.
     """
-    out = write_future(read_trace(path), WorkloadConfig(batch_size, prefill_chunk), output, command_line())
+    from dali_sim.runtime.future import future_path, write_future
+    from dali_sim.trace import read_trace
+    from dali_sim.workload.builder import WorkloadConfig
+
+    config = WorkloadConfig(batch_size, prefill_chunk)
+    out = output or future_path(path, config)
+    check_outputs({"next-use file": out}, [path])
+    out = write_future(read_trace(path), config, out, command_line())
     click.echo(f"wrote {out}")
 
 

@@ -7,9 +7,6 @@ from pathlib import Path
 
 import click
 
-from dali_sim.trace.reader import read_trace
-from dali_sim.trace.stats import format_text, summary
-
 
 @click.command("stats")
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False, path_type=Path))
@@ -24,6 +21,9 @@ def stats(trace_path: Path, as_json: bool, allow_partial: bool) -> None:
     recall and top-1 mutual information; per lookahead predictor: top-k recall. Definitions:
     docs/statistics.md.
     """
+    from dali_sim.trace.reader import read_trace
+    from dali_sim.trace.stats import format_text, summary
+
     result = summary(read_trace(trace_path, allow_partial=allow_partial))
     if as_json:
         click.echo(json.dumps(result, indent=2, allow_nan=False))

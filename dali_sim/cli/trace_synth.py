@@ -6,7 +6,7 @@ import time
 
 import click
 
-from dali_sim.cli.common import command_line
+from dali_sim.cli.common import SEED_TYPE, command_line
 from dali_sim.trace import synth as S
 
 
@@ -31,7 +31,7 @@ def _probabilities(text: str | None, name: str):
               help="Each sequence's prompt length uniform in P(1 -/+ jitter), at least 1.")
 @click.option("--gen-len-jitter", type=float, default=0.0, show_default=True,
               help="Each sequence's generated length uniform in G(1 -/+ jitter), at least 1.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed; same arguments + seed = same file.")
+@click.option("--seed", type=SEED_TYPE, default=0, show_default=True, help="Seed; same arguments + seed = same file.")
 @click.option("--skew", type=float, default=S.DEFAULT_SKEW, show_default=True,
               help="How unequal expert popularity is per layer (0 = uniform); see --popularity-shape.")
 @click.option("--popularity-shape", type=click.Choice(list(S.POPULARITY_SHAPES)), default=S.DEFAULT_SHAPE,
@@ -86,7 +86,6 @@ def synth(model, precision, sequences, prompt_len, gen_len, prompt_len_jitter, g
     path = S.synthesize(config, output, command=command_line(), progress=False if quiet else None)
     if not quiet:
         seconds = time.perf_counter() - start
-        prompt, gen = S.sequence_lengths(config)
-        rows = int(prompt.sum() + gen.sum()) * config.spec().num_moe_layers
+        rows = S.total_rows(config)
         click.echo(f"wrote {path}: {rows} rows, {config.sequences} sequences, model {config.model} "
                    f"({seconds:.1f} s, {rows / max(seconds, 1e-9):,.0f} rows/s)")

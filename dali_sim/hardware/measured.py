@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
+from dali_sim.files import write_text_atomic
 from dali_sim.hardware.contention import lane_combinations
-from dali_sim.hardware.profile import FieldReader, ProfileError, check_device, check_number
+from dali_sim.hardware.profile import MAX_MEMORY_GIB, FieldReader, ProfileError, check_device, check_number
 from dali_sim.models.spec import ModelSpec
 
 FORMAT_VERSION = 2
@@ -230,7 +229,7 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
     for dev in ("gpu", "cpu"):
         dr = top.table(dev)
         dr.reject_unknown({"name", "memory_gib"})
-        devices[dev] = MeasuredDevice(dr.string("name"), dr.number("memory_gib"))
+        devices[dev] = MeasuredDevice(dr.string("name"), dr.number("memory_gib", maximum=MAX_MEMORY_GIB))
     lr = top.table("link")
     lr.reject_unknown({"name"})
 
@@ -293,6 +292,8 @@ def read_measured_profile(path: str | Path) -> MeasuredProfile:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ProfileError(f"{path}: not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return measured_profile_from_dict(data, str(path))
 
 
@@ -301,17 +302,7 @@ def write_measured_profile(path: str | Path, profile: MeasuredProfile) -> Path:
     path = Path(path)
     data = profile.to_dict()
     measured_profile_from_dict(data, str(path))  # same checks as the reader
-    text = json.dumps(data, indent=1, allow_nan=False) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 # ---- interpolation -----------------------------------------------------------------------------

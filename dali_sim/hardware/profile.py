@@ -21,8 +21,11 @@ if TYPE_CHECKING:
     from dali_sim.hardware.measured import MeasuredProfile
 
 DEVICES = ("gpu", "cpu")
+DEFAULT_HARDWARE = "rtx3090-epyc7532"  # the DALI paper's testbed: the default profile of every command
 PROFILE_SUFFIXES = (".toml", ".json")
 GIB = 1 << 30
+#: a sanity bound on memory sizes (2^40 GiB = 1 ZiB), far below where GiB -> bytes overflows; not a cost
+MAX_MEMORY_GIB = float(1 << 40)
 
 
 class ProfileError(ValueError):
@@ -208,7 +211,7 @@ def check_device(device: str) -> None:
 # ---- parsing ---------------------------------------------------------------------------------
 _DEVICE_NUMBERS = {
     # field: (minimum, strict, maximum)
-    "memory_gib": (0.0, True, None),
+    "memory_gib": (0.0, True, MAX_MEMORY_GIB),
     "mem_bandwidth_gbs": (0.0, True, None),
     "memory_efficiency": (0.0, True, 1.0),
     "kernel_us": (0.0, False, None),
@@ -291,6 +294,8 @@ def read_analytic_profile(path: str | Path) -> HardwareProfile:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return profile_from_dict(data, str(path))
 
 
@@ -313,8 +318,10 @@ def resolve_profile_path(name_or_path: str | Path) -> Path:
     """A shipped profile name or a file path -> the file to read."""
     if isinstance(name_or_path, Path) or _looks_like_path(str(name_or_path)):
         path = Path(name_or_path)
-        if not path.is_file():
+        if not path.exists():
             raise ProfileError(f"{path}: no such hardware profile file")
+        if not path.is_file() or path.is_fifo():
+            raise ProfileError(f"{path}: a hardware profile must be a regular file")
         return path
     for suffix in PROFILE_SUFFIXES:
         path = _shipped_dir() / f"{name_or_path}{suffix}"

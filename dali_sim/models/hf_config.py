@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from dali_sim.files import check_input
 from dali_sim.models.presets import apply_precision
 from dali_sim.models.spec import AttentionSpec, ModelSpec
 from dali_sim.registry import Registry
@@ -186,12 +187,15 @@ def spec_from_hf_config(config: Mapping[str, Any] | str | Path, name: str | None
         if path.is_dir():
             path = path / "config.json"
         where = str(path)
+        check_input(path, "model config")
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{where}: no such file") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}: not valid JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(config).__name__}")
     c = _Config(config, where)
     model_type = c("model_type")
     if model_type not in HF_READERS:

@@ -62,10 +62,21 @@ def model_names() -> list[str]:
 
 
 def get_model(name: str, precision: str | None = None) -> ModelSpec:
-    """The preset ``name`` (e.g. ``mixtral-8x7b``), optionally at another precision (e.g. ``q4_0``)."""
+    """The preset ``name`` (e.g. ``mixtral-8x7b``), optionally at another precision (e.g. ``q4_0``); a scaled
+    preset (``mixtral-8x7b-x0.125``, ``...-4L``: :mod:`dali_sim.models.scaled`) too."""
     models = _load()[1]
     if name not in models:
-        raise UnknownNameError(f"unknown model preset {name!r}; known: {', '.join(sorted(models))}")
+        from dali_sim.models.scaled import parse_scaled_name, scale_model
+
+        parsed = parse_scaled_name(name)
+        if parsed is not None and parsed[0] in models:
+            base, scale, layers = parsed
+            try:
+                return scale_model(get_model(base, precision), scale, layers)
+            except ValueError as exc:
+                raise UnknownNameError(f"model {name!r}: {exc}") from None
+        raise UnknownNameError(f"unknown model preset {name!r}; known: {', '.join(sorted(models))} "
+                               "(or a scaled one, e.g. mixtral-8x7b-x0.125 or mixtral-8x7b-x0.125-4L)")
     raw = dict(models[name])
     raw["moe_layers"] = expand_moe_layers(raw["moe_layers"], raw["num_layers"], f"model preset {name!r}")
     raw["attention"] = AttentionSpec(**raw["attention"])

@@ -6,8 +6,13 @@ Sizes in bytes are never typed in: they follow from the shapes and a :class:`Pre
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+#: bytes per parameter of the widest format (float64), an upper bound for a sane precision
+MAX_BYTES_PER_PARAM = 8.0
 
 
 @dataclass(frozen=True)
@@ -17,6 +22,13 @@ class Precision:
     name: str
     bytes_per_param: float
     description: str = ""
+
+    def __post_init__(self) -> None:
+        b = self.bytes_per_param
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
+                or not 0 < b <= MAX_BYTES_PER_PARAM:
+            raise ValueError(f"precision {self.name!r}: bytes_per_param must be a number in (0, "
+                             f"{MAX_BYTES_PER_PARAM:g}], got {b!r}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,10 @@ class AttentionSpec:
             raise ValueError("gqa attention needs positive num_kv_heads and head_dim")
         if self.kind == "mla" and (self.kv_lora_rank <= 0 or self.v_head_dim <= 0):
             raise ValueError("mla attention needs positive kv_lora_rank and v_head_dim")
+        for f in ("num_kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"attention.{f} must not be negative, got {getattr(self, f)}")
 
     def params(self, hidden: int) -> int:
         """Weight parameters of one attention block (projections and their biases)."""
@@ -122,6 +138,9 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: shared experts need shared_expert_intermediate_size")
         if self.ffn_matrices not in (2, 3):
             raise ValueError(f"model {self.name!r}: ffn_matrices must be 2 or 3")
+        for name in ("num_shared_experts", "shared_expert_intermediate_size", "dense_intermediate_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model {self.name!r}: {name} must not be negative, got {getattr(self, name)}")
 
     # ---- derived shapes -------------------------------------------------------------------
     @property
@@ -221,20 +240,17 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
-        d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"model spec has unknown fields {unknown}")
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING]
-        if missing:
-            raise ValueError(f"model spec lacks required fields {missing}")
+        """From :meth:`to_dict`'s structure (e.g. a trace's metadata), every field's type checked by name."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"model spec must be an object, got {type(d).__name__}")
+        d = typed_fields(cls, d, "model")
         attn = d["attention"]
-        d["attention"] = attn if isinstance(attn, AttentionSpec) else AttentionSpec(**attn)
+        d["attention"] = attn if isinstance(attn, AttentionSpec) else AttentionSpec(**typed_fields(
+            AttentionSpec, attn, "model.attention"))
         for key in ("precision", "dense_precision"):
             prec = d.get(key)
-            if isinstance(prec, Mapping):
-                d[key] = Precision(**prec)
+            if prec is not None and not isinstance(prec, Precision):
+                d[key] = Precision(**typed_fields(Precision, prec, f"model.{key}"))
         return cls(**d)
 
     def summary(self) -> dict[str, Any]:
@@ -255,3 +271,42 @@ class ModelSpec:
             "active_params": self.active_params,
         }
 
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if typing.get_origin(hint) is tuple:  # tuple[int, ...]
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, typing.get_args(hint)[0]) for v in value)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, (hint, Mapping))
+    return True
+
+
+def typed_fields(cls: type, d: Any, where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``d`` (a mapping of dataclass ``cls``'s fields) checked: no unknown or missing field, each value of
+    its field's type (but those in ``skip``, checked by the caller); errors name ``where.field``."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{where} must be an object, got {d!r}")
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(d) - {f.name for f in fields})
+    if unknown:
+        raise ValueError(f"{where} has unknown fields {unknown}")
+    missing = [f.name for f in fields if f.name not in d and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{where} lacks required fields {missing}")
+    hints = typing.get_type_hints(cls)
+    for name, value in d.items():
+        hint = hints[name]
+        if name not in skip and not _type_ok(value, hint):
+            kind = getattr(hint, "__name__", None) or str(hint)
+            raise ValueError(f"{where}.{name} must be {'an object' if dataclasses.is_dataclass(hint) else kind}, "
+                             f"got {value!r}")
+    return dict(d)

@@ -28,7 +28,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from dali_sim.policies.base import PLACEMENTS, LayerView, PlacementPolicy, registered
 from dali_sim.policies.placement_dali import (
@@ -78,6 +77,8 @@ def _solve(t_gpu: np.ndarray, t_cpu: np.ndarray, needs: np.ndarray, max_new: int
     n = len(t_gpu)
     if n <= ENUMERATE_MAX:
         return _enumerate(t_gpu, t_cpu, needs, max_new)
+    from scipy.optimize import Bounds, LinearConstraint, milp  # here: scipy takes long to import
+
     s = _scale(t_gpu, t_cpu)
     g, c = t_gpu * s, t_cpu * s
     rows = [np.append(g, -1.0), np.append(-c, -1.0)]

@@ -1,7 +1,8 @@
 """System presets (``systems.toml``): named combinations of the three policies and memory settings.
 
-``--set section.key=value`` overrides a parameter; the resolved :class:`SystemConfig` is what a
-result's manifest records.
+``--set section.key=value`` overrides a parameter of every system run, ``--set SYSTEM:section.key=value``
+one of SYSTEM only (:func:`system_overrides`); the resolved :class:`SystemConfig` is what a result's
+manifest records.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from dali_sim.hardware.implementation import ANY, get_implementation
 from dali_sim.models.spec import ModelSpec
@@ -97,9 +98,40 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, dict[str, s
         key, sep, value = item.partition("=")
         section, dot, field = key.strip().partition(".")
         if not sep or not dot or not field:
-            raise ValueError(f"--set {item!r}: expected section.key=value, e.g. memory.cache_experts=4")
+            raise ValueError(f"--set {item!r}: expected [SYSTEM:]section.key=value, e.g. memory.cache_experts=4 or "
+                             "dali:prefetch.k=2")
         out.setdefault(section, {})[field] = value.strip()
     return out
+
+
+def merge_overrides(*parts: Mapping[str, Mapping[str, str]] | None) -> dict[str, dict[str, str]]:
+    """Section -> key -> value overrides, later parts winning key by key."""
+    out: dict[str, dict[str, str]] = {}
+    for part in parts:
+        for section, values in (part or {}).items():
+            out.setdefault(section, {}).update(values)
+    return out
+
+
+def system_overrides(items: list[str] | tuple[str, ...],
+                     systems: Sequence[str]) -> dict[str, dict[str, dict[str, str]]]:
+    """``--set`` items per system: ``SYSTEM:section.key=value`` applies to SYSTEM only (and wins over a plain
+    ``section.key=value``, which applies to every system). A SYSTEM that is not run is an error."""
+    common: list[str] = []
+    specific: dict[str, list[str]] = {}
+    for item in items:
+        key = item.partition("=")[0]
+        name, colon, _ = key.partition(":")
+        if not colon:
+            common.append(item)
+            continue
+        name = name.strip()
+        if name not in systems:
+            raise ValueError(f"--set {item!r}: system {name!r} is not one of the systems run here "
+                             f"({', '.join(systems)})")
+        specific.setdefault(name, []).append(item.split(":", 1)[1])
+    base = parse_overrides(common)
+    return {name: merge_overrides(base, parse_overrides(specific.get(name, []))) for name in systems}
 
 
 def _choice(family: str, preset: Mapping[str, Any], overrides: Mapping[str, str], system: str) -> PolicyChoice:
@@ -171,4 +203,5 @@ def resolve_system(name: str, overrides: Mapping[str, Mapping[str, str]] | None 
                         memory, system["dense_device"], system["implementation"], time_bound)
 
 
-__all__ = ["PolicyChoice", "SystemConfig", "parse_overrides", "resolve_system", "system_names"]
+__all__ = ["PolicyChoice", "SystemConfig", "merge_overrides", "parse_overrides", "resolve_system", "system_names",
+           "system_overrides"]

@@ -1,7 +1,10 @@
-"""Timing-free decision runtime shared by the simulator and the executor: controller and memory plan."""
+"""Timing-free decision runtime shared by the simulator and the executor: controller and memory plan
+(names imported on first use)."""
 
-from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, SOURCE_NAMES, Controller, LayerPlan
-from dali_sim.runtime.memory import MemoryConfig, MemoryPlan, plan_memory
+from dali_sim.lazy import lazy_exports
 
-__all__ = ["CPU", "FETCH", "HIT", "PREFETCHED", "SOURCE_NAMES", "Controller", "LayerPlan", "MemoryConfig",
-           "MemoryPlan", "plan_memory"]
+_EXPORTS = {**dict.fromkeys(("CPU", "FETCH", "HIT", "PREFETCHED", "SOURCE_NAMES", "Controller", "LayerPlan"),
+                            "dali_sim.runtime.controller"),
+            **dict.fromkeys(("MemoryConfig", "MemoryPlan", "plan_memory"), "dali_sim.runtime.memory")}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -10,7 +10,6 @@ trace's SHA-256 and the workload config it was computed for; a stale or mismatch
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dali_sim import __version__
+from dali_sim.files import atomic_output, check_input, check_output
+from dali_sim.trace.checksum import CHECKSUM_KEY, checksum_record, digest, read_record, verify_columns
 from dali_sim.trace.provenance import file_sha256
 from dali_sim.trace.reader import Trace
 from dali_sim.workload.builder import Workload, WorkloadConfig
@@ -25,6 +26,7 @@ from dali_sim.workload.builder import Workload, WorkloadConfig
 NEVER = np.iinfo(np.int64).max
 FUTURE_KEY = b"dali.future"
 FUTURE_FORMAT = 1
+COLUMNS = ("layer", "expert", "step", "next_step")
 
 
 class FutureDemand:
@@ -99,20 +101,25 @@ def enrich_command(trace_path: str | Path | None, config: WorkloadConfig) -> str
 
 def write_future(trace: Trace, config: WorkloadConfig, out: str | Path | None = None,
                  command: str | None = None) -> Path:
-    """Compute the next-use times of ``trace`` under ``config`` and write them (atomically)."""
+    """Compute the next-use times of ``trace`` under ``config`` and write them (atomically, with
+    page checksums and a SHA-256 of the header and of every column)."""
     if trace.path is None:
         raise ValueError("next-use times are stored beside a trace file: write the trace to disk first")
     out = Path(out) if out is not None else future_path(trace.path, config)
+    hidden = trace.path.with_name(trace.meta.hidden_states.file) if trace.meta.hidden_states else None
+    check_output(out, (trace.path, hidden), "next-use file")
     w = Workload(trace, config)
     future = FutureDemand.from_workload(w)
     meta = {"format": FUTURE_FORMAT, "trace": str(trace.path), "trace_sha256": file_sha256(trace.path),
             "batch_size": config.batch_size, "prefill_chunk": config.prefill_chunk, "num_steps": w.num_steps,
             "num_layers": w.num_layers, "num_experts": w.num_experts, "activations": len(future),
             "dali_version": __version__, "command": command or "(python API)"}
-    table = future.table().replace_schema_metadata({FUTURE_KEY: json.dumps(meta).encode()})
-    tmp = out.with_name(out.name + ".partial")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, out)
+    table = future.table()
+    header = json.dumps(meta).encode()
+    record = checksum_record(header, {c: digest(table.column(c).to_numpy()) for c in COLUMNS})
+    table = table.replace_schema_metadata({FUTURE_KEY: header, CHECKSUM_KEY: record})
+    with atomic_output(out) as tmp:
+        pq.write_table(table, tmp, compression="zstd", write_page_checksum=True)
     return out
 
 
@@ -128,12 +135,20 @@ def load_future(trace: Trace, config: WorkloadConfig, path: str | Path | None = 
     if not path.exists():
         raise ValueError(f"{needed_by} needs next-use times for batch size {config.batch_size} and prefill chunk "
                          f"{config.prefill_chunk}: {path} is missing; run `{enrich_command(trace.path, config)}`")
+    check_input(path, "next-use file")
     try:
-        pf = pq.ParquetFile(path)
-        meta = json.loads((pf.schema_arrow.metadata or {})[FUTURE_KEY])
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        footer = pf.schema_arrow.metadata or {}
+        record = read_record(footer, footer[FUTURE_KEY], str(path))
+        meta = json.loads(footer[FUTURE_KEY])
         table = pf.read()
+        if not isinstance(meta, dict) or table.column_names != list(COLUMNS):
+            raise ValueError(f"columns {table.column_names}, expected {list(COLUMNS)}")
+        cols = {c: table.column(c).to_numpy() for c in COLUMNS}
     except (OSError, KeyError, ValueError, pa.ArrowException) as exc:
         raise ValueError(f"{path}: not a next-use file written by `dali trace enrich` ({exc})") from None
+    if record is not None:
+        verify_columns(record, cols, str(path))
     want = {"batch_size": config.batch_size, "prefill_chunk": config.prefill_chunk}
     got = {k: meta.get(k) for k in want}
     if got != want:
@@ -145,5 +160,4 @@ def load_future(trace: Trace, config: WorkloadConfig, path: str | Path | None = 
     if (meta.get("num_layers"), meta.get("num_experts")) != (L, E) or table.num_rows != meta.get("activations"):
         raise ValueError(f"{path}: shape {meta.get('num_layers')} layers x {meta.get('num_experts')} experts, "
                          f"{table.num_rows} rows does not match the trace ({L} x {E}) or its own header")
-    cols = {c: table.column(c).to_numpy() for c in ("layer", "expert", "step")}
     return FutureDemand(cols["layer"], cols["expert"], cols["step"], L, E)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dali_sim.hardware.profile import MAX_MEMORY_GIB
 from dali_sim.models.spec import ModelSpec
 from dali_sim.policies.base import PolicyConfig
 
@@ -48,9 +49,9 @@ class MemoryConfig(PolicyConfig):
         for name in ("prefetch_slots", "staging_slots"):
             if getattr(self, name) < -1:
                 raise ValueError(f"memory.{name} must be >= 0 (or -1 = one layer's experts), got {getattr(self, name)}")
-        for name in ("gpu_memory_gib",):
-            if getattr(self, name) < 0:
-                raise ValueError(f"memory.{name} must not be negative, got {getattr(self, name)}")
+        if not 0.0 <= self.gpu_memory_gib <= MAX_MEMORY_GIB:  # also refuses NaN and inf
+            raise ValueError(f"memory.gpu_memory_gib must lie in [0, {MAX_MEMORY_GIB:g}] GiB (0 = the hardware "
+                             f"profile's GPU), got {self.gpu_memory_gib}")
         if self.cache_experts < -1:
             raise ValueError(f"memory.cache_experts must be >= 0 (or -1 = unset), got {self.cache_experts}")
 

@@ -16,7 +16,7 @@ from dali_sim import __version__
 from dali_sim.hardware.cost import CostModel
 from dali_sim.hardware.implementation import ANY, EXECUTOR, implementation_names
 from dali_sim.jsonsafe import json_safe
-from dali_sim.hardware.profile import load_profile
+from dali_sim.hardware.profile import DEFAULT_HARDWARE, load_profile
 from dali_sim.models.presets import apply_precision
 from dali_sim.policies.systems import SystemConfig, resolve_system
 from dali_sim.runtime.controller import Controller
@@ -30,7 +30,6 @@ from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
 from dali_sim.workload.builder import Workload, WorkloadConfig
 
-DEFAULT_HARDWARE = "rtx3090-epyc7532"  # the DALI paper's testbed
 
 
 @dataclass

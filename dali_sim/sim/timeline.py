@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
+from dali_sim.files import write_text_atomic
 from dali_sim.sim.engine import TRACKS, Interval
 
 
@@ -22,9 +23,4 @@ def chrome_trace(intervals: Iterable[Interval], process_name: str = "dali sim") 
 
 
 def write_timeline(path: str | Path, intervals: Iterable[Interval], process_name: str = "dali sim") -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(chrome_trace(intervals, process_name)))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, json.dumps(chrome_trace(intervals, process_name)))

@@ -29,10 +29,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
+from pyarrow import ArrowException
 
 from dali_sim.models.spec import ModelSpec
 from dali_sim.trace.importers.jsonio import load_json
-from dali_sim.trace.reader import fixed_list_to_numpy, read_meta
+from dali_sim.files import check_input
+from dali_sim.trace.checksum import ContentHasher, verify_digests
+from dali_sim.trace.reader import fixed_list_to_numpy, read_meta_and_checksum
 from dali_sim.trace.schema import STATUS_PARTIAL, TraceError
 from dali_sim.trace.provenance import file_sha256
 
@@ -79,7 +82,7 @@ class Calibration:
 def counts_from_trace(path: str | Path, model: ModelSpec) -> LayerCounts:
     """Per-layer selection counts of a dali trace; its layers and experts must match ``model``."""
     path = Path(path)
-    meta = read_meta(path)
+    meta, record = read_meta_and_checksum(path)
     where = str(path)
     if meta.status == STATUS_PARTIAL:
         raise TraceError(f"{where}: partial trace; calibrate from a complete one")
@@ -92,11 +95,24 @@ def counts_from_trace(path: str | Path, model: ModelSpec) -> LayerCounts:
         )
     layers = np.asarray(model.moe_layers)
     counts = np.zeros((len(layers), model.num_experts), dtype=np.int64)
-    pf = pq.ParquetFile(path)
-    for batch in pf.iter_batches(columns=["layer", "experts"], batch_size=1 << 18):
-        lo = np.searchsorted(layers, batch.column(0).to_numpy())
-        ex = fixed_list_to_numpy(batch.column(1), src.top_k, np.int64)
-        np.add.at(counts, (np.repeat(lo, src.top_k), ex.reshape(-1)), 1)
+    hasher = ContentHasher(("layer", "experts"))
+    try:
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        for batch in pf.iter_batches(columns=["layer", "experts"], batch_size=1 << 18):
+            layer = batch.column(0).to_numpy()
+            ex = fixed_list_to_numpy(batch.column(1), src.top_k, np.int16)
+            hasher.update("layer", layer)
+            hasher.update("experts", ex)
+            bad = ~np.isin(layer, layers) | ((ex < 0) | (ex >= model.num_experts)).any(axis=1)
+            if bad.any():
+                raise TraceError(f"{where}: a row has a layer or expert id out of range; check it with "
+                                 f"`dali trace validate {path}`")
+            lo = np.searchsorted(layers, layer)
+            np.add.at(counts, (np.repeat(lo, src.top_k), ex.reshape(-1).astype(np.int64)), 1)
+    except (OSError, ArrowException) as exc:
+        raise TraceError(f"{where}: not a readable Parquet file (truncated or corrupt): {exc}") from None
+    if record is not None:
+        verify_digests(record, hasher.digests(), where)
     if counts.sum() == 0:
         raise ValueError(f"{where}: trace has no rows to calibrate from")
     return LayerCounts({i: counts[i] for i in range(len(layers))}, model.num_experts,
@@ -182,11 +198,9 @@ def counts_from_json(path: str | Path, model: ModelSpec) -> LayerCounts:
 
 def load_counts(path: str | Path, model: ModelSpec) -> LayerCounts:
     """Counts from a dali trace (``.parquet``), a counts JSON file, or a folder of counts JSON files (summed)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or folder (--popularity-from)")
+    path = check_input(path, "--popularity-from input", folder_ok=True)
     if path.is_dir():
-        files = sorted(p for p in path.glob("*.json") if p.is_file())
+        files = sorted(check_input(p, "counts file") for p in path.glob("*.json"))
         if not files:
             raise ValueError(f"{path}: folder has no *.json counts files")
         parts = [counts_from_json(f, model) for f in files]

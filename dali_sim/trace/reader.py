@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dali_sim.files import PathError, check_input
+from dali_sim.trace.checksum import read_record, verify_columns
 from dali_sim.trace.schema import (
+    META_KEY,
     PHASES,
     STATUS_PARTIAL,
     TraceError,
@@ -21,6 +23,9 @@ from dali_sim.trace.schema import (
     partial_path,
 )
 from dali_sim.trace.validate import RowArrays, check_rows, check_structure
+
+if TYPE_CHECKING:
+    import pandas as pd  # the methods that return frames import it: `dali trace info` needs no pandas
 
 
 def fixed_list_to_numpy(column: pa.ChunkedArray | pa.Array, width: int, dtype=None) -> np.ndarray:
@@ -38,10 +43,12 @@ def fixed_list_to_numpy(column: pa.ChunkedArray | pa.Array, width: int, dtype=No
 class Trace:
     """A loaded trace: metadata plus an Arrow table; column accessors return (cached) NumPy arrays."""
 
-    def __init__(self, table: pa.Table, meta: TraceMeta, path: Path | None = None):
+    def __init__(self, table: pa.Table, meta: TraceMeta, path: Path | None = None, checksum: dict | None = None):
         self.table = table
         self.meta = meta
         self.path = path
+        #: the footer's checksum record, verified on load (None: a file written before checksums)
+        self.checksum = checksum
         self._lookahead: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -123,13 +130,25 @@ class Trace:
             known = ", ".join(sorted(self.meta.predictors)) or "none"
             raise TraceError(
                 f"{self.path or 'trace'}: no lookahead column {predictor!r} (this trace has: {known}); "
-                "`dali trace record` records real ones (next-gate, residual), "
-                "`dali trace synth --lookahead NAME=ACCURACY` makes synthetic ones"
+                "`dali trace record` records real ones (next-gate; residual with --residual; gate2 and gate3 "
+                "with --next-gates 3), `dali trace synth --lookahead NAME=ACCURACY[@OFFSET]` makes synthetic ones"
             )
         if predictor not in self._lookahead:
             col = self.meta.predictors[predictor].column
             self._lookahead[predictor] = fixed_list_to_numpy(self.table.column(col), self.num_experts, np.float32)
         return self._lookahead[predictor]
+
+    def column_arrays(self) -> dict[str, np.ndarray]:
+        """Every column as the accessors return it, by column name (what the checksums cover)."""
+        cols = {"seq_id": self.seq_id, "phase": self.phase, "pos": self.pos, "layer": self.layer,
+                "experts": self.experts}
+        if self.meta.has_weights:
+            cols["weights"] = self.weights
+        if self.meta.has_router_logits:
+            cols["router_logits"] = self.router_logits
+        for p in self.meta.predictors.values():
+            cols[p.column] = self.lookahead(p.name)
+        return cols
 
     def row_arrays(self) -> RowArrays:
         floats = {p.column: self.lookahead(p.name) for p in self.meta.predictors.values()}
@@ -161,47 +180,74 @@ class Trace:
         side = self.path.with_name(info.file)
         if not side.exists() and partial_path(side).exists():
             side = partial_path(side)
+        footer = _read_footer(side)
         table = _read_parquet(side)
-        keys = table.select(["seq_id", "pos", "layer"]).to_pandas()
-        return keys, fixed_list_to_numpy(table.column("hidden"), info.dim, np.float16)
+        hidden = fixed_list_to_numpy(table.column("hidden"), info.dim, np.float16)
+        record = read_record(footer, footer.get(META_KEY.encode(), b""), str(side))
+        if record is not None:
+            keys = {c: table.column(c).to_numpy() for c in ("seq_id", "pos", "layer")}
+            verify_columns(record, {**keys, "hidden": hidden}, str(side))
+        return table.select(["seq_id", "pos", "layer"]).to_pandas(), hidden
 
 
-def _read_parquet(path: Path, columns: Sequence[str] | None = None) -> pa.Table:
+def _check_exists(path: Path) -> None:
     if not path.exists():
         hint = f"; a partial trace exists at {partial_path(path)}" if partial_path(path).exists() else ""
         raise TraceError(f"{path}: no such file{hint}")
     try:
-        return pq.read_table(path, columns=list(columns) if columns is not None else None)
-    except (pa.ArrowInvalid, OSError) as exc:
+        check_input(path, "trace")
+    except PathError as exc:
+        raise TraceError(str(exc)) from None
+
+
+def _read_parquet(path: Path, columns: Sequence[str] | None = None) -> pa.Table:
+    _check_exists(path)
+    try:
+        return pq.read_table(path, columns=list(columns) if columns is not None else None,
+                             page_checksum_verification=True)
+    except (pa.ArrowException, OSError) as exc:
         raise TraceError(
             f"{path}: not a readable Parquet file (truncated or corrupt; a writer killed mid-way leaves "
             f"a .partial file without footer): {exc}"
         ) from None
 
 
-def read_meta(path: str | Path) -> TraceMeta:
-    """Only the metadata (cheap: reads the footer)."""
-    path = Path(path)
-    if not path.exists():
-        _read_parquet(path)  # raises the uniform message
+def _read_footer(path: Path) -> dict[bytes, bytes]:
+    """The footer's key-value metadata."""
+    _check_exists(path)
     try:
-        raw = pq.read_metadata(path).metadata
-    except (pa.ArrowInvalid, OSError) as exc:
+        return dict(pq.read_metadata(path).metadata or {})
+    except (pa.ArrowException, OSError) as exc:
         raise TraceError(f"{path}: not a readable Parquet file (truncated or corrupt): {exc}") from None
-    return meta_from_mapping(raw, str(path))
+
+
+def read_meta_and_checksum(path: str | Path) -> tuple[TraceMeta, dict | None]:
+    """The metadata (checked against the footer's checksum record) and that record (None: no checksum)."""
+    path = Path(path)
+    footer = _read_footer(path)
+    meta = footer.get(META_KEY.encode())
+    record = read_record(footer, meta, str(path)) if meta is not None else None
+    return meta_from_mapping(footer, str(path)), record
+
+
+def read_meta(path: str | Path) -> TraceMeta:
+    """Only the metadata (cheap: reads the footer), checked against its checksum."""
+    return read_meta_and_checksum(path)[0]
 
 
 def read_trace(path: str | Path, *, validate: bool = True, allow_partial: bool = False) -> Trace:
     """Load and (by default) validate a trace.
 
-    Validation: known schema version, the expected columns and types, ids in range, no duplicate ids
-    within a row, finite weights and predictions, every MoE layer present exactly once for every
-    token, prefill before decode. A partial trace is refused unless ``allow_partial``; its last token
-    may lack layers, so only the row checks run on it.
+    Validation: the checksums (Parquet pages; metadata and every column against the footer's SHA-256
+    record, when the file has one), known schema version, the expected columns and types, ids in
+    range, no duplicate ids within a row, finite weights and predictions, every MoE layer present
+    exactly once for every token, prefill before decode. A partial trace is refused unless
+    ``allow_partial``; its last token may lack layers, so only the row checks run on it.
+    ``validate=False`` skips the column checksums and the row checks (for benchmarks).
     """
     path = Path(path)
     where = str(path)
-    meta = read_meta(path)
+    meta, record = read_meta_and_checksum(path)
     if meta.status == STATUS_PARTIAL and not allow_partial:
         raise TraceError(
             f"{where}: partial trace (writer stopped: {meta.partial_reason or 'unknown reason'}); "
@@ -217,7 +263,9 @@ def read_trace(path: str | Path, *, validate: bool = True, allow_partial: bool =
             raise TraceError(f"{where}: column {field.name!r} has type {got}, expected {field.type}")
     if table.num_rows != meta.num_rows:
         raise TraceError(f"{where}: {table.num_rows} rows but the metadata says {meta.num_rows}")
-    trace = Trace(table.select(expected.names), meta, path)
+    trace = Trace(table.select(expected.names), meta, path, record)
+    if validate and record is not None:
+        verify_columns(record, trace.column_arrays(), where)
     if validate:
         for c in ("seq_id", "pos", "layer", "phase", "experts", "weights"):
             if c in table.column_names and table.column(c).null_count:

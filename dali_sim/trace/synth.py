@@ -31,17 +31,19 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
+from dali_sim.files import check_output, files_of
 from dali_sim.models.presets import get_model
 from dali_sim.models.spec import ModelSpec
 from dali_sim.registry import UnknownNameError
-from dali_sim.trace.calibrate import Calibration, calibrate, load_counts
 from dali_sim.trace.provenance import default_provenance
 from dali_sim.trace.schema import PredictorInfo, SequenceInfo
-from dali_sim.trace.writer import TraceWriter
+
+if TYPE_CHECKING:
+    from dali_sim.trace.calibrate import Calibration
 
 # Defaults, tuned so a gpt-oss-20b trace matches the real GPT-OSS-20B decode statistics (see the doc).
 DEFAULT_SKEW = 1.4
@@ -55,6 +57,12 @@ POPULARITY_SHAPES = ("lognormal", "zipf")
 DEFAULT_WEIGHT_ALPHA = 6.0
 DEFAULT_WEIGHT_TOTAL = 0.6
 WEIGHT_TOTAL_CONCENTRATION = 20.0  # Beta(m c, (1-m) c) total gate mass for models without renormalisation
+
+MAX_SEQUENCES = 1 << 20  # every sequence is described in the footer's metadata
+MAX_POSITIONS = (1 << 31) - 1  # positions are int32
+#: the least a row takes on disk (measured: 6 B for switch-base-8, top-1; 12 B for mixtral-8x7b, top-2), for the
+#: free-space check before writing; an estimate that errs low, never refusing what would fit
+MIN_BYTES_PER_ROW = 4
 
 ROWS_PER_CHUNK = 1 << 18  # routing state kept in memory: (sequences x positions x layers) cells
 MAX_BATCH = 256  # sequences generated side by side (bounds the per-sequence popularity arrays)
@@ -175,6 +183,9 @@ class SynthConfig:
         num_layers = spec.num_moe_layers
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         set_("sequences", _int("sequences", self.sequences, 1))
+        if self.sequences > MAX_SEQUENCES:
+            raise ValueError(f"sequences = {self.sequences:,} exceeds {MAX_SEQUENCES:,} (each one is described in the "
+                             "trace's metadata); write several traces")
         set_("prompt_len", _int("prompt_len", self.prompt_len, 0))
         set_("gen_len", _int("gen_len", self.gen_len, 0))
         if self.prompt_len + self.gen_len == 0:
@@ -182,6 +193,10 @@ class SynthConfig:
         set_("seed", _int("seed", self.seed, 0))
         set_("prompt_len_jitter", _fraction("prompt_len_jitter", self.prompt_len_jitter, 0.0, 1.0))
         set_("gen_len_jitter", _fraction("gen_len_jitter", self.gen_len_jitter, 0.0, 1.0))
+        longest = (round(self.prompt_len * (1 + self.prompt_len_jitter))
+                   + round(self.gen_len * (1 + self.gen_len_jitter)))
+        if longest > MAX_POSITIONS:
+            raise ValueError(f"a sequence of up to {longest:,} tokens exceeds {MAX_POSITIONS:,} positions (int32)")
         skew = _fraction("skew", self.skew, 0.0, math.inf)
         if not math.isfinite(skew) or skew > 10:
             raise ValueError(f"skew must lie in [0, 10], got {self.skew!r}")
@@ -474,13 +489,38 @@ def _batches(lengths: np.ndarray, num_layers: int) -> Iterator[tuple[int, int, i
         start += nb
 
 
+def total_rows(config: SynthConfig) -> int:
+    """Rows the trace of ``config`` will have (every token of every sequence at every MoE layer)."""
+    prompt, gen = sequence_lengths(config)
+    return int(prompt.sum() + gen.sum()) * config.spec().num_moe_layers
+
+
+def check_fits_disk(config: SynthConfig, out_path: str | Path) -> None:
+    """Refuse a request whose trace cannot fit the free space where it is written (before any work)."""
+    import shutil
+
+    need = total_rows(config) * MIN_BYTES_PER_ROW
+    folder = Path(out_path).absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise ValueError(f"{out_path}: {total_rows(config):,} rows need at least {need / 2**30:,.1f} GiB, but only "
+                         f"{free / 2**30:,.1f} GiB are free in {folder}; ask for fewer or shorter sequences")
+
+
 def synthesize(config: SynthConfig, out_path: str | Path, command: str | None = None,
                progress: bool | None = None) -> Path:
     """Write the trace described by ``config`` to ``out_path`` and return its path.
 
     ``progress``: a tqdm bar on stderr (None = only when stderr is a terminal).
     """
+    from dali_sim.trace.calibrate import calibrate, load_counts  # here: pyarrow and pandas are slow to import
+    from dali_sim.trace.writer import TraceWriter
+
+    check_output(out_path, files_of(config.popularity_from), "trace")
     spec = config.spec()
+    check_fits_disk(config, out_path)
     num_layers, k, e = spec.num_moe_layers, spec.top_k, spec.num_experts
     pop_rng = _stream(config.seed, _STREAM_POPULARITY)
     calibration: Calibration | None = None

@@ -1,11 +1,16 @@
 """Streaming trace writer: bounded memory, and a file that is either complete or recognisably partial.
 
-While writing, rows go to ``OUT.parquet.partial`` in row groups. :meth:`TraceWriter.close` writes the
-footer with ``status=complete`` and renames the file to ``OUT.parquet``. If the writing code raises
-(or :meth:`TraceWriter.abort` is called) the footer is written with ``status=partial`` and the reason,
-and the file stays at ``OUT.parquet.partial``: readable with ``allow_partial=True``, never mistaken for
-a complete trace. A process killed outright leaves a ``.partial`` file without a footer, which the
-reader reports as truncated.
+While writing, rows go in row groups to a temporary file of a unique name beside the output
+(``.OUT.parquet.<random>.partial``, so two writers to one output never share a file).
+:meth:`TraceWriter.close` writes the footer with ``status=complete`` and renames the file to
+``OUT.parquet``. If the writing code raises (Ctrl-C, and SIGTERM in the ``dali`` command, included) or
+:meth:`TraceWriter.abort` is called, the footer is written with ``status=partial`` and the reason and
+the file is renamed to ``OUT.parquet.partial``: readable with ``allow_partial=True``, never mistaken for
+a complete trace. If even that footer cannot be written (a full disk) the temporary file is removed.
+Only a process killed outright (SIGKILL) leaves its temporary file, without a footer.
+
+Every file carries Parquet page checksums and a SHA-256 of its metadata and of every column
+(:mod:`dali_sim.trace.checksum`), which the reader verifies.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dali_sim.files import check_output, deferred_signals, temp_path, write_error
 from dali_sim.models.spec import ModelSpec
+from dali_sim.trace.checksum import CHECKSUM_KEY, ContentHasher, checksum_record, nan_null_rows
 from dali_sim.trace.provenance import default_provenance
 from dali_sim.trace.schema import (
     META_KEY,
@@ -74,24 +81,50 @@ def fixed_list_array(values: np.ndarray, arrow_type: pa.DataType, nullable_rows:
 
 
 class _PartialParquet:
-    """A ParquetWriter on ``<path>.partial`` that is renamed to ``path`` only on success."""
+    """A ParquetWriter on a unique temporary file, renamed to ``path`` (complete) or
+    ``<path>.partial`` (aborted) when finished, and removed if it cannot be finished."""
 
     def __init__(self, path: Path, schema: pa.Schema, compression: str):
-        self.final = path
-        self.tmp = partial_path(path)
-        self.tmp.parent.mkdir(parents=True, exist_ok=True)
-        self.writer = pq.ParquetWriter(self.tmp, schema, compression=compression)
+        self.final = check_output(path, what="trace")
+        self.hasher = ContentHasher(schema.names)
+        self.tmp = temp_path(path)
+        try:
+            self.writer = pq.ParquetWriter(self.tmp, schema, compression=compression, write_page_checksum=True)
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
+        self.target: Path | None = None
 
     def write(self, table: pa.Table) -> None:
-        self.writer.write_table(table)
+        try:
+            self.writer.write_table(table)
+        except OSError as exc:
+            raise write_error(self.final, exc) from None
 
     def finish(self, meta_json: str, complete: bool) -> Path:
-        self.writer.add_key_value_metadata({META_KEY: meta_json})
-        self.writer.close()
-        if complete:
-            os.replace(self.tmp, self.final)
-            return self.final
-        return self.tmp
+        try:
+            self.writer.add_key_value_metadata({META_KEY: meta_json,
+                                                CHECKSUM_KEY: checksum_record(meta_json, self.hasher.digests())})
+            self.writer.close()
+            target = self.final if complete else partial_path(self.final)
+            os.replace(self.tmp, target)
+        except BaseException as exc:
+            self.discard()
+            if isinstance(exc, OSError):
+                raise write_error(self.final, exc) from None
+            raise
+        self.target = target
+        return target
+
+    def discard(self) -> None:
+        """Drop the temporary file (and a finished file of this writer)."""
+        try:
+            self.writer.close()
+        except Exception:  # a broken writer (full disk): the file goes anyway
+            pass
+        self.tmp.unlink(missing_ok=True)
+        if self.target is not None:
+            self.target.unlink(missing_ok=True)
 
 
 class TraceWriter:
@@ -152,7 +185,11 @@ class TraceWriter:
                 pa.field("layer", pa.int16(), nullable=False),
                 pa.field("hidden", fixed_list(pa.float16(), hidden.dim), nullable=False),
             ])
-            self._hidden = _PartialParquet(self.path.with_name(hidden.file), self._hidden_schema, compression)
+            try:
+                self._hidden = _PartialParquet(self.path.with_name(hidden.file), self._hidden_schema, compression)
+            except BaseException:
+                self._main.discard()
+                raise
 
     # ---- rows --------------------------------------------------------------------------------
     @property
@@ -230,10 +267,28 @@ class TraceWriter:
             arrays.append(fixed_list_array(floats["router_logits"], self.schema.field("router_logits").type))
         for pred in m.predictors.values():
             arrays.append(fixed_list_array(floats[pred.column], self.schema.field(pred.column).type, True))
-        self._buffer.append(pa.Table.from_arrays(arrays, schema=self.schema))
-        self._buffered += n
+        table = pa.Table.from_arrays(arrays, schema=self.schema)
+        with deferred_signals():  # the rows are buffered and checksummed, or neither
+            self._buffer.append(table)
+            self._hash(cols, phases, experts, weights, floats)
+            self._buffered += n
         if self._buffered >= self.row_group_size:
             self._flush()
+
+    def _hash(self, cols, phases, experts, weights, floats) -> None:
+        """Feed the rows to the checksum as the reader will return them (its dtypes, null rows as NaN)."""
+        h = self._main.hasher
+        h.update("seq_id", cols["seq_id"].astype(np.int32))
+        h.update("phase", np.ascontiguousarray(phases, dtype=np.int8))
+        h.update("pos", cols["pos"].astype(np.int32))
+        h.update("layer", cols["layer"].astype(np.int16))
+        h.update("experts", experts.astype(np.int16))
+        if weights is not None:
+            h.update("weights", weights)
+        if "router_logits" in floats:
+            h.update("router_logits", floats["router_logits"])
+        for pred in self.meta.predictors.values():
+            h.update(pred.column, nan_null_rows(floats[pred.column]))
 
     def write_hidden(self, *, seq_id, pos, layer, hidden: np.ndarray) -> None:
         """Append hidden states (n, dim) for (seq_id, pos, layer) keys to the sidecar file."""
@@ -246,14 +301,19 @@ class TraceWriter:
         if not np.isfinite(hidden).all():
             bad = int(np.flatnonzero(~np.isfinite(hidden).all(axis=1))[0])
             raise ValueError(f"{self.path}: hidden state row {self._hidden_rows + bad} is not finite (float16 overflow?)")
+        keys = {"seq_id": np.broadcast_to(np.asarray(seq_id), (n,)).astype(np.int32),
+                "pos": np.broadcast_to(np.asarray(pos), (n,)).astype(np.int32),
+                "layer": np.broadcast_to(np.asarray(layer), (n,)).astype(np.int16)}
         table = pa.Table.from_arrays([
-            pa.array(np.broadcast_to(np.asarray(seq_id), (n,)), type=pa.int32()),
-            pa.array(np.broadcast_to(np.asarray(pos), (n,)), type=pa.int32()),
-            pa.array(np.broadcast_to(np.asarray(layer), (n,)), type=pa.int16()),
+            pa.array(keys["seq_id"]), pa.array(keys["pos"]), pa.array(keys["layer"]),
             fixed_list_array(hidden, self._hidden_schema.field("hidden").type),
         ], schema=self._hidden_schema)
-        self._hidden.write(table)
-        self._hidden_rows += n
+        with deferred_signals():  # written and checksummed, or neither
+            self._hidden.write(table)
+            for name, values in keys.items():
+                self._hidden.hasher.update(name, values)
+            self._hidden.hasher.update("hidden", hidden)
+            self._hidden_rows += n
 
     def _flush(self, final: bool = False) -> None:
         """Write whole row groups; the remainder waits for more rows unless ``final``."""
@@ -263,10 +323,12 @@ class TraceWriter:
         size = self.row_group_size
         whole = table.num_rows if final else (table.num_rows // size) * size
         for start in range(0, whole, size):
-            self._main.write(table.slice(start, min(size, whole - start)))
-        self._rows += whole
-        rest = table.slice(whole)
-        self._buffer, self._buffered = ([rest] if rest.num_rows else []), rest.num_rows
+            with deferred_signals():  # a row group is written and counted, or neither
+                part = table.slice(start, min(size, whole - start))
+                self._main.write(part)
+                self._rows += part.num_rows
+                rest = table.slice(start + part.num_rows)
+                self._buffer, self._buffered = ([rest] if rest.num_rows else []), rest.num_rows
 
     # ---- finishing ---------------------------------------------------------------------------
     def close(self) -> Path:
@@ -281,14 +343,27 @@ class TraceWriter:
         if self._closed:
             return self.path if complete else partial_path(self.path)
         self._closed = True
-        self._flush(final=True)
-        self.meta.num_rows = self._rows
-        self.meta.status = STATUS_COMPLETE if complete else STATUS_PARTIAL
-        self.meta.partial_reason = reason
-        meta_json = self.meta.to_json()
-        if self._hidden is not None:  # the sidecar lands first: a complete main file implies it
-            self._hidden.finish(meta_json, complete)
-        return self._main.finish(meta_json, complete)
+        files = [f for f in (self._hidden, self._main) if f is not None]  # the sidecar lands first
+        try:
+            self._flush(final=True)
+            self.meta.num_rows = self._rows
+            self.meta.status = STATUS_COMPLETE if complete else STATUS_PARTIAL
+            self.meta.partial_reason = reason
+            meta_json = self.meta.to_json()
+            for f in files:
+                path = f.finish(meta_json, complete)
+        except BaseException:
+            for f in files:  # nothing half-written stays, and no sidecar without its trace
+                f.discard()
+            raise
+        return path
+
+    def discard(self) -> None:
+        """Stop without keeping anything (no partial trace)."""
+        self._closed = True
+        for f in (self._hidden, self._main):
+            if f is not None:
+                f.discard()
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -296,5 +371,8 @@ class TraceWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:
+            return
+        try:
             self.abort(f"{exc_type.__name__}: {exc}")
+        except Exception:  # cannot even keep a partial trace (full disk): the first error is the one to report
+            pass

@@ -1,5 +1,7 @@
-"""From traces to simulated work: batches, steps and per-layer expert workloads."""
+"""From traces to simulated work: batches, steps and per-layer expert workloads (names imported on first use)."""
 
-from dali_sim.workload.builder import SparseCounts, Workload, WorkloadConfig
+from dali_sim.lazy import lazy_exports
 
-__all__ = ["SparseCounts", "Workload", "WorkloadConfig"]
+_EXPORTS = dict.fromkeys(("SparseCounts", "Workload", "WorkloadConfig"), "dali_sim.workload.builder")
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

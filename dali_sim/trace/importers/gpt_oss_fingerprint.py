@@ -9,17 +9,17 @@ is never fed back, so there are ``len(generated_only) - 1`` entries. Prefill rou
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from dali_sim.models.presets import get_model
-from dali_sim.trace.importers import IMPORTERS, Importer, expand_inputs
+from dali_sim.trace.importers import IMPORTERS, Importer, expand_inputs, input_named
 from dali_sim.trace.importers.jsonio import load_json, require
 from dali_sim.trace.provenance import default_provenance
 from dali_sim.trace.schema import SequenceInfo
-from dali_sim.trace.writer import TraceWriter
 
 MODEL = "gpt-oss-20b"
 SOURCE = "github.com/AmanPriyanshu/GPT-OSS-MoE-ExpertFingerprinting@72b368f60045221f21eeb65debb27d58de92e565"
@@ -68,6 +68,10 @@ def _parse_file(path: Path, num_layers: int, top_k: int, num_experts: int):
                 raise ValueError(f"{lw}: selected_experts must be integers, got {ids}")
             if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in probs):
                 raise ValueError(f"{lw}: selected_probs must be numbers, got {probs}")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"{lw}: selected_experts has a duplicate id: {ids}")
+            if not all(math.isfinite(x) and x >= 0 for x in probs):
+                raise ValueError(f"{lw}: selected_probs must be finite and non-negative, got {probs}")
             experts[i, layer] = ids
             weights[i, layer] = probs
     if t:
@@ -77,7 +81,7 @@ def _parse_file(path: Path, num_layers: int, top_k: int, num_experts: int):
             raise ValueError(f"{where}: router_data[{i}] layer_{layer}: expert id out of range 0..{num_experts - 1}: "
                              f"{experts[i, layer].tolist()}")
         sums = weights.sum(axis=2)
-        off = np.abs(sums - 1.0) > WEIGHT_SUM_TOLERANCE
+        off = ~(np.abs(sums - 1.0) <= WEIGHT_SUM_TOLERANCE)
         if off.any():
             i, layer = np.argwhere(off)[0]
             raise ValueError(f"{where}: router_data[{i}] layer_{layer}: selected_probs sum to {sums[i, layer]:.4f}, "
@@ -93,6 +97,8 @@ def _parse_file(path: Path, num_layers: int, top_k: int, num_experts: int):
 
 
 def run(paths: Sequence[Path], out: Path, command: str) -> Path:
+    from dali_sim.trace.writer import TraceWriter  # here: pyarrow is slow to import, `dali --help` lists formats
+
     files = expand_inputs(paths, "*.json")
     model = get_model(MODEL)
     layers = np.asarray(model.moe_layers)
@@ -113,14 +119,15 @@ def run(paths: Sequence[Path], out: Path, command: str) -> Path:
             if t == 0:
                 continue
             # rows in (pos, layer) order
-            writer.write(
-                seq_id=seq_id,
-                phase="decode",
-                pos=np.repeat(positions, num_layers),
-                layer=np.tile(layers, t),
-                experts=experts.reshape(t * num_layers, -1),
-                weights=weights.reshape(t * num_layers, -1),
-            )
+            with input_named(path):
+                writer.write(
+                    seq_id=seq_id,
+                    phase="decode",
+                    pos=np.repeat(positions, num_layers),
+                    layer=np.tile(layers, t),
+                    experts=experts.reshape(t * num_layers, -1),
+                    weights=weights.reshape(t * num_layers, -1),
+                )
     return out
 
 

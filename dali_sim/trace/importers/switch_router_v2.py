@@ -15,11 +15,10 @@ from typing import Sequence
 import numpy as np
 
 from dali_sim.models.presets import get_model
-from dali_sim.trace.importers import IMPORTERS, Importer, expand_inputs
+from dali_sim.trace.importers import IMPORTERS, Importer, expand_inputs, input_named
 from dali_sim.trace.importers.jsonio import load_json, require
 from dali_sim.trace.provenance import default_provenance
 from dali_sim.trace.schema import SequenceInfo
-from dali_sim.trace.writer import TraceWriter
 
 MODEL = "switch-base-8"
 METADATA_NAME = "capture-metadata.json"
@@ -90,6 +89,8 @@ def _convert_one(path: Path, model) -> tuple[np.ndarray, list[dict]]:
 
 
 def run(paths: Sequence[Path], out: Path, command: str) -> Path:
+    from dali_sim.trace.writer import TraceWriter  # here: pyarrow is slow to import, `dali --help` lists formats
+
     files = expand_inputs(paths, "router-trace.v2.json")
     model = get_model(MODEL)
     layers = np.asarray(model.moe_layers)
@@ -108,12 +109,13 @@ def run(paths: Sequence[Path], out: Path, command: str) -> Path:
                     seq_id=seq_id, name=str(span.get("id", f"{path.stem}-{seq_id}")), prompt_tokens=n,
                     generated_tokens=0, attrs={"source_file": path.name, "token_start": start},
                 ))
-                writer.write(
-                    seq_id=seq_id, phase="prefill",
-                    pos=np.repeat(np.arange(n), len(layers)),
-                    layer=np.tile(layers, n),
-                    experts=selections[start:end].reshape(-1, 1),
-                )
+                with input_named(path):
+                    writer.write(
+                        seq_id=seq_id, phase="prefill",
+                        pos=np.repeat(np.arange(n), len(layers)),
+                        layer=np.tile(layers, n),
+                        experts=selections[start:end].reshape(-1, 1),
+                    )
                 seq_id += 1
     return out
 
