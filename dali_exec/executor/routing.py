@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 @dataclass
@@ -77,33 +76,16 @@ class LayerRouting:
 
     def matches(self, experts: np.ndarray, counts: np.ndarray) -> bool:
         """Are these exactly the activated experts (those with counted tokens) with these workloads (any order)?"""
-        order = np.argsort(experts)
+        experts, counts = np.asarray(experts, np.int64), np.asarray(counts, np.int64)
         own = self.counts()
-        used = own > 0
-        return np.array_equal(np.asarray(experts)[order], self.experts[used]) and \
-            np.array_equal(np.asarray(counts)[order], own[used])
+        width = 1 + max(int(experts.max(initial=-1)), int(self.experts.max(initial=-1)))
+        want, have = np.zeros(width, np.int64), np.zeros(width, np.int64)
+        want[experts] = counts
+        have[self.experts] = own
+        return bool((counts > 0).all()) and np.array_equal(want, have)
 
     def segment(self, expert: int) -> slice:
         i = int(np.searchsorted(self.experts, expert))
         if i >= len(self.experts) or self.experts[i] != expert:
             raise AssertionError(f"expert {expert} has no tokens in this layer's routing")
         return slice(int(self.ptr[i]), int(self.ptr[i + 1]))
-
-
-class DeviceRouting:
-    """``LayerRouting`` as index and weight tensors on one device, sliced per expert."""
-
-    def __init__(self, r: LayerRouting, device: torch.device, dtype: torch.dtype):
-        pos = torch.from_numpy(r.positions)
-        self._index = torch.stack([pos, pos // r.top_k]).to(device, non_blocking=True)  # flat positions, tokens
-        self._weights = torch.from_numpy(r.weights).to(device=device, dtype=dtype, non_blocking=True).unsqueeze(1)
-        bounds = r.ptr.tolist()
-        self._bounds = dict(zip(r.experts.tolist(), zip(bounds[:-1], bounds[1:])))
-
-    def of(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(flat positions, token indices, weights (n x 1)) of ``expert``."""
-        try:
-            a, b = self._bounds[expert]
-        except KeyError:
-            raise AssertionError(f"expert {expert} has no tokens in this layer's routing") from None
-        return self._index[0, a:b], self._index[1, a:b], self._weights[a:b]

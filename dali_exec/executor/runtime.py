@@ -7,19 +7,21 @@ Per layer, in the simulator's order (docs/simulator.md):
    plan issues (background copies; a prefetch whose buffer is still being read waits for it);
 2. the caller runs the dense part (attention, router, shared experts);
 3. :meth:`OffloadRuntime.run_experts`: evictions and admissions update the slot table; the CPU lane
-   (a worker thread) computes the CPU experts from host memory while the accelerator lane issues the
-   on-demand copies in touch order (a staged one when a staging buffer is free) and computes, in touch
-   order, the first expert whose weights have landed, else waits for the next copy; the outputs are
-   combined exactly (:mod:`.routing`); the swaps the cache asked for start in the background.
+   computes the CPU experts from host memory (on its worker thread while the accelerator lane works, or
+   in the calling thread when the layer has no accelerator experts) while the accelerator lane issues
+   the on-demand copies in touch order (all at once; a staged one when a staging buffer is free) and,
+   repeatedly, computes every expert whose weights have landed as one grouped call
+   (:mod:`.grouped`), else waits for the next copy; the outputs are combined exactly (:mod:`.routing`);
+   the swaps the cache asked for start in the background.
 
-Everything the runtime does is dictated by the plan; it makes no decision of its own.
+Everything the runtime does is dictated by the plan; it makes no decision of its own. Its host work
+per layer is a fixed number of array operations and tensor calls per group, not per expert.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,21 +29,15 @@ import torch
 from dali_exec.executor.copies import BACKGROUND, ON_DEMAND, CopyEngine, CopyTicket
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices
-from dali_exec.executor.routing import DeviceRouting, LayerRouting
+from dali_exec.executor.grouped import GroupIndex
+from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.executor.timing import Stopwatch, Timer
 from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, LayerPlan
 from dali_sim.sim.engine import Activity
 
-
-@dataclass
-class _GpuExpert:
-    expert: int
-    source: int
-    staged: bool
-    slot: Slot | None  # None: a staged expert still waiting for a staging buffer
-    release: str = ""  # "staging" | "prefetch": give the slot back after the compute
+NO_RELEASE, STAGING, PREFETCH = 0, 1, 2  # what happens to an accelerator expert's buffer after its compute
 
 
 class OffloadRuntime:
@@ -59,7 +55,8 @@ class OffloadRuntime:
         self.store, self.dev = store, devices
         self.layout = store.layout
         self.timer = timer or Timer(devices.accel if devices.is_cuda else None)
-        self.pool = SlotPool(capacities, prefetch_slots, staging_slots, self.layout.numel, devices.dtype, devices.accel)
+        self.pool = SlotPool(capacities, prefetch_slots, staging_slots, self.layout.numel, devices.dtype, devices.accel,
+                             num_experts=store.num_experts)
         self.copies = CopyEngine(devices.copy_stream, self.timer, delay_s=copy_delay_s, device=devices.accel)
         self.cpu = CpuWorker(cpu_threads)
         self.compute_stream = torch.cuda.current_stream(devices.accel) if devices.is_cuda else None
@@ -69,12 +66,17 @@ class OffloadRuntime:
         self.layer_wait = np.zeros(L)
         self.layer_bookkeeping = np.zeros(L)
         self.layer_bookkeeping_cpu = np.zeros(L)
+        #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
+        self.groups = {"gpu": 0, "cpu": 0}
+        self.grouped_experts = {"gpu": 0, "cpu": 0}
 
     # ---- setup --------------------------------------------------------------------------------
     def load(self, resident: np.ndarray) -> None:
         """Copy the initial cache contents ((L, E) bool) into cache slots, synchronously."""
-        for layer, e in np.argwhere(np.asarray(resident)).tolist():
-            self.pool.admit(layer, e).data.copy_(self.store.host(layer, e))
+        for layer, row in enumerate(np.asarray(resident)):
+            experts = np.flatnonzero(row)
+            for r, e in zip(self.pool.admit_many(layer, experts).tolist(), experts.tolist()):
+                self.pool.slots[r].data.copy_(self.store.host(layer, e))
         self.dev.synchronize()
 
     @property
@@ -122,83 +124,33 @@ class OffloadRuntime:
                              f"{routing.counts().tolist()} tokens differ from the plan's {plan.experts.tolist()}")
         dev, pool = self.dev, self.pool
         T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
-
-        for e in plan.evicted:
-            pool.evict(layer, e)
-        gpu: list[_GpuExpert] = []
-        fetches: deque[_GpuExpert] = deque()
-        cpu_experts: list[int] = []
-        for i, (e, src) in enumerate(zip(plan.experts.tolist(), plan.source.tolist())):
-            if src == CPU:
-                cpu_experts.append(e)
-                continue
-            if src == HIT:
-                g = _GpuExpert(e, src, False, pool.cached(layer, e))
-            elif src == PREFETCHED:
-                slot = pool.pop_prefetched(layer, e)
-                if plan.admitted[i]:
-                    pool.adopt(layer, e, slot)
-                    g = _GpuExpert(e, src, False, slot)
-                else:
-                    g = _GpuExpert(e, src, False, slot, release="prefetch")
-            elif src == FETCH:
-                if plan.admitted[i]:
-                    g = _GpuExpert(e, src, False, pool.admit(layer, e))
-                else:
-                    g = _GpuExpert(e, src, True, None, release="staging")
-                fetches.append(g)
-            else:
-                raise AssertionError(f"unknown source {src}")
-            gpu.append(g)
+        if len(plan.evicted):
+            pool.evict_many(layer, np.asarray(plan.evicted))
+        lanes = _AccelLane.of(plan, pool)
+        cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
         if uncounted_on_cpu and routing.counted is not None:
-            cpu_experts += routing.experts[routing.counts() == 0].tolist()
+            cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
         self._issue_deferred()  # adoptions may have freed prefetch buffers
 
         # the CPU lane starts first and runs while the accelerator lane works
         sw.stop()
-        cpu_job = None
-        if cpu_experts:
+        cpu_job = cpu_now = None
+        if cpu_seg.size:
             x_host = x if x.device.type == "cpu" else x.to(dev.host)
-            cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_experts, x_host, routing)
-        x_acc = x if (x.device == dev.accel or not gpu) else x.to(dev.accel, non_blocking=True)
+            if lanes.n == 0 and torch.get_num_threads() == self.cpu.threads:
+                cpu_now = (x_host,)  # nothing else to do meanwhile: computed here, below, with the same threads
+            else:
+                cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing)
+        x_acc = x if (x.device == dev.accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         out_buf = torch.zeros((T * k, H), dtype=dev.dtype, device=dev.accel)
         sw.start()
-        droute = DeviceRouting(routing, dev.accel, dev.dtype) if gpu else None
 
-        staging_used = 0
-        remaining = list(gpu)
-        while remaining:
-            while fetches:  # on-demand copies in touch order; a staged one needs a free staging buffer
-                g = fetches[0]
-                if g.slot is None:
-                    g.slot = pool.take_staging(layer, g.expert)
-                    if g.slot is None:
-                        break
-                    staging_used += 1
-                self._copy(g.slot, layer, g.expert, ON_DEMAND, Activity("fetch", step, layer, g.expert))
-                fetches.popleft()
-            g = next((r for r in remaining if r.slot is not None and self._is_present(r.slot)), None)
-            if g is None:
-                waiting = [r.slot.ticket for r in remaining if r.slot is not None and r.slot.ticket is not None]
-                if not waiting:
-                    raise AssertionError(f"step {step} layer {layer}: no GPU expert can become ready")
-                sw.stop()
-                w0 = time.perf_counter()
-                self.copies.wait_any(waiting)
-                self.layer_wait[layer] += time.perf_counter() - w0
-                sw.start()
-                continue
-            remaining.remove(g)
-            sw.stop()
-            self._gpu_expert(step, layer, g, x_acc, droute, out_buf)
-            sw.start()
-            if g.release == "staging":
-                pool.release_staging(g.slot)
-                staging_used -= 1
-            elif g.release == "prefetch":
-                self._free_prefetch(g.slot)
-
+        if lanes.n:
+            self._accelerator_lane(plan, lanes, routing, x_acc, out_buf, sw)
         sw.stop()
+        if cpu_now is not None:
+            pos, vals = self._cpu_lane(step, layer, cpu_seg, cpu_now[0], routing)
+            out_buf.index_copy_(0, pos, vals)
         if cpu_job is not None:
             pos, vals = cpu_job.result()
             out_buf.index_copy_(0, pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True))
@@ -210,23 +162,103 @@ class OffloadRuntime:
             slot = pool.swap(layer, e_in, e_out)
             ticket = self._copy(slot, layer, e_in, BACKGROUND, Activity("swap", step, layer, e_in, other=e_out))
             self.swaps_landing.setdefault(layer, []).append(ticket)
-        pool.check_layer(layer, staging_used)
+        pool.check_layer(layer, lanes.staging_used)
         if self.deferred:
             raise AssertionError(f"step {step} layer {layer}: prefetches still wait for a buffer at the layer's end")
         sw.stop()
         self._book(layer, sw)
         return out
 
+    def _accelerator_lane(self, plan: LayerPlan, lanes: "_AccelLane", routing: LayerRouting, x: torch.Tensor,
+                          out_buf: torch.Tensor, sw: Stopwatch) -> None:
+        """Issue the on-demand copies, then compute whatever has landed as one group, until all is done."""
+        pool, layer = self.pool, plan.layer
+        remaining = np.arange(lanes.n)
+        seg = np.searchsorted(routing.experts, lanes.experts)  # each expert's segment of the routing
+        while remaining.size:
+            self._fetch(plan, lanes)
+            rows = lanes.rows[remaining]
+            have = rows >= 0
+            ready = have.copy()
+            ready[have] = np.broadcast_to(self._is_present(rows[have]), (int(have.sum()),))
+            if not ready.any():
+                if not have.any():
+                    raise AssertionError(f"step {plan.step} layer {layer}: no GPU expert can become ready")
+                sw.stop()
+                w0 = time.perf_counter()
+                self.copies.wait_rows(pool.inflight, rows[have])
+                self.layer_wait[layer] += time.perf_counter() - w0
+                sw.start()
+                continue
+            group, remaining = remaining[ready], remaining[~ready]
+            self._accelerator_group(plan, routing, seg[group], lanes.rows[group], x, out_buf, sw)
+            for i in group[lanes.release[group] != NO_RELEASE].tolist():
+                slot = pool.slots[int(lanes.rows[i])]
+                if lanes.release[i] == STAGING:
+                    pool.release_staging(slot)
+                    lanes.staging_used -= 1
+                else:
+                    self._free_prefetch(slot)
+
+    def _fetch(self, plan: LayerPlan, lanes: "_AccelLane") -> None:
+        """Issue the on-demand copies not issued yet, in touch order, up to the first staged one that finds
+        no free staging buffer, as one request."""
+        todo = lanes.fetch_todo
+        if not todo.size:
+            return
+        pool, layer = self.pool, plan.layer
+        need = np.flatnonzero(lanes.rows[todo] < 0)  # staged, no buffer yet
+        free = len(pool.staging_free)
+        cut = todo.size if need.size <= free else int(need[free])
+        take, lanes.fetch_todo = todo[:cut], todo[cut:]
+        for i in take[lanes.rows[take] < 0].tolist():
+            lanes.rows[i] = pool.take_staging(layer, int(lanes.experts[i])).index
+            lanes.staging_used += 1
+        if take.size:
+            self._copy_many(lanes.rows[take], layer, lanes.experts[take], ON_DEMAND, ("fetch", plan.step, layer))
+
+    def _accelerator_group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray,
+                           x: torch.Tensor, out_buf: torch.Tensor, sw: Stopwatch) -> None:
+        pool, dev = self.pool, self.dev
+        gi = GroupIndex.build(routing, seg, rows, pool.table.shape[0])
+        pool.check_rows(gi.rows, plan.layer, gi.experts)
+        pos, tok, offs, pair_rows, w = _device_indices(gi, routing, dev.accel, dev.dtype, self.layout.bias)
+        stream = self.compute_stream
+        sw.stop()
+        start = self.timer.mark(stream)
+        y = self.layout.forward_grouped(pool.table, x.index_select(0, tok), offs, gi.table_counts, pair_rows)
+        out_buf.index_copy_(0, pos, y * w)
+        end = self.timer.mark(stream)
+        sw.start()
+        if stream is not None:
+            for r in gi.rows.tolist():
+                pool.last_use[r] = end  # a later copy into this slot waits for this compute
+        self.timer.add_group("gpu", plan.step, plan.layer, gi.experts, gi.counts, start, end)
+        self.groups["gpu"] += 1
+        self.grouped_experts["gpu"] += len(gi)
+
     # ---- pieces -------------------------------------------------------------------------------
-    def _is_present(self, slot: Slot) -> bool:
-        """Have the slot's weights landed? (The GPU lane's only question; tests replace it to show that
-        :meth:`Slot.check_ready` catches a compute from a slot whose copy is still in flight.)"""
-        return slot.ready()
+    def _is_present(self, rows: np.ndarray) -> np.ndarray:
+        """Have the rows' weights landed? (The GPU lane's only question; tests replace it to show that
+        :meth:`SlotPool.check_rows` catches a compute from a slot whose copy is still in flight.)"""
+        return self.pool.landed(rows)
 
     def _copy(self, slot: Slot, layer: int, expert: int, priority: int, what: Activity) -> CopyTicket:
+        pool = self.pool
         ticket = self.copies.submit(slot.data, self.store.host(layer, expert), priority, what,
-                                    after=slot.last_use, previous=slot.ticket)
+                                    after=slot.last_use, previous=slot.ticket, row=slot.index, inflight=pool.inflight)
         slot.ticket = ticket
+        return ticket
+
+    def _copy_many(self, rows: np.ndarray, layer: int, experts: np.ndarray, priority: int, what: tuple) -> CopyTicket:
+        pool = self.pool
+        r = rows.tolist()
+        after = [pool.last_use[i] for i in r] if self.dev.is_cuda else None
+        ticket = self.copies.submit_many([pool.slots[i].data for i in r], self.store.weights[layer], experts.tolist(),
+                                         priority, (*what, experts), after=after,
+                                         previous=[pool.tickets[i] for i in r], rows=rows, inflight=pool.inflight)
+        for i in r:
+            pool.tickets[i] = ticket
         return ticket
 
     def _free_prefetch(self, slot: Slot) -> None:
@@ -239,34 +271,19 @@ class OffloadRuntime:
             target, e, what = self.deferred.popleft()
             self._copy(self.pool.take_prefetch(target, e), target, e, BACKGROUND, what)
 
-    def _gpu_expert(self, step: int, layer: int, g: _GpuExpert, x: torch.Tensor, r: DeviceRouting,
-                    out_buf: torch.Tensor) -> None:
-        slot = g.slot
-        slot.check_ready(layer, g.expert)
-        pos, tok, w = r.of(g.expert)
-        stream = self.compute_stream
-        start = self.timer.mark(stream)
-        y = self.layout.forward(slot.data, x.index_select(0, tok))
-        out_buf.index_copy_(0, pos, y * w)
-        end = self.timer.mark(stream)
-        if stream is not None:
-            slot.last_use = end  # a later copy into this slot waits for this compute
-        self.timer.add("gpu", Activity("expert", step, layer, g.expert, tokens=int(tok.shape[0])), start, end)
-
-    def _cpu_lane(self, step: int, layer: int, experts: list[int], x: torch.Tensor, r: LayerRouting):
-        """Runs on the CPU worker: the CPU experts in touch order, from host memory."""
-        positions, values = [], []
-        for e in experts:
-            s = r.segment(e)
-            pos = torch.from_numpy(r.positions[s])
-            w = torch.from_numpy(r.weights[s]).to(self.dev.dtype).unsqueeze(1)
-            start = self.timer.mark()
-            y = self.layout.forward(self.store.host(layer, e), x.index_select(0, pos // r.top_k)) * w
-            end = self.timer.mark()
-            self.timer.add("cpu", Activity("expert", step, layer, e, tokens=int(pos.shape[0])), start, end)
-            positions.append(pos)
-            values.append(y)
-        return torch.cat(positions), torch.cat(values)
+    def _cpu_lane(self, step: int, layer: int, seg: np.ndarray, x: torch.Tensor, r: LayerRouting):
+        """The CPU experts (``seg``: their indices in ``r.experts``) as one grouped call from host memory:
+        (flat positions, weighted outputs)."""
+        table = self.store.weights[layer]
+        gi = GroupIndex.build(r, np.sort(seg), r.experts[np.sort(seg)], table.shape[0])
+        pos, tok, offs, pair_rows, w = _device_indices(gi, r, self.dev.host, self.dev.dtype, self.layout.bias)
+        start = self.timer.mark()
+        y = self.layout.forward_grouped(table, x.index_select(0, tok), offs, gi.table_counts, pair_rows) * w
+        end = self.timer.mark()
+        self.timer.add_group("cpu", step, layer, gi.experts, gi.counts, start, end)
+        self.groups["cpu"] += 1
+        self.grouped_experts["cpu"] += len(gi)
+        return pos, y
 
     def finish(self) -> None:
         """Let every background copy land and the device finish (end of a run)."""
@@ -280,3 +297,55 @@ class OffloadRuntime:
     def close(self) -> None:
         self.copies.close()
         self.cpu.close()
+
+
+class _AccelLane:
+    """The accelerator experts of one layer visit (touch order) and their buffers: ``rows`` (slot row,
+    -1 = a staged expert still without a staging buffer), ``release`` (what to free after the compute),
+    ``fetch_todo`` (positions whose on-demand copy is not issued yet)."""
+
+    __slots__ = ("n", "experts", "rows", "release", "fetch_todo", "staging_used")
+
+    @classmethod
+    def of(cls, plan: LayerPlan, pool: SlotPool) -> "_AccelLane":
+        lane = cls()
+        layer = plan.layer
+        idx = np.flatnonzero(plan.source != CPU)
+        src = plan.source[idx]
+        lane.n = len(idx)
+        lane.experts = plan.experts[idx].astype(np.int64)
+        lane.rows = np.full(lane.n, -1, np.int64)
+        lane.release = np.zeros(lane.n, np.int8)
+        lane.staging_used = 0
+        hit = src == HIT
+        lane.rows[hit] = pool.cached_rows(layer, lane.experts[hit])
+        for i in np.flatnonzero(src == PREFETCHED).tolist():  # at most the prefetch buffers
+            e = int(lane.experts[i])
+            slot = pool.pop_prefetched(layer, e)
+            if plan.admitted[idx[i]]:
+                pool.adopt(layer, e, slot)
+            else:
+                lane.release[i] = PREFETCH
+            lane.rows[i] = slot.index
+        fetch = np.flatnonzero(src == FETCH)
+        admitted = plan.admitted[idx[fetch]]
+        lane.rows[fetch[admitted]] = pool.admit_many(layer, lane.experts[fetch[admitted]])
+        lane.release[fetch[~admitted]] = STAGING
+        lane.fetch_todo = fetch
+        return lane
+
+
+def _device_indices(gi: GroupIndex, r: LayerRouting, device: torch.device, dtype: torch.dtype, bias: bool):
+    """A group's index tensors on ``device``: flat positions, token rows, offsets (int32), table row per
+    pair (biases only) and gate weights (n x 1, ``dtype``). On CUDA from pinned memory, without a wait."""
+    pos = gi.pairs
+    ints = [pos, pos // r.top_k, gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
+    w = torch.from_numpy(gi.weights)
+    packed = torch.from_numpy(np.concatenate(ints))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+        w = w.pin_memory().to(device, non_blocking=True)
+    n, m = len(pos), len(gi.offs)
+    pair_rows = packed[2 * n + m:] if bias else None
+    offs = packed[2 * n:2 * n + m].to(torch.int32)
+    return packed[:n], packed[n:2 * n], offs, pair_rows, w.to(dtype).unsqueeze(1)
