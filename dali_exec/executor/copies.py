@@ -39,7 +39,7 @@ class CopyTicket:
                  "done", "error", "starts", "ends", "landed")
 
     def __init__(self, dsts: list, srcs: list, priority: int, seq: int, what, after: list | None, *,
-                 src_table: torch.Tensor | None = None, rows=None, inflight=None):
+                 src_table: tuple | None = None, rows=None, inflight=None):
         self.dsts, self.srcs, self.src_table = dsts, srcs, src_table
         self.priority, self.seq, self.what, self.after = priority, seq, what, after
         self.rows, self.inflight = rows, inflight  # slot rows and the pool's per-row copies in flight
@@ -107,14 +107,15 @@ class CopyEngine:
         return self._queue([dst], [src], priority, what, None if after is None else [after], rows, inflight,
                            None, [previous] if previous is not None else [])
 
-    def submit_many(self, dsts: list[torch.Tensor], src_table: torch.Tensor, src_index: list[int], priority: int,
-                    what: tuple, *, after: list | None = None, previous: list | None = None, rows=None,
-                    inflight=None) -> CopyTicket:
-        """Queue ``dsts[i].copy_(src_table[src_index[i]])`` for every i, issued back to back in this order
-        when the request is taken (``what``: (kind, step, layer, experts) for the timeline; ``after`` and
-        ``previous`` per copy as in :meth:`submit`)."""
-        return self._queue(dsts, src_index, priority, what, after, rows, inflight, src_table,
-                           [p for p in (previous or ()) if p is not None])
+    def submit_many(self, dst_table: torch.Tensor, src_table: torch.Tensor, dst_index: list[int],
+                    src_index: list[int], priority: int, what: tuple, *, after: list | None = None,
+                    previous: list | None = None, rows=None, inflight=None) -> CopyTicket:
+        """Queue ``dst_table[dst_index[i]].copy_(src_table[src_index[i]])`` for every i, issued back to back
+        in this order when the request is taken (``what``: (kind, step, layer, experts) for the timeline;
+        ``after`` and ``previous`` per copy as in :meth:`submit`; the row views are made by the copy
+        thread)."""
+        return self._queue(dst_index, src_index, priority, what, after, rows, inflight, (dst_table, src_table),
+                           previous or [])
 
     def _queue(self, dsts, srcs, priority, what, after, rows, inflight, src_table, previous) -> CopyTicket:
         with self._cond:
@@ -176,10 +177,13 @@ class CopyEngine:
             torch.cuda.set_device(self.device)
         while (t := self._next()) is not None:
             try:
-                srcs = t.srcs if t.src_table is None else [t.src_table[i] for i in t.srcs]
+                dsts, srcs = t.dsts, t.srcs
+                if t.src_table is not None:  # (dst table, src table) and row indices
+                    dst_table, src_table = t.src_table
+                    dsts, srcs = [dst_table[i] for i in dsts], [src_table[i] for i in srcs]
                 if self.stream is not None:
                     with torch.cuda.stream(self.stream):
-                        for i, (dst, src) in enumerate(zip(t.dsts, srcs)):  # issued back to back ...
+                        for i, (dst, src) in enumerate(zip(dsts, srcs)):  # issued back to back ...
                             if self.delay_s:
                                 time.sleep(self.delay_s)
                             if t.after is not None and t.after[i] is not None:
@@ -191,7 +195,7 @@ class CopyEngine:
                         end.synchronize()
                         self._land(t, i)
                 else:
-                    for i, (dst, src) in enumerate(zip(t.dsts, srcs)):
+                    for i, (dst, src) in enumerate(zip(dsts, srcs)):
                         if self.delay_s:
                             time.sleep(self.delay_s)
                         t.starts.append(self.timer.mark())

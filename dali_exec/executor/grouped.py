@@ -43,10 +43,15 @@ def _loop_mm(x: torch.Tensor, w: torch.Tensor, counts: np.ndarray) -> torch.Tens
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
     """(S, K) x grouped (R, K, N) -> (S, N): rows ``offs[g-1]:offs[g]`` of ``x`` times ``w[g]``.
-    ``counts`` are the same boundaries on the host (tokens per table row)."""
+    ``counts`` are the same boundaries on the host (tokens per table row). On the CPU torch's grouped
+    product costs about as much per table row as per non-empty one, so sparse tables take the loop."""
     key = (x.device.type, w.dtype)
     if _GROUPED_MM is not None and key not in _UNSUPPORTED and x.shape[0]:
-        if x.device.type == "cpu" or (w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)):
+        if x.device.type == "cpu":
+            use = len(counts) <= 4 * np.count_nonzero(counts) + 4
+        else:
+            use = w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        if use:
             try:
                 return _GROUPED_MM(x.to(w.dtype), w, offs=offs)
             except (RuntimeError, NotImplementedError, TypeError):  # layout or dtype this torch does not take
@@ -58,38 +63,48 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: np.
 class GroupIndex:
     """Host-side indices of one group: ``pairs`` (flat (token, rank) positions, sorted by table row, each
     row's in routing order) and their gate ``weights``, ``rows`` (table row per expert of the group, in
-    the pairs' order), ``experts`` (aligned), ``counts`` (tokens per expert, aligned), ``table_counts``
-    (tokens per table row, length of the table) and ``offs`` (their cumulative sum, int32)."""
+    the pairs' order), ``experts`` (aligned), ``counts`` (tokens per expert, aligned). The group reads the
+    table rows ``lo .. lo + len(table_counts) - 1`` only (the span of its rows): ``table_counts`` are the
+    tokens of each row of that span, ``offs`` their cumulative sum (int32)."""
 
     pairs: np.ndarray
     weights: np.ndarray
     rows: np.ndarray
     experts: np.ndarray
     counts: np.ndarray
+    lo: int
     table_counts: np.ndarray
     offs: np.ndarray
 
     @classmethod
-    def build(cls, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray, table_len: int) -> "GroupIndex":
+    def build(cls, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> "GroupIndex":
         """``seg``: indices into ``routing.experts`` (the group's experts), ``rows``: their table rows."""
-        order = np.argsort(rows, kind="stable")
-        seg, rows = seg[order], rows[order]
-        starts, counts = routing.ptr[seg], routing.ptr[seg + 1] - routing.ptr[seg]
-        total = int(counts.sum())
-        # positions starts[i] .. starts[i] + counts[i] of every expert, concatenated (no loop per expert)
-        first = np.cumsum(counts) - counts
-        take = np.repeat(starts - first, counts) + np.arange(total)
-        table_counts = np.zeros(table_len, np.int64)
-        table_counts[rows] = counts
-        return cls(routing.positions[take], routing.weights[take], rows, routing.experts[seg], counts, table_counts,
-                   np.cumsum(table_counts).astype(np.int32))
+        if len(rows) > 1:
+            order = np.argsort(rows, kind="stable")
+            seg, rows = seg[order], rows[order]
+        starts, ends = routing.ptr[seg], routing.ptr[seg + 1]
+        counts = ends - starts
+        if len(seg) == 1:
+            take = np.arange(starts[0], ends[0])
+        else:  # positions starts[i] .. ends[i] - 1 of every expert, concatenated (no loop per expert)
+            first = np.cumsum(counts) - counts
+            take = np.repeat(starts - first, counts) + np.arange(int(first[-1] + counts[-1]))
+        lo = int(rows[0])
+        table_counts = np.zeros(int(rows[-1]) - lo + 1, np.int64)
+        table_counts[rows - lo] = counts
+        return cls(routing.positions[take], routing.weights[take], rows, routing.experts[seg], counts, lo,
+                   table_counts, np.cumsum(table_counts).astype(np.int32))
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def span(self, table: torch.Tensor) -> torch.Tensor:
+        """The table rows this group reads."""
+        return table[self.lo:self.lo + len(self.table_counts)]
+
     def row_of_pairs(self) -> np.ndarray:
-        """The table row of every pair (for per-row biases)."""
-        return np.repeat(self.rows, self.counts)
+        """The row of every pair within :meth:`span` (for per-row biases)."""
+        return np.repeat(self.rows - self.lo, self.counts)
 
 
 __all__ = ["GroupIndex", "grouped_mm"]

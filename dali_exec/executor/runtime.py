@@ -220,13 +220,13 @@ class OffloadRuntime:
     def _accelerator_group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray,
                            x: torch.Tensor, out_buf: torch.Tensor, sw: Stopwatch) -> None:
         pool, dev = self.pool, self.dev
-        gi = GroupIndex.build(routing, seg, rows, pool.table.shape[0])
+        gi = GroupIndex.build(routing, seg, rows)
         pool.check_rows(gi.rows, plan.layer, gi.experts)
         pos, tok, offs, pair_rows, w = _device_indices(gi, routing, dev.accel, dev.dtype, self.layout.bias)
         stream = self.compute_stream
         sw.stop()
         start = self.timer.mark(stream)
-        y = self.layout.forward_grouped(pool.table, x.index_select(0, tok), offs, gi.table_counts, pair_rows)
+        y = self.layout.forward_grouped(gi.span(pool.table), x.index_select(0, tok), offs, gi.table_counts, pair_rows)
         out_buf.index_copy_(0, pos, y * w)
         end = self.timer.mark(stream)
         sw.start()
@@ -253,12 +253,14 @@ class OffloadRuntime:
     def _copy_many(self, rows: np.ndarray, layer: int, experts: np.ndarray, priority: int, what: tuple) -> CopyTicket:
         pool = self.pool
         r = rows.tolist()
+        tickets = pool.tickets
         after = [pool.last_use[i] for i in r] if self.dev.is_cuda else None
-        ticket = self.copies.submit_many([pool.slots[i].data for i in r], self.store.weights[layer], experts.tolist(),
-                                         priority, (*what, experts), after=after,
-                                         previous=[pool.tickets[i] for i in r], rows=rows, inflight=pool.inflight)
+        previous = [t for i in r if (t := tickets[i]) is not None and not t.taken]
+        ticket = self.copies.submit_many(pool.table[:, :pool.numel], self.store.weights[layer], r, experts.tolist(),
+                                         priority, (*what, experts), after=after, previous=previous, rows=rows,
+                                         inflight=pool.inflight)
         for i in r:
-            pool.tickets[i] = ticket
+            tickets[i] = ticket
         return ticket
 
     def _free_prefetch(self, slot: Slot) -> None:
@@ -274,11 +276,12 @@ class OffloadRuntime:
     def _cpu_lane(self, step: int, layer: int, seg: np.ndarray, x: torch.Tensor, r: LayerRouting):
         """The CPU experts (``seg``: their indices in ``r.experts``) as one grouped call from host memory:
         (flat positions, weighted outputs)."""
-        table = self.store.weights[layer]
-        gi = GroupIndex.build(r, np.sort(seg), r.experts[np.sort(seg)], table.shape[0])
+        seg = np.sort(seg)
+        gi = GroupIndex.build(r, seg, r.experts[seg])
         pos, tok, offs, pair_rows, w = _device_indices(gi, r, self.dev.host, self.dev.dtype, self.layout.bias)
         start = self.timer.mark()
-        y = self.layout.forward_grouped(table, x.index_select(0, tok), offs, gi.table_counts, pair_rows) * w
+        y = self.layout.forward_grouped(gi.span(self.store.weights[layer]), x.index_select(0, tok), offs,
+                                        gi.table_counts, pair_rows) * w
         end = self.timer.mark()
         self.timer.add_group("cpu", step, layer, gi.experts, gi.counts, start, end)
         self.groups["cpu"] += 1
@@ -336,16 +339,18 @@ class _AccelLane:
 
 
 def _device_indices(gi: GroupIndex, r: LayerRouting, device: torch.device, dtype: torch.dtype, bias: bool):
-    """A group's index tensors on ``device``: flat positions, token rows, offsets (int32), table row per
-    pair (biases only) and gate weights (n x 1, ``dtype``). On CUDA from pinned memory, without a wait."""
+    """A group's index tensors on ``device``: flat positions, token rows, offsets (int32), row of each
+    pair within the group's span (biases only) and gate weights (n x 1, ``dtype``). On CUDA one packed
+    copy from pinned memory (and one for the weights), without a wait."""
     pos = gi.pairs
-    ints = [pos, pos // r.top_k, gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
     w = torch.from_numpy(gi.weights)
-    packed = torch.from_numpy(np.concatenate(ints))
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-        w = w.pin_memory().to(device, non_blocking=True)
+    if device.type != "cuda":
+        rows = torch.from_numpy(gi.row_of_pairs()) if bias else None
+        return (torch.from_numpy(pos), torch.from_numpy(pos // r.top_k), torch.from_numpy(gi.offs), rows,
+                w.to(dtype).unsqueeze(1))
+    ints = [pos, pos // r.top_k, gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
+    packed = torch.from_numpy(np.concatenate(ints)).pin_memory().to(device, non_blocking=True)
+    w = w.pin_memory().to(device, non_blocking=True)
     n, m = len(pos), len(gi.offs)
     pair_rows = packed[2 * n + m:] if bias else None
-    offs = packed[2 * n:2 * n + m].to(torch.int32)
-    return packed[:n], packed[n:2 * n], offs, pair_rows, w.to(dtype).unsqueeze(1)
+    return packed[:n], packed[n:2 * n], packed[2 * n:2 * n + m].to(torch.int32), pair_rows, w.to(dtype).unsqueeze(1)
