@@ -110,6 +110,7 @@ def main(argv=None) -> int:
             cpu[name] = min(cpu[name], time.process_time() - c0)
             if name != "plain generate":
                 same[name] = same[name] and out[0] == reference
+                overhead[name] = out[1].summary["overhead"]  # of the last timed run (the warm-up compiles)
     times, measure = (wall, "wall time") if cuda else (cpu, "process CPU time")
     base = times["plain generate"]
     load = os.getloadavg()

@@ -79,6 +79,9 @@ class GroupIndex:
     @classmethod
     def build(cls, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> "GroupIndex":
         """``seg``: indices into ``routing.experts`` (the group's experts), ``rows``: their table rows."""
+        if len(seg) == len(routing.experts) and len(seg) and rows[0] == routing.experts[0] and \
+                np.array_equal(rows, routing.experts) and np.array_equal(seg, np.arange(len(seg))):
+            return cls.whole(routing)
         if len(rows) > 1:
             order = np.argsort(rows, kind="stable")
             seg, rows = seg[order], rows[order]
@@ -94,6 +97,18 @@ class GroupIndex:
         table_counts[rows - lo] = counts
         return cls(routing.positions[take], routing.weights[take], rows, routing.experts[seg], counts, lo,
                    table_counts, np.cumsum(table_counts).astype(np.int32))
+
+    @classmethod
+    def whole(cls, routing: LayerRouting) -> "GroupIndex":
+        """Every expert of the routing, on a table whose rows are the expert ids (a layer of the host store):
+        the routing's own order is the table's."""
+        rows = routing.experts.astype(np.int64)
+        lo = int(rows[0])
+        counts = np.diff(routing.ptr)
+        table_counts = np.zeros(int(rows[-1]) - lo + 1, np.int64)
+        table_counts[rows - lo] = counts
+        return cls(routing.positions, routing.weights, rows, routing.experts, counts, lo, table_counts,
+                   np.cumsum(table_counts).astype(np.int32))
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -15,7 +15,7 @@ matrix product come in the model's order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +29,7 @@ class LayerRouting:
     positions: np.ndarray  # flat positions grouped by expert
     weights: np.ndarray  # float32 gate weight of each flat position (aligned with ``positions``)
     counted: np.ndarray | None = None  # bool per flat position (aligned): part of the workload; None = all
+    _counted_per_expert: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def group(cls, ids: np.ndarray, weights: np.ndarray | None, *, counted: np.ndarray | None = None,
@@ -48,7 +49,8 @@ class LayerRouting:
             order = np.argsort(flat, kind="stable")
         else:
             order = np.asarray(order, np.int64)
-            if order.shape != flat.shape or not np.array_equal(np.sort(order), np.arange(len(flat))):
+            if order.shape != flat.shape or (len(flat) and (order.min() < 0 or order.max() >= len(flat)
+                                                            or np.bincount(order).max() > 1)):
                 raise ValueError(f"order must be a permutation of the {len(flat)} flat positions")
         sorted_ids = flat[order]
         if np.any(sorted_ids[1:] < sorted_ids[:-1]):
@@ -72,7 +74,10 @@ class LayerRouting:
             return np.diff(self.ptr)
         if not len(self.experts):
             return np.zeros(0, np.int64)
-        return np.add.reduceat(self.counted.astype(np.int64), self.ptr[:-1])
+        c = self._counted_per_expert
+        if c is None:
+            c = self._counted_per_expert = np.add.reduceat(self.counted.astype(np.int64), self.ptr[:-1])
+        return c
 
     def matches(self, experts: np.ndarray, counts: np.ndarray) -> bool:
         """Are these exactly the activated experts (those with counted tokens) with these workloads (any order)?"""

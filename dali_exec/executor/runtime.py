@@ -313,13 +313,16 @@ class _AccelLane:
     def of(cls, plan: LayerPlan, pool: SlotPool) -> "_AccelLane":
         lane = cls()
         layer = plan.layer
-        idx = np.flatnonzero(plan.source != CPU)
-        src = plan.source[idx]
+        idx = np.flatnonzero(plan.on_gpu)
         lane.n = len(idx)
         lane.experts = plan.experts[idx].astype(np.int64)
         lane.rows = np.full(lane.n, -1, np.int64)
         lane.release = np.zeros(lane.n, np.int8)
         lane.staging_used = 0
+        lane.fetch_todo = idx[:0]
+        if not lane.n:
+            return lane
+        src = plan.source[idx]
         hit = src == HIT
         lane.rows[hit] = pool.cached_rows(layer, lane.experts[hit])
         for i in np.flatnonzero(src == PREFETCHED).tolist():  # at most the prefetch buffers

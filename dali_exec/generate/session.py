@@ -35,7 +35,7 @@ from dali_exec.executor.devices import Devices
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.runtime import OffloadRuntime
 from dali_exec.executor.timing import Stopwatch, Timer
-from dali_exec.models import MoEAdapter, MoEBlock, rank_order
+from dali_exec.models import MoEAdapter, MoEBlock
 from dali_exec.recorder.generation import ForwardRows
 from dali_sim.runtime.controller import Controller
 from dali_sim.sim.counters import PlanCounters
@@ -194,16 +194,21 @@ class OffloadSession:
                            self.timer.mark(self._stream))
             self._dense_start = None
         sw = Stopwatch().start()
-        idx = self.index
-        ids_real = ids if idx is None else ids.index_select(0, idx)
-        w_real = weights if idx is None else weights.index_select(0, idx)
-        ranked, _ = rank_order(ids_real, w_real)
-        ranked = ranked.cpu().numpy()
+        idx, rows = self.index, self._real_rows
+        _, perm = torch.sort(ids.reshape(-1))  # transformers' grouped_mm order of the (token, k) pairs
+        ids_np, w_np, perm = ids.cpu().numpy(), weights.float().cpu().numpy(), perm.cpu().numpy()
+        ids_real = ids_np if rows is None else ids_np[rows]
+        w_real = w_np if rows is None else w_np[rows]
+        # rank order: descending weight, ties keep their column (as rank_order's stable sort)
+        ranked = np.take_along_axis(ids_real, np.argsort(-w_real, axis=1, kind="stable"), 1)
         sw.stop()
-        look = Stopwatch().start()
-        predicted = self._lookahead(ordinal, x if idx is None else x.index_select(0, idx))
-        look.stop()
-        t.lookahead[:, ordinal] += (look.wall, look.cpu)
+        if self.w.predictor_offsets:
+            look = Stopwatch().start()
+            predicted = self._lookahead(ordinal, x if idx is None else x.index_select(0, idx))
+            look.stop()
+            t.lookahead[:, ordinal] += (look.wall, look.cpu)
+        else:
+            predicted = None
         sw.start()
         self.w.set_layer(ordinal, ranked, predicted)
         sw.stop()
@@ -215,15 +220,14 @@ class OffloadSession:
         self.runtime.start_layer(plan)
         sw.start()
         skip = self.padding == "skip" and idx is not None
-        if skip:  # only the real rows reach the experts; the others get no routed output
-            ids, weights = ids_real, w_real
-        _, perm = torch.sort(ids.reshape(-1))  # transformers' grouped_mm order of the (token, k) pairs
         counted = None
-        if self._real_rows is not None and not skip:
-            counted = np.zeros(ids.shape[0], bool)
-            counted[self._real_rows] = True
-        routing = LayerRouting.group(ids.cpu().numpy(), weights.float().cpu().numpy(), counted=counted,
-                                     order=perm.cpu().numpy())
+        if skip:  # only the real rows reach the experts; the others get no routed output
+            ids_np, w_np = ids_real, w_real
+            perm = torch.sort(torch.from_numpy(ids_real.reshape(-1)))[1].numpy()
+        elif rows is not None:
+            counted = np.zeros(ids_np.shape[0], bool)
+            counted[rows] = True
+        routing = LayerRouting.group(ids_np, w_np, counted=counted, order=perm)
         sw.stop()
         t.bookkeeping[:, ordinal] += (sw.wall, sw.cpu)
         if skip:
