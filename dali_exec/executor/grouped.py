@@ -79,9 +79,6 @@ class GroupIndex:
     @classmethod
     def build(cls, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> "GroupIndex":
         """``seg``: indices into ``routing.experts`` (the group's experts), ``rows``: their table rows."""
-        if len(seg) == len(routing.experts) and len(seg) and rows[0] == routing.experts[0] and \
-                np.array_equal(rows, routing.experts) and np.array_equal(seg, np.arange(len(seg))):
-            return cls.whole(routing)
         if len(rows) > 1:
             order = np.argsort(rows, kind="stable")
             seg, rows = seg[order], rows[order]

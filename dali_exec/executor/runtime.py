@@ -38,6 +38,7 @@ from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, LayerPlan
 from dali_sim.sim.engine import Activity
 
 NO_RELEASE, STAGING, PREFETCH = 0, 1, 2  # what happens to an accelerator expert's buffer after its compute
+_EMPTY = np.zeros(0, np.int64)
 
 
 class OffloadRuntime:
@@ -51,8 +52,12 @@ class OffloadRuntime:
     expert; not computes, transfers of activations or waits)."""
 
     def __init__(self, store: HostExpertStore, devices: Devices, capacities: np.ndarray, prefetch_slots: int,
-                 staging_slots: int, *, cpu_threads: int, timer: Timer | None = None, copy_delay_s: float = 0.0):
+                 staging_slots: int, *, cpu_threads: int, timer: Timer | None = None, copy_delay_s: float = 0.0,
+                 cpu_inline: bool = False):
         self.store, self.dev = store, devices
+        #: run the CPU lane in the calling thread (when it has the lane's thread count) instead of the worker:
+        #: for an accelerator that is the CPU device and shares its threads, where the lanes cannot overlap
+        self.cpu_inline = cpu_inline
         self.layout = store.layout
         self.timer = timer or Timer(devices.accel if devices.is_cuda else None)
         self.pool = SlotPool(capacities, prefetch_slots, staging_slots, self.layout.numel, devices.dtype, devices.accel,
@@ -127,32 +132,39 @@ class OffloadRuntime:
         if len(plan.evicted):
             pool.evict_many(layer, np.asarray(plan.evicted))
         lanes = _AccelLane.of(plan, pool)
-        cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
-        if uncounted_on_cpu and routing.counted is not None:
-            cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
+        if not lanes.n and (uncounted_on_cpu or routing.counted is None or len(plan.experts) == len(routing.experts)):
+            cpu_seg = np.arange(len(routing.experts))  # every expert of the routing: the whole layer on the CPU
+        else:
+            cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
+            if uncounted_on_cpu and routing.counted is not None:
+                cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
+            cpu_seg.sort()
         self._issue_deferred()  # adoptions may have freed prefetch buffers
 
-        # the CPU lane starts first and runs while the accelerator lane works
+        # the CPU lane starts first and runs while the accelerator lane works; inline (same thread and
+        # threads) it runs when the accelerator lane would first wait for a copy, or after it
         sw.stop()
-        cpu_job = cpu_now = None
+        cpu_job = None
+        inline: list = []
         if cpu_seg.size:
             x_host = x if x.device.type == "cpu" else x.to(dev.host)
-            if lanes.n == 0 and torch.get_num_threads() == self.cpu.threads:
-                cpu_now = (x_host,)  # nothing else to do meanwhile: computed here, below, with the same threads
+            if (self.cpu_inline or not lanes.n) and torch.get_num_threads() == self.cpu.threads:
+                inline.append(lambda: self._cpu_lane(step, layer, cpu_seg, x_host, routing))
             else:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing)
         x_acc = x if (x.device == dev.accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         out_buf = torch.zeros((T * k, H), dtype=dev.dtype, device=dev.accel)
         sw.start()
 
+        cpu_out: list = []
         if lanes.n:
-            self._accelerator_lane(plan, lanes, routing, x_acc, out_buf, sw)
+            self._accelerator_lane(plan, lanes, routing, x_acc, out_buf, sw, inline, cpu_out)
         sw.stop()
-        if cpu_now is not None:
-            pos, vals = self._cpu_lane(step, layer, cpu_seg, cpu_now[0], routing)
-            out_buf.index_copy_(0, pos, vals)
+        if inline:
+            cpu_out.append(inline.pop()())
         if cpu_job is not None:
-            pos, vals = cpu_job.result()
+            cpu_out.append(cpu_job.result())
+        for pos, vals in cpu_out:
             out_buf.index_copy_(0, pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True))
         out = out_buf.view(T, k, H).sum(dim=1)
         out = out if out.device == x.device else out.to(x.device)
@@ -170,8 +182,9 @@ class OffloadRuntime:
         return out
 
     def _accelerator_lane(self, plan: LayerPlan, lanes: "_AccelLane", routing: LayerRouting, x: torch.Tensor,
-                          out_buf: torch.Tensor, sw: Stopwatch) -> None:
-        """Issue the on-demand copies, then compute whatever has landed as one group, until all is done."""
+                          out_buf: torch.Tensor, sw: Stopwatch, inline: list, cpu_out: list) -> None:
+        """Issue the on-demand copies, then compute whatever has landed as one group, until all is done.
+        ``inline``: the CPU lane's work when it runs in this thread, done instead of the first wait."""
         pool, layer = self.pool, plan.layer
         remaining = np.arange(lanes.n)
         seg = np.searchsorted(routing.experts, lanes.experts)  # each expert's segment of the routing
@@ -185,6 +198,10 @@ class OffloadRuntime:
                 if not have.any():
                     raise AssertionError(f"step {plan.step} layer {layer}: no GPU expert can become ready")
                 sw.stop()
+                if inline:
+                    cpu_out.append(inline.pop()())
+                    sw.start()
+                    continue
                 w0 = time.perf_counter()
                 self.copies.wait_rows(pool.inflight, rows[have])
                 self.layer_wait[layer] += time.perf_counter() - w0
@@ -274,10 +291,9 @@ class OffloadRuntime:
             self._copy(self.pool.take_prefetch(target, e), target, e, BACKGROUND, what)
 
     def _cpu_lane(self, step: int, layer: int, seg: np.ndarray, x: torch.Tensor, r: LayerRouting):
-        """The CPU experts (``seg``: their indices in ``r.experts``) as one grouped call from host memory:
-        (flat positions, weighted outputs)."""
-        seg = np.sort(seg)
-        gi = GroupIndex.build(r, seg, r.experts[seg])
+        """The CPU experts (``seg``: their indices in ``r.experts``, ascending, unique) as one grouped call from
+        host memory: (flat positions, weighted outputs)."""
+        gi = GroupIndex.whole(r) if len(seg) == len(r.experts) else GroupIndex.build(r, seg, r.experts[seg])
         pos, tok, offs, pair_rows, w = _device_indices(gi, r, self.dev.host, self.dev.dtype, self.layout.bias)
         start = self.timer.mark()
         y = self.layout.forward_grouped(gi.span(self.store.weights[layer]), x.index_select(0, tok), offs,
@@ -312,16 +328,17 @@ class _AccelLane:
     @classmethod
     def of(cls, plan: LayerPlan, pool: SlotPool) -> "_AccelLane":
         lane = cls()
+        lane.staging_used = 0
+        if not plan.on_gpu.any():
+            lane.n = 0
+            lane.experts = lane.rows = lane.release = lane.fetch_todo = _EMPTY
+            return lane
         layer = plan.layer
         idx = np.flatnonzero(plan.on_gpu)
         lane.n = len(idx)
         lane.experts = plan.experts[idx].astype(np.int64)
         lane.rows = np.full(lane.n, -1, np.int64)
         lane.release = np.zeros(lane.n, np.int8)
-        lane.staging_used = 0
-        lane.fetch_todo = idx[:0]
-        if not lane.n:
-            return lane
         src = plan.source[idx]
         hit = src == HIT
         lane.rows[hit] = pool.cached_rows(layer, lane.experts[hit])

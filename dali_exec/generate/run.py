@@ -228,8 +228,11 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         raise ValueError(f"the expert slots need {slot_bytes / 2**30:.2f} GiB on {devices.accel_name()} but "
                          f"{devices.accel_free_bytes() / 2**30:.2f} GiB are free: lower --gpu-memory")
     timer = Timer(devices.accel if devices.is_cuda else None)
+    # on the CPU device both lanes use the process's threads by default: the CPU lane then runs in this
+    # thread (while the accelerator lane waits for copies), not concurrently on the same cores
+    shared = not devices.is_cuda and cpu_threads == (accel_threads or torch.get_num_threads())
     runtime = OffloadRuntime(store, devices, mem.capacities, mem.prefetch_slots, sysconf.memory.staging_slots,
-                             cpu_threads=cpu_threads, timer=timer, copy_delay_s=options.copy_delay_s)
+                             cpu_threads=cpu_threads, timer=timer, copy_delay_s=options.copy_delay_s, cpu_inline=shared)
     session = None
     prev_threads = torch.get_num_threads()
     outputs: dict[int, list[int]] = {}
