@@ -36,7 +36,7 @@ class CopyTicket:
     copies); ``done`` is set once all have landed, ``landed`` counts those that have."""
 
     __slots__ = ("dsts", "srcs", "src_table", "priority", "seq", "what", "after", "rows", "inflight", "taken",
-                 "done", "error", "starts", "ends", "landed")
+                 "done", "error", "starts", "ends", "landed", "next")
 
     def __init__(self, dsts: list, srcs: list, priority: int, seq: int, what, after: list | None, *,
                  src_table: tuple | None = None, rows=None, inflight=None):
@@ -49,6 +49,7 @@ class CopyTicket:
         self.starts: list = []
         self.ends: list = []
         self.landed = 0
+        self.next = 0  # the next copy to issue (a background request may be resumed after on-demand ones)
 
     @property
     def start(self):
@@ -62,11 +63,12 @@ class CopyTicket:
         return self.done.is_set()
 
     def activity(self, i: int) -> Activity:
-        """What copy ``i`` was: ``what`` is an Activity (one copy) or (kind, step, layer, experts)."""
+        """What copy ``i`` was: ``what`` is an Activity (one copy) or (kind, step, layers, experts, others):
+        per copy its (target) layer, expert and, for a swap, the expert it replaces."""
         if isinstance(self.what, Activity):
             return self.what
-        kind, step, layer, experts = self.what
-        return Activity(kind, step, layer, int(experts[i]))
+        kind, step, layers, experts, others = self.what
+        return Activity(kind, step, int(layers[i]), int(experts[i]), other=-1 if others is None else int(others[i]))
 
     def wait(self) -> None:
         self.done.wait()
@@ -108,12 +110,12 @@ class CopyEngine:
                            None, [previous] if previous is not None else [])
 
     def submit_many(self, dst_table: torch.Tensor, src_table: torch.Tensor, dst_index: list[int],
-                    src_index: list[int], priority: int, what: tuple, *, after: list | None = None,
+                    src_index: list[tuple[int, int]], priority: int, what: tuple, *, after: list | None = None,
                     previous: list | None = None, rows=None, inflight=None) -> CopyTicket:
-        """Queue ``dst_table[dst_index[i]].copy_(src_table[src_index[i]])`` for every i, issued back to back
-        in this order when the request is taken (``what``: (kind, step, layer, experts) for the timeline;
-        ``after`` and ``previous`` per copy as in :meth:`submit`; the row views are made by the copy
-        thread)."""
+        """Queue ``dst_table[dst_index[i]].copy_(src_table[src_index[i]])`` for every i, in this order, as one
+        request (``what``: (kind, step, layers, experts, others) for the timeline; ``after`` and ``previous``
+        per copy as in :meth:`submit`; the row views are made by the copy thread). On-demand copies are
+        issued back to back; a background request yields to on-demand requests between its copies."""
         return self._queue(dst_index, src_index, priority, what, after, rows, inflight, (dst_table, src_table),
                            previous or [])
 
@@ -165,12 +167,22 @@ class CopyEngine:
                 self._cond.wait()
 
     def _land(self, t: CopyTicket, i: int) -> None:
-        self.timer.add("pcie", t.activity(i), t.starts[i], t.ends[i])
+        self.timer.add_copy(t, i)
         with self._cond:
             if t.inflight is not None:
                 t.inflight[t.rows[i]] -= 1
             t.landed += 1
             self._cond.notify_all()
+
+    def _preempted(self, t: CopyTicket) -> bool:
+        """Between two copies of a background request: is a higher-priority request waiting? Then the
+        rest of ``t`` goes back to the queue (in its place) and the waiting one goes first."""
+        with self._cond:
+            if not (self._heap and self._heap[0][0] < t.priority):
+                return False
+            t.taken = False
+            heapq.heappush(self._heap, (t.priority, t.seq, t))
+            return True
 
     def _loop(self) -> None:
         if self.stream is not None:
@@ -178,31 +190,40 @@ class CopyEngine:
         while (t := self._next()) is not None:
             try:
                 dsts, srcs = t.dsts, t.srcs
-                if t.src_table is not None:  # (dst table, src table) and row indices
+                if t.src_table is not None:  # (dst table, src table) and indices
                     dst_table, src_table = t.src_table
                     dsts, srcs = [dst_table[i] for i in dsts], [src_table[i] for i in srcs]
-                if self.stream is not None:
-                    with torch.cuda.stream(self.stream):
-                        for i, (dst, src) in enumerate(zip(dsts, srcs)):  # issued back to back ...
-                            if self.delay_s:
-                                time.sleep(self.delay_s)
+                n = len(dsts)
+                batch = t.priority == ON_DEMAND  # issued back to back; background copies one at a time
+                first = t.next
+                for i in range(first, n):
+                    if i > first and not batch and self._preempted(t):
+                        break
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
+                    if self.stream is not None:
+                        with torch.cuda.stream(self.stream):
                             if t.after is not None and t.after[i] is not None:
                                 self.stream.wait_event(t.after[i])
                             t.starts.append(self.timer.mark(self.stream))
-                            dst.copy_(src, non_blocking=True)
+                            dsts[i].copy_(srcs[i], non_blocking=True)
                             t.ends.append(self.timer.mark(self.stream))
-                    for i, end in enumerate(t.ends):  # ... and land one by one
-                        end.synchronize()
-                        self._land(t, i)
-                else:
-                    for i, (dst, src) in enumerate(zip(dsts, srcs)):
-                        if self.delay_s:
-                            time.sleep(self.delay_s)
+                        if not batch:
+                            t.ends[i].synchronize()
+                    else:
                         t.starts.append(self.timer.mark())
-                        dst.copy_(src)
+                        dsts[i].copy_(srcs[i])
                         t.ends.append(self.timer.mark())
+                    t.next = i + 1
+                    if not batch or self.stream is None:
                         self._land(t, i)
-                self.copies += len(t.dsts)
+                if batch and self.stream is not None:
+                    for i in range(first, n):  # ... and land one by one
+                        t.ends[i].synchronize()
+                        self._land(t, i)
+                if t.next < n:
+                    continue  # preempted: resumed later
+                self.copies += n
             except BaseException as exc:  # reported to whoever waits for the ticket
                 t.error = exc
                 self.error = self.error or exc

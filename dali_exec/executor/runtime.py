@@ -35,7 +35,6 @@ from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.executor.timing import Stopwatch, Timer
 from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, LayerPlan
-from dali_sim.sim.engine import Activity
 
 NO_RELEASE, STAGING, PREFETCH = 0, 1, 2  # what happens to an accelerator expert's buffer after its compute
 _EMPTY = np.zeros(0, np.int64)
@@ -67,7 +66,7 @@ class OffloadRuntime:
         self.compute_stream = torch.cuda.current_stream(devices.accel) if devices.is_cuda else None
         L = len(capacities)
         self.swaps_landing: dict[int, list[CopyTicket]] = {}
-        self.deferred: deque[tuple[int, int, Activity]] = deque()  # prefetches waiting for a free buffer
+        self.deferred: deque[tuple[int, int, int]] = deque()  # prefetches waiting for a free buffer: (layer, expert, step)
         self.layer_wait = np.zeros(L)
         self.layer_bookkeeping = np.zeros(L)
         self.layer_bookkeeping_cpu = np.zeros(L)
@@ -105,7 +104,7 @@ class OffloadRuntime:
         for e in plan.prefetch_wasted:
             self._free_prefetch(self.pool.pop_prefetched(layer, e))
         for target, e in plan.prefetches:
-            self.deferred.append((target, e, Activity("prefetch", plan.step, target, e)))
+            self.deferred.append((target, e, plan.step))
         self._issue_deferred()
         sw.stop()
         self._book(layer, sw)
@@ -170,10 +169,11 @@ class OffloadRuntime:
         out = out if out.device == x.device else out.to(x.device)
         sw.start()
 
-        for e_in, e_out in plan.swaps:
-            slot = pool.swap(layer, e_in, e_out)
-            ticket = self._copy(slot, layer, e_in, BACKGROUND, Activity("swap", step, layer, e_in, other=e_out))
-            self.swaps_landing.setdefault(layer, []).append(ticket)
+        if plan.swaps:
+            ins, outs = [a for a, _ in plan.swaps], [b for _, b in plan.swaps]
+            rows = np.array([pool.swap(layer, a, b).index for a, b in plan.swaps], np.int64)
+            self.swaps_landing[layer] = [self._copy_many(rows, [layer] * len(ins), ins, BACKGROUND, ("swap", step),
+                                                         outs)]
         pool.check_layer(layer, lanes.staging_used)
         if self.deferred:
             raise AssertionError(f"step {step} layer {layer}: prefetches still wait for a buffer at the layer's end")
@@ -194,14 +194,15 @@ class OffloadRuntime:
             have = rows >= 0
             ready = have.copy()
             ready[have] = np.broadcast_to(self._is_present(rows[have]), (int(have.sum()),))
+            if inline and not ready.all():  # copies in flight: the CPU lane's work first, then one group
+                sw.stop()
+                cpu_out.append(inline.pop()())
+                sw.start()
+                continue
             if not ready.any():
                 if not have.any():
                     raise AssertionError(f"step {plan.step} layer {layer}: no GPU expert can become ready")
                 sw.stop()
-                if inline:
-                    cpu_out.append(inline.pop()())
-                    sw.start()
-                    continue
                 w0 = time.perf_counter()
                 self.copies.wait_rows(pool.inflight, rows[have])
                 self.layer_wait[layer] += time.perf_counter() - w0
@@ -232,7 +233,8 @@ class OffloadRuntime:
             lanes.rows[i] = pool.take_staging(layer, int(lanes.experts[i])).index
             lanes.staging_used += 1
         if take.size:
-            self._copy_many(lanes.rows[take], layer, lanes.experts[take], ON_DEMAND, ("fetch", plan.step, layer))
+            self._copy_many(lanes.rows[take], [layer] * take.size, lanes.experts[take].tolist(), ON_DEMAND,
+                            ("fetch", plan.step))
 
     def _accelerator_group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray,
                            x: torch.Tensor, out_buf: torch.Tensor, sw: Stopwatch) -> None:
@@ -260,22 +262,17 @@ class OffloadRuntime:
         :meth:`SlotPool.check_rows` catches a compute from a slot whose copy is still in flight.)"""
         return self.pool.landed(rows)
 
-    def _copy(self, slot: Slot, layer: int, expert: int, priority: int, what: Activity) -> CopyTicket:
-        pool = self.pool
-        ticket = self.copies.submit(slot.data, self.store.host(layer, expert), priority, what,
-                                    after=slot.last_use, previous=slot.ticket, row=slot.index, inflight=pool.inflight)
-        slot.ticket = ticket
-        return ticket
-
-    def _copy_many(self, rows: np.ndarray, layer: int, experts: np.ndarray, priority: int, what: tuple) -> CopyTicket:
+    def _copy_many(self, rows: np.ndarray, layers: list[int], experts: list[int], priority: int, what: tuple,
+                   others: list[int] | None = None) -> CopyTicket:
+        """One request: ``experts`` (of ``layers``) from the host store into slot ``rows``, in this order."""
         pool = self.pool
         r = rows.tolist()
         tickets = pool.tickets
         after = [pool.last_use[i] for i in r] if self.dev.is_cuda else None
         previous = [t for i in r if (t := tickets[i]) is not None and not t.taken]
-        ticket = self.copies.submit_many(pool.table[:, :pool.numel], self.store.weights[layer], r, experts.tolist(),
-                                         priority, (*what, experts), after=after, previous=previous, rows=rows,
-                                         inflight=pool.inflight)
+        ticket = self.copies.submit_many(pool.table[:, :pool.numel], self.store.weights, r, list(zip(layers, experts)),
+                                         priority, (*what, layers, experts, others), after=after, previous=previous,
+                                         rows=rows, inflight=pool.inflight)
         for i in r:
             tickets[i] = ticket
         return ticket
@@ -285,10 +282,13 @@ class OffloadRuntime:
         self._issue_deferred()
 
     def _issue_deferred(self) -> None:
-        """Start waiting prefetches, in issue order, while prefetch buffers are free."""
-        while self.deferred and self.pool.prefetch_free:
-            target, e, what = self.deferred.popleft()
-            self._copy(self.pool.take_prefetch(target, e), target, e, BACKGROUND, what)
+        """Start waiting prefetches, in issue order, while prefetch buffers are free (one request)."""
+        pool, todo = self.pool, self.deferred
+        if not (todo and pool.prefetch_free):
+            return
+        take = [todo.popleft() for _ in range(min(len(todo), len(pool.prefetch_free)))]
+        rows = np.array([pool.take_prefetch(t, e).index for t, e, _ in take], np.int64)
+        self._copy_many(rows, [t for t, _, _ in take], [e for _, e, _ in take], BACKGROUND, ("prefetch", take[0][2]))
 
     def _cpu_lane(self, step: int, layer: int, seg: np.ndarray, x: torch.Tensor, r: LayerRouting):
         """The CPU experts (``seg``: their indices in ``r.experts``, ascending, unique) as one grouped call from

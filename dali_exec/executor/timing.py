@@ -52,6 +52,12 @@ class Timer:
         with self._lock:
             self._raw.append((track, what, start, end))
 
+    def add_copy(self, ticket, i: int) -> None:
+        """Copy ``i`` of a copy request (``CopyTicket``): its interval on the ``pcie`` track, named when the
+        intervals are read (the copy thread does no more than this)."""
+        with self._lock:
+            self._raw.append(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]))
+
     def add_group(self, track: str, step: int, layer: int, experts: np.ndarray, tokens: np.ndarray, start,
                   end) -> None:
         """One grouped call computing ``experts`` (with ``tokens`` rows each) between two stamps. The
@@ -76,6 +82,10 @@ class Timer:
             a, b = self.seconds(a), self.seconds(b)
             if isinstance(what, Activity):
                 out.append(Interval(track, what.name(), a, b, what.args()))
+                continue
+            if len(what) == 2:  # (copy request, index)
+                act = what[0].activity(what[1])
+                out.append(Interval(track, act.name(), a, b, act.args()))
                 continue
             step, layer, experts, tokens = what
             share = np.asarray(tokens, float)
