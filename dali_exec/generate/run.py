@@ -313,7 +313,8 @@ def _result(session: OffloadSession, spec, sysconf, profile, mem, hardware, opti
     busy = dict.fromkeys(TRACKS, 0.0)
     for iv in intervals:
         busy[iv.track] += iv.end - iv.start
-    out = EngineOutput(np.array(session.step_start), np.array(session.step_end), t.time, rt.layer_wait.copy(), busy,
+    out = EngineOutput(np.array(session.step_start), np.array(session.step_end), session.layer_times(),
+                       rt.layer_wait.copy(), busy,
                        len(intervals), intervals)
     summary, per_layer, per_seq, per_step = result_tables(
         w, session.counters, out, spec, system=sysconf.name, hardware=profile.name, batch_size=options.batch_size,

@@ -110,7 +110,8 @@ class OffloadSession:
         self._real_rows: np.ndarray | None = None
         self.step_start: list[float] = []
         self.step_end: list[float] = []
-        self._layer_t0: float | None = None
+        self._layer_t0 = None  # the current block's start stamp (a CUDA event on the compute stream)
+        self._layer_spans: list[tuple[int, object, object]] = []
         self._dense_start: Any = None
         self._installed: list[tuple[MoEBlock, nn.Module]] = []
         self._hooks: list[Any] = []
@@ -171,17 +172,25 @@ class OffloadSession:
     def _pre_hook(self, ordinal: int):
         def hook(module, args):
             if self.step is not None:
-                self._layer_t0 = self.timer.now()
-                self._dense_start = self.timer.mark(self._stream)
+                self._layer_t0 = self._dense_start = self.timer.mark(self._stream)
         return hook
 
     def _post_hook(self, ordinal: int):
+        # no device synchronisation: on CUDA both ends are events on the compute stream (resolved at the
+        # end), so the host goes on to the next layer while the device works
         def hook(module, args, output):
             if self.step is not None and self._layer_t0 is not None:
-                self.dev.synchronize()
-                self.times.time[ordinal] += self.timer.now() - self._layer_t0
+                self._layer_spans.append((ordinal, self._layer_t0, self.timer.mark(self._stream)))
                 self._layer_t0 = None
         return hook
+
+    def layer_times(self) -> np.ndarray:
+        """(L,) seconds spent in each MoE block (call once the device is synchronised)."""
+        seconds = self.timer.seconds
+        for ordinal, a, b in self._layer_spans:
+            self.times.time[ordinal] += seconds(b) - seconds(a)
+        self._layer_spans.clear()
+        return self.times.time
 
     # ---- one MoE layer ------------------------------------------------------------------------
     def run_layer(self, ordinal: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -196,7 +205,10 @@ class OffloadSession:
         sw = Stopwatch().start()
         idx, rows = self.index, self._real_rows
         _, perm = torch.sort(ids.reshape(-1))  # transformers' grouped_mm order of the (token, k) pairs
-        ids_np, w_np, perm = ids.cpu().numpy(), weights.float().cpu().numpy(), perm.cpu().numpy()
+        # the routing to the host: the layer's one wait for the device (two copies: ids with the order, weights)
+        both = torch.cat([ids.reshape(-1), perm]).cpu().numpy()
+        n = ids.numel()
+        ids_np, perm, w_np = both[:n].reshape(ids.shape), both[n:], weights.float().cpu().numpy()
         ids_real = ids_np if rows is None else ids_np[rows]
         w_real = w_np if rows is None else w_np[rows]
         # rank order: descending weight, ties keep their column (as rank_order's stable sort)

@@ -150,17 +150,15 @@ class Controller:
         miss = on_gpu & ~hit  # weights must come to the GPU: prefetched or fetched on demand
         source = _SOURCE_OF[(on_gpu.view(np.uint8) << 2) | (hit.view(np.uint8) << 1) | pending[experts].view(np.uint8)]
         fetch = source == FETCH
-        if not self.placement.may_fetch and fetch.any():
+        if not self.placement.may_fetch and fetch.any():  # noqa: SIM102 (the message needs the expert)
             e = int(experts[fetch][0])
             raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {e} of layer {layer} "
                              "on the GPU while it is not resident: the cache must hold every expert this placement "
                              "runs on the GPU (check memory.layout and memory.cache_init)")
-        activated = np.zeros(self.w.num_experts, dtype=bool)
-        activated[experts] = True
         if cache.batched:
-            admitted, evicted = self._admit_batched(view, layer, experts, hit, miss, activated)
+            admitted, evicted = self._admit_batched(view, layer, experts, hit, miss)
         else:
-            admitted, evicted = self._admit_each(view, layer, experts, hit, source, activated)
+            admitted, evicted = self._admit_each(view, layer, experts, hit, source)
         staged = fetch & ~admitted  # a declined prefetched expert is used from its prefetch buffer
         if self.staging_slots < 1 and staged.any():
             raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
@@ -180,10 +178,16 @@ class Controller:
         return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, hit,
                          admitted, staged, evicted, prefetches, prefetch_used, prefetch_wasted, swaps)
 
-    def _admit_each(self, view: LayerView, layer: int, experts: np.ndarray, hit: np.ndarray, source: np.ndarray,
-                    activated: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    def _activated(self, experts: np.ndarray) -> np.ndarray:
+        activated = np.zeros(self.w.num_experts, dtype=bool)
+        activated[experts] = True
+        return activated
+
+    def _admit_each(self, view: LayerView, layer: int, experts: np.ndarray, hit: np.ndarray,
+                    source: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """The cache semantics expert by expert, in touch order (any cache policy)."""
         cache, resident, step = self.cache, self.resident[layer], view.step
+        activated = self._activated(experts)
         admitted = np.zeros(len(experts), dtype=bool)
         evicted: list[int] = []
         cap = int(self.capacities[layer])
@@ -212,8 +216,8 @@ class Controller:
                 cache.on_admit(layer, e, view)
         return admitted, evicted
 
-    def _admit_batched(self, view: LayerView, layer: int, experts: np.ndarray, hit: np.ndarray, miss: np.ndarray,
-                       activated: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    def _admit_batched(self, view: LayerView, layer: int, experts: np.ndarray, hit: np.ndarray,
+                       miss: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """The same semantics in one go, for a policy with the batch form (``CachePolicy.victim_order``):
         the misses (GPU experts not resident, touch order) first fill free slots if the policy accepts,
         then take the victims in the policy's order while evictable entries last; the rest are declined."""
@@ -229,6 +233,7 @@ class Controller:
                 take = min(max(free, 0), cand.size)
                 rest = cand.size - take
                 if rest:
+                    activated = self._activated(experts)
                     evictable = np.flatnonzero(resident & ~activated)
                     if evictable.size:
                         victims = np.asarray(cache.victim_order(layer, view, readonly(evictable)))[:rest]
