@@ -79,16 +79,19 @@ class GroupIndex:
     @classmethod
     def build(cls, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> "GroupIndex":
         """``seg``: indices into ``routing.experts`` (the group's experts), ``rows``: their table rows."""
-        if len(rows) > 1:
-            order = np.argsort(rows, kind="stable")
-            seg, rows = seg[order], rows[order]
+        if len(seg) == 1:  # one expert (a staging turn): its segment of the routing as it is
+            i, row = int(seg[0]), int(rows[0])
+            a, b = int(routing.ptr[i]), int(routing.ptr[i + 1])
+            n = np.array([b - a], np.int64)
+            return cls(routing.positions[a:b], routing.weights[a:b], rows, routing.experts[i:i + 1], n, row, n,
+                       n.astype(np.int32))
+        order = np.argsort(rows, kind="stable")
+        seg, rows = seg[order], rows[order]
         starts, ends = routing.ptr[seg], routing.ptr[seg + 1]
         counts = ends - starts
-        if len(seg) == 1:
-            take = np.arange(starts[0], ends[0])
-        else:  # positions starts[i] .. ends[i] - 1 of every expert, concatenated (no loop per expert)
-            first = np.cumsum(counts) - counts
-            take = np.repeat(starts - first, counts) + np.arange(int(first[-1] + counts[-1]))
+        # positions starts[i] .. ends[i] - 1 of every expert, concatenated (no loop per expert)
+        first = np.cumsum(counts) - counts
+        take = np.repeat(starts - first, counts) + np.arange(int(first[-1] + counts[-1]))
         lo = int(rows[0])
         table_counts = np.zeros(int(rows[-1]) - lo + 1, np.int64)
         table_counts[rows - lo] = counts

@@ -192,8 +192,7 @@ class OffloadRuntime:
             self._fetch(plan, lanes)
             rows = lanes.rows[remaining]
             have = rows >= 0
-            ready = have.copy()
-            ready[have] = np.broadcast_to(self._is_present(rows[have]), (int(have.sum()),))
+            ready = have & self._is_present(np.where(have, rows, 0))  # (row 0 stands in for rows not taken yet)
             if inline and not ready.all():  # copies in flight: the CPU lane's work first, then one group
                 sw.stop()
                 cpu_out.append(inline.pop()())
