@@ -36,7 +36,7 @@ class CopyTicket:
     copies); ``done`` is set once all have landed, ``landed`` counts those that have."""
 
     __slots__ = ("dsts", "srcs", "src_table", "priority", "seq", "what", "after", "rows", "inflight", "taken",
-                 "done", "error", "starts", "ends", "landed", "next")
+                 "done", "error", "starts", "ends", "landed", "next", "engine")
 
     def __init__(self, dsts: list, srcs: list, priority: int, seq: int, what, after: list | None, *,
                  src_table: tuple | None = None, rows=None, inflight=None):
@@ -44,7 +44,8 @@ class CopyTicket:
         self.priority, self.seq, self.what, self.after = priority, seq, what, after
         self.rows, self.inflight = rows, inflight  # slot rows and the pool's per-row copies in flight
         self.taken = False
-        self.done = threading.Event()
+        self.done = False  # set (under the engine's lock) once every copy has landed
+        self.engine: "CopyEngine | None" = None
         self.error: BaseException | None = None
         self.starts: list = []
         self.ends: list = []
@@ -60,7 +61,7 @@ class CopyTicket:
         return self.ends[-1] if self.ends else None
 
     def is_done(self) -> bool:
-        return self.done.is_set()
+        return self.done
 
     def activity(self, i: int) -> Activity:
         """What copy ``i`` was: ``what`` is an Activity (one copy) or (kind, step, layers, experts, others):
@@ -71,7 +72,10 @@ class CopyTicket:
         return Activity(kind, step, int(layers[i]), int(experts[i]), other=-1 if others is None else int(others[i]))
 
     def wait(self) -> None:
-        self.done.wait()
+        if not self.done:
+            with self.engine._cond:
+                while not self.done:
+                    self.engine._cond.wait()
         if self.error is not None:
             raise RuntimeError(f"copy {self.activity(0).name()} failed: {self.error}") from self.error
 
@@ -110,9 +114,10 @@ class CopyEngine:
                            None, [previous] if previous is not None else [])
 
     def submit_many(self, dst_table: torch.Tensor, src_table: torch.Tensor, dst_index: list[int],
-                    src_index: list[tuple[int, int]], priority: int, what: tuple, *, after: list | None = None,
+                    src_index: tuple[list[int], list[int]], priority: int, what: tuple, *, after: list | None = None,
                     previous: list | None = None, rows=None, inflight=None) -> CopyTicket:
-        """Queue ``dst_table[dst_index[i]].copy_(src_table[src_index[i]])`` for every i, in this order, as one
+        """Queue ``dst_table[dst_index[i]].copy_(src_table[layers[i], experts[i]])`` for every i (``src_index``:
+        (layers, experts)), in this order, as one
         request (``what``: (kind, step, layers, experts, others) for the timeline; ``after`` and ``previous``
         per copy as in :meth:`submit`; the row views are made by the copy thread). On-demand copies are
         issued back to back; a background request yields to on-demand requests between its copies."""
@@ -125,6 +130,7 @@ class CopyEngine:
                 raise RuntimeError("copy engine is closed")
             t = CopyTicket(dsts, srcs, priority, next(self._seq), what, after, src_table=src_table, rows=rows,
                            inflight=inflight)
+            t.engine = self
             for prev in previous:
                 if not prev.taken and prev.priority > priority:
                     prev.priority = priority
@@ -139,7 +145,7 @@ class CopyEngine:
     def wait_any(self, tickets: list[CopyTicket]) -> None:
         """Block until at least one of ``tickets`` is done."""
         with self._cond:
-            while not any(t.done.is_set() for t in tickets) and self.error is None:
+            while not any(t.done for t in tickets) and self.error is None:
                 self._cond.wait()
         self._raise()
 
@@ -192,7 +198,8 @@ class CopyEngine:
                 dsts, srcs = t.dsts, t.srcs
                 if t.src_table is not None:  # (dst table, src table) and indices
                     dst_table, src_table = t.src_table
-                    dsts, srcs = [dst_table[i] for i in dsts], [src_table[i] for i in srcs]
+                    layers, experts = srcs
+                    dsts, srcs = [dst_table[i] for i in dsts], [src_table[a, b] for a, b in zip(layers, experts)]
                 n = len(dsts)
                 batch = t.priority == ON_DEMAND  # issued back to back; background copies one at a time
                 first = t.next
@@ -228,7 +235,7 @@ class CopyEngine:
                 t.error = exc
                 self.error = self.error or exc
             with self._cond:
-                t.done.set()
+                t.done = True
                 self._open -= 1
                 self._cond.notify_all()
 

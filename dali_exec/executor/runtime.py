@@ -184,60 +184,76 @@ class OffloadRuntime:
     def _accelerator_lane(self, plan: LayerPlan, lanes: "_AccelLane", routing: LayerRouting, x: torch.Tensor,
                           out_buf: torch.Tensor, sw: Stopwatch, inline: list, cpu_out: list) -> None:
         """Issue the on-demand copies, then compute whatever has landed as one group, until all is done.
-        ``inline``: the CPU lane's work when it runs in this thread, done instead of the first wait."""
+        ``inline``: the CPU lane's work when it runs in this thread, done instead of the first wait.
+
+        After the first group (typically every resident expert at once) the turns are few experts each
+        (copies landing, staging buffers cycling): the loop keeps plain lists, not arrays."""
         pool, layer = self.pool, plan.layer
-        remaining = np.arange(lanes.n)
-        seg = np.searchsorted(routing.experts, lanes.experts)  # each expert's segment of the routing
-        while remaining.size:
-            self._fetch(plan, lanes)
-            rows = lanes.rows[remaining]
-            have = rows >= 0
-            ready = have & self._is_present(np.where(have, rows, 0))  # (row 0 stands in for rows not taken yet)
-            if inline and not ready.all():  # copies in flight: the CPU lane's work first, then one group
+        rows, release = lanes.rows.tolist(), lanes.release.tolist()
+        experts, seg = lanes.experts.tolist(), np.searchsorted(routing.experts, lanes.experts).tolist()
+        todo = lanes.fetch_todo.tolist()
+        remaining = list(range(lanes.n))
+        droute: list = []  # the layer's routing on the accelerator, made by the first single-expert turn
+        while remaining:
+            if todo:
+                self._fetch(plan, lanes, todo, rows, experts)
+            have = [i for i in remaining if rows[i] >= 0]
+            landed = self._is_present(np.array([rows[i] for i in have], np.int64))
+            if landed is True:
+                ready = have
+            else:
+                ready = [i for i, ok in zip(have, np.asarray(landed).tolist()) if ok]
+            if inline and len(ready) < len(remaining):  # copies in flight: the CPU lane's work first, then one group
                 sw.stop()
                 cpu_out.append(inline.pop()())
                 sw.start()
                 continue
-            if not ready.any():
-                if not have.any():
+            if not ready:
+                if not have:
                     raise AssertionError(f"step {plan.step} layer {layer}: no GPU expert can become ready")
                 sw.stop()
                 w0 = time.perf_counter()
-                self.copies.wait_rows(pool.inflight, rows[have])
+                self.copies.wait_rows(pool.inflight, np.array([rows[i] for i in have], np.int64))
                 self.layer_wait[layer] += time.perf_counter() - w0
                 sw.start()
                 continue
-            group, remaining = remaining[ready], remaining[~ready]
-            self._accelerator_group(plan, routing, seg[group], lanes.rows[group], x, out_buf, sw)
-            for i in group[lanes.release[group] != NO_RELEASE].tolist():
-                slot = pool.slots[int(lanes.rows[i])]
-                if lanes.release[i] == STAGING:
-                    pool.release_staging(slot)
+            if len(ready) < len(remaining):
+                done = set(ready)
+                remaining = [i for i in remaining if i not in done]
+            else:
+                remaining = []
+            self._accelerator_group(plan, routing, np.array([seg[i] for i in ready], np.int64),
+                                    np.array([rows[i] for i in ready], np.int64), x, out_buf, sw, droute)
+            for i in ready:
+                if release[i] == STAGING:
+                    pool.release_staging(pool.slots[rows[i]])
                     lanes.staging_used -= 1
-                else:
-                    self._free_prefetch(slot)
+                elif release[i] == PREFETCH:
+                    self._free_prefetch(pool.slots[rows[i]])
 
-    def _fetch(self, plan: LayerPlan, lanes: "_AccelLane") -> None:
-        """Issue the on-demand copies not issued yet, in touch order, up to the first staged one that finds
-        no free staging buffer, as one request."""
-        todo = lanes.fetch_todo
-        if not todo.size:
-            return
+    def _fetch(self, plan: LayerPlan, lanes: "_AccelLane", todo: list[int], rows: list[int], experts: list[int]) -> None:
+        """Issue the on-demand copies not issued yet (``todo``, touch order), up to the first staged one that
+        finds no free staging buffer, as one request (``rows`` gets the staging buffers taken)."""
         pool, layer = self.pool, plan.layer
-        need = np.flatnonzero(lanes.rows[todo] < 0)  # staged, no buffer yet
-        free = len(pool.staging_free)
-        cut = todo.size if need.size <= free else int(need[free])
-        take, lanes.fetch_todo = todo[:cut], todo[cut:]
-        for i in take[lanes.rows[take] < 0].tolist():
-            lanes.rows[i] = pool.take_staging(layer, int(lanes.experts[i])).index
-            lanes.staging_used += 1
-        if take.size:
-            self._copy_many(lanes.rows[take], [layer] * take.size, lanes.experts[take].tolist(), ON_DEMAND,
-                            ("fetch", plan.step))
+        take: list[int] = []
+        while todo:
+            i = todo[0]
+            if rows[i] < 0:
+                if not pool.staging_free:
+                    break
+                rows[i] = pool.take_staging(layer, experts[i]).index
+                lanes.staging_used += 1
+            take.append(todo.pop(0))
+        if take:
+            self._copy_many(np.array([rows[i] for i in take], np.int64), [layer] * len(take),
+                            [experts[i] for i in take], ON_DEMAND, ("fetch", plan.step))
 
     def _accelerator_group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray,
-                           x: torch.Tensor, out_buf: torch.Tensor, sw: Stopwatch) -> None:
+                           x: torch.Tensor, out_buf: torch.Tensor, sw: Stopwatch, droute: list) -> None:
         pool, dev = self.pool, self.dev
+        if len(seg) == 1:  # one expert (a staging turn, a copy landing alone): its slices of the layer's routing
+            self._accelerator_one(plan, routing, int(seg[0]), int(rows[0]), x, out_buf, sw, droute)
+            return
         gi = GroupIndex.build(routing, seg, rows)
         pool.check_rows(gi.rows, plan.layer, gi.experts)
         pos, tok, offs, pair_rows, w = _device_indices(gi, routing, dev.accel, dev.dtype, self.layout.bias)
@@ -255,6 +271,34 @@ class OffloadRuntime:
         self.groups["gpu"] += 1
         self.grouped_experts["gpu"] += len(gi)
 
+    def _accelerator_one(self, plan: LayerPlan, routing: LayerRouting, i: int, row: int, x: torch.Tensor,
+                         out_buf: torch.Tensor, sw: Stopwatch, droute: list) -> None:
+        """One expert from its slot: its rows, positions and weights as slices of the layer's routing on the
+        accelerator (sent there once per layer, on CUDA from pinned memory without a wait)."""
+        pool, dev = self.pool, self.dev
+        if not droute:
+            pos = routing.positions
+            ints = torch.from_numpy(np.concatenate([pos, pos // routing.top_k]))
+            w = torch.from_numpy(routing.weights)
+            if dev.is_cuda:
+                ints, w = (t.pin_memory().to(dev.accel, non_blocking=True) for t in (ints, w))
+            droute += [ints[:len(pos)], ints[len(pos):], w.to(dev.dtype).unsqueeze(1)]
+        e = int(routing.experts[i])
+        a, b = int(routing.ptr[i]), int(routing.ptr[i + 1])
+        pool.check_rows(np.array([row]), plan.layer, np.array([e]))
+        stream = self.compute_stream
+        sw.stop()
+        start = self.timer.mark(stream)
+        y = self.layout.forward(pool.slots[row].data, x.index_select(0, droute[1][a:b]))
+        out_buf.index_copy_(0, droute[0][a:b], y * droute[2][a:b])
+        end = self.timer.mark(stream)
+        sw.start()
+        if stream is not None:
+            pool.last_use[row] = end
+        self.timer.add_group("gpu", plan.step, plan.layer, (e,), (b - a,), start, end)
+        self.groups["gpu"] += 1
+        self.grouped_experts["gpu"] += 1
+
     # ---- pieces -------------------------------------------------------------------------------
     def _is_present(self, rows: np.ndarray) -> np.ndarray:
         """Have the rows' weights landed? (The GPU lane's only question; tests replace it to show that
@@ -269,8 +313,8 @@ class OffloadRuntime:
         tickets = pool.tickets
         after = [pool.last_use[i] for i in r] if self.dev.is_cuda else None
         previous = [t for i in r if (t := tickets[i]) is not None and not t.taken]
-        ticket = self.copies.submit_many(pool.table[:, :pool.numel], self.store.weights, r, list(zip(layers, experts)),
-                                         priority, (*what, layers, experts, others), after=after, previous=previous,
+        ticket = self.copies.submit_many(pool.rows_view, self.store.weights, r, (layers, experts), priority,
+                                         (*what, layers, experts, others), after=after, previous=previous,
                                          rows=rows, inflight=pool.inflight)
         for i in r:
             tickets[i] = ticket

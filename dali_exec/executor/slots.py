@@ -97,6 +97,7 @@ class SlotPool:
         self.numel = numel
         self.buffer = torch.empty((n, -(-numel // per) * per), dtype=dtype, device=device)
         self.table = self.buffer  # the rows as a weight table (grouped computation reads [:, :numel])
+        self.rows_view = self.buffer[:, :numel]  # the rows without their padding (copies write these)
         self.slots = [Slot(i, self.buffer[i, :numel], self) for i in range(n)]
         self.hold_layer = np.full(n, -1, np.int64)
         self.hold_expert = np.full(n, -1, np.int64)
@@ -250,6 +251,10 @@ class SlotPool:
 
     def check_rows(self, rows: np.ndarray, layer: int, experts: np.ndarray) -> None:
         """Each row holds (layer, expert) and its copies have landed, else :class:`SlotNotReady`."""
+        if len(rows) == 1:  # a staging turn: scalars
+            r = int(rows[0])
+            if self.hold_layer[r] == layer and self.hold_expert[r] == experts[0] and self.inflight[r] == 0:
+                return
         wrong = (self.hold_layer[rows] != layer) | (self.hold_expert[rows] != experts)
         if wrong.any():
             i = int(np.argmax(wrong))
