@@ -83,6 +83,10 @@ class OffloadRuntime:
                 self.pool.slots[r].data.copy_(self.store.host(layer, e))
         self.dev.synchronize()
 
+    def grouped_calls(self) -> dict[str, dict[str, int]]:
+        """Per lane: grouped calls made so far and the experts they computed."""
+        return {lane: {"calls": self.groups[lane], "experts": self.grouped_experts[lane]} for lane in self.groups}
+
     @property
     def slot_bytes(self) -> int:
         """Accelerator bytes of all weight slots (cache + prefetch + staging): all that is allocated for experts."""

@@ -23,7 +23,7 @@ import torch
 
 from dali_exec.executor.devices import Devices, lane_threads
 from dali_exec.executor.problem import DTYPE_PRECISION
-from dali_exec.executor.result import overhead_summary
+from dali_exec.executor.result import executor_summary, overhead_summary
 from dali_exec.executor.runtime import OffloadRuntime
 from dali_exec.executor.timing import Timer
 from dali_exec.generate.experts import pack_experts
@@ -290,6 +290,7 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         "experts_implementation": getattr(model.config, "_experts_implementation", None),
         "host_weights_pinned": store.pinned,
         "slot_bytes": runtime.slot_bytes,
+        "grouped_calls": runtime.grouped_calls(),
         "setup_s": setup_s,
     }
     return _result(session, spec, sysconf, profile, mem, hardware, options, seed, executor, generated, wall_s,
@@ -324,8 +325,7 @@ def _result(session: OffloadSession, spec, sysconf, profile, mem, hardware, opti
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = book
     per_layer["lookahead_s"], per_layer["lookahead_cpu_s"] = t.lookahead
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
-    summary["executor"] = {"device": executor["devices"]["accelerator"],
-                           "device_name": executor["devices"]["accelerator_name"]}
+    summary["executor"] = executor_summary(executor)
     new_tokens = sum(len(g.token_ids) for g in generated)
     summary["generation"] = {"prompts": len(generated), "new_tokens": new_tokens, "wall_s": wall_s,
                              "new_tokens_per_s": new_tokens / wall_s if wall_s > 0 else float("nan"),
