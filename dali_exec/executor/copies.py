@@ -150,9 +150,9 @@ class CopyEngine:
         self._raise()
 
     def wait_rows(self, inflight, rows) -> None:
-        """Block until a copy into one of ``rows`` lands and leaves it with none in flight."""
+        """Block until a copy into one of ``rows`` (a few row indices) lands and leaves it with none in flight."""
         with self._cond:
-            while (inflight[rows] > 0).all() and self.error is None:
+            while all(inflight[r] > 0 for r in rows) and self.error is None:
                 self._cond.wait()
         self._raise()
 
