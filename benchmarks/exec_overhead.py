@@ -4,9 +4,10 @@ and as a fraction of the time spent in the layer (the DALI paper reports 4.5% sc
     python benchmarks/exec_overhead.py                 # gpt-oss-20b trace, scale 1/8, 8 layers (a few minutes on 2 cores)
     python benchmarks/exec_overhead.py --quick         # smaller: seconds
     python benchmarks/exec_overhead.py --device cuda --scale 1 --layers 24 --json out.json
+    python benchmarks/exec_overhead.py --shape qwen3-30b-a3b --batch-size 32 --sequences 32   # 128 experts, top-8
 
 Per system, ``dali_exec.executor.execute`` replays the same reduced trace ``--repeats`` times (after one
-warm-up run) and reports the run with the smallest wall-clock overhead fraction:
+warm-up run) and reports, per column, the median over those runs of the per-visit means:
 
 * ``decision``: ``Controller.plan`` (the policies, shared with the simulator) and ``PlanCounters.add``;
 * ``bookkeeping``: the executor's host work around the computes: grouping the routing by expert,
@@ -19,6 +20,12 @@ Both are given as wall clock and as thread CPU time (``*_cpu``): on a busy machi
 counts time the thread waits for a core or for the GIL (the copy and CPU-lane threads hold it between
 their torch calls); CPU time is what the code costs. ``plan_only_us`` times the controller alone on the
 same workload (no execution, no other threads): the policies' cost without interference.
+
+``--shape PRESET`` runs every system (``--systems`` and ``--lookahead-systems``) on a synthetic trace of
+that model preset (decode only, lookahead columns residual, next-gate, gate2 and gate3) instead of
+``--trace``. ``limit_us`` is the target of the runtime issue for the thread-CPU overhead per layer visit
+(decision + bookkeeping): 60 us for cpu-only, gpu-lru, llamacpp, fiddler and ktransformers, 100 us for
+dali and hybrimoe; ``ok`` says whether the measured median meets it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -45,6 +53,12 @@ from dali_sim.trace.synth import SynthConfig, synthesize
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER_OVERHEAD = 0.045  # DALI (arXiv 2602.03495): reported scheduling overhead, for comparison only
+#: thread-CPU decision + bookkeeping per layer visit the runtime issue asks for (microseconds)
+LIMIT_US = {"cpu-only": 60, "gpu-lru": 60, "llamacpp": 60, "fiddler": 60, "ktransformers": 60, "dali": 100,
+            "hybrimoe": 100}
+PRINTED = ["experts_per_layer", "gpu_experts_per_layer", "layer_us", "decision_us", "bookkeeping_us", "decision_cpu_us",
+           "bookkeeping_cpu_us", "overhead_cpu_us", "overhead_cpu_pct", "plan_only_us", "limit_us", "ok"]
+LOOKAHEAD = ("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")
 
 
 def plan_only_us(setup, seed: int = 0) -> float:
@@ -83,18 +97,29 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
         stores[key] = HostExpertStore.random(setup.model, devices.dtype, 0, pin=devices.is_cuda)
     run_once(setup, devices, run, stores[key])  # warm-up (allocator, kernels, threads)
     runs = [run_once(setup, devices, run, stores[key]) for _ in range(repeats)]
-    best = min(runs, key=lambda r: r.summary["overhead"]["fraction_of_layer_time"])
-    ov, s = best.summary["overhead"], best.summary
+
+    def median(key: str) -> float:
+        return float(np.median([r.summary["overhead"][key] for r in runs]))
+
+    s = runs[0].summary
+    visits = s["overhead"]["layer_visits"]
+    overhead_cpu = median("overhead_cpu_us_per_layer")
+    limit = LIMIT_US.get(system)
     return {
         "system": system, "steps": s["steps"], "layers": setup.model.num_moe_layers,
-        "layer_us": ov["layer_time_us"],
-        "decision_us": ov["decision_us_per_layer"], "bookkeeping_us": ov["bookkeeping_us_per_layer"],
-        "overhead_pct": 100 * ov["fraction_of_layer_time"],
-        "decision_cpu_us": ov["decision_cpu_us_per_layer"], "bookkeeping_cpu_us": ov["bookkeeping_cpu_us_per_layer"],
-        "overhead_cpu_pct": 100 * ov["fraction_cpu_of_layer_time"],
+        "experts_per_layer": s["activated"] / visits,
+        "gpu_experts_per_layer": s["gpu_experts"] / visits,
+        "layer_us": median("layer_time_us"),
+        "decision_us": median("decision_us_per_layer"), "bookkeeping_us": median("bookkeeping_us_per_layer"),
+        "overhead_pct": 100 * median("fraction_of_layer_time"),
+        "decision_cpu_us": median("decision_cpu_us_per_layer"),
+        "bookkeeping_cpu_us": median("bookkeeping_cpu_us_per_layer"),
+        "overhead_cpu_us": overhead_cpu,
+        "overhead_cpu_pct": 100 * median("fraction_cpu_of_layer_time"),
         "plan_only_us": plan_only_us(setup),
-        "gpu_experts_per_layer": s["gpu_experts"] / ov["layer_visits"],
-        "decode_tokens_per_s": s["decode_tokens_per_s"],
+        "limit_us": limit if limit is not None else float("nan"),
+        "ok": "" if limit is None else ("yes" if overhead_cpu <= limit else "NO"),
+        "decode_tokens_per_s": float(np.median([r.summary["decode_tokens_per_s"] for r in runs])),
     }
 
 
@@ -103,9 +128,12 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=str(REPO / "traces" / "gpt-oss-20b.parquet"))
     ap.add_argument("--systems", default="gpu-lru,fiddler,llamacpp,ktransformers,cpu-only",
                     help="systems on --trace (comma-separated)")
-    ap.add_argument("--lookahead-systems", default="dali,dali-plus,mixtral-offloading",
+    ap.add_argument("--lookahead-systems", default="dali,dali-plus,mixtral-offloading,hybrimoe",
                     help="systems that need lookahead columns: run on a synthetic trace of the same shape "
-                         "(residual 0.9, next-gate 0.7); '' to skip")
+                         "(residual 0.9, next-gate 0.7, gate2 0.6, gate3 0.5); '' to skip")
+    ap.add_argument("--shape", metavar="PRESET",
+                    help="run every system on a synthetic decode trace of this model preset (e.g. qwen3-30b-a3b) "
+                         "instead of --trace")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--scale", type=float, default=0.125)
     ap.add_argument("--sequences", type=int, default=4)
@@ -124,29 +152,37 @@ def main(argv=None) -> int:
     dtype = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
     opts = ReplayOptions(layers=a.layers, scale=a.scale, sequences=a.sequences, max_tokens=a.max_tokens, dtype=dtype)
     run = ExecOptions(device=str(device), cpu_threads=a.cpu_threads)
-    trace = read_trace(a.trace)
     stores: dict = {}
-    rows = [measure(trace, name, opts, run, a.batch_size, a.repeats, stores) for name in a.systems.split(",") if name]
+    plain = [n for n in a.systems.split(",") if n]
     look = [n for n in a.lookahead_systems.split(",") if n]
-    if look:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "look.parquet"
-            synth_model = trace.model.name
-            synthesize(SynthConfig(model=synth_model, sequences=a.sequences, prompt_len=0, gen_len=a.max_tokens,
-                                   seed=1, lookahead=("residual=0.9", "next-gate=0.7")), path)
-            synth = read_trace(path)
-            rows += [measure(synth, name, opts, run, a.batch_size, a.repeats, stores) | {"system": f"{name} (synthetic)"}
-                     for name in look]
+    with tempfile.TemporaryDirectory() as tmp:
+        def synthetic(model: str):
+            path = Path(tmp) / f"{model}.parquet"
+            synthesize(SynthConfig(model=model, sequences=a.sequences, prompt_len=0, gen_len=a.max_tokens,
+                                   seed=1, lookahead=LOOKAHEAD), path)
+            return read_trace(path)
+
+        if a.shape:
+            trace = synthetic(a.shape)
+            rows = [measure(trace, name, opts, run, a.batch_size, a.repeats, stores) for name in plain + look]
+        else:
+            trace = read_trace(a.trace)
+            rows = [measure(trace, name, opts, run, a.batch_size, a.repeats, stores) for name in plain]
+            if look:
+                synth = synthetic(trace.model.name)
+                rows += [measure(synth, name, opts, run, a.batch_size, a.repeats, stores)
+                         | {"system": f"{name} (synthetic)"} for name in look]
     table = pd.DataFrame(rows).set_index("system")
     machine = {"device": str(device), "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"CPU device: {cpu_name()}", "cpu": cpu_name(), "cores": os.cpu_count(),
                "load_average": os.getloadavg(), "torch": torch.__version__, "python": platform.python_version()}
     settings = {k: v for k, v in vars(a).items() if k != "json"} | {"dtype": dtype}
     print(f"machine: {machine}")
-    print(f"replay: {Path(a.trace).name}, {a.layers} MoE layers at scale {a.scale:g}, {a.sequences} sequences x "
-          f"{a.max_tokens} tokens, batch {a.batch_size}, {dtype}; best of {a.repeats} runs per system")
+    source = f"synthetic {a.shape} trace" if a.shape else Path(a.trace).name
+    print(f"replay: {source}, {a.layers} MoE layers at scale {a.scale:g}, {a.sequences} sequences x "
+          f"{a.max_tokens} tokens, batch {a.batch_size}, {dtype}; median of {a.repeats} runs per system")
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(table.round(1).to_string())
+        print(table[PRINTED].round(1).to_string())
     print(f"DALI paper: {100 * PAPER_OVERHEAD:.1f}% scheduling overhead (for comparison)")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=2, default=str))

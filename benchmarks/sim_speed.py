@@ -96,7 +96,7 @@ class Bench:
         if key not in self.traces:
             t0 = time.perf_counter()
             config = SynthConfig(model=model, sequences=sequences, prompt_len=0, gen_len=gen_len,
-                                 seed=self.args.seed)
+                                 seed=self.args.seed, lookahead=tuple(self.args.lookahead))
             path = synthesize(config, self.tmp / f"{model}-{sequences}x{gen_len}.parquet", progress=False)
             self.traces[key] = read_trace(path)
             self.synth_s += time.perf_counter() - t0
@@ -377,6 +377,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stop repeating a case once another run would push it past this many seconds (default 15)")
     ap.add_argument("--hardware", default="rtx3090-epyc7532", help="hardware profile (default: rtx3090-epyc7532)")
     ap.add_argument("--seed", type=int, default=0, help="synthetic trace seed")
+    ap.add_argument("--lookahead", action="append", default=[], metavar="NAME=ACC[@OFFSET]",
+                    help="a lookahead column of the synthetic traces (repeatable), for systems that prefetch, e.g. "
+                         "residual=0.9 for dali; hybrimoe: next-gate=0.7, gate2=0.6@2, gate3=0.5@3")
     ap.add_argument("--pin-cpu", type=int, default=None, help="restrict the process to this CPU (sched_setaffinity)")
     ap.add_argument("--profile", metavar="MODEL:SYSTEM:BATCH:PATH", action="append", default=[],
                     help="also cProfile one case (repeatable), e.g. qwen3-30b-a3b:gpu-lru:32:simpy")

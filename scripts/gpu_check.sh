@@ -22,6 +22,9 @@
 #   --order-margin Y    fail two systems whose measured times differ by more than Y but whose simulated
 #                       order is the other way round (default: 0.10)
 #   --python PY         interpreter (default: $PYTHON, else python3, else python)
+#   --no-runtime        skip the runtime step (host overhead per MoE layer, generate speed against plain
+#                       transformers: benchmarks/exec_overhead.py and generate_speed.py; 60 s, quick: 30 s,
+#                       printed to the log only)
 #   --dry-run           check the environment and print the commands, run nothing, write nothing
 #   -h, --help          this text
 # Exit status: 0 when every workload ran at least one system, every counter matched where it must and
@@ -42,6 +45,7 @@ PY=${PYTHON:-}
 DRY=0
 MAX_TOTAL=0.15
 ORDER_MARGIN=0.10
+RUNTIME=1
 
 usage() { sed -n '2,/^# Exit status/{s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; sed -n '/^# 1 otherwise/{s/^# //;p}' "${BASH_SOURCE[0]}"; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
@@ -60,6 +64,7 @@ while [[ $# -gt 0 ]]; do
     --max-total-error) need_value "$@"; MAX_TOTAL=$2; shift 2 ;;
     --order-margin) need_value "$@"; ORDER_MARGIN=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
+    --no-runtime) RUNTIME=0; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -162,6 +167,42 @@ print(f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_c
       + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
 EOF
   (( ${#MISSING[@]} )) && echo "carried wheels for: ${MISSING[*]} (PYTHONPATH has $EXTRA)"
+fi
+
+# ---- runtime step (issue "a real offloading runtime"): host overhead per layer and generate speed ----
+# Separate from the validation below and before it, with its own share of the budget (the workloads get
+# what is left); results go to the log (and $WORK/runtime-*.json), never into --out.
+if (( RUNTIME )); then
+  rt_share=$(( QUICK ? 30 : 60 ))
+  (( rt_share > BUDGET / 4 )) && rt_share=$(( BUDGET / 4 ))
+  echo
+  echo "== runtime: host overhead per MoE layer and generate speed (${rt_share} s)"
+  rt0=$SECONDS
+  if (( QUICK )); then
+    RT_OVERHEAD=(--shape qwen3-30b-a3b --batch-size 8 --sequences 8 --max-tokens 4 --layers 2 --scale 0.0625 --repeats 1)
+    RT_GENERATE=(--prompts 4 --batch-size 2 --max-new-tokens 8 --repeats 1)
+  else
+    RT_OVERHEAD=(--shape qwen3-30b-a3b --batch-size 32 --sequences 32 --max-tokens 16 --layers 4 --scale 0.25 --repeats 2)
+    RT_GENERATE=(--prompts 8 --batch-size 4 --max-new-tokens 32 --repeats 2)
+  fi
+  IFS=, read -r -a RT_SYS <<< "$SYSTEMS"
+  RT_LOOK=(); RT_PLAIN=()
+  for s in "${RT_SYS[@]}"; do
+    case "$s" in dali|dali-plus|hybrimoe|mixtral-offloading) RT_LOOK+=("$s") ;; *) RT_PLAIN+=("$s") ;; esac
+  done
+  rt_plain=$(IFS=,; echo "${RT_PLAIN[*]}"); rt_look=$(IFS=,; echo "${RT_LOOK[*]}")
+  run timeout --signal=INT --kill-after=5 "$(( rt_share * 2 / 3 ))" "$PY" "$REPO/benchmarks/exec_overhead.py" \
+    --device "$DEVICE" "${RT_OVERHEAD[@]}" --systems "$rt_plain" --lookahead-systems "$rt_look" \
+    --json "$WORK/runtime-overhead.json"
+  echo "runtime overhead: exit $? after $(( SECONDS - rt0 )) s"
+  left=$(( rt_share - (SECONDS - rt0) ))
+  if (( left >= 5 )); then
+    run timeout --signal=INT --kill-after=5 "$left" "$PY" "$REPO/benchmarks/generate_speed.py" \
+      --device "$DEVICE" "${RT_GENERATE[@]}" --systems "cpu-only,dali" --json "$WORK/runtime-generate.json"
+    echo "runtime generate: exit $? after $(( SECONDS - rt0 )) s"
+  else
+    echo "runtime generate: skipped, the step's share is spent"
+  fi
 fi
 
 STATUS="$WORK/status.txt"

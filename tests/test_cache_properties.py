@@ -159,6 +159,47 @@ def test_cache_semantics(name, data, seqs, batch, costs, seed):
             check_cache_plan(ctl, before, plan)
 
 
+def per_expert_twin(cls):
+    """A subclass that overrides a per-expert hook (with the same behaviour): it loses the batch form, so
+    the controller drives it expert by expert."""
+    return type(f"PerExpert{cls.__name__}", (cls,), {"on_hit": lambda self, *a: cls.on_hit(self, *a)})
+
+
+BATCHED = [n for n in CACHES.names() if CACHES.get(n)().batched]
+
+
+def test_batch_forms_are_known_and_lost_by_subclasses_that_change_a_hook():
+    assert {"lru", "lfu", "static", "dali-window", "hybrimoe-mrs"} <= set(BATCHED)
+    assert "belady" not in BATCHED  # its victim depends on the incoming expert
+    for name in BATCHED:
+        assert not per_expert_twin(CACHES.get(name))().batched
+
+
+@pytest.mark.parametrize("name", BATCHED)
+@SETTINGS
+@given(data=st.data(), seqs=traces(), batch=st.integers(1, 3), costs=st.integers(0, len(COSTS) - 1),
+       seed=st.integers(0, 3), placement=st.sampled_from(["gpu-only", "dali-greedy", "fiddler", "hybrimoe"]),
+       oracle=st.booleans())
+def test_batch_form_plans_exactly_as_the_per_expert_protocol(name, data, seqs, batch, costs, seed, placement, oracle):
+    """Every plan field is the same whether the controller uses the policy's batch form or asks it expert
+    by expert (placements that put resident experts on the CPU and prefetches included)."""
+    overrides, init = data.draw(cache_setups(name), label="cache setup")
+    capacities = data.draw(st.lists(st.integers(0, E), min_size=LAYERS, max_size=LAYERS), label="capacities")
+    path = write(seqs)
+    cls = CACHES.get(name)
+    config = cls.Config().with_overrides(overrides, "x") if overrides else None
+    ctls = [controller(path, batch, PLACEMENTS.get(placement)(), c(config), capacities, init, costs=costs, seed=seed,
+                       prefetch=PREFETCHERS.get("oracle")() if oracle else None, prefetch_slots=2 if oracle else 0)
+            for c in (cls, per_expert_twin(cls))]
+    assert ctls[0].cache.batched and not ctls[1].cache.batched
+    for a, b in zip(ctls[0].plans(), ctls[1].plans()):
+        for f in ("experts", "counts", "on_gpu", "source", "hit", "admitted", "staged"):
+            assert np.array_equal(getattr(a, f), getattr(b, f)), f
+        for f in ("evicted", "prefetches", "prefetch_used", "prefetch_wasted", "swaps"):
+            assert list(getattr(a, f)) == list(getattr(b, f)), f
+    assert np.array_equal(ctls[0].resident, ctls[1].resident)
+
+
 # ---- placement properties ------------------------------------------------------------------------
 def placement_setups(name: str):
     """(config overrides, capacities strategy or None = random) for a placement policy."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dali_sim.hardware.cost import CostModel
 from dali_sim.hardware.profile import load_profile
@@ -194,3 +196,19 @@ def test_frequencies_from_a_trace(mix, tmp_path):
     np.testing.assert_array_equal(freq, Workload(mix, WorkloadConfig()).frequencies())
     with pytest.raises(ValueError, match="--frequencies-from"):
         frequencies_from_trace(mix.path, tiny_model())
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n=st.integers(1, 6), k=st.integers(1, 3), E=st.integers(3, 7))
+def test_online_segment_is_the_trace_workloads_rule(data, n, k, E):
+    """The online workload orders one (step, layer) as the trace workload's builder does: same experts in
+    touch order, workloads, best ranks and dtypes."""
+    from dali_sim.workload.builder import _sparse_counts
+
+    ids = np.array([data.draw(st.permutations(range(E)))[:k] for _ in range(n)], dtype=np.int64)
+    w = OnlineWorkload(tiny_model(num_experts=E, top_k=k))
+    got = w._segment(ids)
+    zeros = np.zeros(n * k, np.int64)
+    sc = _sparse_counts(zeros, zeros, ids.reshape(-1), np.tile(np.arange(k, dtype=np.int8), n), 1, 1, E)
+    for a, b in zip(got, (sc.expert, sc.count, sc.rank)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -2,10 +2,13 @@
 
 The link model of the simulator (docs/simulator.md): on-demand copies go before prefetches and cache
 swaps that have not started; a started copy is never preempted. The copy thread keeps a priority
-queue (priority, then submission order), takes the first request, issues it (on CUDA on the copy
-stream, from pinned memory, ``non_blocking=True``, bracketed by CUDA events), waits for it to land,
-marks its :class:`CopyTicket` done and takes the next. Issuing one copy at a time is what makes the
-priority real: a copy queued on a CUDA stream could not be overtaken any more.
+queue of requests (priority, then submission order), takes the first, issues its copies (on CUDA on
+the copy stream, from pinned memory, ``non_blocking=True``, each bracketed by CUDA events), waits for
+them to land one by one (marking each landed: the slot rows' in-flight counts drop) and takes the next
+request. A request is one background copy (a prefetch or a swap) or all on-demand copies of a layer,
+in touch order: issuing them together leaves no gaps between them, and nothing could overtake them
+anyway (they are the highest priority); a background copy issued alone can still be overtaken while
+queued, which is what makes the priority real (a copy queued on a CUDA stream cannot be).
 
 Without CUDA the copy is a host ``copy_`` in the same thread (torch releases the GIL), so the code
 path is the same. ``delay_s`` (tests) holds every copy back that long before it is issued, to check
@@ -19,6 +22,7 @@ import itertools
 import threading
 import time
 
+import numpy as np
 import torch
 
 from dali_exec.executor.timing import Timer
@@ -28,25 +32,52 @@ ON_DEMAND, BACKGROUND = 0, 1  # lower first, as in the simulator's PCIe resource
 
 
 class CopyTicket:
-    """One requested copy; ``done`` is set once the bytes are in the destination."""
+    """One request: one copy, or several copies issued back to back at one priority (a layer's on-demand
+    copies); ``done`` is set once all have landed, ``landed`` counts those that have."""
 
-    __slots__ = ("dst", "src", "priority", "seq", "what", "after", "taken", "done", "error", "start", "end")
+    __slots__ = ("dsts", "srcs", "src_table", "priority", "seq", "what", "after", "rows", "inflight", "taken",
+                 "done", "error", "starts", "ends", "landed", "next", "engine")
 
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor, priority: int, seq: int, what: Activity,
-                 after: "torch.cuda.Event | None"):
-        self.dst, self.src, self.priority, self.seq, self.what, self.after = dst, src, priority, seq, what, after
+    def __init__(self, dsts: list, srcs: list, priority: int, seq: int, what, after: list | None, *,
+                 src_table: tuple | None = None, rows=None, inflight=None):
+        self.dsts, self.srcs, self.src_table = dsts, srcs, src_table
+        self.priority, self.seq, self.what, self.after = priority, seq, what, after
+        self.rows, self.inflight = rows, inflight  # slot rows and the pool's per-row copies in flight
         self.taken = False
-        self.done = threading.Event()
+        self.done = False  # set (under the engine's lock) once every copy has landed
+        self.engine: "CopyEngine | None" = None
         self.error: BaseException | None = None
-        self.start = self.end = None
+        self.starts: list = []
+        self.ends: list = []
+        self.landed = 0
+        self.next = 0  # the next copy to issue (a background request may be resumed after on-demand ones)
+
+    @property
+    def start(self):
+        return self.starts[0] if self.starts else None
+
+    @property
+    def end(self):
+        return self.ends[-1] if self.ends else None
 
     def is_done(self) -> bool:
-        return self.done.is_set()
+        return self.done
+
+    def activity(self, i: int) -> Activity:
+        """What copy ``i`` was: ``what`` is an Activity (one copy) or (kind, step, layers, experts, others):
+        per copy its (target) layer, expert and, for a swap, the expert it replaces."""
+        if isinstance(self.what, Activity):
+            return self.what
+        kind, step, layers, experts, others = self.what
+        return Activity(kind, step, int(layers[i]), int(experts[i]), other=-1 if others is None else int(others[i]))
 
     def wait(self) -> None:
-        self.done.wait()
+        if not self.done:
+            with self.engine._cond:
+                while not self.done:
+                    self.engine._cond.wait()
         if self.error is not None:
-            raise RuntimeError(f"copy {self.what.name()} failed: {self.error}") from self.error
+            raise RuntimeError(f"copy {self.activity(0).name()} failed: {self.error}") from self.error
 
 
 class CopyEngine:
@@ -64,24 +95,48 @@ class CopyEngine:
         self._closed = False
         self._open = 0  # submitted and not done
         self.copies = 0
+        self.error: BaseException | None = None  # the first failed copy (every waiter raises it)
         self._thread = threading.Thread(target=self._loop, name="dali-copy", daemon=True)
         self._thread.start()
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int, what: Activity, *,
-               after: "torch.cuda.Event | None" = None, previous: CopyTicket | None = None) -> CopyTicket:
+               after: "torch.cuda.Event | None" = None, previous: CopyTicket | None = None,
+               row: int | None = None, inflight=None) -> CopyTicket:
         """Queue ``dst.copy_(src)``. ``after``: a CUDA event the copy must wait for (the last compute
         that read ``dst``). ``previous``: the last copy into ``dst``; if it has not started and has a
-        lower priority it is promoted, so it still lands before this one."""
+        lower priority it is promoted, so it still lands before this one. ``row``, ``inflight``: the slot
+        row and the pool's per-row count of copies in flight (incremented now, decremented on landing)."""
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(f"copy {what.name()}: shapes/dtypes differ ({tuple(src.shape)} {src.dtype} -> "
                              f"{tuple(dst.shape)} {dst.dtype})")
+        rows = None if row is None else np.array([row])
+        return self._queue([dst], [src], priority, what, None if after is None else [after], rows, inflight,
+                           None, [previous] if previous is not None else [])
+
+    def submit_many(self, dst_table: torch.Tensor, src_table: torch.Tensor, dst_index: list[int],
+                    src_index: tuple[list[int], list[int]], priority: int, what: tuple, *, after: list | None = None,
+                    previous: list | None = None, rows=None, inflight=None) -> CopyTicket:
+        """Queue ``dst_table[dst_index[i]].copy_(src_table[layers[i], experts[i]])`` for every i (``src_index``:
+        (layers, experts)), in this order, as one
+        request (``what``: (kind, step, layers, experts, others) for the timeline; ``after`` and ``previous``
+        per copy as in :meth:`submit`; the row views are made by the copy thread). On-demand copies are
+        issued back to back; a background request yields to on-demand requests between its copies."""
+        return self._queue(dst_index, src_index, priority, what, after, rows, inflight, (dst_table, src_table),
+                           previous or [])
+
+    def _queue(self, dsts, srcs, priority, what, after, rows, inflight, src_table, previous) -> CopyTicket:
         with self._cond:
             if self._closed:
                 raise RuntimeError("copy engine is closed")
-            t = CopyTicket(dst, src, priority, next(self._seq), what, after)
-            if previous is not None and not previous.taken and previous.priority > priority:
-                previous.priority = priority
-                heapq.heappush(self._heap, (priority, previous.seq, previous))
+            t = CopyTicket(dsts, srcs, priority, next(self._seq), what, after, src_table=src_table, rows=rows,
+                           inflight=inflight)
+            t.engine = self
+            for prev in previous:
+                if not prev.taken and prev.priority > priority:
+                    prev.priority = priority
+                    heapq.heappush(self._heap, (priority, prev.seq, prev))
+            if inflight is not None:
+                inflight[rows] += 1
             heapq.heappush(self._heap, (priority, t.seq, t))
             self._open += 1
             self._cond.notify_all()
@@ -90,11 +145,20 @@ class CopyEngine:
     def wait_any(self, tickets: list[CopyTicket]) -> None:
         """Block until at least one of ``tickets`` is done."""
         with self._cond:
-            while not any(t.done.is_set() for t in tickets):
+            while not any(t.done for t in tickets) and self.error is None:
                 self._cond.wait()
-        for t in tickets:
-            if t.done.is_set() and t.error is not None:
-                t.wait()  # raises
+        self._raise()
+
+    def wait_rows(self, inflight, rows) -> None:
+        """Block until a copy into one of ``rows`` (a few row indices) lands and leaves it with none in flight."""
+        with self._cond:
+            while all(inflight[r] > 0 for r in rows) and self.error is None:
+                self._cond.wait()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"a copy failed: {self.error}") from self.error
 
     def _next(self) -> CopyTicket | None:
         with self._cond:
@@ -108,31 +172,70 @@ class CopyEngine:
                     return None
                 self._cond.wait()
 
+    def _land(self, t: CopyTicket, i: int) -> None:
+        self.timer.add_copy(t, i)
+        with self._cond:
+            if t.inflight is not None:
+                t.inflight[t.rows[i]] -= 1
+            t.landed += 1
+            self._cond.notify_all()
+
+    def _preempted(self, t: CopyTicket) -> bool:
+        """Between two copies of a background request: is a higher-priority request waiting? Then the
+        rest of ``t`` goes back to the queue (in its place) and the waiting one goes first."""
+        with self._cond:
+            if not (self._heap and self._heap[0][0] < t.priority):
+                return False
+            t.taken = False
+            heapq.heappush(self._heap, (t.priority, t.seq, t))
+            return True
+
     def _loop(self) -> None:
         if self.stream is not None:
             torch.cuda.set_device(self.device)
         while (t := self._next()) is not None:
             try:
-                if self.delay_s:
-                    time.sleep(self.delay_s)
-                if self.stream is not None:
-                    with torch.cuda.stream(self.stream):
-                        if t.after is not None:
-                            self.stream.wait_event(t.after)
-                        t.start = self.timer.mark(self.stream)
-                        t.dst.copy_(t.src, non_blocking=True)
-                        t.end = self.timer.mark(self.stream)
-                    t.end.synchronize()
-                else:
-                    t.start = self.timer.mark()
-                    t.dst.copy_(t.src)
-                    t.end = self.timer.mark()
-                self.timer.add("pcie", t.what, t.start, t.end)
-                self.copies += 1
+                dsts, srcs = t.dsts, t.srcs
+                if t.src_table is not None:  # (dst table, src table) and indices
+                    dst_table, src_table = t.src_table
+                    layers, experts = srcs
+                    dsts, srcs = [dst_table[i] for i in dsts], [src_table[a, b] for a, b in zip(layers, experts)]
+                n = len(dsts)
+                batch = t.priority == ON_DEMAND  # issued back to back; background copies one at a time
+                first = t.next
+                for i in range(first, n):
+                    if i > first and not batch and self._preempted(t):
+                        break
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
+                    if self.stream is not None:
+                        with torch.cuda.stream(self.stream):
+                            if t.after is not None and t.after[i] is not None:
+                                self.stream.wait_event(t.after[i])
+                            t.starts.append(self.timer.mark(self.stream))
+                            dsts[i].copy_(srcs[i], non_blocking=True)
+                            t.ends.append(self.timer.mark(self.stream))
+                        if not batch:
+                            t.ends[i].synchronize()
+                    else:
+                        t.starts.append(self.timer.mark())
+                        dsts[i].copy_(srcs[i])
+                        t.ends.append(self.timer.mark())
+                    t.next = i + 1
+                    if not batch or self.stream is None:
+                        self._land(t, i)
+                if batch and self.stream is not None:
+                    for i in range(first, n):  # ... and land one by one
+                        t.ends[i].synchronize()
+                        self._land(t, i)
+                if t.next < n:
+                    continue  # preempted: resumed later
+                self.copies += n
             except BaseException as exc:  # reported to whoever waits for the ticket
                 t.error = exc
+                self.error = self.error or exc
             with self._cond:
-                t.done.set()
+                t.done = True
                 self._open -= 1
                 self._cond.notify_all()
 
@@ -141,6 +244,7 @@ class CopyEngine:
         with self._cond:
             while self._open:
                 self._cond.wait()
+        self._raise()
 
     def close(self) -> None:
         with self._cond:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from dali_exec.executor.grouped import grouped_mm
 from dali_sim.models.spec import ModelSpec
 
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0  # part of gpt-oss's activation function (its modeling code)
@@ -83,6 +84,35 @@ class ExpertLayout:
         if not self.bias:
             return w_up, w_down, None, None
         return w_up, w_down, flat[o: o + r], flat[o + r: o + r + h]
+
+    def table_views(self, table: torch.Tensor):
+        """:meth:`views` of every row of a table of flat experts ((R, numel), rows may be padded):
+        (w_up (R, R_up, H), w_down (R, H, I), b_up (R, R_up) or None, b_down (R, H) or None)."""
+        h, i, r = self.hidden, self.inter, self.up_rows
+        w_up = table[:, : r * h].view(-1, r, h)
+        o = r * h
+        w_down = table[:, o: o + h * i].view(-1, h, i)
+        o += h * i
+        if not self.bias:
+            return w_up, w_down, None, None
+        return w_up, w_down, table[:, o: o + r], table[:, o + r: o + r + h]
+
+    def forward_grouped(self, table: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, counts,
+                        pair_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Many experts at once (:mod:`.grouped`): ``x`` (S x H) sorted by table row, ``offs`` / ``counts``
+        the rows' token boundaries, ``pair_rows`` (S,) the table row of each token row (biases only)."""
+        w_up, w_down, b_up, b_down = self.table_views(table)
+        y = grouped_mm(x, w_up.transpose(-2, -1), offs, counts)
+        if b_up is not None:
+            y = y + b_up.index_select(0, pair_rows)
+        if self.gated:
+            y = self.glu(y[:, : self.inter], y[:, self.inter:])
+        else:
+            y = F.relu(y)
+        y = grouped_mm(y, w_down.transpose(-2, -1), offs, counts)
+        if b_down is not None:
+            y = y + b_down.index_select(0, pair_rows)
+        return y
 
     def forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The expert on tokens ``x`` (n x H), weights in ``flat`` (on ``x``'s device and dtype)."""

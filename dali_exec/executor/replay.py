@@ -194,6 +194,7 @@ class Replay:
             "expert_activation": self.store.layout.activation,
             "host_weights_pinned": self.store.pinned,
             "slot_bytes": self.runtime.slot_bytes,
+            "grouped_calls": self.runtime.grouped_calls(),
             "dense_part": "RMSNorm + QKV projection + attention over a KV cache + output projection + router "
                           "logits + shared experts (docs/executor.md)",
             "gate_weights": "trace" if setup.trace.meta.has_weights else "1/top_k (the trace has none)",

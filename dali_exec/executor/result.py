@@ -32,6 +32,13 @@ def overhead_summary(per_layer: pd.DataFrame, visits: int) -> dict[str, float]:
     return out
 
 
+def executor_summary(executor: dict[str, Any]) -> dict[str, Any]:
+    """``summary["executor"]``: the device, and the grouped calls per lane with the experts they computed
+    (docs/executor.md: one call per group of experts whose weights are present)."""
+    return {"device": executor["devices"]["accelerator"], "device_name": executor["devices"]["accelerator_name"],
+            "grouped_calls": executor["grouped_calls"]}
+
+
 def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCounters, out: EngineOutput, *,
                     decision_s: np.ndarray, bookkeeping_s: np.ndarray, batch_size: int, prefill_chunk: int,
                     seed: int, executor: dict[str, Any]) -> SimResult:
@@ -44,8 +51,7 @@ def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCo
     per_layer["decision_s"], per_layer["decision_cpu_s"] = decision_s
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = bookkeeping_s
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
-    summary["executor"] = {"device": executor["devices"]["accelerator"],
-                           "device_name": executor["devices"]["accelerator_name"]}
+    summary["executor"] = executor_summary(executor)
     manifest = run_manifest(setup.trace, seed, profile, model, setup.memory, True, sysconf.implementation)
     manifest["executor"] = {**executor, "replay": setup.describe()}
     config = {"system": sysconf.to_dict(), "hardware": setup.hardware, "batch_size": batch_size,

@@ -15,10 +15,9 @@ matrix product come in the model's order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 
 @dataclass
@@ -30,6 +29,7 @@ class LayerRouting:
     positions: np.ndarray  # flat positions grouped by expert
     weights: np.ndarray  # float32 gate weight of each flat position (aligned with ``positions``)
     counted: np.ndarray | None = None  # bool per flat position (aligned): part of the workload; None = all
+    _counted_per_expert: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def group(cls, ids: np.ndarray, weights: np.ndarray | None, *, counted: np.ndarray | None = None,
@@ -49,7 +49,8 @@ class LayerRouting:
             order = np.argsort(flat, kind="stable")
         else:
             order = np.asarray(order, np.int64)
-            if order.shape != flat.shape or not np.array_equal(np.sort(order), np.arange(len(flat))):
+            if order.shape != flat.shape or (len(flat) and (order.min() < 0 or order.max() >= len(flat)
+                                                            or np.bincount(order).max() > 1)):
                 raise ValueError(f"order must be a permutation of the {len(flat)} flat positions")
         sorted_ids = flat[order]
         if np.any(sorted_ids[1:] < sorted_ids[:-1]):
@@ -73,37 +74,23 @@ class LayerRouting:
             return np.diff(self.ptr)
         if not len(self.experts):
             return np.zeros(0, np.int64)
-        return np.add.reduceat(self.counted.astype(np.int64), self.ptr[:-1])
+        c = self._counted_per_expert
+        if c is None:
+            c = self._counted_per_expert = np.add.reduceat(self.counted.astype(np.int64), self.ptr[:-1])
+        return c
 
     def matches(self, experts: np.ndarray, counts: np.ndarray) -> bool:
         """Are these exactly the activated experts (those with counted tokens) with these workloads (any order)?"""
-        order = np.argsort(experts)
+        experts, counts = np.asarray(experts, np.int64), np.asarray(counts, np.int64)
         own = self.counts()
-        used = own > 0
-        return np.array_equal(np.asarray(experts)[order], self.experts[used]) and \
-            np.array_equal(np.asarray(counts)[order], own[used])
+        width = 1 + max(int(experts.max(initial=-1)), int(self.experts.max(initial=-1)))
+        want, have = np.zeros(width, np.int64), np.zeros(width, np.int64)
+        want[experts] = counts
+        have[self.experts] = own
+        return bool((counts > 0).all()) and np.array_equal(want, have)
 
     def segment(self, expert: int) -> slice:
         i = int(np.searchsorted(self.experts, expert))
         if i >= len(self.experts) or self.experts[i] != expert:
             raise AssertionError(f"expert {expert} has no tokens in this layer's routing")
         return slice(int(self.ptr[i]), int(self.ptr[i + 1]))
-
-
-class DeviceRouting:
-    """``LayerRouting`` as index and weight tensors on one device, sliced per expert."""
-
-    def __init__(self, r: LayerRouting, device: torch.device, dtype: torch.dtype):
-        pos = torch.from_numpy(r.positions)
-        self._index = torch.stack([pos, pos // r.top_k]).to(device, non_blocking=True)  # flat positions, tokens
-        self._weights = torch.from_numpy(r.weights).to(device=device, dtype=dtype, non_blocking=True).unsqueeze(1)
-        bounds = r.ptr.tolist()
-        self._bounds = dict(zip(r.experts.tolist(), zip(bounds[:-1], bounds[1:])))
-
-    def of(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(flat positions, token indices, weights (n x 1)) of ``expert``."""
-        try:
-            a, b = self._bounds[expert]
-        except KeyError:
-            raise AssertionError(f"expert {expert} has no tokens in this layer's routing") from None
-        return self._index[0, a:b], self._index[1, a:b], self._weights[a:b]

@@ -1,18 +1,23 @@
 """Preallocated accelerator slots for expert weights and the table of what each one holds.
 
 One tensor of ``sum(capacities) + prefetch_slots + staging_slots`` rows (one expert each) is allocated
-up front, exactly the memory plan's ``expert_cache + prefetch_buffers + staging_buffers`` bytes; nothing
-else is allocated for weights while the run lasts. Rows are handed between three roles:
+up front, exactly the memory plan's ``expert_cache + prefetch_buffers + staging_buffers`` bytes (each row
+padded to a multiple of 16 bytes, which grouped matrix products need for their strides); nothing else is
+allocated for weights while the run lasts. Rows are handed between three roles:
 
 * the **cache** of each layer: ``capacities[layer]`` slots, each free or holding one expert;
 * **prefetch buffers**, shared by all layers; a prefetched expert that the cache admits keeps its row,
   which becomes a cache slot, and a free cache slot of that layer becomes a prefetch buffer (no copy);
 * **staging buffers** for fetched experts that the cache does not admit.
 
-The counts per role never change (:meth:`SlotPool.check`). Every slot remembers the copy that last wrote
-it (``ticket``) and, on CUDA, the event after the last compute that read it (``last_use``): a copy into
-the slot waits for that event, and a compute calls :meth:`Slot.check_ready`, which raises
-:class:`SlotNotReady` unless the slot holds the expert asked for and its copy has landed.
+The table is a set of arrays (which row holds which (layer, expert), which cache row each expert has,
+copies in flight per row), so a layer's many experts are looked up, admitted and evicted in a few
+array operations (the ``*_many`` methods); per-slot methods serve single experts. The counts per role
+never change (:meth:`SlotPool.check`). Every row remembers the copy that last wrote it (``ticket``), how
+many copies into it are in flight (``inflight``) and, on CUDA, the event after the last compute that
+read it (``last_use``; a copy into the row waits for it). Computes call :meth:`SlotPool.check_rows` (or
+:meth:`Slot.check_ready`), which raises :class:`SlotNotReady` unless each row holds the expert asked for
+and its copies have landed.
 """
 
 from __future__ import annotations
@@ -24,22 +29,47 @@ import torch
 
 from dali_exec.executor.copies import CopyTicket
 
+ALIGN_BYTES = 16
+
 
 class SlotNotReady(AssertionError):
     """A compute was about to read a slot whose copy has not completed (or that holds another expert)."""
 
 
 class Slot:
-    __slots__ = ("index", "data", "holds", "ticket", "last_use")
+    """One row of the pool (a view of its arrays)."""
 
-    def __init__(self, index: int, data: torch.Tensor):
-        self.index, self.data = index, data
-        self.holds: tuple[int, int] | None = None  # (layer, expert)
-        self.ticket: CopyTicket | None = None  # the last copy into this slot
-        self.last_use = None  # CUDA event after the last compute that read it
+    __slots__ = ("index", "data", "pool")
+
+    def __init__(self, index: int, data: torch.Tensor, pool: "SlotPool"):
+        self.index, self.data, self.pool = index, data, pool
+
+    @property
+    def holds(self) -> tuple[int, int] | None:
+        layer, expert = int(self.pool.hold_layer[self.index]), int(self.pool.hold_expert[self.index])
+        return None if layer < 0 else (layer, expert)
+
+    @property
+    def ticket(self) -> CopyTicket | None:
+        """The last copy into this slot."""
+        return self.pool.tickets[self.index]
+
+    @ticket.setter
+    def ticket(self, t: CopyTicket | None) -> None:
+        self.pool.tickets[self.index] = t
+
+    @property
+    def last_use(self):
+        """CUDA event after the last compute that read this slot."""
+        return self.pool.last_use[self.index]
+
+    @last_use.setter
+    def last_use(self, event) -> None:
+        self.pool.last_use[self.index] = event
 
     def ready(self) -> bool:
-        return self.ticket is None or self.ticket.is_done()
+        t = self.ticket
+        return self.pool.inflight[self.index] == 0 and (t is None or t.is_done())
 
     def check_ready(self, layer: int, expert: int) -> None:
         if self.holds != (layer, expert):
@@ -55,7 +85,7 @@ class SlotPool:
     """The slot table (see the module docstring)."""
 
     def __init__(self, capacities: np.ndarray, prefetch_slots: int, staging_slots: int, numel: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, num_experts: int | None = None):
         caps = [int(c) for c in np.asarray(capacities)]
         if any(c < 0 for c in caps) or prefetch_slots < 0 or staging_slots < 0:
             raise ValueError(f"slot counts must be >= 0: capacities {caps}, prefetch {prefetch_slots}, "
@@ -63,53 +93,113 @@ class SlotPool:
         self.capacities = caps
         self.num_prefetch, self.num_staging = prefetch_slots, staging_slots
         n = sum(caps) + prefetch_slots + staging_slots
-        self.buffer = torch.empty((n, numel), dtype=dtype, device=device)
-        slots = [Slot(i, self.buffer[i]) for i in range(n)]
-        it = iter(slots)
-        self.cache: list[dict[int, Slot]] = [{} for _ in caps]
-        self.cache_free: list[deque[Slot]] = [deque(next(it) for _ in range(c)) for c in caps]
-        self.prefetch_free: deque[Slot] = deque(next(it) for _ in range(prefetch_slots))
-        self.prefetched: dict[tuple[int, int], Slot] = {}
-        self.staging_free: deque[Slot] = deque(next(it) for _ in range(staging_slots))
-        self.slots = slots
+        per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+        self.numel = numel
+        self.buffer = torch.empty((n, -(-numel // per) * per), dtype=dtype, device=device)
+        self.table = self.buffer  # the rows as a weight table (grouped computation reads [:, :numel])
+        self.rows_view = self.buffer[:, :numel]  # the rows without their padding (copies write these)
+        self.slots = [Slot(i, self.buffer[i, :numel], self) for i in range(n)]
+        self.hold_layer = np.full(n, -1, np.int64)
+        self.hold_expert = np.full(n, -1, np.int64)
+        self.inflight = np.zeros(n, np.int64)  # copies into each row not yet landed
+        self.tickets: list[CopyTicket | None] = [None] * n
+        self.last_use: list = [None] * n
+        L, E = len(caps), int(num_experts or 1)
+        self.row_of = np.full((L, E), -1, np.int64)  # cache row of (layer, expert), -1: not cached
+        it = iter(range(n))
+        self.cache_free: list[deque[int]] = [deque(next(it) for _ in range(c)) for c in caps]
+        self.prefetch_free: deque[int] = deque(next(it) for _ in range(prefetch_slots))
+        self.prefetched: dict[tuple[int, int], int] = {}  # (layer, expert) -> row
+        self.staging_free: deque[int] = deque(next(it) for _ in range(staging_slots))
+        self.n_cached = np.zeros(L, np.int64)
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    def _width(self, expert: int) -> None:
+        if expert >= self.row_of.shape[1]:
+            grow = np.full((self.row_of.shape[0], expert + 1 - self.row_of.shape[1]), -1, np.int64)
+            self.row_of = np.concatenate([self.row_of, grow], axis=1)
+
+    def _hold(self, rows, layer: int, experts) -> None:
+        self.hold_layer[rows] = layer
+        self.hold_expert[rows] = experts
+
+    def _release(self, rows) -> None:
+        self.hold_layer[rows] = -1
+        self.hold_expert[rows] = -1
+
+    @property
+    def cache(self) -> list[dict[int, Slot]]:
+        """Per layer: expert -> slot of its cache (a snapshot)."""
+        out: list[dict[int, Slot]] = []
+        for layer in range(len(self.capacities)):
+            experts = np.flatnonzero(self.row_of[layer] >= 0)
+            out.append({int(e): self.slots[int(self.row_of[layer, e])] for e in experts})
+        return out
+
     # ---- cache --------------------------------------------------------------------------------
     def cached(self, layer: int, expert: int) -> Slot:
-        try:
-            return self.cache[layer][expert]
-        except KeyError:
-            raise AssertionError(f"layer {layer} expert {expert} is not in the slot table's cache") from None
+        return self.slots[int(self.cached_rows(layer, np.array([expert]))[0])]
+
+    def cached_rows(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Cache rows of ``experts`` of ``layer`` (each must be cached)."""
+        experts = np.asarray(experts, np.int64)
+        if experts.size and experts.max() >= self.row_of.shape[1]:
+            self._width(int(experts.max()))
+        rows = self.row_of[layer, experts]
+        if (rows < 0).any():
+            e = int(experts[np.argmax(rows < 0)])
+            raise AssertionError(f"layer {layer} expert {e} is not in the slot table's cache")
+        return rows
 
     def admit(self, layer: int, expert: int) -> Slot:
         """A free cache slot of ``layer`` now holds ``expert`` (its copy is the caller's)."""
-        if expert in self.cache[layer]:
-            raise AssertionError(f"layer {layer} expert {expert} is already cached")
-        if not self.cache_free[layer]:
+        return self.slots[int(self.admit_many(layer, np.array([expert]))[0])]
+
+    def admit_many(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Free cache rows of ``layer`` now hold ``experts`` (copies are the caller's); returns the rows."""
+        experts = np.asarray(experts, np.int64)
+        m = len(experts)
+        if not m:
+            return experts
+        self._width(int(experts.max()))
+        if (self.row_of[layer, experts] >= 0).any():
+            e = int(experts[np.argmax(self.row_of[layer, experts] >= 0)])
+            raise AssertionError(f"layer {layer} expert {e} is already cached")
+        free = self.cache_free[layer]
+        if len(free) < m:
             raise AssertionError(f"layer {layer}: all {self.capacities[layer]} cache slots are taken")
-        slot = self.cache_free[layer].popleft()
-        slot.holds = (layer, expert)
-        self.cache[layer][expert] = slot
-        return slot
+        rows = np.array([free.popleft() for _ in range(m)], np.int64)
+        self.row_of[layer, experts] = rows
+        self._hold(rows, layer, experts)
+        self.n_cached[layer] += m
+        return rows
 
     def evict(self, layer: int, expert: int) -> None:
-        slot = self.cached(layer, expert)
-        del self.cache[layer][expert]
-        slot.holds = None
-        self.cache_free[layer].append(slot)
+        self.evict_many(layer, np.array([expert]))
+
+    def evict_many(self, layer: int, experts: np.ndarray) -> None:
+        experts = np.asarray(experts, np.int64)
+        if not len(experts):
+            return
+        rows = self.cached_rows(layer, experts)
+        self.row_of[layer, experts] = -1
+        self._release(rows)
+        self.cache_free[layer].extend(rows.tolist())
+        self.n_cached[layer] -= len(rows)
 
     def swap(self, layer: int, expert_in: int, expert_out: int) -> Slot:
         """``expert_in`` takes ``expert_out``'s slot (the caller copies it in)."""
-        slot = self.cached(layer, expert_out)
-        del self.cache[layer][expert_out]
-        if expert_in in self.cache[layer]:
+        row = int(self.cached_rows(layer, np.array([expert_out]))[0])
+        self._width(expert_in)
+        if self.row_of[layer, expert_in] >= 0:
             raise AssertionError(f"layer {layer} expert {expert_in} is already cached")
-        slot.holds = (layer, expert_in)
-        self.cache[layer][expert_in] = slot
-        return slot
+        self.row_of[layer, expert_out] = -1
+        self.row_of[layer, expert_in] = row
+        self._hold(row, layer, expert_in)
+        return self.slots[row]
 
     # ---- prefetch buffers ---------------------------------------------------------------------
     def take_prefetch(self, layer: int, expert: int) -> Slot:
@@ -117,45 +207,69 @@ class SlotPool:
             raise AssertionError(f"layer {layer} expert {expert} is already prefetched")
         if not self.prefetch_free:
             raise AssertionError(f"all {self.num_prefetch} prefetch buffers are taken")
-        slot = self.prefetch_free.popleft()
-        slot.holds = (layer, expert)
-        self.prefetched[(layer, expert)] = slot
-        return slot
+        row = self.prefetch_free.popleft()
+        self._hold(row, layer, expert)
+        self.prefetched[(layer, expert)] = row
+        return self.slots[row]
 
     def pop_prefetched(self, layer: int, expert: int) -> Slot:
         try:
-            return self.prefetched.pop((layer, expert))
+            return self.slots[self.prefetched.pop((layer, expert))]
         except KeyError:
             raise AssertionError(f"layer {layer} expert {expert} was not prefetched") from None
 
     def release_prefetch(self, slot: Slot) -> None:
-        slot.holds = None
-        self.prefetch_free.append(slot)
+        self._release(slot.index)
+        self.prefetch_free.append(slot.index)
 
     def adopt(self, layer: int, expert: int, slot: Slot) -> None:
         """The cache admits a prefetched expert in its buffer: the buffer becomes a cache slot and a free
         cache slot of the layer becomes a prefetch buffer."""
         if not self.cache_free[layer]:
             raise AssertionError(f"layer {layer}: no free cache slot to exchange for a prefetch buffer")
+        self._width(expert)
         self.prefetch_free.append(self.cache_free[layer].popleft())
-        self.cache[layer][expert] = slot
+        self.row_of[layer, expert] = slot.index
+        self.n_cached[layer] += 1
 
     # ---- staging buffers ----------------------------------------------------------------------
     def take_staging(self, layer: int, expert: int) -> Slot | None:
         if not self.staging_free:
             return None
-        slot = self.staging_free.popleft()
-        slot.holds = (layer, expert)
-        return slot
+        row = self.staging_free.popleft()
+        self._hold(row, layer, expert)
+        return self.slots[row]
 
     def release_staging(self, slot: Slot) -> None:
-        slot.holds = None
-        self.staging_free.append(slot)
+        self._release(slot.index)
+        self.staging_free.append(slot.index)
+
+    # ---- readiness ----------------------------------------------------------------------------
+    def landed(self, rows: np.ndarray) -> np.ndarray:
+        """Bool per row: every copy into it has landed."""
+        return self.inflight[rows] == 0
+
+    def check_rows(self, rows: np.ndarray, layer: int, experts: np.ndarray) -> None:
+        """Each row holds (layer, expert) and its copies have landed, else :class:`SlotNotReady`."""
+        if len(rows) == 1:  # a staging turn: scalars
+            r = int(rows[0])
+            if self.hold_layer[r] == layer and self.hold_expert[r] == experts[0] and self.inflight[r] == 0:
+                return
+        wrong = (self.hold_layer[rows] != layer) | (self.hold_expert[rows] != experts)
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            raise SlotNotReady(f"slot {int(rows[i])} holds {self.slots[int(rows[i])].holds}, but layer {layer} expert "
+                               f"{int(experts[i])} was to be computed from it")
+        busy = self.inflight[rows] > 0
+        if busy.any():
+            i = int(np.argmax(busy))
+            raise SlotNotReady(f"slot {int(rows[i])}: the copy of layer {layer} expert {int(experts[i])} has not "
+                               "completed")
 
     # ---- invariants ---------------------------------------------------------------------------
     def check_layer(self, layer: int, staging_in_use: int = 0) -> None:
         """The cheap per-layer part of :meth:`check`: the layer's cache and the shared buffers keep their counts."""
-        cached, free, cap = len(self.cache[layer]), len(self.cache_free[layer]), self.capacities[layer]
+        cached, free, cap = int(self.n_cached[layer]), len(self.cache_free[layer]), self.capacities[layer]
         if cached + free != cap:
             raise AssertionError(f"layer {layer}: {cached} cached + {free} free slots, capacity {cap}")
         if len(self.prefetched) + len(self.prefetch_free) != self.num_prefetch:
@@ -170,16 +284,17 @@ class SlotPool:
         seen: list[int] = []
         for layer in range(len(self.capacities)):
             self.check_layer(layer, staging_in_use)
-            seen += [s.index for s in self.cache[layer].values()] + [s.index for s in self.cache_free[layer]]
-        seen += [s.index for s in self.prefetched.values()] + [s.index for s in self.prefetch_free]
-        seen += [s.index for s in self.staging_free]
+            cached = self.row_of[layer][self.row_of[layer] >= 0].tolist()
+            if len(cached) != self.n_cached[layer]:
+                raise AssertionError(f"layer {layer}: {len(cached)} experts cached, {int(self.n_cached[layer])} counted")
+            seen += cached + list(self.cache_free[layer])
+        seen += list(self.prefetched.values()) + list(self.prefetch_free) + list(self.staging_free)
         if len(seen) != len(set(seen)):
             raise AssertionError("a slot is in two places of the slot table")
 
     def resident(self) -> np.ndarray:
         """(L, E) bool: which experts the cache slots hold (compare with the controller's contents)."""
-        num_experts = 1 + max((e for c in self.cache for e in c), default=-1)
-        out = np.zeros((len(self.capacities), max(num_experts, 1)), dtype=bool)
-        for layer, c in enumerate(self.cache):
-            out[layer, list(c)] = True
-        return out
+        out = self.row_of >= 0
+        used = np.flatnonzero(out.any(axis=0))
+        width = int(used.max()) + 1 if used.size else 1
+        return out[:, :width]

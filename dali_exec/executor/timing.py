@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import torch
 
 from dali_sim.sim.engine import TRACKS, Activity, Interval
@@ -51,6 +52,22 @@ class Timer:
         with self._lock:
             self._raw.append((track, what, start, end))
 
+    def add_copy(self, ticket, i: int) -> None:
+        """Copy ``i`` of a copy request (``CopyTicket``): its interval on the ``pcie`` track, named when the
+        intervals are read (the copy thread does no more than this)."""
+        with self._lock:
+            self._raw.append(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]))
+
+    def add_group(self, track: str, step: int, layer: int, experts: np.ndarray, tokens: np.ndarray, start,
+                  end) -> None:
+        """One grouped call computing ``experts`` (with ``tokens`` rows each) between two stamps. The
+        timeline gets one interval per expert: the call's span divided in proportion to the rows, in
+        the call's order (only the span is measured; the split is an attribution)."""
+        if track not in TRACKS:
+            raise ValueError(f"unknown track {track!r}")
+        with self._lock:
+            self._raw.append((track, (step, layer, experts, tokens), start, end))
+
     def seconds(self, stamp) -> float:
         if isinstance(stamp, float):
             return stamp - self.t0
@@ -60,7 +77,24 @@ class Timer:
         """Every recorded interval in seconds since the start (call after the device is synchronised)."""
         with self._lock:
             raw = list(self._raw)
-        out = [Interval(track, what.name(), self.seconds(a), self.seconds(b), what.args()) for track, what, a, b in raw]
+        out = []
+        for track, what, a, b in raw:
+            a, b = self.seconds(a), self.seconds(b)
+            if isinstance(what, Activity):
+                out.append(Interval(track, what.name(), a, b, what.args()))
+                continue
+            if len(what) == 2:  # (copy request, index)
+                act = what[0].activity(what[1])
+                out.append(Interval(track, act.name(), a, b, act.args()))
+                continue
+            step, layer, experts, tokens = what
+            share = np.asarray(tokens, float)
+            cuts = a + (b - a) * np.concatenate([[0.0], np.cumsum(share)]) / max(share.sum(), 1.0)
+            cuts[-1] = b
+            for e, n, lo, hi in zip(np.asarray(experts).tolist(), np.asarray(tokens).tolist(), cuts[:-1].tolist(),
+                                    cuts[1:].tolist()):
+                act = Activity("expert", step, layer, e, tokens=n)
+                out.append(Interval(track, act.name(), lo, hi, act.args() | {"group": len(experts)}))
         out.sort(key=lambda iv: (iv.start, iv.track))
         return out
 

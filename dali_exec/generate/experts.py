@@ -14,18 +14,24 @@ expert's output is bit for bit the model's.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
+from dali_exec.executor.grouped import grouped_mm
 from dali_exec.executor.store import HostExpertStore
 
 try:  # the function transformers' grouped_mm experts implementation calls (same dispatch, same kernels)
     from transformers.integrations.moe import _grouped_linear as _hf_grouped_linear
 except ImportError:  # pragma: no cover - another transformers version: the plain equivalent
     _hf_grouped_linear = None
+
+logger = logging.getLogger(__name__)
+#: (device type, dtype) where transformers' grouped linear refused the slot table: the loop is used there
+_HF_UNSUPPORTED: set[tuple[str, torch.dtype]] = set()
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
@@ -108,10 +114,47 @@ class HFExpertLayout:
             o += n
         return (out[0], out[1], out[2], out[3]) if self.bias else (out[0], out[1], None, None)
 
+    def table_views(self, table: torch.Tensor):
+        """:meth:`views` of every row of a table of flat experts ((R, numel), rows may be padded)."""
+        out, o = [], 0
+        for s in self.shapes:
+            n = 1
+            for d in s:
+                n *= d
+            out.append(table[:, o:o + n].view(-1, *s))
+            o += n
+        return (out[0], out[1], out[2], out[3]) if self.bias else (out[0], out[1], None, None)
+
+    def forward_grouped(self, table: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, counts,
+                        pair_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Many experts at once (``dali_exec.executor.grouped``), with transformers' own grouped linear and
+        the model's gate, as its ``grouped_mm`` experts implementation computes them: ``x`` sorted by table
+        row, ``offs`` the rows' cumulative token counts (int32, on ``x``'s device), ``pair_rows`` the table
+        row of each token row (biases only). ``counts`` (host) serve the fallback without transformers."""
+        w1, w2, b1, b2 = self.table_views(table)
+        if b1 is not None:
+            b1, b2 = b1.index_select(0, pair_rows), b2.index_select(0, pair_rows)
+        if _hf_grouped_linear is None or (x.device.type, table.dtype) in _HF_UNSUPPORTED:
+            w1, w2 = (w if self.transposed else w.transpose(-2, -1) for w in (w1, w2))
+            y = grouped_mm(x, w1, offs, counts)
+            y = self.gate(y if b1 is None else y.add_(b1))
+            y = grouped_mm(y, w2, offs, counts)
+            return y if b2 is None else y.add_(b2)
+        try:
+            y = _hf_grouped_linear(x, w1, offs, bias=b1, is_transposed=self.transposed)
+        except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel that refuses the slot table's strides
+            if x.device.type == "cpu":
+                raise
+            _HF_UNSUPPORTED.add((x.device.type, table.dtype))
+            logger.warning("transformers' grouped linear failed on %s (%s); using one product per expert", x.device, exc)
+            return self.forward_grouped(table, x, offs, counts, pair_rows)
+        y = self.gate(y)
+        return _hf_grouped_linear(y, w2, offs, bias=b2, is_transposed=self.transposed)
+
     def forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The expert on tokens ``x`` (n x H), weights in ``flat`` (on ``x``'s device)."""
         w1, w2, b1, b2 = self.views(flat)
-        offs = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
+        offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # no host-to-device copy
         y = _grouped_linear(x, w1.unsqueeze(0), offs, b1, self.transposed)
         y = self.gate(y)
         return _grouped_linear(y, w2.unsqueeze(0), offs, b2, self.transposed)

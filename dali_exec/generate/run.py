@@ -23,7 +23,7 @@ import torch
 
 from dali_exec.executor.devices import Devices, lane_threads
 from dali_exec.executor.problem import DTYPE_PRECISION
-from dali_exec.executor.result import overhead_summary
+from dali_exec.executor.result import executor_summary, overhead_summary
 from dali_exec.executor.runtime import OffloadRuntime
 from dali_exec.executor.timing import Timer
 from dali_exec.generate.experts import pack_experts
@@ -229,8 +229,11 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         raise ValueError(f"the expert slots need {slot_bytes / 2**30:.2f} GiB on {devices.accel_name()} but "
                          f"{devices.accel_free_bytes() / 2**30:.2f} GiB are free: lower --gpu-memory")
     timer = Timer(devices.accel if devices.is_cuda else None)
+    # on the CPU device both lanes use the process's threads by default: the CPU lane then runs in this
+    # thread (while the accelerator lane waits for copies), not concurrently on the same cores
+    shared = not devices.is_cuda and cpu_threads == (accel_threads or torch.get_num_threads())
     runtime = OffloadRuntime(store, devices, mem.capacities, mem.prefetch_slots, mem.staging_slots,
-                             cpu_threads=cpu_threads, timer=timer, copy_delay_s=options.copy_delay_s)
+                             cpu_threads=cpu_threads, timer=timer, copy_delay_s=options.copy_delay_s, cpu_inline=shared)
     session = None
     prev_threads = torch.get_num_threads()
     outputs: dict[int, list[int]] = {}
@@ -288,6 +291,7 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         "experts_implementation": getattr(model.config, "_experts_implementation", None),
         "host_weights_pinned": store.pinned,
         "slot_bytes": runtime.slot_bytes,
+        "grouped_calls": runtime.grouped_calls(),
         "setup_s": setup_s,
     }
     return _result(session, spec, sysconf, profile, mem, hardware, options, seed, executor, generated, wall_s,
@@ -311,7 +315,8 @@ def _result(session: OffloadSession, spec, sysconf, profile, mem, hardware, opti
     busy = dict.fromkeys(TRACKS, 0.0)
     for iv in intervals:
         busy[iv.track] += iv.end - iv.start
-    out = EngineOutput(np.array(session.step_start), np.array(session.step_end), t.time, rt.layer_wait.copy(), busy,
+    out = EngineOutput(np.array(session.step_start), np.array(session.step_end), session.layer_times(),
+                       rt.layer_wait.copy(), busy,
                        len(intervals), intervals)
     summary, per_layer, per_seq, per_step = result_tables(
         w, session.counters, out, spec, system=sysconf.name, hardware=profile.name, batch_size=options.batch_size,
@@ -321,8 +326,7 @@ def _result(session: OffloadSession, spec, sysconf, profile, mem, hardware, opti
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = book
     per_layer["lookahead_s"], per_layer["lookahead_cpu_s"] = t.lookahead
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
-    summary["executor"] = {"device": executor["devices"]["accelerator"],
-                           "device_name": executor["devices"]["accelerator_name"]}
+    summary["executor"] = executor_summary(executor)
     new_tokens = sum(len(g.token_ids) for g in generated)
     summary["generation"] = {"prompts": len(generated), "new_tokens": new_tokens, "wall_s": wall_s,
                              "new_tokens_per_s": new_tokens / wall_s if wall_s > 0 else float("nan"),

@@ -35,7 +35,7 @@ from dali_exec.executor.devices import Devices
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.runtime import OffloadRuntime
 from dali_exec.executor.timing import Stopwatch, Timer
-from dali_exec.models import MoEAdapter, MoEBlock, rank_order
+from dali_exec.models import MoEAdapter, MoEBlock
 from dali_exec.recorder.generation import ForwardRows
 from dali_sim.runtime.controller import Controller
 from dali_sim.sim.counters import PlanCounters
@@ -110,7 +110,8 @@ class OffloadSession:
         self._real_rows: np.ndarray | None = None
         self.step_start: list[float] = []
         self.step_end: list[float] = []
-        self._layer_t0: float | None = None
+        self._layer_t0 = None  # the current block's start stamp (a CUDA event on the compute stream)
+        self._layer_spans: list[tuple[int, object, object]] = []
         self._dense_start: Any = None
         self._installed: list[tuple[MoEBlock, nn.Module]] = []
         self._hooks: list[Any] = []
@@ -171,17 +172,25 @@ class OffloadSession:
     def _pre_hook(self, ordinal: int):
         def hook(module, args):
             if self.step is not None:
-                self._layer_t0 = self.timer.now()
-                self._dense_start = self.timer.mark(self._stream)
+                self._layer_t0 = self._dense_start = self.timer.mark(self._stream)
         return hook
 
     def _post_hook(self, ordinal: int):
+        # no device synchronisation: on CUDA both ends are events on the compute stream (resolved at the
+        # end), so the host goes on to the next layer while the device works
         def hook(module, args, output):
             if self.step is not None and self._layer_t0 is not None:
-                self.dev.synchronize()
-                self.times.time[ordinal] += self.timer.now() - self._layer_t0
+                self._layer_spans.append((ordinal, self._layer_t0, self.timer.mark(self._stream)))
                 self._layer_t0 = None
         return hook
+
+    def layer_times(self) -> np.ndarray:
+        """(L,) seconds spent in each MoE block (call once the device is synchronised)."""
+        seconds = self.timer.seconds
+        for ordinal, a, b in self._layer_spans:
+            self.times.time[ordinal] += seconds(b) - seconds(a)
+        self._layer_spans.clear()
+        return self.times.time
 
     # ---- one MoE layer ------------------------------------------------------------------------
     def run_layer(self, ordinal: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -194,16 +203,24 @@ class OffloadSession:
                            self.timer.mark(self._stream))
             self._dense_start = None
         sw = Stopwatch().start()
-        idx = self.index
-        ids_real = ids if idx is None else ids.index_select(0, idx)
-        w_real = weights if idx is None else weights.index_select(0, idx)
-        ranked, _ = rank_order(ids_real, w_real)
-        ranked = ranked.cpu().numpy()
+        idx, rows = self.index, self._real_rows
+        _, perm = torch.sort(ids.reshape(-1))  # transformers' grouped_mm order of the (token, k) pairs
+        # the routing to the host: the layer's one wait for the device (two copies: ids with the order, weights)
+        both = torch.cat([ids.reshape(-1), perm]).cpu().numpy()
+        n = ids.numel()
+        ids_np, perm, w_np = both[:n].reshape(ids.shape), both[n:], weights.float().cpu().numpy()
+        ids_real = ids_np if rows is None else ids_np[rows]
+        w_real = w_np if rows is None else w_np[rows]
+        # rank order: descending weight, ties keep their column (as rank_order's stable sort)
+        ranked = np.take_along_axis(ids_real, np.argsort(-w_real, axis=1, kind="stable"), 1)
         sw.stop()
-        look = Stopwatch().start()
-        predicted = self._lookahead(ordinal, x if idx is None else x.index_select(0, idx))
-        look.stop()
-        t.lookahead[:, ordinal] += (look.wall, look.cpu)
+        if self.w.predictor_offsets:
+            look = Stopwatch().start()
+            predicted = self._lookahead(ordinal, x if idx is None else x.index_select(0, idx))
+            look.stop()
+            t.lookahead[:, ordinal] += (look.wall, look.cpu)
+        else:
+            predicted = None
         sw.start()
         self.w.set_layer(ordinal, ranked, predicted)
         sw.stop()
@@ -215,15 +232,14 @@ class OffloadSession:
         self.runtime.start_layer(plan)
         sw.start()
         skip = self.padding == "skip" and idx is not None
-        if skip:  # only the real rows reach the experts; the others get no routed output
-            ids, weights = ids_real, w_real
-        _, perm = torch.sort(ids.reshape(-1))  # transformers' grouped_mm order of the (token, k) pairs
         counted = None
-        if self._real_rows is not None and not skip:
-            counted = np.zeros(ids.shape[0], bool)
-            counted[self._real_rows] = True
-        routing = LayerRouting.group(ids.cpu().numpy(), weights.float().cpu().numpy(), counted=counted,
-                                     order=perm.cpu().numpy())
+        if skip:  # only the real rows reach the experts; the others get no routed output
+            ids_np, w_np = ids_real, w_real
+            perm = torch.sort(torch.from_numpy(ids_real.reshape(-1)))[1].numpy()
+        elif rows is not None:
+            counted = np.zeros(ids_np.shape[0], bool)
+            counted[rows] = True
+        routing = LayerRouting.group(ids_np, w_np, counted=counted, order=perm)
         sw.stop()
         t.bookkeeping[:, ordinal] += (sw.wall, sw.cpu)
         if skip:

@@ -185,7 +185,33 @@ class CachePolicy(Policy[C]):
     """Eviction and admission for the per-layer GPU expert caches (semantics in docs/policies.md).
 
     The runtime owns the contents; the policy is told what happens and chooses victims.
+
+    Batch form (optional, for speed; the results are the same): a policy whose :meth:`victim` depends
+    neither on the incoming expert nor on anything that changes during a layer visit, and whose
+    :meth:`accepts` does not depend on the expert, implements :meth:`victim_order`; the controller then
+    plans a layer's admissions and evictions in one go and reports them with :meth:`touched` and
+    :meth:`evicted` (defaults: the per-expert hooks, in touch order). A subclass that overrides a
+    per-expert hook (``on_hit``, ``on_admit``, ``on_evict``, ``accepts``, ``victim``) without
+    overriding any batch hook falls back to the per-expert protocol automatically.
     """
+
+    _PER_EXPERT_HOOKS: ClassVar[tuple[str, ...]] = ("on_hit", "on_admit", "on_evict", "accepts", "victim")
+    _BATCH_HOOKS: ClassVar[tuple[str, ...]] = ("victim_order", "touched", "evicted")
+    _batch_form: ClassVar[bool] = True  # False: a per-expert hook was overridden after the batch forms
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if any(h in own for h in cls._BATCH_HOOKS):
+            cls._batch_form = True
+        elif any(h in own for h in cls._PER_EXPERT_HOOKS):
+            cls._batch_form = False  # per-expert hooks changed, batch forms inherited: they may disagree
+
+    @property
+    def batched(self) -> bool:
+        """Whether the controller may use the batch form (:meth:`victim_order` is implemented and agrees
+        with the per-expert hooks)."""
+        return self._batch_form and type(self).victim_order is not CachePolicy.victim_order
 
     def initial(self, layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:
         """Initial contents of a layer's cache (``init`` is empty | random | frequency)."""
@@ -218,6 +244,28 @@ class CachePolicy(Policy[C]):
 
     def on_evict(self, layer: int, expert: int) -> None:
         """``expert`` left the cache."""
+
+    def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
+        """Batch form of :meth:`victim`: every entry of ``evictable`` in the order successive
+        :meth:`victim` calls would name them during this layer visit (empty: it declines every fetched
+        expert). Only for policies that meet the conditions in the class docstring."""
+        raise NotImplementedError(f"cache policy {self.name!r} has no batch form")
+
+    def touched(self, layer: int, experts: np.ndarray, admitted: np.ndarray, view: LayerView) -> None:
+        """Batch form of :meth:`on_hit` / :meth:`on_admit`: the experts hit or admitted in this layer
+        visit, in touch order; ``admitted`` (aligned bool) marks the admitted ones."""
+        cls = type(self)
+        if cls.on_hit is CachePolicy.on_hit and cls.on_admit is CachePolicy.on_admit:
+            return  # nothing to tell
+        for e, adm in zip(experts.tolist(), admitted.tolist()):
+            (self.on_admit if adm else self.on_hit)(layer, e, view)
+
+    def evicted(self, layer: int, experts: np.ndarray) -> None:
+        """Batch form of :meth:`on_evict` (in eviction order)."""
+        if type(self).on_evict is CachePolicy.on_evict:
+            return
+        for e in experts.tolist():
+            self.on_evict(layer, e)
 
     def rebalance(self, view: LayerView, resident: np.ndarray) -> list[tuple[int, int]]:
         """After the layer's touches: (expert_in, expert_out) swaps the policy wants (each a PCIe

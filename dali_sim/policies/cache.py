@@ -14,6 +14,11 @@ def _oldest(stamp: np.ndarray, candidates: np.ndarray) -> int:
     return int(candidates[np.argmin(stamp[candidates])])
 
 
+def _by_age(stamp: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Candidates oldest first, ties by lower id (candidates are sorted): successive :func:`_oldest`."""
+    return candidates[np.argsort(stamp[candidates], kind="stable")]
+
+
 @registered(CACHES)
 class LRU(CachePolicy):
     name = "lru"
@@ -36,6 +41,15 @@ class LRU(CachePolicy):
 
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
         return _oldest(self.stamp[layer], evictable)
+
+    # batch forms: stamps of evictable entries do not change during a visit (they are not activated)
+    def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
+        return _by_age(self.stamp[layer], evictable)
+
+    def touched(self, layer: int, experts: np.ndarray, admitted: np.ndarray, view: LayerView) -> None:
+        n = len(experts)
+        self.stamp[layer, experts] = np.arange(self.clock + 1, self.clock + n + 1)
+        self.clock += n
 
 
 @dataclass(frozen=True)
@@ -68,10 +82,16 @@ class LFU(CachePolicy[LFUConfig]):
     on_admit = on_hit
 
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
-        # lowest frequency; ties: least recently used, then lower id
-        f = self.freq[layer, evictable]
-        order = np.lexsort((evictable, self.stamp[layer, evictable], f))
-        return int(evictable[order[0]])
+        return int(self.victim_order(layer, view, evictable)[0])
+
+    def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
+        # lowest frequency; ties: least recently used, then lower id (frequencies change in observe only)
+        return evictable[np.lexsort((evictable, self.stamp[layer, evictable], self.freq[layer, evictable]))]
+
+    def touched(self, layer: int, experts: np.ndarray, admitted: np.ndarray, view: LayerView) -> None:
+        n = len(experts)
+        self.stamp[layer, experts] = np.arange(self.clock + 1, self.clock + n + 1)
+        self.clock += n
 
 
 @registered(CACHES)
@@ -84,3 +104,6 @@ class Static(CachePolicy):
 
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
         return None
+
+    def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
+        return evictable[:0]  # declines every fetched expert

@@ -91,6 +91,9 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
         return None  # a full cache changes only at window ends: the fetched expert is staged
 
+    def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
+        return evictable[:0]
+
     def window_end(self, layer: int) -> bool:
         """Whether the layer's current visit closes its window (call after ``observe``)."""
         return int(self.visits[layer]) >= self.config.w

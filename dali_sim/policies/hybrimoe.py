@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dali_sim.policies import kernels
 from dali_sim.policies.base import (
     CACHES,
     PLACEMENTS,
@@ -73,32 +74,13 @@ def _hss(counts, cached, t_gpu, t_cpu, xfer: float) -> tuple[np.ndarray, np.ndar
     to back from 0: it lands at ``moved + xfer``, so the GPU ends at ``max(g, moved + xfer) + t_gpu``);
     the tail would end on the CPU at ``c + t_cpu``. The GPU takes its candidate iff it ends no later,
     else the CPU takes its own. (The code adds per-device intercepts to the first expert of each queue;
-    here the cost model's times are used as they are.)
+    here the cost model's times are used as they are.) The loop is ``kernels._hss``.
     """
-    n = counts.shape[0]
-    idx = np.arange(n)
-    order = np.concatenate([g[np.lexsort((g, -counts[g]))] for g in (idx[cached], idx[~cached])]).tolist()
-    on_gpu = np.zeros(n, dtype=bool)
-    fetched = np.zeros(n, dtype=bool)
-    g = c = moved = 0.0
-    lo, hi = 0, n - 1
-    while lo <= hi:
-        head, tail = order[lo], order[hi]
-        g_next = g + float(t_gpu[head])
-        if not cached[head]:
-            g_next = max(g, moved + xfer) + float(t_gpu[head])
-        c_next = c + float(t_cpu[tail])
-        if g_next <= c_next:
-            if not cached[head]:
-                moved += xfer
-                fetched[head] = True
-            on_gpu[head] = True
-            g = g_next
-            lo += 1
-        else:
-            c = c_next
-            hi -= 1
-    return on_gpu, fetched, g, c
+    by_load = np.lexsort((np.arange(counts.shape[0]), -np.asarray(counts)))  # descending load, ties: index
+    order = np.concatenate([by_load[cached[by_load]], by_load[~cached[by_load]]])
+    on_gpu, fetched, g, c = kernels.run("hss", order, np.asarray(cached, dtype=bool), np.asarray(t_gpu, dtype=float),
+                                        np.asarray(t_cpu, dtype=float), float(xfer))
+    return np.asarray(on_gpu, dtype=bool), np.asarray(fetched, dtype=bool), float(g), float(c)
 
 
 def hybrid_schedule(counts, cached, t_gpu, t_cpu, xfer: float, mode: str = "hss") -> Schedule:
@@ -163,9 +145,9 @@ def hybrid_schedule(counts, cached, t_gpu, t_cpu, xfer: float, mode: str = "hss"
 
 
 def _times(costs, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-    c = [int(x) for x in counts]
-    t_gpu = np.array([costs.expert_time("gpu", x) for x in c], dtype=float)
-    t_cpu = np.array([costs.expert_time("cpu", x) for x in c], dtype=float)
+    c = np.asarray(counts).astype(np.int64)  # predicted counts come as floats
+    t_gpu = np.asarray(costs.expert_time("gpu", c), dtype=float).reshape(c.shape)
+    t_cpu = np.asarray(costs.expert_time("cpu", c), dtype=float).reshape(c.shape)
     return t_gpu, t_cpu, float(costs.expert_transfer_time())
 
 
@@ -194,14 +176,18 @@ class HybriMoEPlacement(PlacementPolicy[HybriMoEPlacementConfig]):
     Config = HybriMoEPlacementConfig
 
     def schedule(self, view: LayerView) -> Schedule:
-        cached = view.resident[view.experts]
-        if self.config.pending_resident:
-            cached = cached | view.pending[view.experts]
         t_gpu, t_cpu, xfer = _times(view.costs, view.counts)
-        return hybrid_schedule(view.counts, cached, t_gpu, t_cpu, xfer, self.config.mode)
+        return hybrid_schedule(view.counts, self._cached(view), t_gpu, t_cpu, xfer, self.config.mode)
 
     def place(self, view: LayerView) -> np.ndarray:
-        return self.schedule(view).on_gpu
+        if self.config.mode != "hss":
+            return self.schedule(view).on_gpu
+        t_gpu, t_cpu, xfer = _times(view.costs, view.counts)  # HSS alone: no prefix model needed
+        return _hss(np.asarray(view.counts), self._cached(view), t_gpu, t_cpu, xfer)[0]
+
+    def _cached(self, view: LayerView) -> np.ndarray:
+        cached = view.resident[view.experts]
+        return cached | view.pending[view.experts] if self.config.pending_resident else cached
 
 
 # ---- cache ----------------------------------------------------------------------------------------
@@ -247,11 +233,14 @@ class MRSCache(LRU):
                                             float(self.config.a))
 
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
+        order = self.victim_order(layer, view, evictable)
+        return int(order[0]) if order.size else None
+
+    def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
         if view.phase == PREFILL and not self.config.prefill_evicts:
-            return None
-        s = self.score[layer, evictable]
-        # lowest score; ties: least recently used, then lower id
-        return int(evictable[np.lexsort((evictable, self.stamp[layer, evictable], s))[0]])
+            return evictable[:0]
+        # lowest score; ties: least recently used, then lower id (scores change in observe only)
+        return evictable[np.lexsort((evictable, self.stamp[layer, evictable], self.score[layer, evictable]))]
 
 
 # ---- prefetch -------------------------------------------------------------------------------------
@@ -321,18 +310,22 @@ def impact_prefix(pred: np.ndarray, cached: np.ndarray, costs, mode: str = "hss"
     counts = pred[experts]
     c = np.asarray(cached, dtype=bool)[experts].copy()
     t_gpu, t_cpu, xfer = _times(costs, counts)
-    base = hybrid_schedule(counts, c, t_gpu, t_cpu, xfer, mode).makespan
     cand = np.flatnonzero(~c)
     cand = cand[np.lexsort((experts[cand], -counts[cand]))]
-    best_gain, best_j = 0.0, 0
-    for j, i in enumerate(cand.tolist(), start=1):
-        c[i] = True
-        gain = base - hybrid_schedule(counts, c, t_gpu, t_cpu, xfer, mode).makespan
-        if gain > best_gain:
-            best_gain, best_j = gain, j
+    if mode == "hss":  # the default: every prefix's schedule in one compiled loop
+        by_load = np.lexsort((np.arange(len(counts)), -counts))
+        best_gain, best_j = kernels.run("impact", by_load, c, t_gpu, t_cpu, xfer, cand)
+    else:
+        base = hybrid_schedule(counts, c, t_gpu, t_cpu, xfer, mode).makespan
+        best_gain, best_j = 0.0, 0
+        for j, i in enumerate(cand.tolist(), start=1):
+            c[i] = True
+            gain = base - hybrid_schedule(counts, c, t_gpu, t_cpu, xfer, mode).makespan
+            if gain > best_gain:
+                best_gain, best_j = gain, j
     if best_j == 0:
         return [], 0.0
-    return [int(e) for e in experts[cand[:best_j]]], best_gain / best_j
+    return [int(e) for e in experts[cand[:best_j]]], float(best_gain) / best_j
 
 
 @registered(PREFETCHERS)

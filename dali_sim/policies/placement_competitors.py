@@ -43,12 +43,10 @@ class FiddlerConfig(PolicyConfig):
 def fiddler_rule(counts, on_gpu_already, costs) -> np.ndarray:
     """Fiddler's per-expert choice: GPU iff the weights are there, or ``t_gpu(n) + transfer <= t_cpu(n)``
     (ties to the GPU, as the code's first minimum over the splits)."""
-    xfer = float(costs.expert_transfer_time())
-    out = np.asarray(on_gpu_already, dtype=bool).copy()
-    for i, n in enumerate(np.asarray(counts).tolist()):
-        if not out[i]:
-            out[i] = costs.expert_time("gpu", int(n)) + xfer <= costs.expert_time("cpu", int(n))
-    return out
+    n = np.asarray(counts).astype(np.int64)
+    gpu = np.asarray(costs.expert_time("gpu", n), dtype=float).reshape(n.shape)
+    cpu = np.asarray(costs.expert_time("cpu", n), dtype=float).reshape(n.shape)
+    return np.asarray(on_gpu_already, dtype=bool) | (gpu + float(costs.expert_transfer_time()) <= cpu)
 
 
 @registered(PLACEMENTS)

@@ -25,10 +25,12 @@ Choices where the paper is silent (docs/policies.md repeats them):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from dali_sim.policies import kernels
 from dali_sim.policies.base import PLACEMENTS, LayerView, PlacementPolicy, PolicyConfig, SetupContext, registered
 
 SLOT_RULES = ("evictable", "free", "staging")
@@ -67,7 +69,8 @@ def _check_inputs(t_gpu, t_cpu, needs_buffer, max_new) -> tuple[np.ndarray, np.n
     t_cpu = np.asarray(t_cpu, dtype=float)
     if t_gpu.ndim != 1 or t_gpu.shape != t_cpu.shape:
         raise ValueError(f"t_gpu and t_cpu must be 1-D arrays of one length, got shapes {t_gpu.shape} and {t_cpu.shape}")
-    if not (np.all(np.isfinite(t_gpu)) and np.all(np.isfinite(t_cpu))) or (t_gpu < 0).any() or (t_cpu < 0).any():
+    # all finite iff the sum is (times are seconds: no overflow)
+    if t_gpu.size and not (math.isfinite(float(t_gpu.sum() + t_cpu.sum())) and min(t_gpu.min(), t_cpu.min()) >= 0):
         raise ValueError("expert times must be finite and >= 0")
     needs = np.zeros(t_gpu.shape, dtype=bool) if needs_buffer is None else np.asarray(needs_buffer, dtype=bool)
     if needs.shape != t_gpu.shape:
@@ -99,20 +102,8 @@ def greedy_assign(t_gpu, t_cpu, *, workload=None, ids=None, needs_buffer=None, m
     variant; an expert refused for memory goes to the CPU)."""
     t_gpu, t_cpu, needs = _check_inputs(t_gpu, t_cpu, needs_buffer, max_new)
     order = greedy_order(t_gpu, t_cpu, workload, ids)
-    out = np.zeros(len(t_gpu), dtype=bool)
-    tg_list, tc_list, needs_list = t_gpu.tolist(), t_cpu.tolist(), needs.tolist()
-    limit = float("inf") if max_new is None else max_new
-    T_gpu = T_cpu = 0.0
-    new = 0
-    for j in order.tolist():
-        tg, tc = tg_list[j], tc_list[j]
-        if T_gpu + tg <= T_cpu + tc and (not needs_list[j] or new < limit):
-            out[j] = True
-            T_gpu += tg
-            new += needs_list[j]
-        else:
-            T_cpu += tc
-    return out
+    limit = len(t_gpu) + 1 if max_new is None else int(max_new)  # more than can ever need a buffer: no limit
+    return kernels.run("greedy", order, t_gpu, t_cpu, needs, limit)
 
 
 def fetch_limit(view: LayerView, capacity: int, staging_slots: int, slots: str = "evictable") -> int:

@@ -27,6 +27,8 @@ from dali_sim.workload.builder import Workload
 # where the weights of an activated expert come from
 HIT, PREFETCHED, FETCH, CPU = 0, 1, 2, 3
 SOURCE_NAMES = ("cache", "prefetched", "on-demand", "cpu")
+#: source by (on_gpu << 2) | (resident << 1) | pending: CPU unless on the GPU, then HIT > PREFETCHED > FETCH
+_SOURCE_OF = np.array([CPU, CPU, CPU, CPU, FETCH, PREFETCHED, HIT, HIT], dtype=np.int8)
 
 
 @dataclass
@@ -147,18 +149,49 @@ class Controller:
         resident = self.resident[layer]
         pending = self.pending[layer]
         hit = resident[experts]  # fancy indexing copies: the contents at the start of the layer
-        source = np.where(on_gpu, np.where(hit, HIT, np.where(pending[experts], PREFETCHED, FETCH)), CPU).astype(np.int8)
-        if (source == FETCH).any() and not self.placement.may_fetch:
-            e = int(experts[source == FETCH][0])
+        miss = on_gpu & ~hit  # weights must come to the GPU: prefetched or fetched on demand
+        source = _SOURCE_OF[(on_gpu.view(np.uint8) << 2) | (hit.view(np.uint8) << 1) | pending[experts].view(np.uint8)]
+        fetch = source == FETCH
+        if not self.placement.may_fetch and fetch.any():  # noqa: SIM102 (the message needs the expert)
+            e = int(experts[fetch][0])
             raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {e} of layer {layer} "
                              "on the GPU while it is not resident: the cache must hold every expert this placement "
                              "runs on the GPU (check memory.layout and memory.cache_init)")
+        if cache.batched:
+            admitted, evicted = self._admit_batched(view, layer, experts, hit, miss)
+        else:
+            admitted, evicted = self._admit_each(view, layer, experts, hit, source)
+        staged = fetch & ~admitted  # a declined prefetched expert is used from its prefetch buffer
+        if self.staging_slots < 1 and staged.any():
+            raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
 
-        admitted = [False] * n
-        staged = [False] * n
-        evicted: list[int] = []
+        prefetch_used: list[int] = []
+        prefetch_wasted: list[int] = []
+        if self.n_pending[layer]:
+            was = np.flatnonzero(pending)
+            used = np.zeros(self.w.num_experts, dtype=bool)
+            used[experts[source == PREFETCHED]] = True
+            prefetch_used, prefetch_wasted = was[used[was]].tolist(), was[~used[was]].tolist()
+            pending[:] = False
+            self.n_pending[layer] = 0
+
+        prefetches = self._issue_prefetches(view)
+        swaps = self._apply_swaps(view, layer)
+        return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, hit,
+                         admitted, staged, evicted, prefetches, prefetch_used, prefetch_wasted, swaps)
+
+    def _activated(self, experts: np.ndarray) -> np.ndarray:
         activated = np.zeros(self.w.num_experts, dtype=bool)
         activated[experts] = True
+        return activated
+
+    def _admit_each(self, view: LayerView, layer: int, experts: np.ndarray, hit: np.ndarray,
+                    source: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """The cache semantics expert by expert, in touch order (any cache policy)."""
+        cache, resident, step = self.cache, self.resident[layer], view.step
+        activated = self._activated(experts)
+        admitted = np.zeros(len(experts), dtype=bool)
+        evicted: list[int] = []
         cap = int(self.capacities[layer])
         for i, (e, is_hit, src) in enumerate(zip(experts.tolist(), hit.tolist(), source.tolist())):
             if is_hit:
@@ -172,9 +205,7 @@ class Controller:
                 evictable = np.flatnonzero(resident & ~activated)
                 victim = cache.victim(layer, e, view, readonly(evictable)) if evictable.size else None
                 if victim is not None:
-                    if not resident[victim] or activated[victim]:
-                        raise ValueError(f"cache policy {cache.name!r} chose victim {victim} at step {step} layer "
-                                         f"{layer}, which is not an evictable entry {evictable.tolist()}")
+                    self._check_victims(step, layer, np.array([victim]), resident, activated)
                     resident[victim] = False
                     self.n_resident[layer] -= 1
                     cache.on_evict(layer, int(victim))
@@ -185,44 +216,77 @@ class Controller:
                 self.n_resident[layer] += 1
                 admitted[i] = True
                 cache.on_admit(layer, e, view)
-            elif src == FETCH:
-                staged[i] = True  # a declined prefetched expert is used from its prefetch buffer
-        admitted, staged = np.array(admitted, dtype=bool), np.array(staged, dtype=bool)
-        if self.staging_slots < 1 and staged.any():
-            raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
+        return admitted, evicted
 
-        prefetch_used: list[int] = []
-        prefetch_wasted: list[int] = []
-        if self.n_pending[layer]:
-            used = set(experts[source == PREFETCHED].tolist())
-            for e in np.flatnonzero(pending).tolist():
-                (prefetch_used if e in used else prefetch_wasted).append(e)
-            pending[:] = False
-            self.n_pending[layer] = 0
+    def _admit_batched(self, view: LayerView, layer: int, experts: np.ndarray, hit: np.ndarray,
+                       miss: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """The same semantics in one go, for a policy with the batch form (``CachePolicy.victim_order``):
+        the misses (GPU experts not resident, touch order) first fill free slots if the policy accepts,
+        then take the victims in the policy's order while evictable entries last; the rest are declined."""
+        cache, resident = self.cache, self.resident[layer]
+        admitted = np.zeros(len(experts), dtype=bool)
+        victims = experts[:0]
+        cand = np.flatnonzero(miss)
+        if cand.size:
+            free = int(self.capacities[layer] - self.n_resident[layer])
+            take = 0
+            refused = free > 0 and not cache.accepts(layer, int(experts[cand[0]]), view)
+            if not refused:
+                take = min(max(free, 0), cand.size)
+                rest = cand.size - take
+                if rest:
+                    activated = self._activated(experts)
+                    evictable = np.flatnonzero(resident & ~activated)
+                    if evictable.size:
+                        victims = np.asarray(cache.victim_order(layer, view, readonly(evictable)))[:rest]
+                        self._check_victims(view.step, layer, victims, resident, activated)
+            admitted[cand[:take + len(victims)]] = True
+            if len(victims):
+                resident[victims] = False
+                cache.evicted(layer, victims)
+            resident[experts[admitted]] = True
+            self.n_resident[layer] += int(admitted.sum()) - len(victims)
+        touched = hit | admitted
+        if touched.any():
+            cache.touched(layer, experts[touched], admitted[touched], view)
+        return admitted, victims.tolist()
 
-        prefetches = self._issue_prefetches(view)
-        swaps = self._apply_swaps(view, layer)
-        return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, hit,
-                         admitted, staged, evicted, prefetches, prefetch_used, prefetch_wasted, swaps)
+    def _check_victims(self, step: int, layer: int, victims: np.ndarray, resident: np.ndarray,
+                       activated: np.ndarray) -> None:
+        if not (resident[victims].all() and not activated[victims].any()) or len(np.unique(victims)) != len(victims):
+            evictable = np.flatnonzero(resident & ~activated)
+            raise ValueError(f"cache policy {self.cache.name!r} chose victim(s) {np.asarray(victims).tolist()} at step "
+                             f"{step} layer {layer}, not evictable entries of {evictable.tolist()}")
 
     def _issue_prefetches(self, view: LayerView) -> list[tuple[int, int]]:
-        issued: list[tuple[int, int]] = []
+        """The prefetcher's requests in its order, skipping resident, pending and repeated ones, while
+        prefetch buffers are free."""
         free = self.prefetch_slots - int(self.n_pending.sum())
         if free <= 0:
-            return issued
-        for target, e in self.prefetcher.prefetch(self._view_for(self.prefetcher, view)):
-            target, e = int(target), int(e)
-            if not view.layer < target < self.w.num_layers or not 0 <= e < self.w.num_experts:
-                raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {target}, expert {e}) "
-                                 f"at layer {view.layer}; targets must be later layers of the same step")
-            if self.resident[target, e] or self.pending[target, e]:
-                continue
-            self.pending[target, e] = True
-            self.n_pending[target] += 1
-            issued.append((target, e))
-            if len(issued) == free:
-                break
+            return []
+        asked = self.prefetcher.prefetch(self._view_for(self.prefetcher, view))
+        if not len(asked):
+            return []
+        pairs = np.asarray(asked, dtype=np.int64).reshape(-1, 2)
+        target, e = pairs[:, 0], pairs[:, 1]
+        valid = (view.layer < target) & (target < self.w.num_layers) & (0 <= e) & (e < self.w.num_experts)
+        n_valid = len(pairs) if valid.all() else int(np.argmax(~valid))
+        issued = self._take_prefetches(target[:n_valid], e[:n_valid], free)
+        if n_valid < len(pairs) and len(issued) < free:  # the request was reached before the buffers ran out
+            t, x = pairs[n_valid].tolist()
+            raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
+                             f"at layer {view.layer}; targets must be later layers of the same step")
         return issued
+
+    def _take_prefetches(self, target: np.ndarray, e: np.ndarray, free: int) -> list[tuple[int, int]]:
+        key = target * self.w.num_experts + e
+        first = np.zeros(len(key), dtype=bool)  # the first request of each (layer, expert) counts
+        first[np.unique(key, return_index=True)[1]] = True
+        keep = np.flatnonzero(first & ~self.resident[target, e] & ~self.pending[target, e])[:free]
+        target, e = target[keep], e[keep]
+        self.pending[target, e] = True
+        np.add.at(self.n_pending, target, 1)
+        return list(zip(target.tolist(), e.tolist()))
 
     def _apply_swaps(self, view: LayerView, layer: int) -> list[tuple[int, int]]:
         if type(self.cache).rebalance is CachePolicy.rebalance:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dali_sim.runtime.controller import FETCH, PREFETCHED, LayerPlan
+from dali_sim.runtime.controller import CPU, FETCH, PREFETCHED, LayerPlan
 
 COUNTERS = (
     "activated",  # (step, layer, expert) triples with workload > 0
@@ -34,22 +34,24 @@ class PlanCounters:
     def add(self, p: LayerPlan) -> None:
         c, l, nz = self.c, p.layer, np.count_nonzero
         n = len(p.experts)
-        gpu = nz(p.on_gpu)
+        by_source = np.bincount(p.source, minlength=4)
+        gpu = n - int(by_source[CPU])
         c["activated"][l] += n
         c["hits"][l] += nz(p.hit)
         c["gpu_experts"][l] += gpu
         c["cpu_experts"][l] += n - gpu
-        c["on_demand"][l] += nz(p.source == FETCH)
-        c["prefetch_used"][l] += nz(p.source == PREFETCHED)
+        c["on_demand"][l] += by_source[FETCH]
+        c["prefetch_used"][l] += by_source[PREFETCHED]
         c["prefetch_issued"][l] += len(p.prefetches)
         c["prefetch_wasted"][l] += len(p.prefetch_wasted)
         c["admitted"][l] += nz(p.admitted)
         c["evicted"][l] += len(p.evicted)
         c["staged"][l] += nz(p.staged)
         c["swaps"][l] += len(p.swaps)
-        gpu_tokens = int(p.counts[p.on_gpu].sum()) if gpu else 0
+        total = int(p.counts.sum())
+        gpu_tokens = total if gpu == n else (int(p.counts[p.on_gpu].sum()) if gpu else 0)
         c["gpu_tokens"][l] += gpu_tokens
-        c["cpu_tokens"][l] += int(p.counts.sum()) - gpu_tokens
+        c["cpu_tokens"][l] += total - gpu_tokens
 
     def frame(self, layers: tuple[int, ...]) -> pd.DataFrame:
         df = pd.DataFrame(self.c, index=pd.Index(layers, name="layer"))

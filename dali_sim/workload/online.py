@@ -32,7 +32,7 @@ import pandas as pd
 from dali_sim.models.spec import ModelSpec
 from dali_sim.trace.reader import read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
-from dali_sim.workload.builder import SparseCounts, Workload, WorkloadConfig, _sparse_counts, predicted_top_k
+from dali_sim.workload.builder import Workload, WorkloadConfig, predicted_top_k
 
 #: lookahead predictors a running model can compute at MoE layer l from its gate input x_l
 ONLINE_PREDICTORS = {
@@ -215,8 +215,9 @@ class OnlineWorkload:
             raise ValueError(f"online workload: step {self._step} expects MoE layer {self._next_layer}, got {layer}")
         T, k, E = int(self._tokens.view[-1]), self.top_k, self.num_experts
         ids = self._ids(ids, T, f"step {self._step} layer {layer}: routing")
-        self._act.append(self._segment(ids))
-        np.add.at(self._observed[layer], ids.reshape(-1), 1)
+        counts = np.bincount(ids.reshape(-1), minlength=E)
+        self._act.append(self._segment(ids, counts))
+        self._observed[layer] += counts
         predicted = dict(predicted or {})
         unknown = sorted(set(predicted) - set(self.predictor_offsets))
         if unknown:
@@ -259,13 +260,18 @@ class OnlineWorkload:
             raise ValueError(f"{where}: expert ids must lie in 0..{self.num_experts - 1}")
         return ids.astype(np.int64)
 
-    def _segment(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(experts in touch order, workloads, best ranks): the trace workload's rule for one (step, layer)."""
-        n, k = ids.shape
-        zeros = np.zeros(n * k, np.int64)
-        sc: SparseCounts = _sparse_counts(zeros, zeros, ids.reshape(-1), np.tile(np.arange(k, dtype=np.int8), n),
-                                          1, 1, self.num_experts)
-        return sc.expert, sc.count, sc.rank
+    def _segment(self, ids: np.ndarray, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(experts in touch order, workloads, best ranks): the trace workload's rule for one (step, layer)
+        (:func:`~dali_sim.workload.builder._sparse_counts` for a single segment, in a few array operations;
+        the same values and dtypes). ``counts``: ``bincount`` of the ids, if already known."""
+        n = ids.shape[0]
+        experts, first = np.unique(ids.T.reshape(-1), return_index=True)  # rank-major: the first hit is the best rank
+        best = first // n
+        if counts is None:
+            counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
+        cnt = counts[experts]
+        touch = np.lexsort((experts, best, -cnt))
+        return experts[touch].astype(np.int16), cnt[touch].astype(np.int32), best[touch].astype(np.int8)
 
     # ---- the Workload read interface ----------------------------------------------------------
     def _check(self, step: int, layer: int, what: str) -> None:

@@ -1,0 +1,125 @@
+"""Grouped expert computation: many experts of one device in one call, from a table of flat weight rows.
+
+A *table* is a 2-D tensor whose rows are flat expert vectors (:mod:`.ffn` or the model's own layout):
+the accelerator's slot buffer (rows = slots) or one layer of the host store (rows = experts). A group
+is a set of table rows with the token rows each one computes; its (pair) rows are sorted by table row,
+and ``offs`` (one int32 per table row, cumulative) tells the grouped matrix product where each row's
+tokens end (rows that compute nothing have none). One grouped product per projection replaces a
+Python loop of products per expert: the host issues a handful of operations per group, whatever the
+number of experts in it.
+
+:class:`GroupIndex` builds a group's host-side indices from a layer's routing (vectorised, no loop per
+expert); :func:`grouped_mm` is the product, ``torch.nn.functional.grouped_mm`` where torch has it for
+the device and dtype, else one ``mm`` per non-empty row (counts known on the host: no device sync).
+Each row's output depends only on its own tokens and weights (checked in tests/test_exec_grouped.py),
+so grouping does not change what an expert computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dali_exec.executor.routing import LayerRouting
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+#: (device type, dtype) pairs for which torch's grouped product failed once: the loop is used from then on
+_UNSUPPORTED: set[tuple[str, torch.dtype]] = set()
+
+
+def _loop_mm(x: torch.Tensor, w: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+    """``x[rows of g] @ w[g]`` for every table row g with tokens (``w``: (R, K, N))."""
+    out = x.new_empty((x.shape[0], w.shape[2]))
+    a = 0
+    for g in np.flatnonzero(counts).tolist():
+        b = a + int(counts[g])
+        torch.mm(x[a:b], w[g], out=out[a:b])
+        a = b
+    return out
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+    """(S, K) x grouped (R, K, N) -> (S, N): rows ``offs[g-1]:offs[g]`` of ``x`` times ``w[g]``.
+    ``counts`` are the same boundaries on the host (tokens per table row). On the CPU torch's grouped
+    product costs about as much per table row as per non-empty one, so sparse tables take the loop."""
+    key = (x.device.type, w.dtype)
+    if _GROUPED_MM is not None and key not in _UNSUPPORTED and x.shape[0]:
+        if x.device.type == "cpu":
+            use = len(counts) <= 4 * np.count_nonzero(counts) + 4
+        else:
+            use = w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        if use:
+            try:
+                return _GROUPED_MM(x.to(w.dtype), w, offs=offs)
+            except (RuntimeError, NotImplementedError, TypeError):  # layout or dtype this torch does not take
+                _UNSUPPORTED.add(key)
+    return _loop_mm(x.to(w.dtype), w, counts)
+
+
+@dataclass
+class GroupIndex:
+    """Host-side indices of one group: ``pairs`` (flat (token, rank) positions, sorted by table row, each
+    row's in routing order) and their gate ``weights``, ``rows`` (table row per expert of the group, in
+    the pairs' order), ``experts`` (aligned), ``counts`` (tokens per expert, aligned). The group reads the
+    table rows ``lo .. lo + len(table_counts) - 1`` only (the span of its rows): ``table_counts`` are the
+    tokens of each row of that span, ``offs`` their cumulative sum (int32)."""
+
+    pairs: np.ndarray
+    weights: np.ndarray
+    rows: np.ndarray
+    experts: np.ndarray
+    counts: np.ndarray
+    lo: int
+    table_counts: np.ndarray
+    offs: np.ndarray
+
+    @classmethod
+    def build(cls, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> "GroupIndex":
+        """``seg``: indices into ``routing.experts`` (the group's experts), ``rows``: their table rows."""
+        if len(seg) == 1:  # one expert (a staging turn): its segment of the routing as it is
+            i, row = int(seg[0]), int(rows[0])
+            a, b = int(routing.ptr[i]), int(routing.ptr[i + 1])
+            n = np.array([b - a], np.int64)
+            return cls(routing.positions[a:b], routing.weights[a:b], rows, routing.experts[i:i + 1], n, row, n,
+                       n.astype(np.int32))
+        order = np.argsort(rows, kind="stable")
+        seg, rows = seg[order], rows[order]
+        starts, ends = routing.ptr[seg], routing.ptr[seg + 1]
+        counts = ends - starts
+        # positions starts[i] .. ends[i] - 1 of every expert, concatenated (no loop per expert)
+        first = np.cumsum(counts) - counts
+        take = np.repeat(starts - first, counts) + np.arange(int(first[-1] + counts[-1]))
+        lo = int(rows[0])
+        table_counts = np.zeros(int(rows[-1]) - lo + 1, np.int64)
+        table_counts[rows - lo] = counts
+        return cls(routing.positions[take], routing.weights[take], rows, routing.experts[seg], counts, lo,
+                   table_counts, np.cumsum(table_counts).astype(np.int32))
+
+    @classmethod
+    def whole(cls, routing: LayerRouting) -> "GroupIndex":
+        """Every expert of the routing, on a table whose rows are the expert ids (a layer of the host store):
+        the routing's own order is the table's."""
+        rows = routing.experts.astype(np.int64)
+        lo = int(rows[0])
+        counts = np.diff(routing.ptr)
+        table_counts = np.zeros(int(rows[-1]) - lo + 1, np.int64)
+        table_counts[rows - lo] = counts
+        return cls(routing.positions, routing.weights, rows, routing.experts, counts, lo, table_counts,
+                   np.cumsum(table_counts).astype(np.int32))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def span(self, table: torch.Tensor) -> torch.Tensor:
+        """The table rows this group reads."""
+        return table[self.lo:self.lo + len(self.table_counts)]
+
+    def row_of_pairs(self) -> np.ndarray:
+        """The row of every pair within :meth:`span` (for per-row biases)."""
+        return np.repeat(self.rows - self.lo, self.counts)
+
+
+__all__ = ["GroupIndex", "grouped_mm"]

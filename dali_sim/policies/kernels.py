@@ -1,0 +1,155 @@
+"""The policies' inner loops that cannot be vectorised (each step depends on the last), compiled with
+numba when it is installed, else run as the same Python code.
+
+One source per loop: a kernel is written in the subset of Python numba compiles (``for``/``while``,
+scalar arithmetic, indexing, ``np.zeros``) and reads its array arguments by index only, so the plain
+Python fallback runs it unchanged on lists (``.tolist()`` of the arrays: faster to index than arrays).
+Both give the same result bit for bit: float64 arithmetic in the same order, no fast-math (tested in
+tests/test_policy_kernels.py). numba is imported, and each kernel compiled (cached on disk beside
+this file), on the first call only; ``DALI_NUMBA=0`` in the environment disables it.
+
+:func:`backend` says which is in use (``"numba X.Y"`` or ``"python"``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+
+def _numba():
+    if os.environ.get("DALI_NUMBA", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba
+
+
+def backend() -> str:
+    nb = _numba()
+    return f"numba {nb.__version__}" if nb is not None else "python"
+
+
+def _greedy(order, t_gpu, t_cpu, needs, limit):
+    """DALI Algorithm 1 over ``order``: GPU iff ``T_gpu + t_gpu <= T_cpu + t_cpu`` and, for an expert that
+    ``needs`` a buffer, fewer than ``limit`` such experts went to the GPU so far."""
+    out = np.zeros(len(order), np.bool_)
+    t_g = 0.0
+    t_c = 0.0
+    new = 0
+    for j in order:
+        tg = t_gpu[j]
+        tc = t_cpu[j]
+        if t_g + tg <= t_c + tc and (not needs[j] or new < limit):
+            out[j] = True
+            t_g += tg
+            if needs[j]:
+                new += 1
+        else:
+            t_c += tc
+    return out
+
+
+def _hss(order, cached, t_gpu, t_cpu, xfer):
+    """HybriMoE's HSS two-pointer schedule over ``order`` (see ``hybrimoe._hss``): (on_gpu, fetched,
+    GPU end, CPU end)."""
+    n = len(order)
+    on_gpu = np.zeros(n, np.bool_)
+    fetched = np.zeros(n, np.bool_)
+    g = 0.0
+    c = 0.0
+    moved = 0.0
+    lo = 0
+    hi = n - 1
+    while lo <= hi:
+        head = order[lo]
+        tail = order[hi]
+        if cached[head]:
+            g_next = g + t_gpu[head]
+        else:
+            g_next = max(g, moved + xfer) + t_gpu[head]
+        c_next = c + t_cpu[tail]
+        if g_next <= c_next:
+            if not cached[head]:
+                moved += xfer
+                fetched[head] = True
+            on_gpu[head] = True
+            g = g_next
+            lo += 1
+        else:
+            c = c_next
+            hi -= 1
+    return on_gpu, fetched, g, c
+
+
+def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
+    """HybriMoE's impact prefix under HSS (see ``hybrimoe.impact_prefix``): bringing ``cand[:j]`` to the
+    GPU lowers the makespan by ``G_j``; returns (the largest G_j, its j: the shortest on ties), or (0, 0)
+    if none gains. The HSS order for a cached mask is ``by_load`` (descending load, ties lower index)
+    with the cached experts first, stably."""
+    n = len(by_load)
+    order = np.zeros(n, np.int64)
+    mask = np.zeros(n, np.bool_)
+    for i in range(n):
+        mask[i] = cached[i]
+    best_gain = 0.0
+    best_j = 0
+    base = 0.0
+    for j in range(len(cand) + 1):
+        if j > 0:
+            mask[cand[j - 1]] = True
+        k = 0
+        for i in by_load:
+            if mask[i]:
+                order[k] = i
+                k += 1
+        for i in by_load:
+            if not mask[i]:
+                order[k] = i
+                k += 1
+        _, _, g, c = _hss_fn(order, mask, t_gpu, t_cpu, xfer)
+        if j == 0:
+            base = max(g, c)
+        elif base - max(g, c) > best_gain:
+            best_gain = base - max(g, c)
+            best_j = j
+    return best_gain, best_j
+
+
+_PYTHON = {"greedy": _greedy, "hss": _hss, "impact": _impact}
+_hss_fn = _hss  # what _impact calls: replaced by the compiled _hss before _impact is compiled
+_impls: dict[str, Callable] | None = None
+
+
+def _on_lists(fn: Callable) -> Callable:
+    return lambda *args: fn(*(a.tolist() if isinstance(a, np.ndarray) else a for a in args))
+
+
+def _load() -> dict[str, Callable]:
+    global _impls, _hss_fn
+    nb = _numba()
+    if nb is None:
+        _hss_fn = _hss
+        _impls = {name: _on_lists(fn) for name, fn in _PYTHON.items()}
+    else:
+        jit = nb.njit(cache=True, nogil=True)
+        _hss_fn = jit(_hss)
+        _impls = {"greedy": jit(_greedy), "hss": _hss_fn, "impact": jit(_impact)}
+    return _impls
+
+
+def run(name: str, *args):
+    """Call kernel ``name`` (``greedy``, ``hss``, ``impact``) compiled, or as Python on lists."""
+    return (_impls or _load())[name](*args)
+
+
+def python(name: str) -> Callable:
+    """The kernel as plain Python (on arrays or lists), whatever the backend: the reference in tests."""
+    return _PYTHON[name]
+
+
+__all__ = ["backend", "python", "run"]
