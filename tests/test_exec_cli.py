@@ -69,6 +69,7 @@ def test_calibrate_writes_a_measured_profile_of_the_scaled_shape(profile):
     model = scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32")
     assert p.model.hidden_size == 64 and p.model.expert_bytes == model.expert_bytes
     assert p.gpu_expert.x == (1, 4, 16) and all(s > 0 for s in p.gpu_expert.seconds + p.cpu_expert.seconds)
+    assert set(p.lanes) == {"gpu", "cpu"} and all(v >= 0 for v in p.lanes.values())  # a grouped call's fixed part
     assert len(p.h2d.x) == 4 and p.h2d.x[2] == model.expert_bytes and all(s > 0 for s in p.h2d.seconds)
     assert p.gpu_dense.context_lens == (1, 32) and len(p.gpu_dense.seconds[1]) == 2
     prov = p.provenance
@@ -142,3 +143,25 @@ def test_exec_run_errors_are_one_line():
         r = CliRunner().invoke(cli, ["exec", "run", "--trace", GPT_OSS, "--system", "gpu-lru", "--device", "cuda",
                                      "--layers", "1", "--scale", "0.05", "--sequences", "1", "--max-tokens", "1"])
         assert r.exit_code == 1 and "CUDA is not available" in r.output
+
+
+def test_expert_share_and_fixed_part_of_a_grouped_call(monkeypatch):
+    """A call of g experts with n tokens each taking fixed + g * per(n) seconds gives back per(n) as the
+    expert table and fixed as the lane's part per layer; the grouped op computes each expert on its own
+    tokens, as one call per expert does."""
+    from dali_exec.calibrate import micro
+    from dali_exec.executor.cpu_worker import CpuWorker
+    from dali_exec.executor.devices import Devices
+
+    model = scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32")
+    worker = CpuWorker(1)
+    try:
+        bench = micro.Microbench(model, Devices.create("cpu", "fp32"), worker, MicroSettings(repeats=1, warmup=0))
+        y1, y4 = bench.expert_op("cpu", 3, 1)(0), bench.expert_op("cpu", 3, micro.GROUP)(0)
+        assert y1.shape == (3, 64) and y4.shape == (3 * micro.GROUP, 64)
+        monkeypatch.setattr(micro.Microbench, "expert_op", lambda self, lane, n, group=1: (n, group))
+        monkeypatch.setattr(micro.Microbench, "_timed", lambda self, lane, op: 7e-5 + op[1] * 1e-5 * op[0])
+        per, fixed = bench.expert_seconds("cpu", [1, 4, 16])
+    finally:
+        worker.close()
+    assert per == pytest.approx([1e-5, 4e-5, 16e-5]) and fixed == pytest.approx(7e-5)

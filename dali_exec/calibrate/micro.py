@@ -33,6 +33,10 @@ from dali_sim.models.spec import ModelSpec
 from dali_sim.sim.engine import Activity
 
 
+#: experts of the grouped call that separates an expert's time from the call's fixed part
+GROUP = 4
+
+
 @dataclass(frozen=True)
 class MicroSettings:
     repeats: int = 5
@@ -139,30 +143,51 @@ class Microbench:
         if lane not in self._weights:
             lay = self.layout
             nbytes = lay.numel * torch.empty((), dtype=self.dev.dtype).element_size()
-            k = self._copies(nbytes)
+            k = max(self._copies(nbytes), GROUP + 1)  # a grouped call reads GROUP distinct experts
             w = (torch.randn((k, lay.numel), generator=self.gen) * 0.02).to(device=self.dev.of(lane), dtype=self.dev.dtype)
             self._weights[lane] = (w, k)
         return self._weights[lane]
 
-    def expert_op(self, lane: str, n: int):
-        """``fn(i)``: one routed expert with ``n`` tokens as the executor's lane computes it: gather the
-        expert's tokens from a layer's activations, the expert, the gate weights, and (on the accelerator
-        lane) the scatter into the layer's output buffer (dali_exec/executor/runtime.py)."""
+    def expert_op(self, lane: str, n: int, group: int = 1):
+        """``fn(i)``: ``group`` routed experts with ``n`` tokens each as the executor's lane computes them in
+        one grouped call (dali_exec/executor/runtime.py, grouped.py): the experts' tokens gathered from a
+        layer's activations, the grouped expert products, the gate weights, and (on the accelerator lane)
+        the scatter into the layer's output buffer."""
         device = self.dev.of(lane)
-        lay, dt = self.layout, self.dev.dtype
+        lay, dt, top_k = self.layout, self.dev.dtype, self.model.top_k
         w, k = self._expert_weights(lane)
-        T = max(n, self.model.top_k)  # the layer's tokens; the expert gets n of them
+        if group > k:
+            raise ValueError(f"a group of {group} experts needs at least {group} weight copies, have {k}")
+        T = max(n, top_k)  # the layer's tokens; each expert gets n of them
         x = torch.randn((T, lay.hidden), generator=self.gen).to(device=device, dtype=dt)
-        idx = torch.arange(n, device=device)
-        gate = torch.rand((n, 1), generator=self.gen).to(device=device, dtype=dt)
-        out = torch.zeros((T * self.model.top_k, lay.hidden), dtype=dt, device=device)
-        if lane == "gpu":
-            return lambda i: out.index_copy_(0, idx, lay.forward(w[i % k], x.index_select(0, idx)) * gate)
-        return lambda i: lay.forward(w[i % k], x.index_select(0, idx)) * gate
+        tok = torch.arange(n, device=device).repeat(group)
+        gate = torch.rand((n * group, 1), generator=self.gen).to(device=device, dtype=dt)
+        counts = np.full(group, n, np.int64)
+        offs = torch.from_numpy(np.cumsum(counts).astype(np.int32)).to(device)
+        rows = torch.arange(group, device=device).repeat_interleave(n) if lay.bias else None
+        pos = torch.arange(n * group, device=device)
+        out = torch.zeros((max(T * top_k, n * group), lay.hidden), dtype=dt, device=device)
+        starts = k - group + 1  # groups of consecutive copies, cycled
 
-    def expert_seconds(self, lane: str, tokens: list[int]) -> list[float]:
-        """One routed expert with ``n`` tokens, for each ``n``, on ``lane`` (gpu | cpu)."""
-        return [self._timed(lane, self.expert_op(lane, n)) for n in tokens]
+        def op(i: int):
+            lo = (i * group) % starts
+            y = lay.forward_grouped(w[lo:lo + group], x.index_select(0, tok), offs, counts, rows) * gate
+            return out.index_copy_(0, pos, y) if lane == "gpu" else y
+        return op
+
+    def expert_seconds(self, lane: str, tokens: list[int]) -> tuple[list[float], float]:
+        """Per ``n`` of ``tokens``: the seconds one more routed expert with ``n`` tokens adds to a lane's
+        grouped call on ``lane`` (gpu | cpu), and the call's fixed seconds (the median over ``n``).
+
+        A group of one and a group of :data:`GROUP` experts are timed: the difference over ``GROUP - 1`` is
+        an expert's share, the rest of the single call the fixed part (index handling, gather, scatter) that
+        a lane pays once per layer it computes in (``MeasuredProfile.lanes``)."""
+        one = [self._timed(lane, self.expert_op(lane, n, 1)) for n in tokens]
+        many = [self._timed(lane, self.expert_op(lane, n, GROUP)) for n in tokens]
+        # a group no slower than one expert (noise at tiny sizes): its mean per expert
+        per = [(g - s) / (GROUP - 1) if g > s else g / GROUP for s, g in zip(one, many)]
+        fixed = float(np.median([max(s - e, 0.0) for s, e in zip(one, per)]))
+        return per, fixed
 
     def transfer_seconds(self, sizes: list[int]) -> list[float]:
         """Host-to-accelerator copies of ``b`` bytes through the executor's copy lane (pinned on CUDA)."""

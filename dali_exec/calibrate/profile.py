@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from dali_exec.calibrate.host import HostSettings, measure_host_costs
-from dali_exec.calibrate.micro import Microbench, MicroSettings
+from dali_exec.calibrate.micro import GROUP, Microbench, MicroSettings
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices, cpu_name, host_memory_bytes, lane_threads
 from dali_exec.executor.problem import DTYPE_PRECISION, scale_model
@@ -105,9 +105,10 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     finally:
         torch.set_num_threads(prev)
         worker.close()
+    (gpu_expert, gpu_fixed), (cpu_expert, cpu_fixed) = results["gpu_expert"], results["cpu_expert"]
     tables = {
-        "gpu_expert": CurveTable(tuple(map(float, toks)), tuple(results["gpu_expert"])),
-        "cpu_expert": CurveTable(tuple(map(float, toks)), tuple(results["cpu_expert"])),
+        "gpu_expert": CurveTable(tuple(map(float, toks)), tuple(gpu_expert)),
+        "cpu_expert": CurveTable(tuple(map(float, toks)), tuple(cpu_expert)),
         "h2d": CurveTable(tuple(map(float, sizes)), tuple(results["h2d"])),
     }
     if "d2h" in results:
@@ -128,6 +129,8 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "devices": {"gpu": accel, "cpu": cpu_name(), "gpu_is_cpu_device": not cuda},
         "model_shape": cfg.model_shape, "scale": cfg.scale, "dtype": cfg.dtype,
         "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads},
+        "experts": f"each expert's share of a grouped call of {GROUP} (its time minus a call of one, over "
+                   f"{GROUP - 1}); the rest of a call of one is the lane's fixed part per layer (lanes)",
         "statistic": f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs"
                      + (", caches flushed before each run" if cfg.settings.cold else ""),
         "contention": (f"each lane with a {cfg.settings.contention_tokens}-token expert (copy lane: one expert's "
@@ -143,7 +146,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         gpu=MeasuredDevice(gpu_name, devices.accel_memory_bytes() / GIB),
         cpu=MeasuredDevice(f"{cpu_name()}, {cpu_threads} threads", host_memory_bytes() / GIB),
         link_name=link, model=ModelShape.of(model), provenance=provenance, contention=results.get("contention"),
-        host=results.get("host"), **tables,
+        host=results.get("host"), lanes={"gpu": gpu_fixed, "cpu": cpu_fixed}, **tables,
     )
 
 

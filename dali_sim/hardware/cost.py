@@ -325,10 +325,10 @@ class CostModel:
 
     def lane_overhead(self, device: str) -> float:
         """Fixed seconds a lane pays once per layer in which it runs experts: the grouped launch of a
-        layer's GPU experts, or the CPU's parallel ops over its experts (0 for measured profiles, whose
-        expert tables include what the executor pays)."""
+        layer's GPU experts, or the CPU's parallel ops over its experts (measured profiles: the fixed part
+        of the executor's grouped call, ``MeasuredProfile.lanes``)."""
         check_device(device)
-        return float(self._costs.lane(device)) if self.kind == "analytic" else 0.0
+        return float(self._costs.lane(device))
 
     def _need(self, ok: bool, what: str) -> None:
         if not ok:

@@ -117,6 +117,10 @@ class MeasuredProfile:
     d2h: CurveTable | None = None  # device-to-host copies (activations of CPU experts); None on the CPU device
     contention: Mapping[str, Mapping[str, float]] | None = None  # slowdowns per set of busy lanes (contention.py)
     host: HostCosts | None = None
+    # seconds a lane pays once per layer it computes in, besides its experts' table times: the fixed part
+    # of the executor's grouped call (index building, gather, scatter); None = 0 (profiles measured with a
+    # call per expert, whose expert tables include it)
+    lanes: Mapping[str, float] | None = None
     path: str = field(default="", compare=False)
 
     kind = "measured"
@@ -158,6 +162,8 @@ class MeasuredProfile:
             extra["contention"] = {k: dict(v) for k, v in self.contention.items()}
         if self.host is not None:
             extra["host"] = self.host.to_dict()
+        if self.lanes is not None:
+            extra["lanes"] = dict(self.lanes)
         return {
             "kind": self.kind,
             "format_version": FORMAT_VERSION,
@@ -223,7 +229,7 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
     if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise top.error("format_version", f"must be one of {list(READABLE_VERSIONS)}, got {version!r}")
     allowed = {"kind", "format_version", "name", "description", "gpu", "cpu", "link", "model", "tables", "provenance"}
-    top.reject_unknown(allowed | ({"contention", "host"} if version >= 2 else set()))
+    top.reject_unknown(allowed | ({"contention", "host", "lanes"} if version >= 2 else set()))
 
     devices = {}
     for dev in ("gpu", "cpu"):
@@ -257,11 +263,16 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
 
     contention = _contention(top.table("contention")) if top.has("contention") else None
     host = _host(top.table("host")) if top.has("host") else None
+    lanes = None
+    if top.has("lanes"):
+        lr2 = top.table("lanes")
+        lr2.reject_unknown({"gpu", "cpu"})
+        lanes = {d: lr2.number(d, strict=False) for d in ("gpu", "cpu")}
     return MeasuredProfile(
         name=top.string("name"), description=top.string("description", default="", nonempty=False),
         gpu=devices["gpu"], cpu=devices["cpu"], link_name=lr.string("name"), model=shape,
         provenance=dict(pr.data), path=source if source != "<dict>" else "", contention=contention, host=host,
-        **curves, **dense,
+        lanes=lanes, **curves, **dense,
     )
 
 
@@ -350,6 +361,10 @@ class TableCosts:
     def expert(self, device: str, n: np.ndarray) -> np.ndarray:
         check_device(device)
         return interp_extrap(n, *self._curves[f"{device}_expert"])
+
+    def lane(self, device: str) -> float:
+        """A lane's fixed seconds per layer it computes in (``MeasuredProfile.lanes``; 0 when not measured)."""
+        return float((self.profile.lanes or {}).get(device, 0.0))
 
     def transfer(self, n_bytes: np.ndarray) -> np.ndarray:
         return interp_extrap(n_bytes, *self._curves["h2d"])
