@@ -84,12 +84,13 @@ def random_rows(model: ModelSpec, seqs: int, tokens: int, seed: int = 0):
 
 
 def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), xfer=2.0, dense=0.5, d2h=0.0,
-                         contention: dict | None = None, host: dict | None = None) -> Path:
+                         contention: dict | None = None, host: dict | None = None,
+                         lanes: dict | None = None) -> Path:
     """A measured profile of round numbers for ``model``'s shape (all exact in binary floating point):
     GPU expert = 1 s per token (table 1 s at 1 token, 2 s at 2, extended linearly), CPU expert = 3 s
     per token, one expert's copy = ``xfer`` s, dense part of a layer = ``dense`` s at any size, an
     activation hand-over ``d2h`` s; ``contention`` (slowdowns, default none) and ``host`` (the executor's
-    host costs, default none) replace the neutral tables."""
+    host costs, default none) replace the neutral tables; ``lanes``: a grouped call's fixed part per lane."""
     shape = ModelShape.of(model)
     data = {
         "kind": "measured", "format_version": 2, "name": "simple-numbers",
@@ -111,6 +112,8 @@ def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), x
                  "decision_s": dict.fromkeys([*system_names(), "split"], 0.0), **(host or {})},
         "provenance": {"command": "tests (hand-computed timelines)", "date": "2025-01-01", "versions": {}},
     }
+    if lanes is not None:
+        data["lanes"] = {"gpu": 0.0, "cpu": 0.0, **lanes}
     path.write_text(json.dumps(data))
     return path
 

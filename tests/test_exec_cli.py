@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 from click.testing import CliRunner
 
@@ -165,3 +167,32 @@ def test_expert_share_and_fixed_part_of_a_grouped_call(monkeypatch):
     finally:
         worker.close()
     assert per == pytest.approx([1e-5, 4e-5, 16e-5]) and fixed == pytest.approx(7e-5)
+
+
+def test_host_fit_rows_count_every_on_demand_copy():
+    """The host-cost replays: cpu-only rows count CPU experts, gpu-static rows GPU experts, and the
+    serial gpu-lru rows (no cache, one staging buffer) count each GPU expert as one on-demand copy too,
+    so ``copy_s`` is fitted from real staging turns; every row has its layer visits."""
+    import tempfile
+    from pathlib import Path
+
+    from dali_exec.calibrate.host import HostSettings, _bookkeeping_rows, workload_trace
+    from dali_exec.executor.devices import Devices
+    from dali_exec.executor.problem import ReplayOptions, prepare_replay
+    from dali_exec.executor.replay import ExecOptions
+    from dali_exec.executor.store import HostExpertStore
+
+    s = HostSettings(layers=2, sequences=2, prompt_tokens=3, decode_tokens=2, batch_sizes=(1,))
+    devices = Devices.create("cpu", "fp32")
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = workload_trace(get_model("mixtral-8x7b"), s, Path(tmp))
+        opts = ReplayOptions(scale=1 / 64, layers=2, dtype="fp32")
+        store = HostExpertStore.random(prepare_replay(trace, "cpu-only", opts).model, devices.dtype, 0)
+        X, y = _bookkeeping_rows(trace, opts, devices, ExecOptions(device="cpu"), store, s)
+    steps = len(y) // 3
+    cpu, gpu, lru = X[:steps], X[steps:2 * steps], X[2 * steps:]
+    assert (X[:, 0] == 2).all() and len(y) == 3 * steps
+    assert (cpu[:, 1] == 0).all() and (cpu[:, 2] > 0).all() and (cpu[:, 3] == 0).all()
+    assert (gpu[:, 1] > 0).all() and (gpu[:, 2] == 0).all() and (gpu[:, 3] == 0).all()
+    assert (lru[:, 1] == lru[:, 3]).all() and (lru[:, 3] > 0).all() and (lru[:, 2] == 0).all()
+    assert np.isfinite(y).all()

@@ -154,7 +154,7 @@ def test_lm_head_tokens_per_step(overlap_trace):
 
 
 # ---- the engine applies the traits (round numbers: GPU 1 s/token, CPU 3 s/token, copy 2 s, dense 0.5 s) --
-def _engine(trace, system, profile_path, impl):
+def _engine(trace, system, profile_path, impl, shortcut=True):
     """One timed run of ``system`` with implementation ``impl`` (bypassing simulate()'s choice)."""
     profile = load_profile(profile_path)
     model = trace.model
@@ -165,7 +165,8 @@ def _engine(trace, system, profile_path, impl):
                       required=placement.required_capacities(w.num_layers, w.num_experts))
     ctl = Controller(w, costs, placement, cache, prefetch, mem.capacities, cache_init=system.memory.cache_init,
                      prefetch_slots=mem.prefetch_slots, staging_slots=mem.staging_slots)
-    engine = SimEngine(w, ctl, costs, PlanCounters(w.num_layers), staging_slots=mem.staging_slots, record=True)
+    engine = SimEngine(w, ctl, costs, PlanCounters(w.num_layers), staging_slots=mem.staging_slots, record=True,
+                       shortcut=shortcut)
     return engine.run()
 
 
@@ -195,6 +196,26 @@ def test_a_grouped_launch_waits_for_every_copy(overlap_trace, round_profile):
     gpu = [s for s in _spans(out) if s[0] == "gpu" and s[2] < 10.5 and not s[1].startswith("dense")]
     assert gpu == [("gpu", "L0 E0", 6.5, 8.5), ("gpu", "L0 E1", 8.5, 9.5), ("gpu", "L0 E2", 9.5, 10.5)]
     assert max(s[3] for s in _spans(out) if s[0] == "pcie" and s[2] < 6.5) == 6.5
+
+
+@pytest.mark.parametrize("shortcut", [True, False])
+def test_calls_on_what_has_landed_pay_the_fixed_part_each(tmp_path, overlap_trace, shortcut):
+    """The executor computes whatever has landed in one call (fixed part 0.25 s): gpu-lru step 0 layer 0
+    copies E0 0.5-2.5, E1 2.5-4.5, E2 4.5-6.5; the lane waits for E0, calls on {E0} 2.5-2.75, E0 (2 tokens)
+    2.75-4.75, on {E1} (landed meanwhile) 4.75-5.0, E1 5.0-6.0, waits, on {E2} 6.5-6.75, E2 6.75-7.75.
+    One call per layer pays 0.25 s once, before the experts: E0 2.5-4.5, E1 4.5-5.5, E2 6.5-7.5."""
+    prof = round_number_profile(tmp_path / "lanes.json", OVERLAP_MODEL, lanes={"gpu": 0.25})
+    system = resolve_system("gpu-lru", {"memory": {"cache_experts": "2", "staging_slots": "-1"}})
+    landed = dataclasses.replace(get_implementation("bare"), name="landed", gpu_calls="landed")
+    out = _engine(overlap_trace, system, prof, landed, shortcut)
+    gpu = [s for s in _spans(out) if s[0] == "gpu" and s[2] < 7.75 and not s[1].startswith("dense")]
+    assert gpu == [("gpu", "L0 E0", 2.75, 4.75), ("gpu", "L0 E1", 5.0, 6.0), ("gpu", "L0 E2", 6.75, 7.75),
+                   ("gpu", "overhead L0", 2.5, 2.75), ("gpu", "overhead L0", 4.75, 5.0),
+                   ("gpu", "overhead L0", 6.5, 6.75)]
+    out = _engine(overlap_trace, system, prof, get_implementation("bare"), shortcut)
+    gpu = [s for s in _spans(out) if s[0] == "gpu" and s[2] < 7.5 and not s[1].startswith("dense")]
+    assert gpu == [("gpu", "L0 E0", 2.5, 4.5), ("gpu", "L0 E1", 4.5, 5.5), ("gpu", "L0 E2", 6.5, 7.5),
+                   ("gpu", "overhead L0", 0.5, 0.75)]
 
 
 def test_activation_handovers_frame_the_cpu_lane(tmp_path, overlap_trace):

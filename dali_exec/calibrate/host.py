@@ -7,12 +7,14 @@ for threads to wake, combines the outputs. The simulator adds this host time per
 devices. Two measurements, both on a random workload of the calibrated shape (never the trace that is
 later validated):
 
-* **bookkeeping**: short replays of two systems whose lanes never overlap: ``cpu-only`` (dense part,
-  then the CPU lane) and ``gpu-static`` with every expert resident (dense part, then the GPU lane), at
-  two batch sizes. Per step, the time no timed activity covers (step time minus dense parts, expert
-  computes and the policies' own decision time) is fitted by least squares as
-  ``layers x layer_s + GPU experts x gpu_expert_s + CPU experts x cpu_expert_s`` (non-negative);
-  ``copy_s`` is the host time of issuing one copy to the copy lane (thread CPU time of ``submit``).
+* **bookkeeping**: short replays of three systems whose activities never overlap: ``cpu-only`` (dense
+  part, then the CPU lane), ``gpu-static`` with every expert resident (dense part, then the GPU lane)
+  and ``gpu-lru`` with no cache and one staging buffer (every GPU expert copied on demand, its copy,
+  then its compute, then the next copy), at two batch sizes. Per step, the time no timed activity
+  covers (step time minus dense parts, expert computes, copies and the policies' own decision time) is
+  fitted by non-negative least squares as ``layers x layer_s + GPU experts x gpu_expert_s + CPU experts
+  x cpu_expert_s + copies x copy_s``: ``copy_s`` is what one on-demand copy costs the host besides the
+  copy itself (issuing it, the hand-off to the copy thread, waking up when it lands, a staging turn).
 * **decisions**: ``Controller.plan`` per layer visit for every system preset, median of the run's
   per-visit thread CPU times, on the same workload with the memory plan of the default budget.
 """
@@ -27,21 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from scipy.optimize import nnls
 
-from dali_exec.executor.copies import ON_DEMAND, CopyEngine
 from dali_exec.executor.devices import Devices
 from dali_exec.executor.problem import ReplayOptions, prepare_replay
 from dali_exec.executor.replay import ExecOptions, Replay
 from dali_exec.executor.store import HostExpertStore
-from dali_exec.executor.timing import Timer
 from dali_sim.hardware.measured import HostCosts
 from dali_sim.models.spec import ModelSpec
 from dali_sim.policies.systems import system_names
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.future import FutureDemand
-from dali_sim.sim.engine import Activity
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.schema import DECODE, PREFILL, PredictorInfo
 from dali_sim.trace.writer import TraceWriter
@@ -57,7 +55,6 @@ class HostSettings:
     prompt_tokens: int = 12
     decode_tokens: int = 10
     batch_sizes: tuple[int, ...] = (1, 4)
-    copies: int = 64  # copy submissions timed for copy_s
     seed: int = 0
 
 
@@ -90,21 +87,24 @@ def workload_trace(model: ModelSpec, s: HostSettings, directory: Path) -> Trace:
 
 
 def _critical_busy(result, steps: int) -> np.ndarray:
-    """Per step: seconds of the dense parts, expert computes and decisions (the activities a layer of a
-    system without overlapping lanes runs one after the other)."""
+    """Per step: seconds of the dense parts, expert computes, copies and decisions (the activities a layer
+    of a system without overlapping activities runs one after the other)."""
     busy = np.zeros(steps)
     for iv in result.intervals:
-        if iv.track in ("gpu", "cpu", "host"):
+        if iv.track in ("gpu", "cpu", "host", "pcie"):
             busy[int(iv.args["step"])] += iv.end - iv.start
     return busy
 
 
 def _bookkeeping_rows(trace: Trace, opts: ReplayOptions, devices: Devices, run: ExecOptions,
                       store: HostExpertStore, s: HostSettings):
-    """(rows of [layer visits, GPU experts, CPU experts], unexplained seconds) per step of the replays."""
+    """(rows of [layer visits, GPU experts, CPU experts, copies], unexplained seconds) per step of the
+    replays."""
     X, y = [], []
-    full = {"memory": {"gpu_memory_gib": repr(float(1 << 20)), "cache_experts": str(trace.num_experts)}}
-    for system, over in (("cpu-only", None), ("gpu-static", full)):
+    big = repr(float(1 << 20))
+    full = {"memory": {"gpu_memory_gib": big, "cache_experts": str(trace.num_experts)}}
+    serial_copies = {"memory": {"gpu_memory_gib": big, "cache_experts": "0", "staging_slots": "1"}}
+    for system, over in (("cpu-only", None), ("gpu-static", full), ("gpu-lru", serial_copies)):
         for batch in s.batch_sizes:
             setup = prepare_replay(trace, system, opts, batch_size=batch, overrides=over)
             replay = Replay(setup, devices, run, seed=s.seed, store=store)
@@ -116,34 +116,16 @@ def _bookkeeping_rows(trace: Trace, opts: ReplayOptions, devices: Devices, run: 
             w = setup.workload
             per_step = result.per_step
             covered = _critical_busy(result, w.num_steps)
-            counts = np.zeros((w.num_steps, 2))
+            counts = np.zeros((w.num_steps, 3))  # GPU experts, CPU experts, copies
             for step in range(w.num_steps):
                 for layer in range(w.num_layers):
                     _, c, _ = w.activated(step, layer)
-                    counts[step, 0 if system == "gpu-static" else 1] += len(c)
+                    counts[step, 1 if system == "cpu-only" else 0] += len(c)
+                    counts[step, 2] += len(c) if system == "gpu-lru" else 0
             for step in range(w.num_steps):
                 X.append([w.num_layers, *counts[step]])
                 y.append(float(per_step["time_s"].iloc[step]) - covered[step])
     return np.array(X, float), np.array(y, float)
-
-
-def _copy_submit_seconds(devices: Devices, model: ModelSpec, n: int) -> float:
-    """Host (thread CPU) seconds of handing one copy to the copy lane."""
-    numel = max(1, model.hidden_size)
-    src = torch.zeros((numel,), dtype=devices.dtype, pin_memory=devices.is_cuda)
-    dst = torch.zeros((numel,), dtype=devices.dtype, device=devices.accel)
-    engine = CopyEngine(devices.copy_stream, Timer(devices.accel if devices.is_cuda else None), device=devices.accel)
-    what = Activity("fetch", 0, 0, 0)
-    try:
-        times = []
-        for _ in range(n):
-            t0 = time.thread_time()
-            ticket = engine.submit(dst, src, ON_DEMAND, what)
-            times.append(time.thread_time() - t0)
-            ticket.wait()
-    finally:
-        engine.close()
-    return float(statistics.median(times))
 
 
 def decision_seconds(trace: Trace, opts: ReplayOptions, s: HostSettings) -> dict[str, float]:
@@ -185,7 +167,7 @@ def measure_host_costs(model: ModelSpec, scale: float, dtype: str, devices: Devi
         coef, _ = nnls(X, np.maximum(y, 0.0))
         decisions = decision_seconds(trace, opts, s)
     return HostCosts(layer_s=float(coef[0]), gpu_expert_s=float(coef[1]), cpu_expert_s=float(coef[2]),
-                     copy_s=_copy_submit_seconds(devices, model, s.copies), decision_s=decisions)
+                     copy_s=float(coef[3]), decision_s=decisions)
 
 
 __all__ = ["HostSettings", "PREDICTORS", "decision_seconds", "measure_host_costs", "workload_trace"]

@@ -30,7 +30,8 @@ HOST_MODELS = ("none", "measured", "launches")
 GPU_KERNELS = ("per-expert", "grouped")
 CUDA_GRAPHS = ("none", "full-gpu", "decode")
 OVERLAP = ("always", "decode", "never")  # when two things may run at the same time: in every step, decode only, never
-LM_HEAD = ("none", "last", "all")  # logits for no token, every decode token and a prompt's last, or every token
+LM_HEAD = ("none", "last", "all")
+GPU_CALLS = ("layer", "landed")  # the GPU lane's fixed part: once per layer, or again after each wait for a copy  # logits for no token, every decode token and a prompt's last, or every token
 #: kernel counts an implementation declares (``kernels``), each per MoE layer unless said otherwise
 KERNEL_KEYS = {
     "dense_gqa": "GPU kernels of the dense part of a layer with GQA/MHA attention (norms, projections, rope, "
@@ -67,6 +68,7 @@ class Implementation:
     host: str = "none"  # host time per layer: none | measured (the profile's executor costs) | launches
     gpu_experts: str = "per-expert"  # routed GPU experts: kernels per expert, or one grouped launch per layer
     compute_waits_copies: bool = False  # a layer's GPU experts start only when all its on-demand copies have landed
+    gpu_calls: str = "layer"  # the GPU lane's fixed part (lane overhead) once per layer, or per call on what has landed
     evict_writeback: bool = False  # an eviction copies the evicted expert back to the host (one more copy on the link)
     cuda_graphs: str = "none"  # steps replayed from a captured graph: none | full-gpu (1-token steps, all on GPU) | decode
     host_op_us: float = 0.0  # framework host time per GPU kernel beyond the profile's launch_us (e.g. Python)
@@ -77,7 +79,7 @@ class Implementation:
         where = f"implementation {self.name!r}"
         for key, allowed in (("copy_from", COPY_FROM), ("host", HOST_MODELS), ("gpu_experts", GPU_KERNELS),
                              ("cuda_graphs", CUDA_GRAPHS), ("lanes_overlap", OVERLAP), ("shared_overlap", OVERLAP),
-                             ("lm_head", LM_HEAD)):
+                             ("lm_head", LM_HEAD), ("gpu_calls", GPU_CALLS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{where}: {key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         for f in fields(self):
@@ -155,5 +157,5 @@ def get_implementation(name: str | Implementation) -> Implementation:
     return impls[name]
 
 
-__all__ = ["ANY", "COPY_FROM", "CUDA_GRAPHS", "EXECUTOR", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "LM_HEAD", "OVERLAP", "Implementation", "get_implementation",
+__all__ = ["ANY", "COPY_FROM", "CUDA_GRAPHS", "EXECUTOR", "GPU_CALLS", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "LM_HEAD", "OVERLAP", "Implementation", "get_implementation",
            "implementation_from_dict", "implementation_names"]

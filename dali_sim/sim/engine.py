@@ -146,6 +146,8 @@ class SimEngine:
             self.lm_head = np.asarray(costs.lm_head_time(dense_device, logits), dtype=float)
         self.lane_overhead = {d: costs.lane_overhead(d) for d in ("gpu", "cpu")}
         self.waits_all = impl.compute_waits_copies
+        # calls on what has landed: the GPU lane's fixed part per group of experts present when one starts
+        self.per_group = self.lane_overhead["gpu"] if impl.gpu_calls == "landed" else 0.0
         self.writeback = impl.evict_writeback
         self.counts_launches = impl.host == "launches"
         # steps replayed from a CUDA graph (no per-kernel launch cost on the host)
@@ -263,7 +265,7 @@ class SimEngine:
         out = []
         if n_gpu and self.dense_device == "cpu":
             out.append((self.costs.activation_copy_time(plan.tokens), Activity("handoff", plan.step, plan.layer)))
-        if n_gpu:
+        if n_gpu and not self.per_group:  # else paid per call on what has landed (_gpu_lane, _gpu_lane_end)
             out.append((self.lane_overhead["gpu"], Activity("overhead", plan.step, plan.layer)))
         if self.shared is not None:
             out.append((float(self.shared[plan.step]), Activity("shared", plan.step, plan.layer)))
@@ -344,6 +346,7 @@ class SimEngine:
                 start = env.now
                 yield env.all_of(pending)
                 self.layer_wait[plan.layer] += env.now - start
+        group_left = 0  # experts left in the current call on what has landed (gpu_calls = landed)
         while remaining:
             e = next((x for x in remaining if ready[x] is None or ready[x].triggered), None)
             if e is None:
@@ -354,6 +357,10 @@ class SimEngine:
                     signal[0] = env.event()
                 self.layer_wait[plan.layer] += env.now - start
                 continue
+            if self.per_group and not group_left:
+                group_left = sum(1 for x in remaining if ready[x] is None or ready[x].triggered)
+                yield from self._compute("gpu", self.per_group, Activity("overhead", plan.step, plan.layer))
+            group_left -= 1
             remaining.remove(e)
             yield from self._gpu_compute(plan, e, counts[e])
             if e in staging:
@@ -403,6 +410,7 @@ class SimEngine:
         releases: list[float] = []  # buffer release times known so far (all <= the GPU's time)
         ci, li = 0, 0
         left = len(order)
+        group_left = 0
         while left:
             while ci < len(fetches):  # start every copy whose start time is known
                 e, staged = fetches[ci]
@@ -429,6 +437,14 @@ class SimEngine:
                 self.layer_wait[plan.layer] += landed[li][0] - t
                 t = landed[li][0]
                 continue
+            if self.per_group and not group_left:  # a call on every expert present now
+                group_left = len(present)
+                self._log("gpu", t, t + self.per_group, Activity("overhead", plan.step, plan.layer))
+                t += self.per_group
+                while li < len(landed) and landed[li][0] <= t:  # what lands during the call's fixed part waits
+                    heapq.heappush(present, landed[li][1])
+                    li += 1
+            group_left -= 1
             e = order[heapq.heappop(present)]
             left -= 1
             d = self._expert_time("gpu", counts[e])

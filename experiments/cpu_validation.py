@@ -1,0 +1,143 @@
+"""The executor against the simulator on this machine's CPU device (docs/validation.md, section 2).
+
+    python experiments/cpu_validation.py [--repeats 3] [--out DIR] [--shapes mixtral-8x7b,deepseek-v2-lite]
+
+For each model shape: a synthetic trace (4 sequences of 32 prompt + 16 generated tokens, the lookahead
+columns of every system), replayed at scale 1/4 on its first MoE layers, batch 4, by `dali exec
+validate` for cpu-only, gpu-lru, llamacpp, hybrimoe and dali; the first repeat calibrates the machine
+(the profile is kept), the others reuse that profile, so the repeats show the run-to-run spread of the
+same model. Per system and repeat: measured and simulated seconds, the total error, the per-step
+|error| median and 90th percentile, and the verdict (|total error| <= 15%, order of systems that differ by
+more than 10%). Load averages before and after each repeat are recorded: on a loaded machine the
+measured times are not the machine's, and the table says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C  # noqa: E402
+from dali_exec.executor.problem import ReplayOptions  # noqa: E402
+from dali_exec.executor.replay import ExecOptions  # noqa: E402
+from dali_exec.validate import ValidationConfig, validate  # noqa: E402
+from dali_exec.validate.compare import Thresholds  # noqa: E402
+
+SYSTEMS = ("cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali")
+THRESHOLDS = Thresholds(total=0.15, step_p90=0.25, order_margin=0.10)  # the issue's targets
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: str
+    layers: int
+    gpu_memory_gib: float  # the full-size model's budget (the replay scales it)
+
+
+SHAPES = {
+    "mixtral-8x7b": Shape("mixtral-8x7b", 8, 24.0),  # 1 cache slot per layer at bf16
+    "deepseek-v2-lite": Shape("deepseek-v2-lite", 6, 12.0),
+}
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool) -> list[dict]:
+    spec = C.TraceSpec(shape.model, sequences=4, prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
+                       seed=0)
+    trace = C.get_trace(spec)
+    replay = ReplayOptions(model_shape=shape.model, layers=2 if quick else shape.layers, scale=scale,
+                           dtype="bf16")
+    rows, profile = [], None
+    for rep in range(repeats):
+        folder = out / f"{shape.model}-r{rep}"
+        before = loadavg()
+        cfg = ValidationConfig(systems=SYSTEMS, replay=replay, run=ExecOptions(device="cpu"), profile=profile,
+                               batch_size=4, gpu_memory_gib=shape.gpu_memory_gib, timelines=False, plot=False,
+                               thresholds=THRESHOLDS)
+        report = validate(trace, cfg, folder, command=f"experiments/cpu_validation.py ({shape.model}, repeat {rep})",
+                          log=C.progress)
+        profile = profile or report.settings["profile"]
+        after = loadavg()
+        for r in report.rows:
+            rows.append({"shape": shape.model, "repeat": rep, "system": r["system"], "exec_s": r["exec_s"],
+                         "sim_s": r["sim_s"], "total_err": r["total_rel_err"],
+                         "step_err_median": r["step_abs_err_median"], "step_err_p90": r["step_abs_err_p90"],
+                         "counters_exact": r["exact"], "load_before": before, "load_after": after,
+                         "calibrated": rep == 0, "verdict_ok": report.ok,
+                         "failures": "; ".join(report.verdict.get("failures", []))})
+    return rows
+
+
+def figure(df: pd.DataFrame):
+    shapes = list(dict.fromkeys(df["shape"]))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 3.4), squeeze=False)
+    import style as S
+    for ax, shape in zip(axes[0], shapes):
+        d = df[df["shape"] == shape]
+        for k, system in enumerate(SYSTEMS):
+            v = 100 * d[d.system == system]["total_err"].to_numpy()
+            ax.scatter(np.full(len(v), k), v, color=S.color(system), label=system, zorder=3)
+        ax.axhspan(-100 * THRESHOLDS.total, 100 * THRESHOLDS.total, color="0.9", zorder=0)
+        ax.axhline(0, color="k", lw=0.6)
+        S.tick_labels(ax, np.arange(len(SYSTEMS)), SYSTEMS, fontsize=8, rotation=30)
+        ax.set_ylabel("simulated vs measured total time (%)")
+        ax.set_title(f"{shape}, scale 1/4, CPU device", fontsize=9)
+    return fig
+
+
+def main(argv=None) -> int:
+    p = C.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--shapes", type=C.str_list, default=list(SHAPES))
+    p.add_argument("--scale", type=float, default=0.25)
+    args = p.parse_args(argv)
+    unknown = set(args.shapes) - set(SHAPES)
+    if unknown:
+        p.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(SHAPES)}")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    work = args.out / "cpu_validation_runs"
+    rows = []
+    for name in args.shapes:
+        rows += run_shape(SHAPES[name], 1 if args.quick else args.repeats, work, args.scale, args.quick)
+    df = pd.DataFrame(rows)
+    worst = df.groupby("shape").agg(max_abs_total=("total_err", lambda s: float(s.abs().max())),
+                                    max_step_p90=("step_err_p90", "max"),
+                                    load_max=("load_after", "max")).reset_index()
+    ok = int((df.groupby(["shape", "repeat"])["verdict_ok"].first()).sum())
+    n = df.groupby(["shape", "repeat"]).ngroups
+    summary = (f"{ok} of {n} validations pass (|total error| <= {THRESHOLDS.total:.0%}, step p90 <= "
+               f"{THRESHOLDS.step_p90:.0%}, order margin {THRESHOLDS.order_margin:.0%}); largest |total error| "
+               + ", ".join(f"{r.shape} {100 * r.max_abs_total:.1f}%" for r in worst.itertuples())
+               + f"; load average up to {df['load_after'].max():.1f} on {os.cpu_count()} cores.")
+    show = df[["shape", "repeat", "system", "exec_s", "sim_s", "total_err", "step_err_p90", "load_before",
+               "load_after"]]
+    md = ["# The executor against the simulator on this machine (CPU device)", summary,
+          "Each repeat runs every system once on the executor and once in the simulator; the first repeat "
+          "calibrates the machine and the others reuse its profile. total_err = simulated / measured - 1; "
+          "step_err = the per-step |relative error|.", C.markdown_table(df.drop(columns=["failures"])),
+          "Failures:\n\n" + ("\n".join(f"- {s} r{r}: {f}" for s, r, f in
+                                        df[df.failures != ""][["shape", "repeat", "failures"]]
+                                        .drop_duplicates().itertuples(index=False)) or "none")]
+    manifest = C.base_manifest("cpu_validation", args, [], systems=list(SYSTEMS), shapes=args.shapes,
+                               thresholds=dataclasses.asdict(THRESHOLDS),
+                               cpu_count=os.cpu_count(), summary=summary)
+    C.write_outputs(args.out, "cpu_validation", df, figure(df), md, manifest, show)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
