@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from dali_sim.policies import system_names
 
@@ -225,3 +226,15 @@ def test_published_validation(tmp_path):
     assert (df["in_band"] == df["ratio"].between(0.75, 1.33)).all()
     md = (tmp_path / "published_validation.md").read_text()
     assert "What this shows" in md and "dali trace synth" in md
+
+
+@pytest.mark.slow
+def test_cpu_validation_quick(tmp_path):
+    """The executor-vs-simulator script on the CPU device (quick: one shape, two layers, one repeat):
+    every system validated, counters exact, load averages and the verdict recorded."""
+    _run("cpu_validation", tmp_path, "--shapes", "deepseek-v2-lite")
+    df = pd.read_csv(tmp_path / "cpu_validation.csv")
+    assert list(df["system"]) == ["cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali"]
+    assert df["counters_exact"].all() and (df["exec_s"] > 0).all() and (df["sim_s"] > 0).all()
+    assert np.allclose(df["total_err"], df["sim_s"] / df["exec_s"] - 1)
+    assert (df["load_before"] >= 0).all() and "validations pass" in (tmp_path / "cpu_validation.md").read_text()
