@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = ("scipy", "pandas", "pyarrow", "simpy", "matplotlib", "torch")
 
 
@@ -55,3 +57,10 @@ def test_lazy_package_exports_are_the_objects_not_modules():
     from dali_sim.trace import read_trace
 
     assert callable(simulate) and callable(read_trace)
+
+
+@pytest.mark.parametrize("module", ["dali_sim.runtime.memory", "dali_sim.policies.base", "dali_sim.policies.systems",
+                                    "dali_sim.sim.lower_bound", "dali_sim.hardware.cost", "dali_sim.workload.builder"])
+def test_every_module_imports_first(module):
+    """Any module can be the first one imported (no import cycle that only a particular order hides)."""
+    subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, check=True)

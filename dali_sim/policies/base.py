@@ -8,13 +8,13 @@ touches a tensor and never imports torch; it may keep its own bookkeeping (LRU o
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
+from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 import numpy as np
 
+from dali_sim.config import PolicyConfig
 from dali_sim.hardware.cost import CostModel
 from dali_sim.registry import Registry
 
@@ -62,45 +62,7 @@ class LayerView:
         return out
 
 
-# ---- configs ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Base of the typed per-policy configs; fields carry ``metadata={"help": ...}``."""
-
-    def with_overrides(self, values: Mapping[str, str], where: str) -> "PolicyConfig":
-        fields = {f.name: f for f in dataclasses.fields(self)}
-        changes: dict[str, Any] = {}
-        for key, raw in values.items():
-            if key not in fields:
-                known = ", ".join(sorted(fields)) or "(none)"
-                raise ValueError(f"unknown parameter {where}.{key}; {where} parameters: {known}")
-            changes[key] = _parse_value(raw, fields[key].type, f"{where}.{key}")
-        return dataclasses.replace(self, **changes)
-
-    def describe(self) -> dict[str, str]:
-        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self)}
-
-
-def _parse_value(raw: Any, typ: Any, where: str) -> Any:
-    if not isinstance(raw, str):
-        return raw
-    t = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
-    try:
-        if t.startswith("int"):
-            return int(raw)
-        if t.startswith("float"):
-            return float(raw)
-        if t.startswith("bool"):
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-    except ValueError:
-        raise ValueError(f"{where}: cannot read {raw!r} as {t}") from None
-    return raw
-
-
+# ---- configs (PolicyConfig lives in dali_sim.config: the memory plan uses it without the policies) ----
 @dataclass(frozen=True)
 class NoConfig(PolicyConfig):
     pass

@@ -13,7 +13,7 @@ import numpy as np
 
 from dali_sim.hardware.profile import MAX_MEMORY_GIB
 from dali_sim.models.spec import ModelSpec
-from dali_sim.policies.base import PolicyConfig
+from dali_sim.config import PolicyConfig
 
 GIB = 2**30
 LAYOUTS = ("uniform", "whole-layers", "none")
