@@ -419,9 +419,9 @@ def _device_indices(gi: GroupIndex, r: LayerRouting, device: torch.device, dtype
     w = torch.from_numpy(gi.weights)
     if device.type != "cuda":
         rows = torch.from_numpy(gi.row_of_pairs()) if bias else None
-        return (torch.from_numpy(pos), torch.from_numpy(pos // r.top_k), torch.from_numpy(gi.offs), rows,
+        return (torch.from_numpy(pos), torch.from_numpy(gi.token_rows(r.top_k)), torch.from_numpy(gi.offs), rows,
                 w.to(dtype).unsqueeze(1))
-    ints = [pos, pos // r.top_k, gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
+    ints = [pos, gi.token_rows(r.top_k), gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
     packed = torch.from_numpy(np.concatenate(ints)).pin_memory().to(device, non_blocking=True)
     w = w.pin_memory().to(device, non_blocking=True)
     n, m = len(pos), len(gi.offs)

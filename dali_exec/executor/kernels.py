@@ -1,0 +1,166 @@
+"""The runtime's per-layer index building as single compiled loops (numba, :func:`dali_sim.policies.kernels.jit`).
+
+Grouping a layer's routing by expert and building a group's indices take a dozen NumPy operations each
+on arrays of a few hundred entries, where each operation costs about a microsecond of call overhead on
+this scale; one compiled loop does the same in one call. :func:`group_routing` and :func:`group_index`
+return exactly what the NumPy code of :mod:`.routing` and :mod:`.grouped` computes (the same values,
+dtypes and orders: a stable counting sort is the stable argsort; tested in tests/test_exec_grouped.py),
+which stays the path when numba is off (``DALI_NUMBA=0``) and the reference. Kernels compile on first
+use (cached on disk).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dali_sim.policies import kernels as _policy_kernels
+
+OK, NOT_PERMUTATION, NOT_SORTED, NEGATIVE = 0, 1, 2, 3
+
+
+def _group_routing(flat, order_in, weights, counted, k):
+    """Stable grouping of the flat (token, rank) pairs by expert id: (status, order, ptr, experts, sorted
+    weights, sorted counted flags, counted pairs per expert). ``order_in``: a given permutation (checked)
+    or empty; ``counted``: per token, or empty."""
+    n = flat.shape[0]
+    top = 0
+    for i in range(n):
+        v = flat[i]
+        if v < 0:
+            return NEGATIVE, order_in, order_in, order_in, weights, counted, order_in
+        if v + 1 > top:
+            top = v + 1
+    if order_in.shape[0] == 0:
+        start = np.zeros(top + 1, np.int64)
+        for i in range(n):
+            start[flat[i] + 1] += 1
+        for e in range(top):
+            start[e + 1] += start[e]
+        order = np.empty(n, np.int64)
+        for i in range(n):
+            e = flat[i]
+            order[start[e]] = i
+            start[e] += 1
+    else:
+        order = order_in
+        if order.shape[0] != n:
+            return NOT_PERMUTATION, order, order, order, weights, counted, order
+        seen = np.zeros(n, np.bool_)
+        for j in range(n):
+            o = order[j]
+            if o < 0 or o >= n or seen[o]:
+                return NOT_PERMUTATION, order, order, order, weights, counted, order
+            seen[o] = True
+        for j in range(1, n):
+            if flat[order[j]] < flat[order[j - 1]]:
+                return NOT_SORTED, order, order, order, weights, counted, order
+    experts = np.empty(n, np.int64)
+    ptr = np.empty(n + 1, np.int64)
+    m = 0
+    prev = -1
+    for j in range(n):
+        e = flat[order[j]]
+        if e != prev:
+            experts[m] = e
+            ptr[m] = j
+            m += 1
+            prev = e
+    ptr[m] = n
+    w = np.empty(n, np.float32)
+    for j in range(n):
+        w[j] = weights[order[j]]
+    if counted.shape[0] == 0:
+        return OK, order, ptr[:m + 1], experts[:m], w, np.zeros(0, np.bool_), np.zeros(0, np.int64)
+    c = np.empty(n, np.bool_)
+    per = np.zeros(m, np.int64)
+    g = 0
+    for j in range(n):
+        if j == ptr[g + 1]:
+            g += 1
+        c[j] = counted[order[j] // k]
+        if c[j]:
+            per[g] += 1
+    return OK, order, ptr[:m + 1], experts[:m], w, c, per
+
+
+def _group_index(ptr, positions, weights, experts, seg, rows, k):
+    """A group's indices (see ``GroupIndex``): the experts ``seg`` (indices into the routing's experts)
+    in table rows ``rows``, sorted by row (stably): (pairs, weights, rows, experts, counts, lo, table
+    counts, offsets (int32), token of each pair, row of each pair within the span)."""
+    order = np.argsort(rows, kind="mergesort")
+    g = seg.shape[0]
+    rows_s = np.empty(g, np.int64)
+    experts_s = np.empty(g, np.int64)
+    counts = np.empty(g, np.int64)
+    total = 0
+    for i in range(g):
+        s = seg[order[i]]
+        rows_s[i] = rows[order[i]]
+        experts_s[i] = experts[s]
+        counts[i] = ptr[s + 1] - ptr[s]
+        total += counts[i]
+    lo = rows_s[0]
+    span = rows_s[g - 1] - lo + 1
+    table_counts = np.zeros(span, np.int64)
+    pairs = np.empty(total, np.int64)
+    w = np.empty(total, np.float32)
+    tok = np.empty(total, np.int64)
+    pair_rows = np.empty(total, np.int64)
+    a = 0
+    for i in range(g):
+        s = seg[order[i]]
+        table_counts[rows_s[i] - lo] = counts[i]
+        for j in range(ptr[s], ptr[s + 1]):
+            p = positions[j]
+            pairs[a] = p
+            w[a] = weights[j]
+            tok[a] = p // k
+            pair_rows[a] = rows_s[i] - lo
+            a += 1
+    offs = np.empty(span, np.int32)
+    acc = 0
+    for r in range(span):
+        acc += table_counts[r]
+        offs[r] = acc
+    return pairs, w, rows_s, experts_s, counts, lo, table_counts, offs, tok, pair_rows
+
+
+def _matches(have_experts, have_counts, experts, counts):
+    """``LayerRouting.matches``: ``experts`` / ``counts`` (any order, counts > 0) are exactly the entries of
+    ``have_experts`` (ascending, unique) with a nonzero ``have_counts``, with those counts."""
+    m = 0
+    for i in range(have_counts.shape[0]):
+        if have_counts[i] > 0:
+            m += 1
+    if experts.shape[0] != m:
+        return False
+    n = have_experts.shape[0]
+    seen = np.zeros(n, np.bool_)
+    for j in range(m):
+        e = experts[j]
+        lo = 0
+        hi = n
+        while lo < hi:  # binary search in the ascending ids
+            mid = (lo + hi) // 2
+            if have_experts[mid] < e:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == n or have_experts[lo] != e or seen[lo] or counts[j] <= 0 or have_counts[lo] != counts[j]:
+            return False
+        seen[lo] = True
+    return True
+
+
+_KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches}
+_compiled: dict[str, object] = {}
+
+
+def compiled(name: str):
+    """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``), or None without numba."""
+    if name not in _compiled:
+        _compiled[name] = _policy_kernels.jit(_KERNELS[name])
+    return _compiled[name]
+
+
+__all__ = ["NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "compiled"]
