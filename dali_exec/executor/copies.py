@@ -90,6 +90,9 @@ class CopyEngine:
         self.delay_s = delay_s
         self.device = device
         self._cond = threading.Condition()
+        #: held while copies are queued on the copy stream (by this thread or :meth:`issue_now`), so a
+        #: layer's on-demand copies are queued together
+        self._stream_lock = threading.Lock()
         self._heap: list[tuple[int, int, CopyTicket]] = []
         self._seq = itertools.count()
         self._closed = False
@@ -141,6 +144,80 @@ class CopyEngine:
             self._open += 1
             self._cond.notify_all()
         return t
+
+    def issue_now(self, dst_table: torch.Tensor, src_table: torch.Tensor, rows: list[int], layer: int,
+                  experts: list[int], step: int, *, after: list | None = None, previous: list | None = None,
+                  pause=None) -> list | None:
+        """On-demand copies ``dst_table[rows[i]].copy_(src_table[layer, experts[i]])`` issued by the calling
+        thread, in this order, ahead of every background copy that has not started (nothing is queued:
+        the accelerator lane issues them when their buffers are free, with no hand-over to the copy thread).
+
+        On CUDA they are queued on the copy stream (``non_blocking`` from pinned memory), each after its
+        ``after`` event (the last compute that read its row), and their end events are returned: a compute
+        from a row waits for its event on the compute stream, the host never waits. On the CPU device
+        (no DMA engine: the host copies) they are done now, in one gather and scatter when there are
+        several, and None is returned. ``previous``: background copies into these rows that may still be
+        queued; they are promoted and waited for first, so copies into a row land in order. ``pause``:
+        a stopwatch, stopped while the copies themselves run (they are not bookkeeping)."""
+        for t in previous or ():
+            if not t.done:
+                with self._cond:
+                    if not t.taken and t.priority > ON_DEMAND:
+                        t.priority = ON_DEMAND
+                        heapq.heappush(self._heap, (ON_DEMAND, t.seq, t))
+                        self._cond.notify_all()
+                t.wait()
+        n = len(rows)
+        self.copies += n
+        if pause is not None:
+            pause.stop()
+        try:
+            if self.stream is None:
+                if self.delay_s:
+                    time.sleep(self.delay_s * n)
+                start = self.timer.mark()
+                if n == 1:
+                    dst_table[rows[0]].copy_(src_table[layer, experts[0]])
+                else:
+                    dst_table.index_copy_(0, torch.tensor(rows), src_table[layer].index_select(0, torch.tensor(experts)))
+                self.timer.add_copies("fetch", step, layer, experts, start, self.timer.mark())
+                return None
+            ends = []
+            with self._stream_lock, torch.cuda.stream(self.stream):
+                for i in range(n):
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
+                    if after is not None and after[i] is not None:
+                        self.stream.wait_event(after[i])
+                    start = self.timer.mark(self.stream)
+                    dst_table[rows[i]].copy_(src_table[layer, experts[i]], non_blocking=True)
+                    end = self.timer.mark(self.stream)
+                    self.timer.add_copies("fetch", step, layer, experts[i:i + 1], start, end)
+                    ends.append(end)
+            return ends
+        finally:
+            if pause is not None:
+                pause.start()
+
+    def copy_one(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> tuple:
+        """One on-demand copy issued by the calling thread (a staging turn's): as :meth:`issue_now` for a single
+        copy into a buffer no background copy writes, recording nothing; returns its (start, end) stamps.
+        On CUDA it is queued on the copy stream after the event ``after``."""
+        self.copies += 1
+        if self.stream is None:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            start = self.timer.mark()
+            dst.copy_(src)
+            return start, self.timer.mark()
+        with self._stream_lock, torch.cuda.stream(self.stream):
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if after is not None:
+                self.stream.wait_event(after)
+            start = self.timer.mark(self.stream)
+            dst.copy_(src, non_blocking=True)
+            return start, self.timer.mark(self.stream)
 
     def wait_any(self, tickets: list[CopyTicket]) -> None:
         """Block until at least one of ``tickets`` is done."""
@@ -209,7 +286,7 @@ class CopyEngine:
                     if self.delay_s:
                         time.sleep(self.delay_s)
                     if self.stream is not None:
-                        with torch.cuda.stream(self.stream):
+                        with self._stream_lock, torch.cuda.stream(self.stream):
                             if t.after is not None and t.after[i] is not None:
                                 self.stream.wait_event(t.after[i])
                             t.starts.append(self.timer.mark(self.stream))

@@ -152,12 +152,95 @@ def _matches(have_experts, have_counts, experts, counts):
     return True
 
 
-_KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches}
+def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_source, hit_source, uncounted_on_cpu):
+    """A layer's routing checked against its plan and split between the lanes, in one pass: (status, CPU
+    experts as ascending indices into the routing's experts (with, if ``uncounted_on_cpu``, those only
+    uncounted tokens use), the accelerator experts' positions in the plan (touch order), their indices
+    into the routing's experts, their cache rows (``row_of``; -1 unless a hit)). Status: 0 ok, 1 the
+    routing is not the plan's (``LayerRouting.matches``), 2 a hit that the slot table does not cache."""
+    n = r_experts.shape[0]
+    m = p_experts.shape[0]
+    empty = np.zeros(0, np.int64)
+    nonzero = 0
+    for i in range(n):
+        if r_counts[i] > 0:
+            nonzero += 1
+    if nonzero != m:
+        return 1, empty, empty, empty, empty
+    on_cpu = np.zeros(n, np.bool_)
+    seen = np.zeros(n, np.bool_)
+    gpu = np.empty(m, np.int64)
+    gseg = np.empty(m, np.int64)
+    grow = np.empty(m, np.int64)
+    g = 0
+    for j in range(m):
+        e = p_experts[j]
+        lo = 0
+        hi = n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if r_experts[mid] < e:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == n or r_experts[lo] != e or seen[lo] or p_counts[j] <= 0 or r_counts[lo] != p_counts[j]:
+            return 1, empty, empty, empty, empty
+        seen[lo] = True
+        if source[j] == cpu_source:
+            on_cpu[lo] = True
+        else:
+            gpu[g] = j
+            gseg[g] = lo
+            row = -1
+            if source[j] == hit_source:
+                row = row_of[e] if e < row_of.shape[0] else -1
+                if row < 0:
+                    return 2, empty, empty, empty, p_experts[j:j + 1].astype(np.int64)
+            grow[g] = row
+            g += 1
+    c = 0
+    for i in range(n):
+        if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
+            c += 1
+    cpu = np.empty(c, np.int64)
+    c = 0
+    for i in range(n):
+        if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
+            cpu[c] = i
+            c += 1
+    return 0, cpu, gpu[:g], gseg[:g], grow[:g]
+
+
+def _rank_order(ids, weights, rows):
+    """Each token's expert ids in rank order: descending gate weight, ties keeping their column (the stable
+    sort of ``np.argsort(-weights, axis=1, kind="stable")``), for the tokens ``rows`` (all if empty)."""
+    T = rows.shape[0] if rows.shape[0] else ids.shape[0]
+    k = ids.shape[1]
+    out = np.empty((T, k), np.int64)
+    w = np.empty(k, np.float64)
+    for t in range(T):
+        r = rows[t] if rows.shape[0] else t
+        for j in range(k):  # insertion sort: stable, k is small
+            v = weights[r, j]
+            e = ids[r, j]
+            i = j
+            while i > 0 and w[i - 1] < v:
+                w[i] = w[i - 1]
+                out[t, i] = out[t, i - 1]
+                i -= 1
+            w[i] = v
+            out[t, i] = e
+    return out
+
+
+_KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
+            "partition": _partition, "rank_order": _rank_order}
 _compiled: dict[str, object] = {}
 
 
 def compiled(name: str):
-    """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``), or None without numba."""
+    """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
+    ``rank_order``), or None without numba."""
     if name not in _compiled:
         _compiled[name] = _policy_kernels.jit(_KERNELS[name])
     return _compiled[name]

@@ -8,8 +8,11 @@ recording never waits for the device.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+from collections.abc import Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -58,6 +61,18 @@ class Timer:
         with self._lock:
             self._raw.append(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]))
 
+    def add_raw(self, entries: list[tuple]) -> None:
+        """Entries as :meth:`add_group` and :meth:`add_copies` store them: (track, what, start, end) with
+        what = (step, layer, experts, tokens) or (kind, step, layer, experts); for loops that record many."""
+        with self._lock:
+            self._raw.extend(entries)
+
+    def add_copies(self, kind: str, step: int, layer: int, experts: list[int], start, end) -> None:
+        """Copies of ``experts`` (of ``layer``) made by one call between two stamps (the CPU device's batched
+        on-demand copies): one ``pcie`` interval each, the span divided equally (an attribution)."""
+        with self._lock:
+            self._raw.append(("pcie", (kind, step, layer, experts), start, end))
+
     def add_group(self, track: str, step: int, layer: int, experts: np.ndarray, tokens: np.ndarray, start,
                   end) -> None:
         """One grouped call computing ``experts`` (with ``tokens`` rows each) between two stamps. The
@@ -75,8 +90,27 @@ class Timer:
 
     def intervals(self) -> list[Interval]:
         """Every recorded interval in seconds since the start (call after the device is synchronised)."""
+        return self._resolve(self._snapshot())
+
+    def _snapshot(self) -> list:
         with self._lock:
-            raw = list(self._raw)
+            return list(self._raw)
+
+    def summary(self) -> tuple[dict[str, float], int, "LazyIntervals"]:
+        """(busy seconds per track, number of intervals, the intervals to be resolved when first read): what a
+        run's result needs, without building an interval per expert unless someone reads them (a timeline);
+        call after the device is synchronised."""
+        raw = self._snapshot()
+        busy = dict.fromkeys(TRACKS, 0.0)
+        count = 0
+        seconds = self.seconds
+        for track, what, a, b in raw:
+            busy[track] += seconds(b) - seconds(a)  # a group's or a batch's intervals split its span exactly
+            count += 1 if isinstance(what, Activity) or len(what) == 2 else len(what[-1] if isinstance(what[0], str)
+                                                                             else what[2])
+        return busy, count, LazyIntervals(self, raw)
+
+    def _resolve(self, raw: list) -> list[Interval]:
         out = []
         for track, what, a, b in raw:
             a, b = self.seconds(a), self.seconds(b)
@@ -86,6 +120,13 @@ class Timer:
             if len(what) == 2:  # (copy request, index)
                 act = what[0].activity(what[1])
                 out.append(Interval(track, act.name(), a, b, act.args()))
+                continue
+            if isinstance(what[0], str):  # (kind, step, layer, experts): copies made by one call
+                kind, step, layer, experts = what
+                cuts = np.linspace(a, b, len(experts) + 1).tolist()
+                for e, lo, hi in zip(experts, cuts[:-1], cuts[1:]):
+                    act = Activity(kind, step, layer, int(e))
+                    out.append(Interval(track, act.name(), lo, hi, act.args() | {"batch": len(experts)}))
                 continue
             step, layer, experts, tokens = what
             share = np.asarray(tokens, float)
@@ -97,6 +138,52 @@ class Timer:
                 out.append(Interval(track, act.name(), lo, hi, act.args() | {"group": len(experts)}))
         out.sort(key=lambda iv: (iv.start, iv.track))
         return out
+
+
+class LazyIntervals(Sequence):
+    """A run's intervals (:meth:`Timer.intervals`), resolved from the recorded stamps when first read."""
+
+    def __init__(self, timer: Timer, raw: list):
+        self._timer, self._raw, self._items = timer, raw, None
+
+    def _get(self) -> list[Interval]:
+        if self._items is None:
+            self._items = self._timer._resolve(self._raw)
+            self._raw = []
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __eq__(self, other) -> bool:
+        return list(self._get()) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._get())
+
+
+@contextmanager
+def paused_gc():
+    """Python's cyclic garbage collector paused while a run's loop lasts (and restored after).
+
+    A loop of layer visits allocates enough small objects (plans, views, index arrays) to start a collection
+    about once per visit, and now and then a full one that walks every object of the process (a
+    transformers model: half a million, about 80 ms here): pauses of the host in the middle of a layer,
+    several times the work being scheduled. The loop makes no reference cycles of its own; what cycles
+    exist are collected once the collector is back."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Stopwatch:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dali_exec.executor import kernels as _kernels
 from dali_exec.executor.devices import Devices
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.runtime import OffloadRuntime
@@ -42,6 +43,8 @@ from dali_sim.sim.counters import PlanCounters
 from dali_sim.sim.engine import Activity
 from dali_sim.workload.online import OnlineWorkload
 
+
+_ALL_ROWS = np.zeros(0, np.int64)
 
 #: how rows that are not part of the workload (left padding, sequences that have stopped) are computed:
 #: ``exact``: as the model computes them (they ride along with the plan's experts; experts only they use
@@ -212,7 +215,11 @@ class OffloadSession:
         ids_real = ids_np if rows is None else ids_np[rows]
         w_real = w_np if rows is None else w_np[rows]
         # rank order: descending weight, ties keep their column (as rank_order's stable sort)
-        ranked = np.take_along_axis(ids_real, np.argsort(-w_real, axis=1, kind="stable"), 1)
+        rank = _kernels.compiled("rank_order")
+        if rank is not None:
+            ranked = rank(ids_np, w_np, _ALL_ROWS if rows is None else rows)
+        else:
+            ranked = np.take_along_axis(ids_real, np.argsort(-w_real, axis=1, kind="stable"), 1)
         sw.stop()
         if self.w.predictor_offsets:
             look = Stopwatch().start()
