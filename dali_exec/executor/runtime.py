@@ -419,10 +419,15 @@ class OffloadRuntime:
         else:
             gi = GroupIndex.build(routing, seg, rows)
             pool.check_rows(gi.rows, plan.layer, gi.experts)
+            # the CPU device: a sparse span of slots is gathered into a table of the group's rows first
+            gather = not dev.is_cuda and gi.sparse()
+            if gather:
+                gi = gi.compact()
             pos, tok, offs, pair_rows, w = _device_indices(gi, routing, dev.accel, dev.dtype, self.layout.bias)
             sw.stop()
             start = self.timer.mark(stream)
-            y = self.layout.forward_grouped(gi.span(pool.table), x.index_select(0, tok), offs, gi.table_counts,
+            table = pool.table.index_select(0, torch.from_numpy(gi.rows)) if gather else pool.table
+            y = self.layout.forward_grouped(gi.span(table), x.index_select(0, tok), offs, gi.table_counts,
                                             pair_rows)
             out_buf.index_copy_(0, pos, y * w)
             end = self.timer.mark(stream)

@@ -46,8 +46,12 @@ def expert_times(view: LayerView, *, overlap: bool = True, pending_resident: boo
     experts = np.asarray(view.experts)
     counts = np.asarray(view.counts, dtype=np.int64)
     costs = view.costs
-    gpu = np.asarray(costs.expert_time("gpu", counts), dtype=float).reshape(counts.shape)
-    cpu = np.asarray(costs.expert_time("cpu", counts), dtype=float).reshape(counts.shape)
+    table = getattr(costs, "expert_time_table", None)
+    if table is not None and counts.size and counts.min() >= 0 and counts.max() <= costs.lookup_tokens:
+        gpu, cpu = table("gpu")[counts], table("cpu")[counts]  # expert_time's own lookup, without its checks
+    else:
+        gpu = np.asarray(costs.expert_time("gpu", counts), dtype=float).reshape(counts.shape)
+        cpu = np.asarray(costs.expert_time("cpu", counts), dtype=float).reshape(counts.shape)
     xfer = float(costs.expert_transfer_time())
     resident = np.asarray(view.resident, dtype=bool)[experts]
     pending = np.asarray(view.pending, dtype=bool)[experts]
@@ -101,6 +105,11 @@ def greedy_assign(t_gpu, t_cpu, *, workload=None, ids=None, needs_buffer=None, m
     ``max_new`` experts with ``needs_buffer`` have gone to the GPU so far (the memory-respecting
     variant; an expert refused for memory goes to the CPU)."""
     t_gpu, t_cpu, needs = _check_inputs(t_gpu, t_cpu, needs_buffer, max_new)
+    return _greedy(t_gpu, t_cpu, workload, ids, needs, max_new)
+
+
+def _greedy(t_gpu: np.ndarray, t_cpu: np.ndarray, workload, ids, needs: np.ndarray, max_new: int | None) -> np.ndarray:
+    """:func:`greedy_assign` on checked inputs (float arrays of one length, ``needs`` bool)."""
     order = greedy_order(t_gpu, t_cpu, workload, ids)
     limit = len(t_gpu) + 1 if max_new is None else int(max_new)  # more than can ever need a buffer: no limit
     return kernels.run("greedy", order, t_gpu, t_cpu, needs, limit)
@@ -193,8 +202,8 @@ class DaliGreedy(PlacementPolicy[DaliGreedyConfig]):
         return expert_times(view, overlap=self.config.overlap, pending_resident=self.config.pending_resident)
 
     def place(self, view: LayerView) -> np.ndarray:
-        t_gpu, t_cpu, _ = self.times(view)
-        return greedy_assign(t_gpu, t_cpu, workload=view.counts, ids=view.experts)
+        t_gpu, t_cpu, needs = self.times(view)  # from the cost model's tables: valid inputs
+        return _greedy(t_gpu, t_cpu, view.counts, view.experts, np.zeros(len(t_gpu), dtype=bool), None)
 
 
 class _MemoryLimited:

@@ -315,8 +315,12 @@ class Controller:
 
     def _take_prefetches(self, target: np.ndarray, e: np.ndarray, free: int) -> list[tuple[int, int]]:
         key = target * self.w.num_experts + e
-        first = np.zeros(len(key), dtype=bool)  # the first request of each (layer, expert) counts
-        first[np.unique(key, return_index=True)[1]] = True
+        if len(key) <= 64:  # the first request of each (layer, expert) counts
+            seen: set[int] = set()
+            first = np.array([not (k in seen or seen.add(k)) for k in key.tolist()], dtype=bool)
+        else:
+            first = np.zeros(len(key), dtype=bool)
+            first[np.unique(key, return_index=True)[1]] = True
         keep = np.flatnonzero(first & ~self.resident[target, e] & ~self.pending[target, e])[:free]
         target, e = target[keep], e[keep]
         self.pending[target, e] = True
