@@ -126,18 +126,6 @@ class GroupIndex:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def sparse(self) -> bool:
-        """Does the span hold many rows that compute nothing? (On the CPU a grouped product costs about as
-        much per row of its span as per row with tokens.)"""
-        return len(self.table_counts) > 2 * len(self.rows) + 2
-
-    def compact(self) -> "GroupIndex":
-        """The same group on a table of its own rows only, in its order (``table.index_select(0, rows)``)."""
-        counts = self.counts
-        return GroupIndex(self.pairs, self.weights, self.rows, self.experts, counts, 0, counts,
-                          np.cumsum(counts).astype(np.int32), self.tokens,
-                          np.repeat(np.arange(len(counts)), counts))
-
     def span(self, table: torch.Tensor) -> torch.Tensor:
         """The table rows this group reads."""
         return table[self.lo:self.lo + len(self.table_counts)]

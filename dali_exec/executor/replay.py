@@ -25,7 +25,7 @@ from dali_exec.executor.result import assemble_result
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.runtime import OffloadRuntime
 from dali_exec.executor.store import STEP_INPUT, HostExpertStore, derive_seed
-from dali_exec.executor.timing import Stopwatch, Timer, paused_gc
+from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer, paused_gc
 from dali_sim.runtime.controller import Controller, LayerPlan
 from dali_sim.runtime.future import FutureDemand
 from dali_sim.sim.counters import PlanCounters
@@ -132,8 +132,7 @@ class Replay:
         setup, w, dev = self.setup, self.setup.workload, self.dev
         L = w.num_layers
         counters = PlanCounters(L)
-        decision = np.zeros((2, L))  # wall, thread CPU
-        routing_s = np.zeros((2, L))
+        decision, routing_s = LayerSeconds(L), LayerSeconds(L)  # wall, thread CPU
         layer_time = np.zeros(L)
         starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
         prev_threads = torch.get_num_threads()
@@ -161,15 +160,15 @@ class Replay:
                         plan = self.controller.plan(step, layer)
                         counters.add(plan)
                         sw.stop()
-                        self.timer.add("host", Activity("host", step, layer), host0, self.timer.mark())
-                        decision[:, layer] += (sw.wall, sw.cpu)
+                        self.timer.add_activity("host", "host", step, layer, host0, self.timer.mark())
+                        decision.add(layer, sw)
                         self.runtime.start_layer(plan)
                         residual, gate_input = self._dense(block, x, attn, Activity("dense", step, layer))
                         sw = Stopwatch().start()
                         ids, weights = w.routing(step, layer)
                         routing = LayerRouting.group(ids, weights)
                         sw.stop()
-                        routing_s[:, layer] += (sw.wall, sw.cpu)
+                        routing_s.add(layer, sw)
                         x = residual + self.runtime.run_experts(plan, gate_input, routing)
                         dev.synchronize()
                         layer_time[layer] += self.timer.now() - t0
@@ -198,8 +197,9 @@ class Replay:
             "gate_weights": "trace" if setup.trace.meta.has_weights else "1/top_k (the trace has none)",
         }
         rt = self.runtime
-        bookkeeping = routing_s + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
-        return assemble_result(setup, self.controller, counters, out, decision_s=decision, bookkeeping_s=bookkeeping,
+        bookkeeping = routing_s.array() + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
+        return assemble_result(setup, self.controller, counters, out, decision_s=decision.array(),
+                               bookkeeping_s=bookkeeping,
                                batch_size=w.config.batch_size, prefill_chunk=w.config.prefill_chunk,
                                seed=self.seed, executor=executor)
 

@@ -34,7 +34,7 @@ from dali_exec.executor.grouped import GroupIndex
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
-from dali_exec.executor.timing import Stopwatch, Timer
+from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer
 from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, LayerPlan
 
 NO_RELEASE, STAGING, PREFETCH = 0, 1, 2  # what happens to an accelerator expert's buffer after its compute
@@ -68,9 +68,8 @@ class OffloadRuntime:
         L = len(capacities)
         self.swaps_landing: dict[int, list[CopyTicket]] = {}
         self.deferred: deque[tuple[int, int, int]] = deque()  # prefetches waiting for a free buffer: (layer, expert, step)
-        self.layer_wait = np.zeros(L)
-        self.layer_bookkeeping = np.zeros(L)
-        self.layer_bookkeeping_cpu = np.zeros(L)
+        self._wait = [0.0] * L  # seconds the accelerator lane waited for weights, per layer
+        self._bookkeeping = LayerSeconds(L)
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
@@ -105,7 +104,7 @@ class OffloadRuntime:
                 sw.stop()
                 w0 = time.perf_counter()
                 ticket.wait()
-                self.layer_wait[layer] += time.perf_counter() - w0
+                self._wait[layer] += time.perf_counter() - w0
                 sw.start()
             ticket.wait()  # re-raises a failed copy
         for e in plan.prefetch_wasted:
@@ -117,8 +116,22 @@ class OffloadRuntime:
         self._book(layer, sw)
 
     def _book(self, layer: int, sw: Stopwatch) -> None:
-        self.layer_bookkeeping[layer] += sw.wall
-        self.layer_bookkeeping_cpu[layer] += sw.cpu
+        self._bookkeeping.add(layer, sw)
+
+    @property
+    def layer_wait(self) -> np.ndarray:
+        """(L,) seconds the accelerator lane waited for weights (host-measured)."""
+        return np.array(self._wait)
+
+    @property
+    def layer_bookkeeping(self) -> np.ndarray:
+        """(L,) wall-clock seconds of the runtime's own host work."""
+        return np.array(self._bookkeeping.wall)
+
+    @property
+    def layer_bookkeeping_cpu(self) -> np.ndarray:
+        """(L,) thread-CPU seconds of the runtime's own host work."""
+        return np.array(self._bookkeeping.cpu)
 
     def run_experts(self, plan: LayerPlan, x: torch.Tensor, routing: LayerRouting, *,
                     uncounted_on_cpu: bool = False) -> torch.Tensor:
@@ -282,7 +295,7 @@ class OffloadRuntime:
                 sw.stop()
                 w0 = time.perf_counter()
                 self.copies.wait_rows(pool.inflight, rows[waiting].tolist())
-                self.layer_wait[layer] += time.perf_counter() - w0
+                self._wait[layer] += time.perf_counter() - w0
                 sw.start()
                 continue
             now = waiting[landed]
@@ -308,7 +321,7 @@ class OffloadRuntime:
         ends = self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, plan.step, after=after,
                                      previous=previous, pause=sw)
         if ends is None:  # the CPU device: the lane waited for its copies while they were made
-            self.layer_wait[layer] += time.perf_counter() - w0
+            self._wait[layer] += time.perf_counter() - w0
         for i in r:
             tickets[i] = None
         return ends
@@ -386,7 +399,7 @@ class OffloadRuntime:
                 if cuda:
                     events.append(c1)
                 else:
-                    self.layer_wait[layer] += c1 - c0  # the lane waits while the host copies
+                    self._wait[layer] += c1 - c0  # the lane waits while the host copies
             if cuda:
                 pool.last_use[row] = end
         self.timer.add_raw(groups + copies)
@@ -419,15 +432,10 @@ class OffloadRuntime:
         else:
             gi = GroupIndex.build(routing, seg, rows)
             pool.check_rows(gi.rows, plan.layer, gi.experts)
-            # the CPU device: a sparse span of slots is gathered into a table of the group's rows first
-            gather = not dev.is_cuda and gi.sparse()
-            if gather:
-                gi = gi.compact()
             pos, tok, offs, pair_rows, w = _device_indices(gi, routing, dev.accel, dev.dtype, self.layout.bias)
             sw.stop()
             start = self.timer.mark(stream)
-            table = pool.table.index_select(0, torch.from_numpy(gi.rows)) if gather else pool.table
-            y = self.layout.forward_grouped(gi.span(table), x.index_select(0, tok), offs, gi.table_counts,
+            y = self.layout.forward_grouped(gi.span(pool.table), x.index_select(0, tok), offs, gi.table_counts,
                                             pair_rows)
             out_buf.index_copy_(0, pos, y * w)
             end = self.timer.mark(stream)

@@ -55,6 +55,11 @@ class Timer:
         with self._lock:
             self._raw.append((track, what, start, end))
 
+    def add_activity(self, track: str, kind: str, step: int, layer: int, start, end) -> None:
+        """:meth:`add` of ``Activity(kind, step, layer)``, made when the intervals are read."""
+        with self._lock:
+            self._raw.append((track, (kind, step, layer), start, end))
+
     def add_copy(self, ticket, i: int) -> None:
         """Copy ``i`` of a copy request (``CopyTicket``): its interval on the ``pcie`` track, named when the
         intervals are read (the copy thread does no more than this)."""
@@ -106,8 +111,8 @@ class Timer:
         seconds = self.seconds
         for track, what, a, b in raw:
             busy[track] += seconds(b) - seconds(a)  # a group's or a batch's intervals split its span exactly
-            count += 1 if isinstance(what, Activity) or len(what) == 2 else len(what[-1] if isinstance(what[0], str)
-                                                                             else what[2])
+            count += 1 if isinstance(what, Activity) or len(what) < 4 else len(what[-1] if isinstance(what[0], str)
+                                                                            else what[2])
         return busy, count, LazyIntervals(self, raw)
 
     def _resolve(self, raw: list) -> list[Interval]:
@@ -116,6 +121,10 @@ class Timer:
             a, b = self.seconds(a), self.seconds(b)
             if isinstance(what, Activity):
                 out.append(Interval(track, what.name(), a, b, what.args()))
+                continue
+            if len(what) == 3:  # (kind, step, layer)
+                act = Activity(*what)
+                out.append(Interval(track, act.name(), a, b, act.args()))
                 continue
             if len(what) == 2:  # (copy request, index)
                 act = what[0].activity(what[1])
@@ -184,6 +193,28 @@ def paused_gc():
     finally:
         if enabled:
             gc.enable()
+
+
+class LayerSeconds:
+    """Per-layer sums of stopwatch readings (wall clock and thread CPU) in Python floats: added to once or
+    more per layer visit, read as arrays once at the end."""
+
+    __slots__ = ("wall", "cpu")
+
+    def __init__(self, num_layers: int):
+        self.wall = [0.0] * num_layers
+        self.cpu = [0.0] * num_layers
+
+    def add(self, layer: int, sw: "Stopwatch") -> None:
+        self.wall[layer] += sw.wall
+        self.cpu[layer] += sw.cpu
+
+    def add_wall(self, layer: int, seconds: float) -> None:
+        self.wall[layer] += seconds
+
+    def array(self) -> np.ndarray:
+        """(2, L): wall clock, thread CPU."""
+        return np.array([self.wall, self.cpu])
 
 
 class Stopwatch:

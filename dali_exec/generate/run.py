@@ -319,10 +319,10 @@ def _result(session: OffloadSession, spec, sysconf, profile, mem, hardware, opti
     summary, per_layer, per_seq, per_step = result_tables(
         w, session.counters, out, spec, system=sysconf.name, hardware=profile.name, batch_size=options.batch_size,
         bounds=controller.bounds, oracles=controller.oracles)
-    per_layer["decision_s"], per_layer["decision_cpu_s"] = t.decision
-    book = t.bookkeeping + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
+    per_layer["decision_s"], per_layer["decision_cpu_s"] = t.decision.array()
+    book = t.bookkeeping.array() + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = book
-    per_layer["lookahead_s"], per_layer["lookahead_cpu_s"] = t.lookahead
+    per_layer["lookahead_s"], per_layer["lookahead_cpu_s"] = t.lookahead.array()
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
     summary["executor"] = executor_summary(executor)
     new_tokens = sum(len(g.token_ids) for g in generated)

@@ -302,6 +302,9 @@ class Controller:
         asked = self.prefetcher.prefetch(self._view_for(self.prefetcher, view))
         if not len(asked):
             return []
+        if len(asked) <= 32 and (asked.ndim == 2 and asked.shape[1] == 2 if isinstance(asked, np.ndarray)
+                                 else all(len(p) == 2 for p in asked)):  # a few pairs: the same rule on ints
+            return self._issue_few(view, asked, free)
         pairs = np.asarray(asked, dtype=np.int64).reshape(-1, 2)
         target, e = pairs[:, 0], pairs[:, 1]
         valid = (view.layer < target) & (target < self.w.num_layers) & (0 <= e) & (e < self.w.num_experts)
@@ -313,14 +316,34 @@ class Controller:
                              f"at layer {view.layer}; targets must be later layers of the same step")
         return issued
 
+    def _issue_few(self, view: LayerView, asked, free: int) -> list[tuple[int, int]]:
+        """:meth:`_issue_prefetches` after the policy's answer, for a short one, one request at a time."""
+        pairs = asked.tolist() if isinstance(asked, np.ndarray) else asked
+        L, E = self.w.num_layers, self.w.num_experts
+        resident, pending = self.resident, self.pending
+        issued: list[tuple[int, int]] = []
+        seen: set[tuple[int, int]] = set()
+        for pair in pairs:
+            t, x = (int(v) for v in pair)
+            if not (view.layer < t < L and 0 <= x < E):
+                if len(issued) < free:  # the request was reached before the buffers ran out
+                    raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
+                                     f"at layer {view.layer}; targets must be later layers of the same step")
+                break
+            if (t, x) in seen:
+                continue  # the first request of each (layer, expert) counts
+            seen.add((t, x))
+            if len(issued) < free and not resident[t, x] and not pending[t, x]:
+                issued.append((t, x))
+        for t, x in issued:
+            pending[t, x] = True
+            self.n_pending[t] += 1
+        return issued
+
     def _take_prefetches(self, target: np.ndarray, e: np.ndarray, free: int) -> list[tuple[int, int]]:
         key = target * self.w.num_experts + e
-        if len(key) <= 64:  # the first request of each (layer, expert) counts
-            seen: set[int] = set()
-            first = np.array([not (k in seen or seen.add(k)) for k in key.tolist()], dtype=bool)
-        else:
-            first = np.zeros(len(key), dtype=bool)
-            first[np.unique(key, return_index=True)[1]] = True
+        first = np.zeros(len(key), dtype=bool)  # the first request of each (layer, expert) counts
+        first[np.unique(key, return_index=True)[1]] = True
         keep = np.flatnonzero(first & ~self.resident[target, e] & ~self.pending[target, e])[:free]
         target, e = target[keep], e[keep]
         self.pending[target, e] = True
