@@ -272,39 +272,13 @@ class CopyEngine:
             torch.cuda.set_device(self.device)
         while (t := self._next()) is not None:
             try:
-                dsts, srcs = t.dsts, t.srcs
-                if t.src_table is not None:  # (dst table, src table) and indices
-                    dst_table, src_table = t.src_table
-                    layers, experts = srcs
-                    dsts, srcs = [dst_table[i] for i in dsts], [src_table[a, b] for a, b in zip(layers, experts)]
-                n = len(dsts)
+                n = len(t.dsts)
                 batch = t.priority == ON_DEMAND  # issued back to back; background copies one at a time
                 first = t.next
-                for i in range(first, n):
-                    if i > first and not batch and self._preempted(t):
-                        break
-                    if self.delay_s:
-                        time.sleep(self.delay_s)
-                    if self.stream is not None:
-                        with self._stream_lock, torch.cuda.stream(self.stream):
-                            if t.after is not None and t.after[i] is not None:
-                                self.stream.wait_event(t.after[i])
-                            t.starts.append(self.timer.mark(self.stream))
-                            dsts[i].copy_(srcs[i], non_blocking=True)
-                            t.ends.append(self.timer.mark(self.stream))
-                        if not batch:
-                            t.ends[i].synchronize()
-                    else:
-                        t.starts.append(self.timer.mark())
-                        dsts[i].copy_(srcs[i])
-                        t.ends.append(self.timer.mark())
-                    t.next = i + 1
-                    if not batch or self.stream is None:
-                        self._land(t, i)
-                if batch and self.stream is not None:
-                    for i in range(first, n):  # ... and land one by one
-                        t.ends[i].synchronize()
-                        self._land(t, i)
+                if self._copy_at_once(t, first, n):
+                    t.next = n
+                else:
+                    self._copy_each(t, first, n, batch)
                 if t.next < n:
                     continue  # preempted: resumed later
                 self.copies += n
@@ -315,6 +289,71 @@ class CopyEngine:
                 t.done = True
                 self._open -= 1
                 self._cond.notify_all()
+
+    def _copy_at_once(self, t: CopyTicket, first: int, n: int) -> bool:
+        """The CPU device: the rest of a background request whose copies all come from one layer of the host
+        store, as one gather and scatter, landed together, unless an on-demand request waits (then copy by
+        copy, as on CUDA) or copies are delayed (tests)."""
+        if self.stream is not None or self.delay_s or t.src_table is None or n - first < 2:
+            return False
+        layers, experts = t.srcs
+        layer = layers[first]
+        if any(x != layer for x in layers[first:n]):
+            return False
+        with self._cond:
+            if self._heap and self._heap[0][0] < t.priority:
+                return False
+        dst_table, src_table = t.src_table
+        start = self.timer.mark()
+        dst_table.index_copy_(0, torch.tensor(t.dsts[first:n]), src_table[layer].index_select(
+            0, torch.tensor(experts[first:n])))
+        end = self.timer.mark()
+        t.starts.extend([start] * (n - first))
+        t.ends.extend([end] * (n - first))
+        for i in range(first, n):
+            self.timer.add_copy(t, i)
+        with self._cond:
+            if t.inflight is not None:
+                np.subtract.at(t.inflight, t.rows[first:n], 1)
+            t.landed += n - first
+            self._cond.notify_all()
+        return True
+
+    def _copy_each(self, t: CopyTicket, first: int, n: int, batch: bool) -> None:
+        """Copies ``first``.. of a request one by one (a background one yields to on-demand requests between
+        two copies)."""
+        dsts, srcs = t.dsts, t.srcs
+        if t.src_table is not None:  # (dst table, src table) and indices
+            dst_table, src_table = t.src_table
+            layers, experts = srcs
+            dsts = [dst_table[i] for i in dsts[first:n]]
+            srcs = [src_table[a, b] for a, b in zip(layers[first:n], experts[first:n])]
+            dsts, srcs = [None] * first + dsts, [None] * first + srcs
+        for i in range(first, n):
+            if i > first and not batch and self._preempted(t):
+                break
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if self.stream is not None:
+                with self._stream_lock, torch.cuda.stream(self.stream):
+                    if t.after is not None and t.after[i] is not None:
+                        self.stream.wait_event(t.after[i])
+                    t.starts.append(self.timer.mark(self.stream))
+                    dsts[i].copy_(srcs[i], non_blocking=True)
+                    t.ends.append(self.timer.mark(self.stream))
+                if not batch:
+                    t.ends[i].synchronize()
+            else:
+                t.starts.append(self.timer.mark())
+                dsts[i].copy_(srcs[i])
+                t.ends.append(self.timer.mark())
+            t.next = i + 1
+            if not batch or self.stream is None:
+                self._land(t, i)
+        if batch and self.stream is not None:
+            for i in range(first, n):  # ... and land one by one
+                t.ends[i].synchronize()
+                self._land(t, i)
 
     def drain(self) -> None:
         """Wait until every submitted copy has landed."""

@@ -83,6 +83,16 @@ def _group_routing(flat, order_in, weights, counted, k):
     return OK, order, ptr[:m + 1], experts[:m], w, c, per
 
 
+def _rows_ready(rows, experts, layer, hold_layer, hold_expert, inflight):
+    """``SlotPool.check_rows`` without its messages: does every row hold (layer, its expert) with no copy in
+    flight? (The caller asks the pool for the message when not.)"""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if hold_layer[r] != layer or hold_expert[r] != experts[i] or inflight[r] != 0:
+            return False
+    return True
+
+
 def _group_index(ptr, positions, weights, experts, seg, rows, k):
     """A group's indices (see ``GroupIndex``): the experts ``seg`` (indices into the routing's experts)
     in table rows ``rows``, sorted by row (stably): (pairs, weights, rows, experts, counts, lo, table
@@ -234,13 +244,13 @@ def _rank_order(ids, weights, rows):
 
 
 _KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
-            "partition": _partition, "rank_order": _rank_order}
+            "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready}
 _compiled: dict[str, object] = {}
 
 
 def compiled(name: str):
     """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
-    ``rank_order``), or None without numba."""
+    ``rank_order``, ``rows_ready``), or None without numba."""
     if name not in _compiled:
         _compiled[name] = _policy_kernels.jit(_KERNELS[name])
     return _compiled[name]

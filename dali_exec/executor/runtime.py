@@ -237,8 +237,10 @@ class OffloadRuntime:
            host waits: the copy thread may not have issued it yet); ``inline`` (the CPU lane's work when it
            runs in this thread) is done before that first wait."""
         pool, layer, step = self.pool, plan.layer, plan.step
-        cuda = self.dev.is_cuda
         experts, rows, seg = lanes.experts, lanes.rows, lanes.seg
+        if lanes.all_cached:  # (every one a hit: one group, nothing to copy or free)
+            self._compute(plan, routing, seg, rows, x, out_buf, sw)
+            return
         staged = lanes.staged
         n_staged = len(staged)
         S = pool.num_staging
@@ -301,8 +303,11 @@ class OffloadRuntime:
             now = waiting[landed]
             waiting = waiting[~landed]
             self._compute(plan, routing, seg[now], rows[now], x, out_buf, sw)
-        for i in np.flatnonzero(lanes.release == PREFETCH).tolist():
-            self._free_prefetch(pool.slots[int(rows[i])])
+        freed = np.flatnonzero(lanes.release == PREFETCH) if lanes.prefetched else ()
+        if len(freed):  # prefetch buffers of experts the cache declined: free, and waiting prefetches start
+            for i in freed.tolist():
+                pool.release_prefetch(pool.slots[int(rows[i])])
+            self._issue_deferred()
 
     def _copy_now(self, plan: LayerPlan, idx: np.ndarray, experts: np.ndarray, rows: np.ndarray, sw: Stopwatch,
                   after: list | None = None):
@@ -534,8 +539,8 @@ class _AccelLane:
     are there or coming by a prefetch (``ready``), of the admitted on-demand ones (``fetched``) and of the
     staged ones (``staged``, touch order)."""
 
-    __slots__ = ("n", "experts", "seg", "rows", "release", "ready", "fetched", "staged", "prefetched_in_flight",
-                 "staging_used")
+    __slots__ = ("n", "experts", "seg", "rows", "release", "ready", "fetched", "staged", "prefetched",
+                 "prefetched_in_flight", "staging_used", "all_cached")
 
     @classmethod
     def of(cls, plan: LayerPlan, pool: SlotPool, gpu: np.ndarray, seg: np.ndarray, rows: np.ndarray) -> "_AccelLane":
@@ -543,7 +548,7 @@ class _AccelLane:
         experts, ``rows`` their cache rows (hits; -1 for the others)."""
         lane = cls()
         lane.staging_used = 0
-        lane.prefetched_in_flight = False
+        lane.prefetched = lane.prefetched_in_flight = lane.all_cached = False
         lane.n = len(gpu)
         lane.seg = seg
         if not lane.n:
@@ -556,6 +561,7 @@ class _AccelLane:
         lane.release = np.zeros(lane.n, np.int8)
         hits = np.count_nonzero(src == HIT)
         if hits == lane.n:  # (every one cached: one group)
+            lane.all_cached = True
             lane.ready = np.arange(lane.n)
             lane.fetched = lane.staged = _EMPTY
             return lane
@@ -567,6 +573,7 @@ class _AccelLane:
             else:
                 lane.release[i] = PREFETCH
             rows[i] = slot.index
+            lane.prefetched = True
             lane.prefetched_in_flight |= bool(pool.inflight[slot.index])
         fetch = src == FETCH
         lane.ready = np.flatnonzero(~fetch)

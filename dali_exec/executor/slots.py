@@ -27,6 +27,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from dali_exec.executor import kernels as _kernels
 from dali_exec.executor.copies import CopyTicket
 
 ALIGN_BYTES = 16
@@ -275,6 +276,10 @@ class SlotPool:
         if len(rows) == 1:  # a staging turn: scalars
             r = int(rows[0])
             if self.hold_layer[r] == layer and self.hold_expert[r] == experts[0] and self.inflight[r] == 0:
+                return
+        else:
+            ready = _kernels.compiled("rows_ready")
+            if ready is not None and ready(rows, experts, layer, self.hold_layer, self.hold_expert, self.inflight):
                 return
         wrong = (self.hold_layer[rows] != layer) | (self.hold_expert[rows] != experts)
         if wrong.any():
