@@ -97,10 +97,10 @@ def test_partition_splits_a_layer_as_the_array_code():
         row_of = np.full(30, -1, np.int64)
         row_of[experts[touch][source == HIT]] = rng.choice(100, int((source == HIT).sum()), replace=False)
         flag = trial % 4 == 1
-        status, cpu, gpu, gseg, grow = K.compiled("partition")(
+        status, cpu, gpu, gseg, grow, hits = K.compiled("partition")(
             r.experts, own, experts[touch].astype(np.int16), own[own > 0][touch].astype(np.int32), source, row_of,
             CPU, HIT, flag and mask is not None)
-        assert status == 0
+        assert status == 0 and hits == int((source == HIT).sum())
         on_gpu = source != CPU
         _same(gpu, np.flatnonzero(on_gpu))
         _same(gseg, np.searchsorted(r.experts, experts[touch][on_gpu]))

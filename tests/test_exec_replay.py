@@ -142,6 +142,22 @@ def test_slot_table_follows_the_controller_and_stays_within_the_budget(mix):
             replay.close()
 
 
+def test_intervals_read_after_a_later_run_keep_their_own_start(mix):
+    """A result's intervals are resolved when first read, from its own run's start, even after the same
+    replay has run again."""
+    setup = prepare_replay(mix, "mixtral-offloading", TINY, batch_size=BATCH)
+    replay = Replay(setup, Devices.create("cpu", TINY.dtype), CPU_RUN)
+    try:
+        first = replay.run()
+        second = replay.run()
+    finally:
+        replay.close()
+    for result in (second, first):
+        ends = [iv.end for iv in result.intervals]
+        assert len(ends) == result.summary["events"] > 0
+        assert 0 <= min(iv.start for iv in result.intervals) and max(ends) <= result.summary["makespan_s"] + 1e-3
+
+
 def test_a_store_of_another_shape_is_refused(mix):
     setup = prepare_replay(mix, "gpu-lru", TINY, batch_size=BATCH)
     other = HostExpertStore.random(setup.model, torch.bfloat16, 0)

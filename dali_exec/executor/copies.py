@@ -1,18 +1,23 @@
-"""Host-to-accelerator copies: one thread issues them one at a time, on-demand before background.
+"""Host-to-accelerator copies: on-demand ones issued by the accelerator lane, background ones by a thread.
 
 The link model of the simulator (docs/simulator.md): on-demand copies go before prefetches and cache
-swaps that have not started; a started copy is never preempted. The copy thread keeps a priority
-queue of requests (priority, then submission order), takes the first, issues its copies (on CUDA on
-the copy stream, from pinned memory, ``non_blocking=True``, each bracketed by CUDA events), waits for
-them to land one by one (marking each landed: the slot rows' in-flight counts drop) and takes the next
-request. A request is one background copy (a prefetch or a swap) or all on-demand copies of a layer,
-in touch order: issuing them together leaves no gaps between them, and nothing could overtake them
-anyway (they are the highest priority); a background copy issued alone can still be overtaken while
-queued, which is what makes the priority real (a copy queued on a CUDA stream cannot be).
+swaps that have not started; a started copy is never preempted.
 
-Without CUDA the copy is a host ``copy_`` in the same thread (torch releases the GIL), so the code
-path is the same. ``delay_s`` (tests) holds every copy back that long before it is issued, to check
-that nothing computes from a slot whose copy has not landed.
+* **On-demand** copies (a layer's fetches, its staging turns) are issued by the thread that computes, when
+  their buffers are free (:meth:`CopyEngine.issue_now`, :meth:`CopyEngine.copy_one`): on CUDA queued on
+  the copy stream from pinned memory (``non_blocking=True``, each bracketed by CUDA events, each after the
+  event of the last compute that read its buffer), so a compute waits for them on its stream and the host
+  never does; on the CPU device (no DMA engine) made at once. No hand-over to another thread per copy.
+* **Background** copies (prefetches, swaps) go through one copy thread with a priority queue of requests
+  (priority, then submission order): it takes the first, issues its copies one at a time (on CUDA on the
+  copy stream, synchronising each before the next, so at most one is queued there), marks each landed
+  (the slot rows' in-flight counts drop) and, between two copies, lets an on-demand request that has
+  arrived go first, the rest resuming after it. Queueing on the copy stream is done under one lock, so a
+  layer's on-demand copies are queued together, behind at most the one background copy that has started.
+  On the CPU device a background request whose copies all come from one layer is one gather and scatter.
+
+``delay_s`` (tests) holds every copy back that long before it is issued, to check that nothing computes
+from a slot whose copy has not landed.
 """
 
 from __future__ import annotations

@@ -93,10 +93,12 @@ def _rows_ready(rows, experts, layer, hold_layer, hold_expert, inflight):
     return True
 
 
-def _group_index(ptr, positions, weights, experts, seg, rows, k):
+def _group_index(ptr, positions, weights, experts, seg, rows, k, layer, hold_layer, hold_expert, inflight):
     """A group's indices (see ``GroupIndex``): the experts ``seg`` (indices into the routing's experts)
     in table rows ``rows``, sorted by row (stably): (pairs, weights, rows, experts, counts, lo, table
-    counts, offsets (int32), token of each pair, row of each pair within the span)."""
+    counts, offsets (int32), token of each pair, row of each pair within the span, ready). ``ready``: with
+    a slot table given (``hold_layer`` not empty), whether every row holds (layer, its expert) with no
+    copy in flight (:func:`_rows_ready`); True without one."""
     order = np.argsort(rows, kind="mergesort")
     g = seg.shape[0]
     rows_s = np.empty(g, np.int64)
@@ -132,7 +134,10 @@ def _group_index(ptr, positions, weights, experts, seg, rows, k):
     for r in range(span):
         acc += table_counts[r]
         offs[r] = acc
-    return pairs, w, rows_s, experts_s, counts, lo, table_counts, offs, tok, pair_rows
+    ready = True
+    if hold_layer.shape[0]:
+        ready = _rows_ready_fn(rows_s, experts_s, layer, hold_layer, hold_expert, inflight)
+    return pairs, w, rows_s, experts_s, counts, lo, table_counts, offs, tok, pair_rows, ready
 
 
 def _matches(have_experts, have_counts, experts, counts):
@@ -166,8 +171,8 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_sou
     """A layer's routing checked against its plan and split between the lanes, in one pass: (status, CPU
     experts as ascending indices into the routing's experts (with, if ``uncounted_on_cpu``, those only
     uncounted tokens use), the accelerator experts' positions in the plan (touch order), their indices
-    into the routing's experts, their cache rows (``row_of``; -1 unless a hit)). Status: 0 ok, 1 the
-    routing is not the plan's (``LayerRouting.matches``), 2 a hit that the slot table does not cache."""
+    into the routing's experts, their cache rows (``row_of``; -1 unless a hit), how many are hits). Status:
+    0 ok, 1 the routing is not the plan's (``LayerRouting.matches``), 2 a hit the slot table does not cache."""
     n = r_experts.shape[0]
     m = p_experts.shape[0]
     empty = np.zeros(0, np.int64)
@@ -176,13 +181,14 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_sou
         if r_counts[i] > 0:
             nonzero += 1
     if nonzero != m:
-        return 1, empty, empty, empty, empty
+        return 1, empty, empty, empty, empty, 0
     on_cpu = np.zeros(n, np.bool_)
     seen = np.zeros(n, np.bool_)
     gpu = np.empty(m, np.int64)
     gseg = np.empty(m, np.int64)
     grow = np.empty(m, np.int64)
     g = 0
+    hits = 0
     for j in range(m):
         e = p_experts[j]
         lo = 0
@@ -194,7 +200,7 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_sou
             else:
                 hi = mid
         if lo == n or r_experts[lo] != e or seen[lo] or p_counts[j] <= 0 or r_counts[lo] != p_counts[j]:
-            return 1, empty, empty, empty, empty
+            return 1, empty, empty, empty, empty, 0
         seen[lo] = True
         if source[j] == cpu_source:
             on_cpu[lo] = True
@@ -205,7 +211,8 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_sou
             if source[j] == hit_source:
                 row = row_of[e] if e < row_of.shape[0] else -1
                 if row < 0:
-                    return 2, empty, empty, empty, p_experts[j:j + 1].astype(np.int64)
+                    return 2, empty, empty, empty, p_experts[j:j + 1].astype(np.int64), 0
+                hits += 1
             grow[g] = row
             g += 1
     c = 0
@@ -218,7 +225,7 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_sou
         if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
             cpu[c] = i
             c += 1
-    return 0, cpu, gpu[:g], gseg[:g], grow[:g]
+    return 0, cpu, gpu[:g], gseg[:g], grow[:g], hits
 
 
 def _rank_order(ids, weights, rows):
@@ -243,6 +250,8 @@ def _rank_order(ids, weights, rows):
     return out
 
 
+_rows_ready_fn = _rows_ready  # what _group_index calls: the compiled _rows_ready once compiled
+
 _KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
             "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready}
 _compiled: dict[str, object] = {}
@@ -251,7 +260,10 @@ _compiled: dict[str, object] = {}
 def compiled(name: str):
     """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
     ``rank_order``, ``rows_ready``), or None without numba."""
+    global _rows_ready_fn
     if name not in _compiled:
+        if name == "group_index":  # it calls rows_ready: that one compiled first
+            _rows_ready_fn = compiled("rows_ready") or _rows_ready
         _compiled[name] = _policy_kernels.jit(_KERNELS[name])
     return _compiled[name]
 

@@ -147,8 +147,8 @@ class OffloadRuntime:
         T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
         if len(plan.evicted):
             pool.evict_many(layer, np.asarray(plan.evicted))
-        cpu_seg, gpu, gseg, grow = self._partition(plan, routing, uncounted_on_cpu)
-        lanes = _AccelLane.of(plan, pool, gpu, gseg, grow)
+        cpu_seg, gpu, gseg, grow, hits = self._partition(plan, routing, uncounted_on_cpu)
+        lanes = _AccelLane.of(plan, pool, gpu, gseg, grow, hits)
         self._issue_deferred()  # adoptions may have freed prefetch buffers
 
         # the CPU lane starts first and runs while the accelerator lane works; inline (same thread and
@@ -195,11 +195,11 @@ class OffloadRuntime:
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
         indices into ``routing.experts``, the accelerator experts' positions in the plan, their indices into
-        ``routing.experts``, their cache rows (-1 unless a hit))."""
+        ``routing.experts``, their cache rows (-1 unless a hit), how many of them are hits)."""
         layer = plan.layer
         kernel = _kernels.compiled("partition")
         if kernel is not None:
-            status, cpu_seg, gpu, gseg, grow = kernel(
+            status, cpu_seg, gpu, gseg, grow, hits = kernel(
                 routing.experts, routing.counts(), plan.experts, plan.counts, plan.source, self.pool.row_of[layer],
                 CPU, HIT, uncounted_on_cpu and routing.counted is not None)
             if status == 2:
@@ -215,11 +215,12 @@ class OffloadRuntime:
             grow = np.full(len(gpu), -1, np.int64)
             hit = plan.source[gpu] == HIT
             grow[hit] = self.pool.cached_rows(layer, plan.experts[gpu[hit]])
+            hits = int(np.count_nonzero(hit))
             cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
             if uncounted_on_cpu and routing.counted is not None:
                 cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
             cpu_seg.sort()
-        return cpu_seg, gpu, gseg, grow
+        return cpu_seg, gpu, gseg, grow, hits
 
     def _accelerator_lane(self, plan: LayerPlan, lanes: "_AccelLane", routing: LayerRouting, x: torch.Tensor,
                           out_buf: torch.Tensor, sw: Stopwatch, inline: list, cpu_out: list) -> None:
@@ -414,7 +415,7 @@ class OffloadRuntime:
     def _compute(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray, x: torch.Tensor,
                  out_buf: torch.Tensor, sw: Stopwatch):
         """The experts ``seg`` (indices into the routing's experts) from slot ``rows`` as one group; returns the
-        compute's end stamp (a CUDA event, or a host time)."""
+        compute's end event on CUDA (a later copy into these rows waits for it), else None."""
         pool, dev = self.pool, self.dev
         stream = self.compute_stream
         if len(seg) == 1:  # one expert (a staging turn): slices of the layer's routing, sent once per layer
@@ -435,8 +436,9 @@ class OffloadRuntime:
             if stream is not None:
                 pool.last_use[row] = end
         else:
-            gi = GroupIndex.build(routing, seg, rows)
-            pool.check_rows(gi.rows, plan.layer, gi.experts)
+            gi = GroupIndex.build(routing, seg, rows, (plan.layer, pool.hold_layer, pool.hold_expert, pool.inflight))
+            if not gi.rows_ready:
+                pool.check_rows(gi.rows, plan.layer, gi.experts)  # raises, naming what is wrong (or checks)
             pos, tok, offs, pair_rows, w = _device_indices(gi, routing, dev.accel, dev.dtype, self.layout.bias)
             sw.stop()
             start = self.timer.mark(stream)
@@ -543,28 +545,24 @@ class _AccelLane:
                  "prefetched_in_flight", "staging_used", "all_cached")
 
     @classmethod
-    def of(cls, plan: LayerPlan, pool: SlotPool, gpu: np.ndarray, seg: np.ndarray, rows: np.ndarray) -> "_AccelLane":
+    def of(cls, plan: LayerPlan, pool: SlotPool, gpu: np.ndarray, seg: np.ndarray, rows: np.ndarray,
+           hits: int) -> "_AccelLane":
         """``gpu``: the accelerator experts' positions in the plan, ``seg`` their indices into the routing's
-        experts, ``rows`` their cache rows (hits; -1 for the others)."""
+        experts, ``rows`` their cache rows (hits; -1 for the others), ``hits`` how many are hits."""
         lane = cls()
         lane.staging_used = 0
-        lane.prefetched = lane.prefetched_in_flight = lane.all_cached = False
+        lane.prefetched = lane.prefetched_in_flight = False
         lane.n = len(gpu)
-        lane.seg = seg
-        if not lane.n:
-            lane.experts = lane.rows = lane.release = lane.ready = lane.fetched = lane.staged = _EMPTY
+        lane.seg, lane.rows = seg, rows
+        lane.all_cached = lane.n > 0 and hits == lane.n
+        if lane.all_cached or not lane.n:  # (every one cached: one group, nothing to copy or free)
+            lane.experts = lane.release = lane.fetched = lane.staged = _EMPTY
+            lane.ready = np.arange(lane.n)
             return lane
         layer = plan.layer
         lane.experts = plan.experts[gpu].astype(np.int64)
-        lane.rows = rows
         src = plan.source[gpu]
         lane.release = np.zeros(lane.n, np.int8)
-        hits = np.count_nonzero(src == HIT)
-        if hits == lane.n:  # (every one cached: one group)
-            lane.all_cached = True
-            lane.ready = np.arange(lane.n)
-            lane.fetched = lane.staged = _EMPTY
-            return lane
         for i in np.flatnonzero(src == PREFETCHED).tolist():  # at most the prefetch buffers
             e = int(lane.experts[i])
             slot = pool.pop_prefetched(layer, e)

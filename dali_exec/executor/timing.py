@@ -88,10 +88,12 @@ class Timer:
         with self._lock:
             self._raw.append((track, (step, layer, experts, tokens), start, end))
 
-    def seconds(self, stamp) -> float:
+    def seconds(self, stamp, origin: tuple | None = None) -> float:
+        """A stamp in seconds since the start (``origin``: the (host time, base event) of another start)."""
+        t0, base = origin if origin is not None else (self.t0, getattr(self, "_base", None))
         if isinstance(stamp, float):
-            return stamp - self.t0
-        return self._base.elapsed_time(stamp) * 1e-3  # ms since the base event
+            return stamp - t0
+        return base.elapsed_time(stamp) * 1e-3  # ms since the base event
 
     def intervals(self) -> list[Interval]:
         """Every recorded interval in seconds since the start (call after the device is synchronised)."""
@@ -113,12 +115,13 @@ class Timer:
             busy[track] += seconds(b) - seconds(a)  # a group's or a batch's intervals split its span exactly
             count += 1 if isinstance(what, Activity) or len(what) < 4 else len(what[-1] if isinstance(what[0], str)
                                                                             else what[2])
-        return busy, count, LazyIntervals(self, raw)
+        return busy, count, LazyIntervals(self, raw, (self.t0, getattr(self, "_base", None)))
 
-    def _resolve(self, raw: list) -> list[Interval]:
+    def _resolve(self, raw: list, origin: tuple | None = None) -> list[Interval]:
         out = []
+        seconds = self.seconds
         for track, what, a, b in raw:
-            a, b = self.seconds(a), self.seconds(b)
+            a, b = seconds(a, origin), seconds(b, origin)
             if isinstance(what, Activity):
                 out.append(Interval(track, what.name(), a, b, what.args()))
                 continue
@@ -152,12 +155,12 @@ class Timer:
 class LazyIntervals(Sequence):
     """A run's intervals (:meth:`Timer.intervals`), resolved from the recorded stamps when first read."""
 
-    def __init__(self, timer: Timer, raw: list):
-        self._timer, self._raw, self._items = timer, raw, None
+    def __init__(self, timer: Timer, raw: list, origin: tuple):
+        self._timer, self._raw, self._origin, self._items = timer, raw, origin, None  # origin: the run's start
 
     def _get(self) -> list[Interval]:
         if self._items is None:
-            self._items = self._timer._resolve(self._raw)
+            self._items = self._timer._resolve(self._raw, self._origin)
             self._raw = []
         return self._items
 
