@@ -167,12 +167,21 @@ def _matches(have_experts, have_counts, experts, counts):
     return True
 
 
-def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_source, hit_source, uncounted_on_cpu):
-    """A layer's routing checked against its plan and split between the lanes, in one pass: (status, CPU
-    experts as ascending indices into the routing's experts (with, if ``uncounted_on_cpu``, those only
-    uncounted tokens use), the accelerator experts' positions in the plan (touch order), their indices
-    into the routing's experts, their cache rows (``row_of``; -1 unless a hit), how many are hits). Status:
-    0 ok, 1 the routing is not the plan's (``LayerRouting.matches``), 2 a hit the slot table does not cache."""
+READY, PREFETCHED_KIND, FETCHED, STAGED = 0, 1, 2, 3  # an accelerator expert's kind in a lane split
+
+
+def _partition(r_experts, r_counts, p_experts, p_counts, source, admitted, row_of, codes, uncounted_on_cpu):
+    """A layer's routing checked against its plan and split between the lanes, in one pass.
+
+    ``codes``: the plan's source codes (CPU, HIT, PREFETCHED, FETCH). Returns (status, CPU experts as
+    ascending indices into the routing's experts (with, if ``uncounted_on_cpu``, those only uncounted
+    tokens use), ``lane``: a (5, g) array over the g accelerator experts in touch order (their positions
+    in the plan, indices into the routing's experts, cache rows (-1 unless a hit), expert ids, kinds:
+    READY hit / PREFETCHED_KIND / FETCHED (admitted) / STAGED), ``order``: lane positions of the hits and
+    prefetched ones, then the fetched ones, then the staged ones (each in touch order), the number of
+    hits, of hits and prefetched ones, and of fetched ones). Status: 0 ok, 1 the routing is not the plan's
+    (``LayerRouting.matches``), 2 a hit that the slot table does not cache (``lane[3, 0]`` names it)."""
+    cpu_code, hit_code, prefetched_code = codes[0], codes[1], codes[2]
     n = r_experts.shape[0]
     m = p_experts.shape[0]
     empty = np.zeros(0, np.int64)
@@ -181,14 +190,14 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_sou
         if r_counts[i] > 0:
             nonzero += 1
     if nonzero != m:
-        return 1, empty, empty, empty, empty, 0
+        return 1, empty, np.zeros((5, 0), np.int64), empty, 0, 0, 0
     on_cpu = np.zeros(n, np.bool_)
     seen = np.zeros(n, np.bool_)
-    gpu = np.empty(m, np.int64)
-    gseg = np.empty(m, np.int64)
-    grow = np.empty(m, np.int64)
+    lane = np.empty((5, m), np.int64)
     g = 0
     hits = 0
+    ready = 0
+    fetched = 0
     for j in range(m):
         e = p_experts[j]
         lo = 0
@@ -200,21 +209,51 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_sou
             else:
                 hi = mid
         if lo == n or r_experts[lo] != e or seen[lo] or p_counts[j] <= 0 or r_counts[lo] != p_counts[j]:
-            return 1, empty, empty, empty, empty, 0
+            return 1, empty, np.zeros((5, 0), np.int64), empty, 0, 0, 0
         seen[lo] = True
-        if source[j] == cpu_source:
+        src = source[j]
+        if src == cpu_code:
             on_cpu[lo] = True
+            continue
+        row = -1
+        if src == hit_code:
+            row = row_of[e] if e < row_of.shape[0] else -1
+            if row < 0:
+                bad = np.zeros((5, 1), np.int64)
+                bad[3, 0] = e
+                return 2, empty, bad, empty, 0, 0, 0
+            kind = READY
+            hits += 1
+            ready += 1
+        elif src == prefetched_code:
+            kind = PREFETCHED_KIND
+            ready += 1
+        elif admitted[j]:
+            kind = FETCHED
+            fetched += 1
         else:
-            gpu[g] = j
-            gseg[g] = lo
-            row = -1
-            if source[j] == hit_source:
-                row = row_of[e] if e < row_of.shape[0] else -1
-                if row < 0:
-                    return 2, empty, empty, empty, p_experts[j:j + 1].astype(np.int64), 0
-                hits += 1
-            grow[g] = row
-            g += 1
+            kind = STAGED
+        lane[0, g] = j
+        lane[1, g] = lo
+        lane[2, g] = row
+        lane[3, g] = e
+        lane[4, g] = kind
+        g += 1
+    order = np.empty(g, np.int64)
+    a = 0
+    b = ready
+    c = ready + fetched
+    for i in range(g):
+        kind = lane[4, i]
+        if kind == READY or kind == PREFETCHED_KIND:
+            order[a] = i
+            a += 1
+        elif kind == FETCHED:
+            order[b] = i
+            b += 1
+        else:
+            order[c] = i
+            c += 1
     c = 0
     for i in range(n):
         if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
@@ -225,7 +264,7 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, row_of, cpu_sou
         if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
             cpu[c] = i
             c += 1
-    return 0, cpu, gpu[:g], gseg[:g], grow[:g], hits
+    return 0, cpu, lane[:, :g].copy(), order, hits, ready, fetched
 
 
 def _rank_order(ids, weights, rows):
@@ -268,4 +307,5 @@ def compiled(name: str):
     return _compiled[name]
 
 
-__all__ = ["NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "compiled"]
+__all__ = ["FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY", "STAGED",
+           "compiled"]

@@ -37,7 +37,7 @@ from dali_exec.executor.store import HostExpertStore
 from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer
 from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, LayerPlan
 
-NO_RELEASE, STAGING, PREFETCH = 0, 1, 2  # what happens to an accelerator expert's buffer after its compute
+_CODES = np.array([CPU, HIT, PREFETCHED, FETCH], np.int64)  # the plan's source codes, for the lane split
 _EMPTY = np.zeros(0, np.int64)
 
 
@@ -147,8 +147,8 @@ class OffloadRuntime:
         T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
         if len(plan.evicted):
             pool.evict_many(layer, np.asarray(plan.evicted))
-        cpu_seg, gpu, gseg, grow, hits = self._partition(plan, routing, uncounted_on_cpu)
-        lanes = _AccelLane.of(plan, pool, gpu, gseg, grow, hits)
+        cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
+        lanes = _AccelLane.of(plan, pool, *split)
         self._issue_deferred()  # adoptions may have freed prefetch buffers
 
         # the CPU lane starts first and runs while the accelerator lane works; inline (same thread and
@@ -194,33 +194,39 @@ class OffloadRuntime:
 
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
-        indices into ``routing.experts``, the accelerator experts' positions in the plan, their indices into
-        ``routing.experts``, their cache rows (-1 unless a hit), how many of them are hits)."""
+        indices into ``routing.experts``, the accelerator lane's split: see ``kernels._partition``)."""
         layer = plan.layer
         kernel = _kernels.compiled("partition")
+        flag = uncounted_on_cpu and routing.counted is not None
         if kernel is not None:
-            status, cpu_seg, gpu, gseg, grow, hits = kernel(
-                routing.experts, routing.counts(), plan.experts, plan.counts, plan.source, self.pool.row_of[layer],
-                CPU, HIT, uncounted_on_cpu and routing.counted is not None)
+            status, cpu_seg, lane, order, hits, ready, fetched = kernel(
+                routing.experts, routing.counts(), plan.experts, plan.counts, plan.source, plan.admitted,
+                self.pool.row_of[layer], _CODES, flag)
             if status == 2:
-                raise AssertionError(f"layer {layer} expert {int(grow[0])} is not in the slot table's cache")
+                raise AssertionError(f"layer {layer} expert {int(lane[3, 0])} is not in the slot table's cache")
         else:
             status = 0 if routing.matches(plan.experts, plan.counts) else 1
         if status == 1:
             raise ValueError(f"step {plan.step} layer {layer}: the routing's experts {routing.experts.tolist()} with "
                              f"{routing.counts().tolist()} tokens differ from the plan's {plan.experts.tolist()}")
         if kernel is None:  # the same in array operations
-            gpu = np.flatnonzero(plan.on_gpu)
-            gseg = np.searchsorted(routing.experts, plan.experts[gpu])
-            grow = np.full(len(gpu), -1, np.int64)
-            hit = plan.source[gpu] == HIT
-            grow[hit] = self.pool.cached_rows(layer, plan.experts[gpu[hit]])
-            hits = int(np.count_nonzero(hit))
+            gpu = np.flatnonzero(plan.source != CPU)
+            src, experts = plan.source[gpu], plan.experts[gpu].astype(np.int64)
+            hit = src == HIT
+            kind = np.select([hit, src == PREFETCHED, plan.admitted[gpu]],
+                             [_kernels.READY, _kernels.PREFETCHED_KIND, _kernels.FETCHED], _kernels.STAGED)
+            rows = np.full(len(gpu), -1, np.int64)
+            rows[hit] = self.pool.cached_rows(layer, experts[hit])
+            lane = np.stack([gpu, np.searchsorted(routing.experts, experts), rows, experts, kind]).astype(np.int64)
+            groups = [np.flatnonzero(kind <= _kernels.PREFETCHED_KIND), np.flatnonzero(kind == _kernels.FETCHED),
+                      np.flatnonzero(kind == _kernels.STAGED)]
+            order = np.concatenate(groups).astype(np.int64)
+            hits, ready, fetched = int(np.count_nonzero(hit)), len(groups[0]), len(groups[1])
             cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
-            if uncounted_on_cpu and routing.counted is not None:
+            if flag:
                 cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
             cpu_seg.sort()
-        return cpu_seg, gpu, gseg, grow, hits
+        return cpu_seg, (lane, order, hits, ready, fetched)
 
     def _accelerator_lane(self, plan: LayerPlan, lanes: "_AccelLane", routing: LayerRouting, x: torch.Tensor,
                           out_buf: torch.Tensor, sw: Stopwatch, inline: list, cpu_out: list) -> None:
@@ -249,15 +255,13 @@ class OffloadRuntime:
             raise AssertionError(f"step {step} layer {layer}: experts must be staged but there are no staging buffers")
         per_turn = n_staged if n_staged <= S else max(1, S // 2)
         halves = 1 if (n_staged <= S or S < 2) else 2  # buffer sets that alternate between turns
-        stage_rows = pool.take_staging_rows(min(S, per_turn * halves))
+        stage_rows = pool.take_staging_rows(min(S, per_turn * halves)) if n_staged else []
         lanes.staging_used = len(stage_rows)
-        turns = [staged[i:i + per_turn] for i in range(0, n_staged, per_turn)] if n_staged else []
-        turn_rows = [stage_rows[(t % halves) * per_turn:(t % halves) * per_turn + len(turns[t])]
-                     for t in range(len(turns))]
-        # 1. the first copies: the admitted experts and the first turns, in touch order
-        first = np.sort(np.concatenate([lanes.fetched] + turns[:halves])) if n_staged else lanes.fetched
-        for t in range(min(halves, len(turns))):
-            rows[turns[t]] = turn_rows[t]
+        # 1. the first copies: the admitted experts and the first turns (turn t < halves: the rows
+        # t * per_turn ..), in touch order
+        head = staged[:per_turn * halves]
+        rows[head] = stage_rows[:len(head)]
+        first = np.sort(np.concatenate([lanes.fetched, head])) if n_staged else lanes.fetched
         fetched_events = self._copy_now(plan, first, experts, rows, sw)
         # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
         ready = lanes.ready
@@ -276,14 +280,9 @@ class OffloadRuntime:
             self._wait_events(fetched_events, first, after)
             self._compute(plan, routing, seg[after], rows[after], x, out_buf, sw)
         # 3. staging turns
-        if n_staged and per_turn == 1:
-            self._single_turns(plan, routing, seg, experts, turns, turn_rows, halves, fetched_events, first, x,
-                               out_buf, sw)
-            pool.release_staging_rows(stage_rows)
-            lanes.staging_used = 0
-        elif n_staged:
-            self._staging_turns(plan, routing, seg, experts, rows, turns, turn_rows, halves, fetched_events, first, x,
-                                out_buf, sw)
+        if n_staged:
+            turns = self._single_turns if per_turn == 1 else self._staging_turns
+            turns(plan, routing, lanes, stage_rows, per_turn, halves, fetched_events, first, x, out_buf, sw)
             pool.release_staging_rows(stage_rows)
             lanes.staging_used = 0
         # 4. prefetches still in flight
@@ -304,23 +303,23 @@ class OffloadRuntime:
             now = waiting[landed]
             waiting = waiting[~landed]
             self._compute(plan, routing, seg[now], rows[now], x, out_buf, sw)
-        freed = np.flatnonzero(lanes.release == PREFETCH) if lanes.prefetched else ()
-        if len(freed):  # prefetch buffers of experts the cache declined: free, and waiting prefetches start
-            for i in freed.tolist():
+        if lanes.freed:  # prefetch buffers of experts the cache declined: free, and waiting prefetches start
+            for i in lanes.freed:
                 pool.release_prefetch(pool.slots[int(rows[i])])
             self._issue_deferred()
 
     def _copy_now(self, plan: LayerPlan, idx: np.ndarray, experts: np.ndarray, rows: np.ndarray, sw: Stopwatch,
-                  after: list | None = None):
+                  after: list | None = None, staging: bool = False):
         """On-demand copies of lane positions ``idx`` into their rows, from this thread; on CUDA their end
-        events (aligned with ``idx``), else None (done)."""
+        events (aligned with ``idx``), else None (done). ``staging``: the rows are staging buffers, which
+        no background copy writes."""
         if not len(idx):
             return None if not self.dev.is_cuda else []
         pool, layer = self.pool, plan.layer
         r, e = rows[idx].tolist(), experts[idx].tolist()
         pool.hold_rows(r, layer, e)
         tickets = pool.tickets
-        previous = [t for i in r if (t := tickets[i]) is not None and not t.done]
+        previous = [] if staging else [t for i in r if (t := tickets[i]) is not None and not t.done]
         if self.dev.is_cuda and after is None:
             after = [pool.last_use[i] for i in r]
         w0 = time.perf_counter()
@@ -328,8 +327,9 @@ class OffloadRuntime:
                                      previous=previous, pause=sw)
         if ends is None:  # the CPU device: the lane waited for its copies while they were made
             self._wait[layer] += time.perf_counter() - w0
-        for i in r:
-            tickets[i] = None
+        if previous or not staging:
+            for i in r:
+                tickets[i] = None
         return ends
 
     def _wait_events(self, events, issued: np.ndarray, idx: np.ndarray) -> None:
@@ -339,42 +339,46 @@ class OffloadRuntime:
             last = int(np.searchsorted(issued, idx).max())
             self.compute_stream.wait_event(events[last])
 
-    def _staging_turns(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, experts: np.ndarray,
-                       rows: np.ndarray, turns: list, turn_rows: list, halves: int, first_events, first: np.ndarray,
-                       x: torch.Tensor, out_buf: torch.Tensor, sw: Stopwatch) -> None:
-        """Turn t: its copies have landed (CUDA: the compute stream waits for them), its experts are computed,
-        then turn t + halves is copied into the same buffers (CUDA: after this compute's event)."""
+    def _staging_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
+                       per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
+                       out_buf: torch.Tensor, sw: Stopwatch) -> None:
+        """Turn t (``per_turn`` staged experts, in the rows of half ``t % halves``; the first ``halves`` turns
+        copied already, as ``first``): its copies have landed (CUDA: the compute stream waits for them), its
+        experts are computed, then turn t + halves is copied into the same buffers (CUDA: after this
+        compute's event)."""
+        seg, experts, rows, staged = lanes.seg, lanes.experts, lanes.rows, lanes.staged
+        turns = [staged[i:i + per_turn] for i in range(0, len(staged), per_turn)]
         events = {}  # turn -> end events of its copies (CUDA)
         if first_events is not None:
             for t in range(min(halves, len(turns))):
-                pos = np.searchsorted(first, turns[t])
-                events[t] = [first_events[int(i)] for i in pos]
+                events[t] = [first_events[int(i)] for i in np.searchsorted(first, turns[t])]
         for t, idx in enumerate(turns):
             if events.get(t):
                 self.compute_stream.wait_event(events[t][-1])
             end = self._compute(plan, routing, seg[idx], rows[idx], x, out_buf, sw)
             nxt = t + halves
             if nxt < len(turns):
-                rows[turns[nxt]] = turn_rows[t][:len(turns[nxt])]
+                half = (t % halves) * per_turn
+                rows[turns[nxt]] = stage_rows[half:half + len(turns[nxt])]
                 ends = self._copy_now(plan, turns[nxt], experts, rows, sw,
-                                      after=[end] * len(turns[nxt]) if end is not None else None)
+                                      after=[end] * len(turns[nxt]) if end is not None else None, staging=True)
                 if ends:
                     events[nxt] = ends
 
-    def _single_turns(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, experts: np.ndarray,
-                      turns: list, turn_rows: list, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
+    def _single_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
+                      per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
                       out_buf: torch.Tensor, sw: Stopwatch) -> None:
         """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts), in one loop over
         lists made up front: per turn the slot table is checked and updated, and the device work (the
         compute from the buffer, then the copy of turn t + ``halves`` into it) is issued with nothing
         else in between; stamps are recorded after the loop."""
         pool, layer, step, cuda = self.pool, plan.layer, plan.step, self.dev.is_cuda
-        idx = np.concatenate(turns)
+        idx = lanes.staged
         n = len(idx)
-        sg = seg[idx]
-        E = experts[idx].tolist()
+        sg = lanes.seg[idx]
+        E = lanes.experts[idx].tolist()
         A, B = routing.ptr[sg].tolist(), routing.ptr[sg + 1].tolist()
-        R = [int(turn_rows[t % halves][0]) for t in range(halves)]
+        R = stage_rows[:halves]  # turn t's buffer: R[t % halves]
         data = {r: pool.slots[r].data for r in R}
         src = self.store.weights[layer]
         pos_d, tok_d, w_d = self._droute(routing)
@@ -535,52 +539,47 @@ class OffloadRuntime:
 
 
 class _AccelLane:
-    """The accelerator experts of one layer visit (touch order), their indices into the routing's experts
-    (``seg``) and their buffers: ``rows`` (slot row, -1 = a staged expert, given a staging buffer by its turn),
-    ``release`` (what to free after the compute); positions (into ``experts``) of the experts whose weights
-    are there or coming by a prefetch (``ready``), of the admitted on-demand ones (``fetched``) and of the
-    staged ones (``staged``, touch order)."""
+    """The accelerator experts of one layer visit (touch order): their ids (``experts``), indices into the
+    routing's experts (``seg``) and slot rows (``rows``; -1 = a staged expert, given a staging buffer by its
+    turn); positions (into ``experts``) of the experts whose weights are there or coming by a prefetch
+    (``ready``), of the admitted on-demand ones (``fetched``) and of the staged ones (``staged``, touch
+    order); ``freed``: positions whose prefetch buffer is freed after their compute (the cache declined
+    them)."""
 
-    __slots__ = ("n", "experts", "seg", "rows", "release", "ready", "fetched", "staged", "prefetched",
-                 "prefetched_in_flight", "staging_used", "all_cached")
+    __slots__ = ("n", "experts", "seg", "rows", "ready", "fetched", "staged", "freed", "prefetched_in_flight",
+                 "staging_used", "all_cached")
 
     @classmethod
-    def of(cls, plan: LayerPlan, pool: SlotPool, gpu: np.ndarray, seg: np.ndarray, rows: np.ndarray,
-           hits: int) -> "_AccelLane":
-        """``gpu``: the accelerator experts' positions in the plan, ``seg`` their indices into the routing's
-        experts, ``rows`` their cache rows (hits; -1 for the others), ``hits`` how many are hits."""
+    def of(cls, plan: LayerPlan, pool: SlotPool, split: np.ndarray, order: np.ndarray, hits: int, ready: int,
+           fetched: int) -> "_AccelLane":
+        """``split``, ``order`` and the counts: the lane split of ``kernels._partition``."""
         lane = cls()
         lane.staging_used = 0
-        lane.prefetched = lane.prefetched_in_flight = False
-        lane.n = len(gpu)
-        lane.seg, lane.rows = seg, rows
-        lane.all_cached = lane.n > 0 and hits == lane.n
-        if lane.all_cached or not lane.n:  # (every one cached: one group, nothing to copy or free)
-            lane.experts = lane.release = lane.fetched = lane.staged = _EMPTY
-            lane.ready = np.arange(lane.n)
+        lane.prefetched_in_flight = False
+        lane.freed = []
+        lane.n = n = split.shape[1]
+        lane.seg, lane.rows, lane.experts = split[1], split[2], split[3]
+        lane.all_cached = n > 0 and hits == n
+        if lane.all_cached or not n:  # (every one cached: one group, nothing to copy or free)
+            lane.ready, lane.fetched, lane.staged = order, _EMPTY, _EMPTY
             return lane
-        layer = plan.layer
-        lane.experts = plan.experts[gpu].astype(np.int64)
-        src = plan.source[gpu]
-        lane.release = np.zeros(lane.n, np.int8)
-        for i in np.flatnonzero(src == PREFETCHED).tolist():  # at most the prefetch buffers
-            e = int(lane.experts[i])
-            slot = pool.pop_prefetched(layer, e)
-            if plan.admitted[gpu[i]]:
-                pool.adopt(layer, e, slot)
-            else:
-                lane.release[i] = PREFETCH
-            rows[i] = slot.index
-            lane.prefetched = True
-            lane.prefetched_in_flight |= bool(pool.inflight[slot.index])
-        fetch = src == FETCH
-        lane.ready = np.flatnonzero(~fetch)
-        fetch = np.flatnonzero(fetch)
-        admitted = plan.admitted[gpu[fetch]]
-        lane.fetched = fetch[admitted]
-        rows[lane.fetched] = pool.admit_many(layer, lane.experts[lane.fetched])
-        lane.staged = fetch[~admitted]
-        lane.release[lane.staged] = STAGING
+        layer, rows = plan.layer, lane.rows
+        lane.ready, lane.fetched, lane.staged = order[:ready], order[ready:ready + fetched], order[ready + fetched:]
+        if ready > hits:  # prefetched ones (at most the prefetch buffers)
+            kinds = split[4]
+            for i in lane.ready.tolist():
+                if kinds[i] != _kernels.PREFETCHED_KIND:
+                    continue
+                e = int(lane.experts[i])
+                slot = pool.pop_prefetched(layer, e)
+                if plan.admitted[split[0, i]]:
+                    pool.adopt(layer, e, slot)
+                else:
+                    lane.freed.append(i)
+                rows[i] = slot.index
+                lane.prefetched_in_flight |= bool(pool.inflight[slot.index])
+        if fetched:
+            rows[lane.fetched] = pool.admit_many(layer, lane.experts[lane.fetched])
         return lane
 
 

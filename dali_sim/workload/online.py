@@ -320,16 +320,10 @@ class OnlineWorkload:
         return np.ascontiguousarray(ids, dtype=np.int64)
 
     def _ids(self, ids: np.ndarray, tokens: int | None, where: str) -> np.ndarray:
-        ids = np.asarray(ids)
-        k = self.top_k
-        if ids.ndim != 2 or ids.shape[1] != k or (tokens is not None and ids.shape[0] != tokens):
-            want = f"({tokens}, {k})" if tokens is not None else f"(tokens, {k})"
-            raise ValueError(f"{where}: expected {want} expert ids, got shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"{where}: expert ids must be integers, got {ids.dtype}")
+        ids = self._ids_shape(ids, tokens, where)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
             raise ValueError(f"{where}: expert ids must lie in 0..{self.num_experts - 1}")
-        return ids.astype(np.int64)
+        return ids
 
     def _segment(self, ids: np.ndarray, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(experts in touch order, workloads, best ranks): the trace workload's rule for one (step, layer)
