@@ -70,7 +70,7 @@ def plan_only_us(setup, seed: int = 0) -> float:
     extra = {"future": FutureDemand.from_workload(w)} if needs else {}
     ctl = Controller(w, setup.costs, placement, cache, prefetch, setup.memory.capacities,
                      cache_init=s.memory.cache_init, prefetch_slots=setup.memory.prefetch_slots,
-                     staging_slots=s.memory.staging_slots, seed=seed, **extra)
+                     staging_slots=setup.memory.staging_slots, seed=seed, **extra)
     counters = PlanCounters(w.num_layers)
     t0 = time.perf_counter()
     n = 0

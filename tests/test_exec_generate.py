@@ -334,6 +334,23 @@ def test_slow_copies_change_nothing(cases):
         c.check_same(result, logits)
 
 
+def test_without_numba_the_same_tokens_logits_and_counts(cases, monkeypatch):
+    """The NumPy code of every compiled per-layer loop (no numba, or DALI_NUMBA=0): identical results."""
+    from dali_exec.executor import kernels
+    from dali_sim.policies import placement_dali
+    from dali_sim.workload import online
+
+    c = cases("qwen3_moe")
+    compiled = {s: c.run(s)[0] for s in ("dali", "hybrimoe", "gpu-lru")}
+    monkeypatch.setattr(kernels, "compiled", lambda name: None)
+    monkeypatch.setattr(online, "_segment_kernel", lambda: None)
+    monkeypatch.setattr(placement_dali, "_compiled_place", lambda: None)
+    for system, first in compiled.items():
+        result, logits = c.run(system)
+        c.check_same(result, logits)
+        assert {k: result.summary[k] for k in COUNTERS} == {k: first.summary[k] for k in COUNTERS}, system
+
+
 def test_result_layout_and_the_model_is_restored(cases):
     c = cases("mixtral")
     adapter = get_adapter(c.model)

@@ -103,6 +103,45 @@ def test_a_later_copy_into_the_same_buffer_promotes_the_earlier_one():
     assert dst[1].tolist() == [3.0, 3.0]  # the later copy landed last
 
 
+def test_on_demand_copies_of_the_lane_and_background_batches_land_with_one_interval_each():
+    timer = Timer()
+    engine = CopyEngine(None, timer)
+    try:
+        dst = torch.zeros(6, 8)
+        src = torch.arange(2 * 5 * 8, dtype=torch.float32).view(2, 5, 8)
+        inflight = np.zeros(6, np.int64)
+        rows = np.array([0, 3, 5])
+        t = engine.submit_many(dst, src, rows.tolist(), ([1, 1, 1], [4, 0, 2]), BACKGROUND,
+                               ("prefetch", 0, [1, 1, 1], [4, 0, 2], None), rows=rows, inflight=inflight)
+        t.wait()  # one layer: copied at once on the CPU device, landed together
+        assert inflight.tolist() == [0] * 6 and t.landed == 3
+        assert torch.equal(dst[[0, 3, 5]], src[1, [4, 0, 2]])
+        assert engine.issue_now(dst, src, [1, 2], 0, [3, 1], 7) is None  # the CPU device: done now
+        assert torch.equal(dst[[1, 2]], src[0, [3, 1]])
+        start, end = engine.copy_one(dst[4], src[0, 0])
+        assert end >= start and torch.equal(dst[4], src[0, 0])
+        names = sorted(iv.name for iv in timer.intervals())
+        assert names == ["fetch L0 E1", "fetch L0 E3", "prefetch L1 E0", "prefetch L1 E2", "prefetch L1 E4"]
+        assert engine.copies == 6
+    finally:
+        engine.close()
+
+
+def test_timer_summary_equals_the_resolved_intervals():
+    timer = Timer()
+    a = timer.mark()
+    timer.add_group("gpu", 0, 1, np.array([3, 5]), np.array([2, 6]), a, a + 0.004)
+    timer.add_copies("fetch", 0, 1, [3, 5, 6], a, a + 0.003)
+    timer.add_activity("host", "host", 0, 1, a, a + 0.001)
+    timer.add("cpu", Activity("expert", 0, 1, 2, tokens=1), a + 0.001, a + 0.002)
+    busy, count, lazy = timer.summary()
+    resolved = timer.intervals()
+    assert count == len(resolved) == 7 and list(lazy) == resolved and len(lazy) == 7
+    for track in ("gpu", "pcie", "host", "cpu"):
+        assert busy[track] == pytest.approx(sum(iv.end - iv.start for iv in resolved if iv.track == track))
+    assert [iv.args["tokens"] for iv in resolved if iv.track == "gpu"] == [2, 6]
+
+
 def test_copy_errors_reach_the_waiter():
     engine = CopyEngine(None, Timer())
     try:

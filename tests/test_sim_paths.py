@@ -457,3 +457,52 @@ def test_cli_lists_systems_and_profiles():
     assert set(PRESETS) <= set(system_names())  # presets needing lookahead columns: test_system_presets.py
     res = invoke("profiles")
     assert res.exit_code == 0 and "rtx3090-epyc7532" in res.output and "(default)" in res.output
+
+
+def test_plan_counters_add_up_in_bulk_as_plan_by_plan(monkeypatch, tmp_path):
+    """PlanCounters keeps plans as tuples and adds them up when read (or every _FLUSH plans): the same
+    per-layer counts as adding each plan's, and ``c`` can be changed in place between adds."""
+    from dali_sim.policies.systems import resolve_system as resolve
+    from dali_sim.runtime.controller import CPU, FETCH, PREFETCHED, Controller
+    from dali_sim.runtime.memory import plan_memory
+    from dali_sim.hardware.cost import CostModel
+    from dali_sim.hardware.profile import load_profile
+    from dali_sim.sim.counters import COUNTERS, PlanCounters
+    from dali_sim.sim.simulate import DEFAULT_HARDWARE
+    from dali_sim.workload.builder import Workload, WorkloadConfig
+
+    from dali_sim.trace.synth import SynthConfig, synthesize
+
+    path = tmp_path / "t.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=4, prompt_len=4, gen_len=12, seed=3,
+                           lookahead=("residual=0.8",)), path)
+    trace = read_trace(path)
+    sysconf = resolve("dali", None, trace.model)  # prefetches, staging, swaps at window ends
+    profile = load_profile(DEFAULT_HARDWARE)
+    w = Workload(trace, WorkloadConfig(4), predictors=("residual",))
+    costs = CostModel(profile, trace.model)
+    placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
+    mem = plan_memory(trace.model, sysconf.memory, profile.gpu_memory_bytes, w.max_batch_context)
+    ctl = Controller(w, costs, placement, cache, prefetch, mem.capacities, cache_init=sysconf.memory.cache_init,
+                     prefetch_slots=mem.prefetch_slots, staging_slots=mem.staging_slots)
+    monkeypatch.setattr(PlanCounters, "_FLUSH", 7)
+    bulk, naive = PlanCounters(w.num_layers), {k: np.zeros(w.num_layers, np.int64) for k in COUNTERS}
+    for step in range(min(w.num_steps, 40)):
+        for layer in range(w.num_layers):
+            p = ctl.plan(step, layer)
+            bulk.add(p)
+            n, src = len(p.experts), p.source
+            gpu_tokens = int(p.counts[p.on_gpu].sum())
+            for key, v in (("activated", n), ("hits", p.hit.sum()), ("gpu_experts", (src != CPU).sum()),
+                           ("cpu_experts", (src == CPU).sum()), ("on_demand", (src == FETCH).sum()),
+                           ("prefetch_used", (src == PREFETCHED).sum()), ("prefetch_issued", len(p.prefetches)),
+                           ("prefetch_wasted", len(p.prefetch_wasted)), ("admitted", p.admitted.sum()),
+                           ("evicted", len(p.evicted)), ("staged", p.staged.sum()), ("swaps", len(p.swaps)),
+                           ("gpu_tokens", gpu_tokens), ("cpu_tokens", int(p.counts.sum()) - gpu_tokens)):
+                naive[key][layer] += v
+        if step == 10:
+            bulk.c["activated"] += 1  # changed in place, as the time bound's result does
+            naive["activated"] += 1
+    assert {k: bulk.c[k].tolist() for k in COUNTERS} == {k: v.tolist() for k, v in naive.items()}
+    assert bulk.totals()["activated"] == int(naive["activated"].sum())
+    assert naive["prefetch_issued"].sum() > 0 and naive["swaps"].sum() > 0 and naive["cpu_experts"].sum() > 0

@@ -1,18 +1,23 @@
-"""Host-to-accelerator copies: one thread issues them one at a time, on-demand before background.
+"""Host-to-accelerator copies: on-demand ones issued by the accelerator lane, background ones by a thread.
 
 The link model of the simulator (docs/simulator.md): on-demand copies go before prefetches and cache
-swaps that have not started; a started copy is never preempted. The copy thread keeps a priority
-queue of requests (priority, then submission order), takes the first, issues its copies (on CUDA on
-the copy stream, from pinned memory, ``non_blocking=True``, each bracketed by CUDA events), waits for
-them to land one by one (marking each landed: the slot rows' in-flight counts drop) and takes the next
-request. A request is one background copy (a prefetch or a swap) or all on-demand copies of a layer,
-in touch order: issuing them together leaves no gaps between them, and nothing could overtake them
-anyway (they are the highest priority); a background copy issued alone can still be overtaken while
-queued, which is what makes the priority real (a copy queued on a CUDA stream cannot be).
+swaps that have not started; a started copy is never preempted.
 
-Without CUDA the copy is a host ``copy_`` in the same thread (torch releases the GIL), so the code
-path is the same. ``delay_s`` (tests) holds every copy back that long before it is issued, to check
-that nothing computes from a slot whose copy has not landed.
+* **On-demand** copies (a layer's fetches, its staging turns) are issued by the thread that computes, when
+  their buffers are free (:meth:`CopyEngine.issue_now`, :meth:`CopyEngine.copy_one`): on CUDA queued on
+  the copy stream from pinned memory (``non_blocking=True``, each bracketed by CUDA events, each after the
+  event of the last compute that read its buffer), so a compute waits for them on its stream and the host
+  never does; on the CPU device (no DMA engine) made at once. No hand-over to another thread per copy.
+* **Background** copies (prefetches, swaps) go through one copy thread with a priority queue of requests
+  (priority, then submission order): it takes the first, issues its copies one at a time (on CUDA on the
+  copy stream, synchronising each before the next, so at most one is queued there), marks each landed
+  (the slot rows' in-flight counts drop) and, between two copies, lets an on-demand request that has
+  arrived go first, the rest resuming after it. Queueing on the copy stream is done under one lock, so a
+  layer's on-demand copies are queued together, behind at most the one background copy that has started.
+  On the CPU device a background request whose copies all come from one layer is one gather and scatter.
+
+``delay_s`` (tests) holds every copy back that long before it is issued, to check that nothing computes
+from a slot whose copy has not landed.
 """
 
 from __future__ import annotations
@@ -90,6 +95,9 @@ class CopyEngine:
         self.delay_s = delay_s
         self.device = device
         self._cond = threading.Condition()
+        #: held while copies are queued on the copy stream (by this thread or :meth:`issue_now`), so a
+        #: layer's on-demand copies are queued together
+        self._stream_lock = threading.Lock()
         self._heap: list[tuple[int, int, CopyTicket]] = []
         self._seq = itertools.count()
         self._closed = False
@@ -141,6 +149,80 @@ class CopyEngine:
             self._open += 1
             self._cond.notify_all()
         return t
+
+    def issue_now(self, dst_table: torch.Tensor, src_table: torch.Tensor, rows: list[int], layer: int,
+                  experts: list[int], step: int, *, after: list | None = None, previous: list | None = None,
+                  pause=None) -> list | None:
+        """On-demand copies ``dst_table[rows[i]].copy_(src_table[layer, experts[i]])`` issued by the calling
+        thread, in this order, ahead of every background copy that has not started (nothing is queued:
+        the accelerator lane issues them when their buffers are free, with no hand-over to the copy thread).
+
+        On CUDA they are queued on the copy stream (``non_blocking`` from pinned memory), each after its
+        ``after`` event (the last compute that read its row), and their end events are returned: a compute
+        from a row waits for its event on the compute stream, the host never waits. On the CPU device
+        (no DMA engine: the host copies) they are done now, in one gather and scatter when there are
+        several, and None is returned. ``previous``: background copies into these rows that may still be
+        queued; they are promoted and waited for first, so copies into a row land in order. ``pause``:
+        a stopwatch, stopped while the copies themselves run (they are not bookkeeping)."""
+        for t in previous or ():
+            if not t.done:
+                with self._cond:
+                    if not t.taken and t.priority > ON_DEMAND:
+                        t.priority = ON_DEMAND
+                        heapq.heappush(self._heap, (ON_DEMAND, t.seq, t))
+                        self._cond.notify_all()
+                t.wait()
+        n = len(rows)
+        self.copies += n
+        if pause is not None:
+            pause.stop()
+        try:
+            if self.stream is None:
+                if self.delay_s:
+                    time.sleep(self.delay_s * n)
+                start = self.timer.mark()
+                if n == 1:
+                    dst_table[rows[0]].copy_(src_table[layer, experts[0]])
+                else:
+                    dst_table.index_copy_(0, torch.tensor(rows), src_table[layer].index_select(0, torch.tensor(experts)))
+                self.timer.add_copies("fetch", step, layer, experts, start, self.timer.mark())
+                return None
+            ends = []
+            with self._stream_lock, torch.cuda.stream(self.stream):
+                for i in range(n):
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
+                    if after is not None and after[i] is not None:
+                        self.stream.wait_event(after[i])
+                    start = self.timer.mark(self.stream)
+                    dst_table[rows[i]].copy_(src_table[layer, experts[i]], non_blocking=True)
+                    end = self.timer.mark(self.stream)
+                    self.timer.add_copies("fetch", step, layer, experts[i:i + 1], start, end)
+                    ends.append(end)
+            return ends
+        finally:
+            if pause is not None:
+                pause.start()
+
+    def copy_one(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> tuple:
+        """One on-demand copy issued by the calling thread (a staging turn's): as :meth:`issue_now` for a single
+        copy into a buffer no background copy writes, recording nothing; returns its (start, end) stamps.
+        On CUDA it is queued on the copy stream after the event ``after``."""
+        self.copies += 1
+        if self.stream is None:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            start = self.timer.mark()
+            dst.copy_(src)
+            return start, self.timer.mark()
+        with self._stream_lock, torch.cuda.stream(self.stream):
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if after is not None:
+                self.stream.wait_event(after)
+            start = self.timer.mark(self.stream)
+            dst.copy_(src, non_blocking=True)
+            return start, self.timer.mark(self.stream)
 
     def wait_any(self, tickets: list[CopyTicket]) -> None:
         """Block until at least one of ``tickets`` is done."""
@@ -195,39 +277,13 @@ class CopyEngine:
             torch.cuda.set_device(self.device)
         while (t := self._next()) is not None:
             try:
-                dsts, srcs = t.dsts, t.srcs
-                if t.src_table is not None:  # (dst table, src table) and indices
-                    dst_table, src_table = t.src_table
-                    layers, experts = srcs
-                    dsts, srcs = [dst_table[i] for i in dsts], [src_table[a, b] for a, b in zip(layers, experts)]
-                n = len(dsts)
+                n = len(t.dsts)
                 batch = t.priority == ON_DEMAND  # issued back to back; background copies one at a time
                 first = t.next
-                for i in range(first, n):
-                    if i > first and not batch and self._preempted(t):
-                        break
-                    if self.delay_s:
-                        time.sleep(self.delay_s)
-                    if self.stream is not None:
-                        with torch.cuda.stream(self.stream):
-                            if t.after is not None and t.after[i] is not None:
-                                self.stream.wait_event(t.after[i])
-                            t.starts.append(self.timer.mark(self.stream))
-                            dsts[i].copy_(srcs[i], non_blocking=True)
-                            t.ends.append(self.timer.mark(self.stream))
-                        if not batch:
-                            t.ends[i].synchronize()
-                    else:
-                        t.starts.append(self.timer.mark())
-                        dsts[i].copy_(srcs[i])
-                        t.ends.append(self.timer.mark())
-                    t.next = i + 1
-                    if not batch or self.stream is None:
-                        self._land(t, i)
-                if batch and self.stream is not None:
-                    for i in range(first, n):  # ... and land one by one
-                        t.ends[i].synchronize()
-                        self._land(t, i)
+                if self._copy_at_once(t, first, n):
+                    t.next = n
+                else:
+                    self._copy_each(t, first, n, batch)
                 if t.next < n:
                     continue  # preempted: resumed later
                 self.copies += n
@@ -238,6 +294,71 @@ class CopyEngine:
                 t.done = True
                 self._open -= 1
                 self._cond.notify_all()
+
+    def _copy_at_once(self, t: CopyTicket, first: int, n: int) -> bool:
+        """The CPU device: the rest of a background request whose copies all come from one layer of the host
+        store, as one gather and scatter, landed together, unless an on-demand request waits (then copy by
+        copy, as on CUDA) or copies are delayed (tests)."""
+        if self.stream is not None or self.delay_s or t.src_table is None or n - first < 2:
+            return False
+        layers, experts = t.srcs
+        layer = layers[first]
+        if any(x != layer for x in layers[first:n]):
+            return False
+        with self._cond:
+            if self._heap and self._heap[0][0] < t.priority:
+                return False
+        dst_table, src_table = t.src_table
+        start = self.timer.mark()
+        dst_table.index_copy_(0, torch.tensor(t.dsts[first:n]), src_table[layer].index_select(
+            0, torch.tensor(experts[first:n])))
+        end = self.timer.mark()
+        t.starts.extend([start] * (n - first))
+        t.ends.extend([end] * (n - first))
+        for i in range(first, n):
+            self.timer.add_copy(t, i)
+        with self._cond:
+            if t.inflight is not None:
+                np.subtract.at(t.inflight, t.rows[first:n], 1)
+            t.landed += n - first
+            self._cond.notify_all()
+        return True
+
+    def _copy_each(self, t: CopyTicket, first: int, n: int, batch: bool) -> None:
+        """Copies ``first``.. of a request one by one (a background one yields to on-demand requests between
+        two copies)."""
+        dsts, srcs = t.dsts, t.srcs
+        if t.src_table is not None:  # (dst table, src table) and indices
+            dst_table, src_table = t.src_table
+            layers, experts = srcs
+            dsts = [dst_table[i] for i in dsts[first:n]]
+            srcs = [src_table[a, b] for a, b in zip(layers[first:n], experts[first:n])]
+            dsts, srcs = [None] * first + dsts, [None] * first + srcs
+        for i in range(first, n):
+            if i > first and not batch and self._preempted(t):
+                break
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if self.stream is not None:
+                with self._stream_lock, torch.cuda.stream(self.stream):
+                    if t.after is not None and t.after[i] is not None:
+                        self.stream.wait_event(t.after[i])
+                    t.starts.append(self.timer.mark(self.stream))
+                    dsts[i].copy_(srcs[i], non_blocking=True)
+                    t.ends.append(self.timer.mark(self.stream))
+                if not batch:
+                    t.ends[i].synchronize()
+            else:
+                t.starts.append(self.timer.mark())
+                dsts[i].copy_(srcs[i])
+                t.ends.append(self.timer.mark())
+            t.next = i + 1
+            if not batch or self.stream is None:
+                self._land(t, i)
+        if batch and self.stream is not None:
+            for i in range(first, n):  # ... and land one by one
+                t.ends[i].synchronize()
+                self._land(t, i)
 
     def drain(self) -> None:
         """Wait until every submitted copy has landed."""

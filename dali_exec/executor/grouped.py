@@ -23,8 +23,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dali_exec.executor import kernels as _kernels
 from dali_exec.executor.routing import LayerRouting
 
+_NONE = np.zeros(0, np.int64)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 #: (device type, dtype) pairs for which torch's grouped product failed once: the loop is used from then on
 _UNSUPPORTED: set[tuple[str, torch.dtype]] = set()
@@ -75,10 +77,27 @@ class GroupIndex:
     lo: int
     table_counts: np.ndarray
     offs: np.ndarray
+    tokens: np.ndarray | None = None  # token row of each pair (pairs // top_k), if built with them
+    pair_rows: np.ndarray | None = None  # row of each pair within the span, if built with them
+    #: built against a slot table (``build(..., slots=...)``) by the compiled loop: whether every row holds
+    #: its expert with no copy in flight; None: not checked (``SlotPool.check_rows`` is the caller's)
+    rows_ready: bool | None = None
 
     @classmethod
-    def build(cls, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> "GroupIndex":
-        """``seg``: indices into ``routing.experts`` (the group's experts), ``rows``: their table rows."""
+    def build(cls, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray, slots: tuple | None = None
+              ) -> "GroupIndex":
+        """``seg``: indices into ``routing.experts`` (the group's experts), ``rows``: their table rows.
+        ``slots``: (layer, hold_layer, hold_expert, inflight) of a slot table whose rows these are, to check
+        their readiness in the same loop (``rows_ready``)."""
+        kernel = _kernels.compiled("group_index")
+        if kernel is not None:  # one compiled loop: the same indices as below, and the token rows
+            layer, hold_layer, hold_expert, inflight = slots if slots is not None else (-1, _NONE, _NONE, _NONE)
+            pairs, w, rows_s, experts, counts, lo, table_counts, offs, tok, pair_rows, ready = kernel(
+                routing.ptr, routing.positions, routing.weights, routing.experts.astype(np.int64, copy=False),
+                np.asarray(seg, np.int64), np.asarray(rows, np.int64), routing.top_k, layer, hold_layer,
+                hold_expert, inflight)
+            return cls(pairs, w, rows_s, experts, counts, int(lo), table_counts, offs, tok, pair_rows,
+                       bool(ready) if slots is not None else None)
         if len(seg) == 1:  # one expert (a staging turn): its segment of the routing as it is
             i, row = int(seg[0]), int(rows[0])
             a, b = int(routing.ptr[i]), int(routing.ptr[i + 1])
@@ -110,6 +129,10 @@ class GroupIndex:
         return cls(routing.positions, routing.weights, rows, routing.experts, counts, lo, table_counts,
                    np.cumsum(table_counts).astype(np.int32))
 
+    def token_rows(self, top_k: int) -> np.ndarray:
+        """The token row of every pair."""
+        return self.tokens if self.tokens is not None else self.pairs // top_k
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -119,7 +142,7 @@ class GroupIndex:
 
     def row_of_pairs(self) -> np.ndarray:
         """The row of every pair within :meth:`span` (for per-row biases)."""
-        return np.repeat(self.rows - self.lo, self.counts)
+        return self.pair_rows if self.pair_rows is not None else np.repeat(self.rows - self.lo, self.counts)
 
 
 __all__ = ["GroupIndex", "grouped_mm"]

@@ -25,11 +25,11 @@ from dali_exec.executor.result import assemble_result
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.runtime import OffloadRuntime
 from dali_exec.executor.store import STEP_INPUT, HostExpertStore, derive_seed
-from dali_exec.executor.timing import Stopwatch, Timer
+from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer, paused_gc
 from dali_sim.runtime.controller import Controller, LayerPlan
 from dali_sim.runtime.future import FutureDemand
 from dali_sim.sim.counters import PlanCounters
-from dali_sim.sim.engine import TRACKS, Activity, EngineOutput
+from dali_sim.sim.engine import Activity, EngineOutput
 from dali_sim.sim.simulate import DEFAULT_HARDWARE, SimResult
 from dali_sim.trace.reader import Trace, read_trace
 
@@ -132,8 +132,7 @@ class Replay:
         setup, w, dev = self.setup, self.setup.workload, self.dev
         L = w.num_layers
         counters = PlanCounters(L)
-        decision = np.zeros((2, L))  # wall, thread CPU
-        routing_s = np.zeros((2, L))
+        decision, routing_s = LayerSeconds(L), LayerSeconds(L)  # wall, thread CPU
         layer_time = np.zeros(L)
         starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
         prev_threads = torch.get_num_threads()
@@ -144,49 +143,47 @@ class Replay:
                    delay=2, leave=False)
         try:
             self.timer.start()
-            for step in range(w.num_steps):
-                starts[step] = self.timer.now()
-                seq, pos = w.step_positions(step)
-                attn = StepAttention(np.array([self.slot_of_seq[s] for s in seq.tolist()]), pos, self.dense_device)
-                x = self._step_input(step, len(seq))
-                layer = 0
-                for b, block in enumerate(self.blocks):
-                    if b not in moe_blocks:
-                        x, _ = self._dense(block, x, attn, Activity("block", step, b))
-                        continue
-                    t0 = self.timer.now()
-                    host0 = self.timer.mark()
-                    sw = Stopwatch().start()
-                    plan = self.controller.plan(step, layer)
-                    counters.add(plan)
-                    sw.stop()
-                    self.timer.add("host", Activity("host", step, layer), host0, self.timer.mark())
-                    decision[:, layer] += (sw.wall, sw.cpu)
-                    self.runtime.start_layer(plan)
-                    residual, gate_input = self._dense(block, x, attn, Activity("dense", step, layer))
-                    sw = Stopwatch().start()
-                    ids, weights = w.routing(step, layer)
-                    routing = LayerRouting.group(ids, weights)
-                    sw.stop()
-                    routing_s[:, layer] += (sw.wall, sw.cpu)
-                    x = residual + self.runtime.run_experts(plan, gate_input, routing)
+            with paused_gc():  # no collector pauses in the middle of layers
+                for step in range(w.num_steps):
+                    starts[step] = self.timer.now()
+                    seq, pos = w.step_positions(step)
+                    attn = StepAttention(np.array([self.slot_of_seq[s] for s in seq.tolist()]), pos, self.dense_device)
+                    x = self._step_input(step, len(seq))
+                    layer = 0
+                    for b, block in enumerate(self.blocks):
+                        if b not in moe_blocks:
+                            x, _ = self._dense(block, x, attn, Activity("block", step, b))
+                            continue
+                        t0 = self.timer.now()
+                        host0 = self.timer.mark()
+                        sw = Stopwatch().start()
+                        plan = self.controller.plan(step, layer)
+                        counters.add(plan)
+                        sw.stop()
+                        self.timer.add_activity("host", "host", step, layer, host0, self.timer.mark())
+                        decision.add(layer, sw)
+                        self.runtime.start_layer(plan)
+                        residual, gate_input = self._dense(block, x, attn, Activity("dense", step, layer))
+                        sw = Stopwatch().start()
+                        ids, weights = w.routing(step, layer)
+                        routing = LayerRouting.group(ids, weights)
+                        sw.stop()
+                        routing_s.add(layer, sw)
+                        x = residual + self.runtime.run_experts(plan, gate_input, routing)
+                        dev.synchronize()
+                        layer_time[layer] += self.timer.now() - t0
+                        if on_layer is not None:
+                            on_layer(LayerRecord(step, layer, plan, gate_input, residual, x, ids, weights))
+                        layer += 1
                     dev.synchronize()
-                    layer_time[layer] += self.timer.now() - t0
-                    if on_layer is not None:
-                        on_layer(LayerRecord(step, layer, plan, gate_input, residual, x, ids, weights))
-                    layer += 1
-                dev.synchronize()
-                ends[step] = self.timer.now()
-                bar.update()
+                    ends[step] = self.timer.now()
+                    bar.update()
             self.runtime.finish()
         finally:
             bar.close()
             torch.set_num_threads(prev_threads)
-        intervals = self.timer.intervals()
-        busy = dict.fromkeys(TRACKS, 0.0)
-        for iv in intervals:
-            busy[iv.track] += iv.end - iv.start
-        out = EngineOutput(starts, ends, layer_time, self.runtime.layer_wait.copy(), busy, len(intervals), intervals)
+        busy, count, intervals = self.timer.summary()  # intervals resolved when read (a timeline)
+        out = EngineOutput(starts, ends, layer_time, self.runtime.layer_wait.copy(), busy, count, intervals)
         executor = {
             "devices": dev.describe(),
             "options": {k: v for k, v in dataclasses.asdict(self.opts).items() if k != "progress"},
@@ -200,8 +197,9 @@ class Replay:
             "gate_weights": "trace" if setup.trace.meta.has_weights else "1/top_k (the trace has none)",
         }
         rt = self.runtime
-        bookkeeping = routing_s + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
-        return assemble_result(setup, self.controller, counters, out, decision_s=decision, bookkeeping_s=bookkeeping,
+        bookkeeping = routing_s.array() + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
+        return assemble_result(setup, self.controller, counters, out, decision_s=decision.array(),
+                               bookkeeping_s=bookkeeping,
                                batch_size=w.config.batch_size, prefill_chunk=w.config.prefill_chunk,
                                seed=self.seed, executor=executor)
 

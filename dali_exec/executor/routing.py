@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dali_exec.executor import kernels as _kernels
+
+_NO_ORDER = np.zeros(0, np.int64)
+_NO_COUNTED = np.zeros(0, bool)
+
 
 @dataclass
 class LayerRouting:
@@ -44,7 +49,32 @@ class LayerRouting:
         weights = np.asarray(weights, np.float32)
         if weights.shape != ids.shape:
             raise ValueError(f"routing weights {weights.shape} do not match expert ids {ids.shape}")
+        if counted is not None:
+            counted = np.asarray(counted, bool)
+            if counted.shape != (T,):
+                raise ValueError(f"counted must be a ({T},) bool mask, got shape {counted.shape}")
         flat = ids.reshape(-1).astype(np.int64)
+        kernel = _kernels.compiled("group_routing")
+        if kernel is not None:  # one compiled loop; the same result as the NumPy code below
+            status, order, ptr, experts, w, c, per = kernel(
+                flat, _NO_ORDER if order is None else np.asarray(order, np.int64), weights.reshape(-1),
+                _NO_COUNTED if counted is None else counted, k)
+            if status == _kernels.NOT_PERMUTATION:
+                raise ValueError(f"order must be a permutation of the {len(flat)} flat positions")
+            if status == _kernels.NOT_SORTED:
+                raise ValueError("order must sort the flat positions by expert id")
+            if status == _kernels.NEGATIVE:
+                raise ValueError("expert ids must be >= 0")
+            return cls(T, k, experts, ptr, order, w, None if counted is None else c,
+                       None if counted is None else per)
+        return cls._group_numpy(T, k, flat, weights, counted, order)
+
+    @classmethod
+    def _group_numpy(cls, T: int, k: int, flat: np.ndarray, weights: np.ndarray, counted: np.ndarray | None,
+                     order: np.ndarray | None) -> "LayerRouting":
+        """:meth:`group` in NumPy operations (without numba, and the reference of the compiled kernel)."""
+        if len(flat) and flat.min() < 0:
+            raise ValueError("expert ids must be >= 0")
         if order is None:
             order = np.argsort(flat, kind="stable")
         else:
@@ -61,28 +91,30 @@ class LayerRouting:
         starts = np.flatnonzero(new)
         ptr = np.append(starts, len(flat))
         if counted is not None:
-            counted = np.asarray(counted, bool)
-            if counted.shape != (T,):
-                raise ValueError(f"counted must be a ({T},) bool mask, got shape {counted.shape}")
             counted = np.repeat(counted, k)[order]
         return cls(T, k, sorted_ids[starts], ptr, order, weights.reshape(-1)[order], counted)
 
     def counts(self) -> np.ndarray:
         """Tokens per expert, aligned with ``experts`` (counted tokens only: 0 for an expert that only
         uncounted tokens use)."""
-        if self.counted is None:
-            return np.diff(self.ptr)
-        if not len(self.experts):
-            return np.zeros(0, np.int64)
         c = self._counted_per_expert
         if c is None:
-            c = self._counted_per_expert = np.add.reduceat(self.counted.astype(np.int64), self.ptr[:-1])
+            if self.counted is None:
+                c = np.diff(self.ptr)
+            elif not len(self.experts):
+                c = np.zeros(0, np.int64)
+            else:
+                c = np.add.reduceat(self.counted.astype(np.int64), self.ptr[:-1])
+            self._counted_per_expert = c
         return c
 
     def matches(self, experts: np.ndarray, counts: np.ndarray) -> bool:
         """Are these exactly the activated experts (those with counted tokens) with these workloads (any order)?"""
         experts, counts = np.asarray(experts, np.int64), np.asarray(counts, np.int64)
         own = self.counts()
+        kernel = _kernels.compiled("matches")
+        if kernel is not None:
+            return kernel(self.experts, own, experts, counts)
         width = 1 + max(int(experts.max(initial=-1)), int(self.experts.max(initial=-1)))
         want, have = np.zeros(width, np.int64), np.zeros(width, np.int64)
         want[experts] = counts

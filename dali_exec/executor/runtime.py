@@ -26,17 +26,18 @@ from collections import deque
 import numpy as np
 import torch
 
-from dali_exec.executor.copies import BACKGROUND, ON_DEMAND, CopyEngine, CopyTicket
+from dali_exec.executor import kernels as _kernels
+from dali_exec.executor.copies import BACKGROUND, CopyEngine, CopyTicket
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices
 from dali_exec.executor.grouped import GroupIndex
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
-from dali_exec.executor.timing import Stopwatch, Timer
+from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer
 from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, LayerPlan
 
-NO_RELEASE, STAGING, PREFETCH = 0, 1, 2  # what happens to an accelerator expert's buffer after its compute
+_CODES = np.array([CPU, HIT, PREFETCHED, FETCH], np.int64)  # the plan's source codes, for the lane split
 _EMPTY = np.zeros(0, np.int64)
 
 
@@ -67,9 +68,10 @@ class OffloadRuntime:
         L = len(capacities)
         self.swaps_landing: dict[int, list[CopyTicket]] = {}
         self.deferred: deque[tuple[int, int, int]] = deque()  # prefetches waiting for a free buffer: (layer, expert, step)
-        self.layer_wait = np.zeros(L)
-        self.layer_bookkeeping = np.zeros(L)
-        self.layer_bookkeeping_cpu = np.zeros(L)
+        self._wait = [0.0] * L  # seconds the accelerator lane waited for weights, per layer
+        self._bookkeeping = LayerSeconds(L)
+        self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
+        self._droute_list: list = []
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
         self.groups = {"gpu": 0, "cpu": 0}
         self.grouped_experts = {"gpu": 0, "cpu": 0}
@@ -102,7 +104,7 @@ class OffloadRuntime:
                 sw.stop()
                 w0 = time.perf_counter()
                 ticket.wait()
-                self.layer_wait[layer] += time.perf_counter() - w0
+                self._wait[layer] += time.perf_counter() - w0
                 sw.start()
             ticket.wait()  # re-raises a failed copy
         for e in plan.prefetch_wasted:
@@ -114,8 +116,22 @@ class OffloadRuntime:
         self._book(layer, sw)
 
     def _book(self, layer: int, sw: Stopwatch) -> None:
-        self.layer_bookkeeping[layer] += sw.wall
-        self.layer_bookkeeping_cpu[layer] += sw.cpu
+        self._bookkeeping.add(layer, sw)
+
+    @property
+    def layer_wait(self) -> np.ndarray:
+        """(L,) seconds the accelerator lane waited for weights (host-measured)."""
+        return np.array(self._wait)
+
+    @property
+    def layer_bookkeeping(self) -> np.ndarray:
+        """(L,) wall-clock seconds of the runtime's own host work."""
+        return np.array(self._bookkeeping.wall)
+
+    @property
+    def layer_bookkeeping_cpu(self) -> np.ndarray:
+        """(L,) thread-CPU seconds of the runtime's own host work."""
+        return np.array(self._bookkeeping.cpu)
 
     def run_experts(self, plan: LayerPlan, x: torch.Tensor, routing: LayerRouting, *,
                     uncounted_on_cpu: bool = False) -> torch.Tensor:
@@ -127,21 +143,12 @@ class OffloadRuntime:
         of the plan: their pairs stay 0, or, with ``uncounted_on_cpu``, the CPU lane computes them too."""
         sw = Stopwatch().start()  # stopped around computes, activation transfers and waits
         layer, step = plan.layer, plan.step
-        if not routing.matches(plan.experts, plan.counts):
-            raise ValueError(f"step {step} layer {layer}: the routing's experts {routing.experts.tolist()} with "
-                             f"{routing.counts().tolist()} tokens differ from the plan's {plan.experts.tolist()}")
         dev, pool = self.dev, self.pool
         T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
         if len(plan.evicted):
             pool.evict_many(layer, np.asarray(plan.evicted))
-        lanes = _AccelLane.of(plan, pool)
-        if not lanes.n and (uncounted_on_cpu or routing.counted is None or len(plan.experts) == len(routing.experts)):
-            cpu_seg = np.arange(len(routing.experts))  # every expert of the routing: the whole layer on the CPU
-        else:
-            cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
-            if uncounted_on_cpu and routing.counted is not None:
-                cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
-            cpu_seg.sort()
+        cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
+        lanes = _AccelLane.of(plan, pool, *split)
         self._issue_deferred()  # adoptions may have freed prefetch buffers
 
         # the CPU lane starts first and runs while the accelerator lane works; inline (same thread and
@@ -185,126 +192,287 @@ class OffloadRuntime:
         self._book(layer, sw)
         return out
 
+    def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
+        """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
+        indices into ``routing.experts``, the accelerator lane's split: see ``kernels._partition``)."""
+        layer = plan.layer
+        kernel = _kernels.compiled("partition")
+        flag = uncounted_on_cpu and routing.counted is not None
+        if kernel is not None:
+            status, cpu_seg, lane, order, hits, ready, fetched = kernel(
+                routing.experts, routing.counts(), plan.experts, plan.counts, plan.source, plan.admitted,
+                self.pool.row_of[layer], _CODES, flag)
+            if status == 2:
+                raise AssertionError(f"layer {layer} expert {int(lane[3, 0])} is not in the slot table's cache")
+        else:
+            status = 0 if routing.matches(plan.experts, plan.counts) else 1
+        if status == 1:
+            raise ValueError(f"step {plan.step} layer {layer}: the routing's experts {routing.experts.tolist()} with "
+                             f"{routing.counts().tolist()} tokens differ from the plan's {plan.experts.tolist()}")
+        if kernel is None:  # the same in array operations
+            gpu = np.flatnonzero(plan.source != CPU)
+            src, experts = plan.source[gpu], plan.experts[gpu].astype(np.int64)
+            hit = src == HIT
+            kind = np.select([hit, src == PREFETCHED, plan.admitted[gpu]],
+                             [_kernels.READY, _kernels.PREFETCHED_KIND, _kernels.FETCHED], _kernels.STAGED)
+            rows = np.full(len(gpu), -1, np.int64)
+            rows[hit] = self.pool.cached_rows(layer, experts[hit])
+            lane = np.stack([gpu, np.searchsorted(routing.experts, experts), rows, experts, kind]).astype(np.int64)
+            groups = [np.flatnonzero(kind <= _kernels.PREFETCHED_KIND), np.flatnonzero(kind == _kernels.FETCHED),
+                      np.flatnonzero(kind == _kernels.STAGED)]
+            order = np.concatenate(groups).astype(np.int64)
+            hits, ready, fetched = int(np.count_nonzero(hit)), len(groups[0]), len(groups[1])
+            cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
+            if flag:
+                cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
+            cpu_seg.sort()
+        return cpu_seg, (lane, order, hits, ready, fetched)
+
     def _accelerator_lane(self, plan: LayerPlan, lanes: "_AccelLane", routing: LayerRouting, x: torch.Tensor,
                           out_buf: torch.Tensor, sw: Stopwatch, inline: list, cpu_out: list) -> None:
-        """Issue the on-demand copies, then compute whatever has landed as one group, until all is done.
-        ``inline``: the CPU lane's work when it runs in this thread, done instead of the first wait.
+        """The accelerator experts of a layer, in a schedule fixed up front (no hand-over per expert):
 
-        After the first group (typically every resident expert at once) the turns are few experts each
-        (copies landing, staging buffers cycling): the loop keeps plain lists, not arrays."""
-        pool, layer = self.pool, plan.layer
-        rows, release = lanes.rows.tolist(), lanes.release.tolist()
-        experts, seg = lanes.experts.tolist(), np.searchsorted(routing.experts, lanes.experts).tolist()
-        todo = lanes.fetch_todo.tolist()
-        remaining = list(range(lanes.n))
-        droute: list = []  # the layer's routing on the accelerator, made by the first single-expert turn
-        inflight = pool.inflight
-        hooked = type(self)._is_present is not _OWN_IS_PRESENT  # a replacement (tests) is asked, rows at once
-        while remaining:
-            if todo:
-                self._fetch(plan, lanes, todo, rows, experts)
-            have = [i for i in remaining if rows[i] >= 0]
-            if hooked:
-                landed = self._is_present(np.array([rows[i] for i in have], np.int64))
-                ready = have if landed is True else [i for i, ok in zip(have, np.asarray(landed).tolist()) if ok]
-            else:
-                ready = [i for i in have if inflight[rows[i]] == 0]
-            if inline and len(ready) < len(remaining):  # copies in flight: the CPU lane's work first, then one group
+        1. the on-demand copies of the admitted experts and of the first staging turns are issued at once
+           (touch order), from this thread (:meth:`CopyEngine.issue_now`);
+        2. the experts whose weights are there (hits, landed prefetches; on the CPU device also the copies
+           just made) are computed as one group, then, on CUDA, the admitted ones after their copies;
+        3. staged experts cycle through the staging buffers: turn t holds ``per_turn`` of them (all of them
+           if they fit; else half the buffers each, so the copy of turn t + 1 overlaps the compute of turn t),
+           and turn t + 2 is copied into turn t's buffers after turn t's compute (on CUDA the copy stream
+           waits for that compute's event; the host never waits);
+        4. prefetched experts whose background copy is still in flight are computed once it lands (the
+           host waits: the copy thread may not have issued it yet); ``inline`` (the CPU lane's work when it
+           runs in this thread) is done before that first wait."""
+        pool, layer, step = self.pool, plan.layer, plan.step
+        experts, rows, seg = lanes.experts, lanes.rows, lanes.seg
+        if lanes.all_cached:  # (every one a hit: one group, nothing to copy or free)
+            self._compute(plan, routing, seg, rows, x, out_buf, sw)
+            return
+        staged = lanes.staged
+        n_staged = len(staged)
+        S = pool.num_staging
+        if n_staged and S < 1:
+            raise AssertionError(f"step {step} layer {layer}: experts must be staged but there are no staging buffers")
+        per_turn = n_staged if n_staged <= S else max(1, S // 2)
+        halves = 1 if (n_staged <= S or S < 2) else 2  # buffer sets that alternate between turns
+        stage_rows = pool.take_staging_rows(min(S, per_turn * halves)) if n_staged else []
+        lanes.staging_used = len(stage_rows)
+        # 1. the first copies: the admitted experts and the first turns (turn t < halves: the rows
+        # t * per_turn ..), in touch order
+        head = staged[:per_turn * halves]
+        rows[head] = stage_rows[:len(head)]
+        first = np.sort(np.concatenate([lanes.fetched, head])) if n_staged else lanes.fetched
+        fetched_events = self._copy_now(plan, first, experts, rows, sw)
+        # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
+        ready = lanes.ready
+        waiting = ready[:0]
+        if lanes.prefetched_in_flight:
+            landed = self._is_present(rows[ready])
+            if landed is not True:
+                landed = np.asarray(landed, bool)
+                ready, waiting = ready[landed], ready[~landed]
+        after = lanes.fetched
+        if fetched_events is None and len(after):
+            ready, after = np.concatenate([ready, after]), after[:0]
+        if len(ready):
+            self._compute(plan, routing, seg[ready], rows[ready], x, out_buf, sw)
+        if len(after):
+            self._wait_events(fetched_events, first, after)
+            self._compute(plan, routing, seg[after], rows[after], x, out_buf, sw)
+        # 3. staging turns
+        if n_staged:
+            turns = self._single_turns if per_turn == 1 else self._staging_turns
+            turns(plan, routing, lanes, stage_rows, per_turn, halves, fetched_events, first, x, out_buf, sw)
+            pool.release_staging_rows(stage_rows)
+            lanes.staging_used = 0
+        # 4. prefetches still in flight
+        while len(waiting):
+            if inline:
                 sw.stop()
                 cpu_out.append(inline.pop()())
                 sw.start()
-                continue
-            if not ready:
-                if not have:
-                    raise AssertionError(f"step {plan.step} layer {layer}: no GPU expert can become ready")
+            landed = self._is_present(rows[waiting])
+            landed = np.ones(len(waiting), bool) if landed is True else np.asarray(landed, bool)
+            if not landed.any():
                 sw.stop()
                 w0 = time.perf_counter()
-                self.copies.wait_rows(inflight, [rows[i] for i in have])
-                self.layer_wait[layer] += time.perf_counter() - w0
+                self.copies.wait_rows(pool.inflight, rows[waiting].tolist())
+                self._wait[layer] += time.perf_counter() - w0
                 sw.start()
                 continue
-            if len(ready) < len(remaining):
-                done = set(ready)
-                remaining = [i for i in remaining if i not in done]
-            else:
-                remaining = []
-            if len(ready) == 1:  # one expert (a staging turn, a copy landing alone)
-                self._accelerator_one(plan, routing, seg[ready[0]], rows[ready[0]], x, out_buf, sw, droute)
-            else:
-                self._accelerator_group(plan, routing, np.array([seg[i] for i in ready], np.int64),
-                                        np.array([rows[i] for i in ready], np.int64), x, out_buf, sw)
-            for i in ready:
-                if release[i] == STAGING:
-                    pool.release_staging(pool.slots[rows[i]])
-                    lanes.staging_used -= 1
-                elif release[i] == PREFETCH:
-                    self._free_prefetch(pool.slots[rows[i]])
+            now = waiting[landed]
+            waiting = waiting[~landed]
+            self._compute(plan, routing, seg[now], rows[now], x, out_buf, sw)
+        if lanes.freed:  # prefetch buffers of experts the cache declined: free, and waiting prefetches start
+            for i in lanes.freed:
+                pool.release_prefetch(pool.slots[int(rows[i])])
+            self._issue_deferred()
 
-    def _fetch(self, plan: LayerPlan, lanes: "_AccelLane", todo: list[int], rows: list[int], experts: list[int]) -> None:
-        """Issue the on-demand copies not issued yet (``todo``, touch order), up to the first staged one that
-        finds no free staging buffer, as one request (``rows`` gets the staging buffers taken)."""
+    def _copy_now(self, plan: LayerPlan, idx: np.ndarray, experts: np.ndarray, rows: np.ndarray, sw: Stopwatch,
+                  after: list | None = None, staging: bool = False):
+        """On-demand copies of lane positions ``idx`` into their rows, from this thread; on CUDA their end
+        events (aligned with ``idx``), else None (done). ``staging``: the rows are staging buffers, which
+        no background copy writes."""
+        if not len(idx):
+            return None if not self.dev.is_cuda else []
         pool, layer = self.pool, plan.layer
-        take: list[int] = []
-        while todo:
-            i = todo[0]
-            if rows[i] < 0:
-                if not pool.staging_free:
-                    break
-                rows[i] = pool.take_staging(layer, experts[i]).index
-                lanes.staging_used += 1
-            take.append(todo.pop(0))
-        if take:
-            self._copy_many(np.array([rows[i] for i in take], np.int64), [layer] * len(take),
-                            [experts[i] for i in take], ON_DEMAND, ("fetch", plan.step))
+        r, e = rows[idx].tolist(), experts[idx].tolist()
+        pool.hold_rows(r, layer, e)
+        tickets = pool.tickets
+        previous = [] if staging else [t for i in r if (t := tickets[i]) is not None and not t.done]
+        if self.dev.is_cuda and after is None:
+            after = [pool.last_use[i] for i in r]
+        w0 = time.perf_counter()
+        ends = self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, plan.step, after=after,
+                                     previous=previous, pause=sw)
+        if ends is None:  # the CPU device: the lane waited for its copies while they were made
+            self._wait[layer] += time.perf_counter() - w0
+        if previous or not staging:
+            for i in r:
+                tickets[i] = None
+        return ends
 
-    def _accelerator_group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray,
-                           x: torch.Tensor, out_buf: torch.Tensor, sw: Stopwatch) -> None:
+    def _wait_events(self, events, issued: np.ndarray, idx: np.ndarray) -> None:
+        """CUDA: the compute stream waits for the copies of lane positions ``idx`` (issued as ``issued`` in
+        one call; copies on one stream land in order, so the last one's event is enough)."""
+        if events:
+            last = int(np.searchsorted(issued, idx).max())
+            self.compute_stream.wait_event(events[last])
+
+    def _staging_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
+                       per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
+                       out_buf: torch.Tensor, sw: Stopwatch) -> None:
+        """Turn t (``per_turn`` staged experts, in the rows of half ``t % halves``; the first ``halves`` turns
+        copied already, as ``first``): its copies have landed (CUDA: the compute stream waits for them), its
+        experts are computed, then turn t + halves is copied into the same buffers (CUDA: after this
+        compute's event)."""
+        seg, experts, rows, staged = lanes.seg, lanes.experts, lanes.rows, lanes.staged
+        turns = [staged[i:i + per_turn] for i in range(0, len(staged), per_turn)]
+        events = {}  # turn -> end events of its copies (CUDA)
+        if first_events is not None:
+            for t in range(min(halves, len(turns))):
+                events[t] = [first_events[int(i)] for i in np.searchsorted(first, turns[t])]
+        for t, idx in enumerate(turns):
+            if events.get(t):
+                self.compute_stream.wait_event(events[t][-1])
+            end = self._compute(plan, routing, seg[idx], rows[idx], x, out_buf, sw)
+            nxt = t + halves
+            if nxt < len(turns):
+                half = (t % halves) * per_turn
+                rows[turns[nxt]] = stage_rows[half:half + len(turns[nxt])]
+                ends = self._copy_now(plan, turns[nxt], experts, rows, sw,
+                                      after=[end] * len(turns[nxt]) if end is not None else None, staging=True)
+                if ends:
+                    events[nxt] = ends
+
+    def _single_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
+                      per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
+                      out_buf: torch.Tensor, sw: Stopwatch) -> None:
+        """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts), in one loop over
+        lists made up front: per turn the slot table is checked and updated, and the device work (the
+        compute from the buffer, then the copy of turn t + ``halves`` into it) is issued with nothing
+        else in between; stamps are recorded after the loop."""
+        pool, layer, step, cuda = self.pool, plan.layer, plan.step, self.dev.is_cuda
+        idx = lanes.staged
+        n = len(idx)
+        sg = lanes.seg[idx]
+        E = lanes.experts[idx].tolist()
+        A, B = routing.ptr[sg].tolist(), routing.ptr[sg + 1].tolist()
+        R = stage_rows[:halves]  # turn t's buffer: R[t % halves]
+        data = {r: pool.slots[r].data for r in R}
+        src = self.store.weights[layer]
+        pos_d, tok_d, w_d = self._droute(routing)
+        events = list(first_events[int(i)] for i in np.searchsorted(first, idx[:halves])) if cuda else None
+        hold_e, hold_l = pool.hold_expert, pool.hold_layer
+        stream, mark, forward, copy_one = self.compute_stream, self.timer.mark, self.layout.forward, self.copies.copy_one
+        groups, copies = [], []
+        for t in range(n):
+            row, e = R[t % halves], E[t]
+            if hold_e[row] != e or hold_l[row] != layer or pool.inflight[row]:
+                pool.check_rows(np.array([row]), layer, np.array([e]))  # raises, naming what is wrong
+            a, b = A[t], B[t]
+            nxt = t + halves
+            sw.stop()  # the device work of the turn
+            if cuda:
+                stream.wait_event(events[t])
+            start = mark(stream)
+            y = forward(data[row], x.index_select(0, tok_d[a:b]))
+            out_buf.index_copy_(0, pos_d[a:b], y * w_d[a:b])
+            end = mark(stream)
+            if nxt < n:
+                c0, c1 = copy_one(data[row], src[E[nxt]], end)
+            sw.start()
+            groups.append(("gpu", (step, layer, (e,), (b - a,)), start, end))
+            if nxt < n:
+                hold_e[row] = E[nxt]
+                copies.append(("pcie", ("fetch", step, layer, (E[nxt],)), c0, c1))
+                if cuda:
+                    events.append(c1)
+                else:
+                    self._wait[layer] += c1 - c0  # the lane waits while the host copies
+            if cuda:
+                pool.last_use[row] = end
+        self.timer.add_raw(groups + copies)
+        self.groups["gpu"] += n
+        self.grouped_experts["gpu"] += n
+
+    def _compute(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray, x: torch.Tensor,
+                 out_buf: torch.Tensor, sw: Stopwatch):
+        """The experts ``seg`` (indices into the routing's experts) from slot ``rows`` as one group; returns the
+        compute's end event on CUDA (a later copy into these rows waits for it), else None."""
         pool, dev = self.pool, self.dev
-        gi = GroupIndex.build(routing, seg, rows)
-        pool.check_rows(gi.rows, plan.layer, gi.experts)
-        pos, tok, offs, pair_rows, w = _device_indices(gi, routing, dev.accel, dev.dtype, self.layout.bias)
         stream = self.compute_stream
-        sw.stop()
-        start = self.timer.mark(stream)
-        y = self.layout.forward_grouped(gi.span(pool.table), x.index_select(0, tok), offs, gi.table_counts, pair_rows)
-        out_buf.index_copy_(0, pos, y * w)
-        end = self.timer.mark(stream)
-        sw.start()
-        if stream is not None:
-            for r in gi.rows.tolist():
-                pool.last_use[r] = end  # a later copy into this slot waits for this compute
-        self.timer.add_group("gpu", plan.step, plan.layer, gi.experts, gi.counts, start, end)
+        if len(seg) == 1:  # one expert (a staging turn): slices of the layer's routing, sent once per layer
+            i, row = int(seg[0]), int(rows[0])
+            e = int(routing.experts[i])
+            if not (pool.hold_layer[row] == plan.layer and pool.hold_expert[row] == e and pool.inflight[row] == 0):
+                pool.check_rows(rows, plan.layer, routing.experts[seg])  # raises, naming what is wrong
+            droute = self._droute(routing)
+            a, b = int(routing.ptr[i]), int(routing.ptr[i + 1])
+            sw.stop()
+            start = self.timer.mark(stream)
+            y = self.layout.forward(pool.slots[row].data, x.index_select(0, droute[1][a:b]))
+            out_buf.index_copy_(0, droute[0][a:b], y * droute[2][a:b])
+            end = self.timer.mark(stream)
+            sw.start()
+            self.timer.add_group("gpu", plan.step, plan.layer, (e,), (b - a,), start, end)
+            n = 1
+            if stream is not None:
+                pool.last_use[row] = end
+        else:
+            gi = GroupIndex.build(routing, seg, rows, (plan.layer, pool.hold_layer, pool.hold_expert, pool.inflight))
+            if not gi.rows_ready:
+                pool.check_rows(gi.rows, plan.layer, gi.experts)  # raises, naming what is wrong (or checks)
+            pos, tok, offs, pair_rows, w = _device_indices(gi, routing, dev.accel, dev.dtype, self.layout.bias)
+            sw.stop()
+            start = self.timer.mark(stream)
+            y = self.layout.forward_grouped(gi.span(pool.table), x.index_select(0, tok), offs, gi.table_counts,
+                                            pair_rows)
+            out_buf.index_copy_(0, pos, y * w)
+            end = self.timer.mark(stream)
+            sw.start()
+            self.timer.add_group("gpu", plan.step, plan.layer, gi.experts, gi.counts, start, end)
+            n = len(gi)
+            if stream is not None:
+                for r in gi.rows.tolist():
+                    pool.last_use[r] = end  # a later copy into this slot waits for this compute
         self.groups["gpu"] += 1
-        self.grouped_experts["gpu"] += len(gi)
+        self.grouped_experts["gpu"] += n
+        return end if stream is not None else None
 
-    def _accelerator_one(self, plan: LayerPlan, routing: LayerRouting, i: int, row: int, x: torch.Tensor,
-                         out_buf: torch.Tensor, sw: Stopwatch, droute: list) -> None:
-        """One expert from its slot: its rows, positions and weights as slices of the layer's routing on the
-        accelerator (sent there once per layer, on CUDA from pinned memory without a wait)."""
-        pool, dev = self.pool, self.dev
-        if not droute:
+    def _droute(self, routing: LayerRouting) -> list:
+        """The layer's routing on the accelerator (flat positions, token rows, weights), made once per layer
+        (on CUDA from pinned memory, without a wait)."""
+        if self._droute_of is not routing:
+            dev = self.dev
             pos = routing.positions
             ints = torch.from_numpy(np.concatenate([pos, pos // routing.top_k]))
             w = torch.from_numpy(routing.weights)
             if dev.is_cuda:
                 ints, w = (t.pin_memory().to(dev.accel, non_blocking=True) for t in (ints, w))
-            droute += [ints[:len(pos)], ints[len(pos):], w.to(dev.dtype).unsqueeze(1)]
-        e = int(routing.experts[i])
-        a, b = int(routing.ptr[i]), int(routing.ptr[i + 1])
-        if not (pool.hold_layer[row] == plan.layer and pool.hold_expert[row] == e and pool.inflight[row] == 0):
-            pool.check_rows(np.array([row]), plan.layer, np.array([e]))  # raises, naming what is wrong
-        stream = self.compute_stream
-        sw.stop()
-        start = self.timer.mark(stream)
-        y = self.layout.forward(pool.slots[row].data, x.index_select(0, droute[1][a:b]))
-        out_buf.index_copy_(0, droute[0][a:b], y * droute[2][a:b])
-        end = self.timer.mark(stream)
-        sw.start()
-        if stream is not None:
-            pool.last_use[row] = end
-        self.timer.add_group("gpu", plan.step, plan.layer, (e,), (b - a,), start, end)
-        self.groups["gpu"] += 1
-        self.grouped_experts["gpu"] += 1
+            self._droute_list = [ints[:len(pos)], ints[len(pos):], w.to(dev.dtype).unsqueeze(1)]
+            self._droute_of = routing
+        return self._droute_list
 
     # ---- pieces -------------------------------------------------------------------------------
     def _is_present(self, rows: np.ndarray) -> np.ndarray:
@@ -368,46 +536,50 @@ class OffloadRuntime:
         self.cpu.close()
 
 
-_OWN_IS_PRESENT = OffloadRuntime._is_present
 
 
 class _AccelLane:
-    """The accelerator experts of one layer visit (touch order) and their buffers: ``rows`` (slot row,
-    -1 = a staged expert still without a staging buffer), ``release`` (what to free after the compute),
-    ``fetch_todo`` (positions whose on-demand copy is not issued yet)."""
+    """The accelerator experts of one layer visit (touch order): their ids (``experts``), indices into the
+    routing's experts (``seg``) and slot rows (``rows``; -1 = a staged expert, given a staging buffer by its
+    turn); positions (into ``experts``) of the experts whose weights are there or coming by a prefetch
+    (``ready``), of the admitted on-demand ones (``fetched``) and of the staged ones (``staged``, touch
+    order); ``freed``: positions whose prefetch buffer is freed after their compute (the cache declined
+    them)."""
 
-    __slots__ = ("n", "experts", "rows", "release", "fetch_todo", "staging_used")
+    __slots__ = ("n", "experts", "seg", "rows", "ready", "fetched", "staged", "freed", "prefetched_in_flight",
+                 "staging_used", "all_cached")
 
     @classmethod
-    def of(cls, plan: LayerPlan, pool: SlotPool) -> "_AccelLane":
+    def of(cls, plan: LayerPlan, pool: SlotPool, split: np.ndarray, order: np.ndarray, hits: int, ready: int,
+           fetched: int) -> "_AccelLane":
+        """``split``, ``order`` and the counts: the lane split of ``kernels._partition``."""
         lane = cls()
         lane.staging_used = 0
-        if not plan.on_gpu.any():
-            lane.n = 0
-            lane.experts = lane.rows = lane.release = lane.fetch_todo = _EMPTY
+        lane.prefetched_in_flight = False
+        lane.freed = []
+        lane.n = n = split.shape[1]
+        lane.seg, lane.rows, lane.experts = split[1], split[2], split[3]
+        lane.all_cached = n > 0 and hits == n
+        if lane.all_cached or not n:  # (every one cached: one group, nothing to copy or free)
+            lane.ready, lane.fetched, lane.staged = order, _EMPTY, _EMPTY
             return lane
-        layer = plan.layer
-        idx = np.flatnonzero(plan.on_gpu)
-        lane.n = len(idx)
-        lane.experts = plan.experts[idx].astype(np.int64)
-        lane.rows = np.full(lane.n, -1, np.int64)
-        lane.release = np.zeros(lane.n, np.int8)
-        src = plan.source[idx]
-        hit = src == HIT
-        lane.rows[hit] = pool.cached_rows(layer, lane.experts[hit])
-        for i in np.flatnonzero(src == PREFETCHED).tolist():  # at most the prefetch buffers
-            e = int(lane.experts[i])
-            slot = pool.pop_prefetched(layer, e)
-            if plan.admitted[idx[i]]:
-                pool.adopt(layer, e, slot)
-            else:
-                lane.release[i] = PREFETCH
-            lane.rows[i] = slot.index
-        fetch = np.flatnonzero(src == FETCH)
-        admitted = plan.admitted[idx[fetch]]
-        lane.rows[fetch[admitted]] = pool.admit_many(layer, lane.experts[fetch[admitted]])
-        lane.release[fetch[~admitted]] = STAGING
-        lane.fetch_todo = fetch
+        layer, rows = plan.layer, lane.rows
+        lane.ready, lane.fetched, lane.staged = order[:ready], order[ready:ready + fetched], order[ready + fetched:]
+        if ready > hits:  # prefetched ones (at most the prefetch buffers)
+            kinds = split[4]
+            for i in lane.ready.tolist():
+                if kinds[i] != _kernels.PREFETCHED_KIND:
+                    continue
+                e = int(lane.experts[i])
+                slot = pool.pop_prefetched(layer, e)
+                if plan.admitted[split[0, i]]:
+                    pool.adopt(layer, e, slot)
+                else:
+                    lane.freed.append(i)
+                rows[i] = slot.index
+                lane.prefetched_in_flight |= bool(pool.inflight[slot.index])
+        if fetched:
+            rows[lane.fetched] = pool.admit_many(layer, lane.experts[lane.fetched])
         return lane
 
 
@@ -419,9 +591,9 @@ def _device_indices(gi: GroupIndex, r: LayerRouting, device: torch.device, dtype
     w = torch.from_numpy(gi.weights)
     if device.type != "cuda":
         rows = torch.from_numpy(gi.row_of_pairs()) if bias else None
-        return (torch.from_numpy(pos), torch.from_numpy(pos // r.top_k), torch.from_numpy(gi.offs), rows,
+        return (torch.from_numpy(pos), torch.from_numpy(gi.token_rows(r.top_k)), torch.from_numpy(gi.offs), rows,
                 w.to(dtype).unsqueeze(1))
-    ints = [pos, pos // r.top_k, gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
+    ints = [pos, gi.token_rows(r.top_k), gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
     packed = torch.from_numpy(np.concatenate(ints)).pin_memory().to(device, non_blocking=True)
     w = w.pin_memory().to(device, non_blocking=True)
     n, m = len(pos), len(gi.offs)

@@ -27,6 +27,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from dali_exec.executor import kernels as _kernels
 from dali_exec.executor.copies import CopyTicket
 
 ALIGN_BYTES = 16
@@ -244,6 +245,27 @@ class SlotPool:
         self._release(slot.index)
         self.staging_free.append(slot.index)
 
+    def take_staging_rows(self, n: int) -> list[int]:
+        """``n`` free staging buffers for a layer's staged experts (they hold nothing until a copy is issued
+        into them: :meth:`hold_rows`); returned with :meth:`release_staging_rows`."""
+        if n > len(self.staging_free):
+            raise AssertionError(f"{n} staging buffers asked, {len(self.staging_free)} of {self.num_staging} free")
+        free = self.staging_free
+        return [free.popleft() for _ in range(n)]
+
+    def release_staging_rows(self, rows: list[int]) -> None:
+        if rows:
+            self._release(rows)
+            self.staging_free.extend(rows)
+
+    def hold_rows(self, rows: list[int], layer: int, experts: list[int]) -> None:
+        """The rows now hold these experts of ``layer`` (a copy into them is being issued)."""
+        if len(rows) == 1:
+            self.hold_layer[rows[0]] = layer
+            self.hold_expert[rows[0]] = experts[0]
+        else:
+            self._hold(rows, layer, experts)
+
     # ---- readiness ----------------------------------------------------------------------------
     def landed(self, rows: np.ndarray) -> np.ndarray:
         """Bool per row: every copy into it has landed."""
@@ -254,6 +276,10 @@ class SlotPool:
         if len(rows) == 1:  # a staging turn: scalars
             r = int(rows[0])
             if self.hold_layer[r] == layer and self.hold_expert[r] == experts[0] and self.inflight[r] == 0:
+                return
+        else:
+            ready = _kernels.compiled("rows_ready")
+            if ready is not None and ready(rows, experts, layer, self.hold_layer, self.hold_expert, self.inflight):
                 return
         wrong = (self.hold_layer[rows] != layer) | (self.hold_expert[rows] != experts)
         if wrong.any():

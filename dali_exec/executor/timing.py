@@ -8,8 +8,11 @@ recording never waits for the device.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+from collections.abc import Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -52,11 +55,28 @@ class Timer:
         with self._lock:
             self._raw.append((track, what, start, end))
 
+    def add_activity(self, track: str, kind: str, step: int, layer: int, start, end) -> None:
+        """:meth:`add` of ``Activity(kind, step, layer)``, made when the intervals are read."""
+        with self._lock:
+            self._raw.append((track, (kind, step, layer), start, end))
+
     def add_copy(self, ticket, i: int) -> None:
         """Copy ``i`` of a copy request (``CopyTicket``): its interval on the ``pcie`` track, named when the
         intervals are read (the copy thread does no more than this)."""
         with self._lock:
             self._raw.append(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]))
+
+    def add_raw(self, entries: list[tuple]) -> None:
+        """Entries as :meth:`add_group` and :meth:`add_copies` store them: (track, what, start, end) with
+        what = (step, layer, experts, tokens) or (kind, step, layer, experts); for loops that record many."""
+        with self._lock:
+            self._raw.extend(entries)
+
+    def add_copies(self, kind: str, step: int, layer: int, experts: list[int], start, end) -> None:
+        """Copies of ``experts`` (of ``layer``) made by one call between two stamps (the CPU device's batched
+        on-demand copies): one ``pcie`` interval each, the span divided equally (an attribution)."""
+        with self._lock:
+            self._raw.append(("pcie", (kind, step, layer, experts), start, end))
 
     def add_group(self, track: str, step: int, layer: int, experts: np.ndarray, tokens: np.ndarray, start,
                   end) -> None:
@@ -68,24 +88,57 @@ class Timer:
         with self._lock:
             self._raw.append((track, (step, layer, experts, tokens), start, end))
 
-    def seconds(self, stamp) -> float:
+    def seconds(self, stamp, origin: tuple | None = None) -> float:
+        """A stamp in seconds since the start (``origin``: the (host time, base event) of another start)."""
+        t0, base = origin if origin is not None else (self.t0, getattr(self, "_base", None))
         if isinstance(stamp, float):
-            return stamp - self.t0
-        return self._base.elapsed_time(stamp) * 1e-3  # ms since the base event
+            return stamp - t0
+        return base.elapsed_time(stamp) * 1e-3  # ms since the base event
 
     def intervals(self) -> list[Interval]:
         """Every recorded interval in seconds since the start (call after the device is synchronised)."""
+        return self._resolve(self._snapshot())
+
+    def _snapshot(self) -> list:
         with self._lock:
-            raw = list(self._raw)
-        out = []
+            return list(self._raw)
+
+    def summary(self) -> tuple[dict[str, float], int, "LazyIntervals"]:
+        """(busy seconds per track, number of intervals, the intervals to be resolved when first read): what a
+        run's result needs, without building an interval per expert unless someone reads them (a timeline);
+        call after the device is synchronised."""
+        raw = self._snapshot()
+        busy = dict.fromkeys(TRACKS, 0.0)
+        count = 0
+        seconds = self.seconds
         for track, what, a, b in raw:
-            a, b = self.seconds(a), self.seconds(b)
+            busy[track] += seconds(b) - seconds(a)  # a group's or a batch's intervals split its span exactly
+            count += 1 if isinstance(what, Activity) or len(what) < 4 else len(what[-1] if isinstance(what[0], str)
+                                                                            else what[2])
+        return busy, count, LazyIntervals(self, raw, (self.t0, getattr(self, "_base", None)))
+
+    def _resolve(self, raw: list, origin: tuple | None = None) -> list[Interval]:
+        out = []
+        seconds = self.seconds
+        for track, what, a, b in raw:
+            a, b = seconds(a, origin), seconds(b, origin)
             if isinstance(what, Activity):
                 out.append(Interval(track, what.name(), a, b, what.args()))
+                continue
+            if len(what) == 3:  # (kind, step, layer)
+                act = Activity(*what)
+                out.append(Interval(track, act.name(), a, b, act.args()))
                 continue
             if len(what) == 2:  # (copy request, index)
                 act = what[0].activity(what[1])
                 out.append(Interval(track, act.name(), a, b, act.args()))
+                continue
+            if isinstance(what[0], str):  # (kind, step, layer, experts): copies made by one call
+                kind, step, layer, experts = what
+                cuts = np.linspace(a, b, len(experts) + 1).tolist()
+                for e, lo, hi in zip(experts, cuts[:-1], cuts[1:]):
+                    act = Activity(kind, step, layer, int(e))
+                    out.append(Interval(track, act.name(), lo, hi, act.args() | {"batch": len(experts)}))
                 continue
             step, layer, experts, tokens = what
             share = np.asarray(tokens, float)
@@ -97,6 +150,74 @@ class Timer:
                 out.append(Interval(track, act.name(), lo, hi, act.args() | {"group": len(experts)}))
         out.sort(key=lambda iv: (iv.start, iv.track))
         return out
+
+
+class LazyIntervals(Sequence):
+    """A run's intervals (:meth:`Timer.intervals`), resolved from the recorded stamps when first read."""
+
+    def __init__(self, timer: Timer, raw: list, origin: tuple):
+        self._timer, self._raw, self._origin, self._items = timer, raw, origin, None  # origin: the run's start
+
+    def _get(self) -> list[Interval]:
+        if self._items is None:
+            self._items = self._timer._resolve(self._raw, self._origin)
+            self._raw = []
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __eq__(self, other) -> bool:
+        return list(self._get()) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._get())
+
+
+@contextmanager
+def paused_gc():
+    """Python's cyclic garbage collector paused while a run's loop lasts (and restored after).
+
+    A loop of layer visits allocates enough small objects (plans, views, index arrays) to start a collection
+    about once per visit, and now and then a full one that walks every object of the process (a
+    transformers model: half a million, about 80 ms here): pauses of the host in the middle of a layer,
+    several times the work being scheduled. The loop makes no reference cycles of its own; what cycles
+    exist are collected once the collector is back."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class LayerSeconds:
+    """Per-layer sums of stopwatch readings (wall clock and thread CPU) in Python floats: added to once or
+    more per layer visit, read as arrays once at the end."""
+
+    __slots__ = ("wall", "cpu")
+
+    def __init__(self, num_layers: int):
+        self.wall = [0.0] * num_layers
+        self.cpu = [0.0] * num_layers
+
+    def add(self, layer: int, sw: "Stopwatch") -> None:
+        self.wall[layer] += sw.wall
+        self.cpu[layer] += sw.cpu
+
+    def add_wall(self, layer: int, seconds: float) -> None:
+        self.wall[layer] += seconds
+
+    def array(self) -> np.ndarray:
+        """(2, L): wall clock, thread CPU."""
+        return np.array([self.wall, self.cpu])
 
 
 class Stopwatch:

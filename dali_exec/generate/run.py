@@ -25,7 +25,7 @@ from dali_exec.executor.devices import Devices, lane_threads
 from dali_exec.executor.problem import DTYPE_PRECISION
 from dali_exec.executor.result import executor_summary, overhead_summary
 from dali_exec.executor.runtime import OffloadRuntime
-from dali_exec.executor.timing import Timer
+from dali_exec.executor.timing import Timer, paused_gc
 from dali_exec.generate.experts import pack_experts
 from dali_exec.generate.session import PADDING, OffloadSession
 from dali_exec.models import get_adapter
@@ -41,7 +41,7 @@ from dali_sim.hardware.implementation import EXECUTOR
 from dali_sim.policies.systems import resolve_system
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.memory import plan_memory
-from dali_sim.sim.engine import TRACKS, EngineOutput
+from dali_sim.sim.engine import EngineOutput
 from dali_sim.sim.simulate import DEFAULT_HARDWARE, SimResult, result_tables
 from dali_sim.trace.provenance import file_sha256
 from dali_sim.workload.builder import WorkloadConfig
@@ -255,15 +255,17 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         bar = tqdm(total=len(prompts), unit="seq", desc=f"generate {sysconf.name}", disable=not options.progress)
         timer.start()
         t_gen = time.perf_counter()
-        for b, start in enumerate(range(0, len(prompts), options.batch_size)):
-            batch = prompts[start:start + options.batch_size]
-            observer.seq_ids = np.array([p.index for p in batch], np.int64)
-            observer.batch = b
-            out = greedy_generate(model, token_ids[start:start + len(batch)], max_new_tokens=options.max_new_tokens,
-                                  eos_ids=eos, pad_id=pad, prefill_chunk=options.prefill_chunk, observer=observer)
-            for p, gen in zip(batch, out.generated):
-                outputs[p.index] = gen
-            bar.update(len(batch))
+        with paused_gc():
+            for b, start in enumerate(range(0, len(prompts), options.batch_size)):
+                batch = prompts[start:start + options.batch_size]
+                observer.seq_ids = np.array([p.index for p in batch], np.int64)
+                observer.batch = b
+                out = greedy_generate(model, token_ids[start:start + len(batch)],
+                                      max_new_tokens=options.max_new_tokens, eos_ids=eos, pad_id=pad,
+                                      prefill_chunk=options.prefill_chunk, observer=observer)
+                for p, gen in zip(batch, out.generated):
+                    outputs[p.index] = gen
+                bar.update(len(batch))
         runtime.finish()
         wall_s = time.perf_counter() - t_gen
         bar.close()
@@ -311,20 +313,16 @@ def _result(session: OffloadSession, spec, sysconf, profile, mem, hardware, opti
             executor: dict, generated: list[GeneratedSequence], wall_s: float, model, model_path, prompts_source,
             residuals, controller) -> GenerateResult:
     w, t, rt = session.w, session.times, session.runtime
-    intervals = session.timer.intervals()
-    busy = dict.fromkeys(TRACKS, 0.0)
-    for iv in intervals:
-        busy[iv.track] += iv.end - iv.start
+    busy, count, intervals = session.timer.summary()  # intervals resolved when read (a timeline)
     out = EngineOutput(np.array(session.step_start), np.array(session.step_end), session.layer_times(),
-                       rt.layer_wait.copy(), busy,
-                       len(intervals), intervals)
+                       rt.layer_wait.copy(), busy, count, intervals)
     summary, per_layer, per_seq, per_step = result_tables(
         w, session.counters, out, spec, system=sysconf.name, hardware=profile.name, batch_size=options.batch_size,
         bounds=controller.bounds, oracles=controller.oracles)
-    per_layer["decision_s"], per_layer["decision_cpu_s"] = t.decision
-    book = t.bookkeeping + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
+    per_layer["decision_s"], per_layer["decision_cpu_s"] = t.decision.array()
+    book = t.bookkeeping.array() + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = book
-    per_layer["lookahead_s"], per_layer["lookahead_cpu_s"] = t.lookahead
+    per_layer["lookahead_s"], per_layer["lookahead_cpu_s"] = t.lookahead.array()
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
     summary["executor"] = executor_summary(executor)
     new_tokens = sum(len(g.token_ids) for g in generated)

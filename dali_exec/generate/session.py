@@ -24,24 +24,25 @@ placement, prefetching or cache decided.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 
+from dali_exec.executor import kernels as _kernels
 from dali_exec.executor.devices import Devices
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.runtime import OffloadRuntime
-from dali_exec.executor.timing import Stopwatch, Timer
+from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer
 from dali_exec.models import MoEAdapter, MoEBlock
 from dali_exec.recorder.generation import ForwardRows
 from dali_sim.runtime.controller import Controller
 from dali_sim.sim.counters import PlanCounters
-from dali_sim.sim.engine import Activity
 from dali_sim.workload.online import OnlineWorkload
 
+
+_ALL_ROWS = np.zeros(0, np.int64)
 
 #: how rows that are not part of the workload (left padding, sequences that have stopped) are computed:
 #: ``exact``: as the model computes them (they ride along with the plan's experts; experts only they use
@@ -66,21 +67,17 @@ class OffloadedExperts(nn.Module):
         return f"MoE layer {self.ordinal}: offloaded ({self.num_experts} experts in the dali runtime)"
 
 
-@dataclass
 class LayerTimes:
-    """Per MoE layer accumulators (seconds); ``(2, L)`` arrays are wall clock and thread CPU."""
+    """Per MoE layer accumulators (seconds): ``time`` (L,), and wall clock and thread CPU of the decisions,
+    the session's bookkeeping and the lookahead (:class:`LayerSeconds`; ``(2, L)`` arrays from their
+    ``array()``)."""
 
-    L: int
-    time: np.ndarray = field(init=False)
-    decision: np.ndarray = field(init=False)
-    bookkeeping: np.ndarray = field(init=False)
-    lookahead: np.ndarray = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.time = np.zeros(self.L)
-        self.decision = np.zeros((2, self.L))
-        self.bookkeeping = np.zeros((2, self.L))
-        self.lookahead = np.zeros((2, self.L))
+    def __init__(self, L: int):
+        self.L = L
+        self.time = np.zeros(L)
+        self.decision = LayerSeconds(L)
+        self.bookkeeping = LayerSeconds(L)
+        self.lookahead = LayerSeconds(L)
 
 
 class OffloadSession:
@@ -199,8 +196,8 @@ class OffloadSession:
             return torch.zeros_like(x)
         step, t = self.step, self.times
         if self._dense_start is not None:
-            self.timer.add(self.dense_track, Activity("dense", step, ordinal), self._dense_start,
-                           self.timer.mark(self._stream))
+            self.timer.add_activity(self.dense_track, "dense", step, ordinal, self._dense_start,
+                                    self.timer.mark(self._stream))
             self._dense_start = None
         sw = Stopwatch().start()
         idx, rows = self.index, self._real_rows
@@ -212,13 +209,17 @@ class OffloadSession:
         ids_real = ids_np if rows is None else ids_np[rows]
         w_real = w_np if rows is None else w_np[rows]
         # rank order: descending weight, ties keep their column (as rank_order's stable sort)
-        ranked = np.take_along_axis(ids_real, np.argsort(-w_real, axis=1, kind="stable"), 1)
+        rank = _kernels.compiled("rank_order")
+        if rank is not None:
+            ranked = rank(ids_np, w_np, _ALL_ROWS if rows is None else rows)
+        else:
+            ranked = np.take_along_axis(ids_real, np.argsort(-w_real, axis=1, kind="stable"), 1)
         sw.stop()
         if self.w.predictor_offsets:
             look = Stopwatch().start()
             predicted = self._lookahead(ordinal, x if idx is None else x.index_select(0, idx))
             look.stop()
-            t.lookahead[:, ordinal] += (look.wall, look.cpu)
+            t.lookahead.add(ordinal, look)
         else:
             predicted = None
         sw.start()
@@ -228,7 +229,7 @@ class OffloadSession:
         plan = self.controller.plan(step, ordinal)
         self.counters.add(plan)
         dec.stop()
-        t.decision[:, ordinal] += (dec.wall, dec.cpu)
+        t.decision.add(ordinal, dec)
         self.runtime.start_layer(plan)
         sw.start()
         skip = self.padding == "skip" and idx is not None
@@ -241,7 +242,7 @@ class OffloadSession:
             counted[rows] = True
         routing = LayerRouting.group(ids_np, w_np, counted=counted, order=perm)
         sw.stop()
-        t.bookkeeping[:, ordinal] += (sw.wall, sw.cpu)
+        t.bookkeeping.add(ordinal, sw)
         if skip:
             out = torch.zeros_like(x)
             out.index_copy_(0, idx, self.runtime.run_experts(plan, x.index_select(0, idx), routing).to(x.dtype))

@@ -142,6 +142,14 @@ def _load() -> dict[str, Callable]:
     return _impls
 
 
+def jit(fn: Callable) -> Callable | None:
+    """``fn`` compiled by numba on its first call (``nogil``, cached on disk beside its module), or None
+    when numba is not installed or ``DALI_NUMBA=0``: for other packages' loops (the executor's index
+    building), whose callers keep a NumPy path for None."""
+    nb = _numba()
+    return None if nb is None else nb.njit(cache=True, nogil=True)(fn)
+
+
 def run(name: str, *args):
     """Call kernel ``name`` (``greedy``, ``hss``, ``impact``) compiled, or as Python on lists."""
     return (_impls or _load())[name](*args)
@@ -152,4 +160,4 @@ def python(name: str) -> Callable:
     return _PYTHON[name]
 
 
-__all__ = ["backend", "python", "run"]
+__all__ = ["backend", "jit", "python", "run"]

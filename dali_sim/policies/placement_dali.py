@@ -46,8 +46,12 @@ def expert_times(view: LayerView, *, overlap: bool = True, pending_resident: boo
     experts = np.asarray(view.experts)
     counts = np.asarray(view.counts, dtype=np.int64)
     costs = view.costs
-    gpu = np.asarray(costs.expert_time("gpu", counts), dtype=float).reshape(counts.shape)
-    cpu = np.asarray(costs.expert_time("cpu", counts), dtype=float).reshape(counts.shape)
+    table = getattr(costs, "expert_time_table", None)
+    if table is not None and counts.size and counts.min() >= 0 and counts.max() <= costs.lookup_tokens:
+        gpu, cpu = table("gpu")[counts], table("cpu")[counts]  # expert_time's own lookup, without its checks
+    else:
+        gpu = np.asarray(costs.expert_time("gpu", counts), dtype=float).reshape(counts.shape)
+        cpu = np.asarray(costs.expert_time("cpu", counts), dtype=float).reshape(counts.shape)
     xfer = float(costs.expert_transfer_time())
     resident = np.asarray(view.resident, dtype=bool)[experts]
     pending = np.asarray(view.pending, dtype=bool)[experts]
@@ -55,6 +59,59 @@ def expert_times(view: LayerView, *, overlap: bool = True, pending_resident: boo
     uncached = np.maximum(xfer, gpu) if overlap else xfer + gpu
     t_gpu = np.where(present, gpu, uncached)
     return t_gpu, cpu, ~(resident | pending)
+
+
+def _greedy_place(experts, counts, resident, pending, lut_gpu, lut_cpu, xfer, overlap, pending_resident):
+    """:meth:`DaliGreedy.place` in one loop (compiled by numba): :func:`expert_times` from the cost model's
+    tables (``counts`` within them), :func:`greedy_order` (an insertion sort on the same keys: ``|t_gpu -
+    t_cpu|`` descending, workload descending, id ascending) and the greedy walk, in float64 as the NumPy
+    code computes them."""
+    n = experts.shape[0]
+    t_gpu = np.empty(n)
+    t_cpu = np.empty(n)
+    key = np.empty(n)
+    order = np.empty(n, np.int64)
+    for j in range(n):
+        g = lut_gpu[counts[j]]
+        e = experts[j]
+        present = resident[e] or (pending_resident and pending[e])
+        if present:
+            t_gpu[j] = g
+        elif overlap:
+            t_gpu[j] = max(xfer, g)
+        else:
+            t_gpu[j] = xfer + g
+        t_cpu[j] = lut_cpu[counts[j]]
+        key[j] = -abs(t_gpu[j] - t_cpu[j])
+        i = j  # insert j: ascending (key, -count, id), as np.lexsort((ids, -counts, key))
+        while i > 0:
+            o = order[i - 1]
+            if key[o] < key[j] or (key[o] == key[j] and (counts[o] > counts[j] or (counts[o] == counts[j]
+                                                                                    and experts[o] < e))):
+                break
+            order[i] = o
+            i -= 1
+        order[i] = j
+    out = np.zeros(n, np.bool_)
+    total_g = 0.0
+    total_c = 0.0
+    for i in range(n):
+        j = order[i]
+        if total_g + t_gpu[j] <= total_c + t_cpu[j]:
+            out[j] = True
+            total_g += t_gpu[j]
+        else:
+            total_c += t_cpu[j]
+    return out
+
+
+_COMPILED: list = []
+
+
+def _compiled_place():
+    if not _COMPILED:
+        _COMPILED.append(kernels.jit(_greedy_place))
+    return _COMPILED[0]
 
 
 def makespan(on_gpu, t_gpu, t_cpu) -> float:
@@ -101,6 +158,11 @@ def greedy_assign(t_gpu, t_cpu, *, workload=None, ids=None, needs_buffer=None, m
     ``max_new`` experts with ``needs_buffer`` have gone to the GPU so far (the memory-respecting
     variant; an expert refused for memory goes to the CPU)."""
     t_gpu, t_cpu, needs = _check_inputs(t_gpu, t_cpu, needs_buffer, max_new)
+    return _greedy(t_gpu, t_cpu, workload, ids, needs, max_new)
+
+
+def _greedy(t_gpu: np.ndarray, t_cpu: np.ndarray, workload, ids, needs: np.ndarray, max_new: int | None) -> np.ndarray:
+    """:func:`greedy_assign` on checked inputs (float arrays of one length, ``needs`` bool)."""
     order = greedy_order(t_gpu, t_cpu, workload, ids)
     limit = len(t_gpu) + 1 if max_new is None else int(max_new)  # more than can ever need a buffer: no limit
     return kernels.run("greedy", order, t_gpu, t_cpu, needs, limit)
@@ -193,8 +255,15 @@ class DaliGreedy(PlacementPolicy[DaliGreedyConfig]):
         return expert_times(view, overlap=self.config.overlap, pending_resident=self.config.pending_resident)
 
     def place(self, view: LayerView) -> np.ndarray:
-        t_gpu, t_cpu, _ = self.times(view)
-        return greedy_assign(t_gpu, t_cpu, workload=view.counts, ids=view.experts)
+        costs, counts = view.costs, view.counts
+        kernel = _compiled_place() if type(self) is DaliGreedy else None
+        table = getattr(costs, "expert_time_table", None)
+        if kernel is not None and table is not None and len(counts) and counts.min() >= 0 \
+                and counts.max() <= costs.lookup_tokens:  # the same decisions in one compiled loop
+            return kernel(view.experts, counts, view.resident, view.pending, table("gpu"), table("cpu"),
+                          float(costs.expert_transfer_time()), self.config.overlap, self.config.pending_resident)
+        t_gpu, t_cpu, needs = self.times(view)  # from the cost model's tables: valid inputs
+        return _greedy(t_gpu, t_cpu, view.counts, view.experts, np.zeros(len(t_gpu), dtype=bool), None)
 
 
 class _MemoryLimited:

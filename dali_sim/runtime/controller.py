@@ -29,6 +29,7 @@ HIT, PREFETCHED, FETCH, CPU = 0, 1, 2, 3
 SOURCE_NAMES = ("cache", "prefetched", "on-demand", "cpu")
 #: source by (on_gpu << 2) | (resident << 1) | pending: CPU unless on the GPU, then HIT > PREFETCHED > FETCH
 _SOURCE_OF = np.array([CPU, CPU, CPU, CPU, FETCH, PREFETCHED, HIT, HIT], dtype=np.int8)
+_new = object.__new__
 
 
 @dataclass
@@ -96,6 +97,9 @@ class Controller:
         self.bounds = {family: p.name for family, p in families if p.is_bound}
         #: the families whose policy reads the future without being a bound (oracle heuristics)
         self.oracles = {family: p.name for family, p in families if p.reads_future and not p.is_bound}
+        # (asked once: a policy's class does not change during a run)
+        self._prefetching = self.prefetch_slots > 0
+        self._swapping = type(cache).rebalance is not CachePolicy.rebalance
 
     def _lookahead(self, step: int, layer: int, what: str = "counts"):
         def get(name: str, target: int) -> np.ndarray:
@@ -123,13 +127,19 @@ class Controller:
     def view(self, step: int, layer: int) -> LayerView:
         """The policies' view of the start of (step, layer)."""
         experts, counts, ranks = self.w.activated(step, layer)
-        return LayerView(
+        # built without the frozen dataclass's per-field checks (it runs once per (step, layer)); read-only
+        # views of the workload's arrays, the cache's rows as read-only copies
+        resident, pending = self.resident[layer].copy(), self.pending[layer].copy()
+        resident.flags.writeable = pending.flags.writeable = False
+        view = _new(LayerView)
+        view.__dict__.update(
             step=step, layer=layer, phase=int(self.w.step_phase[step]), tokens=int(self.w.step_tokens[step]),
-            experts=readonly(experts), counts=readonly(counts), ranks=readonly(ranks),
-            resident=readonly(self.resident[layer].copy()), pending=readonly(self.pending[layer].copy()),
+            experts=readonly(experts), counts=readonly(counts), ranks=readonly(ranks), resident=resident, pending=pending,
             num_layers=self.w.num_layers, num_experts=self.w.num_experts, costs=self.costs,
             lookahead=self._lookahead(step, layer), lookahead_rank=self._lookahead(step, layer, "ranks"),
+            true_counts=None,
         )
+        return view
 
     def _view_for(self, policy, view: LayerView) -> LayerView:
         """Policies that read the future get the true later workloads; every other policy the plain view."""
@@ -148,26 +158,42 @@ class Controller:
             raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
         resident = self.resident[layer]
         pending = self.pending[layer]
+        n_pending = self.n_pending[layer]
         hit = resident[experts]  # fancy indexing copies: the contents at the start of the layer
-        miss = on_gpu & ~hit  # weights must come to the GPU: prefetched or fetched on demand
-        source = _SOURCE_OF[(on_gpu.view(np.uint8) << 2) | (hit.view(np.uint8) << 1) | pending[experts].view(np.uint8)]
-        fetch = source == FETCH
-        if not self.placement.may_fetch and fetch.any():  # noqa: SIM102 (the message needs the expert)
-            e = int(experts[fetch][0])
-            raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {e} of layer {layer} "
-                             "on the GPU while it is not resident: the cache must hold every expert this placement "
-                             "runs on the GPU (check memory.layout and memory.cache_init)")
-        if cache.batched:
-            admitted, evicted = self._admit_batched(view, layer, experts, hit, miss)
+        nz = np.count_nonzero
+        if not nz(on_gpu):  # (no expert on the GPU: nothing moves)
+            source = np.full(n, CPU, np.int8)
+            admitted, staged = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+            evicted: list[int] = []
+            if nz(hit):  # resident experts run on the CPU: the cache is told of the touches
+                if cache.batched:
+                    cache.touched(layer, experts[hit], admitted[hit], view)
+                else:
+                    for e in experts[hit].tolist():
+                        cache.on_hit(layer, e, view)
         else:
-            admitted, evicted = self._admit_each(view, layer, experts, hit, source)
-        staged = fetch & ~admitted  # a declined prefetched expert is used from its prefetch buffer
-        if self.staging_slots < 1 and staged.any():
-            raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
+            miss = on_gpu & ~hit  # weights must come to the GPU: prefetched or fetched on demand
+            code = (on_gpu.view(np.uint8) << 2) | (hit.view(np.uint8) << 1)
+            if n_pending:
+                code |= pending[experts].view(np.uint8)
+            source = _SOURCE_OF[code]
+            fetch = source == FETCH
+            if not self.placement.may_fetch and nz(fetch):  # noqa: SIM102 (the message needs the expert)
+                e = int(experts[fetch][0])
+                raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {e} of layer "
+                                 f"{layer} on the GPU while it is not resident: the cache must hold every expert this "
+                                 "placement runs on the GPU (check memory.layout and memory.cache_init)")
+            if cache.batched:
+                admitted, evicted = self._admit_batched(view, layer, experts, hit, miss)
+            else:
+                admitted, evicted = self._admit_each(view, layer, experts, hit, source)
+            staged = fetch & ~admitted  # a declined prefetched expert is used from its prefetch buffer
+            if self.staging_slots < 1 and nz(staged):
+                raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
 
         prefetch_used: list[int] = []
         prefetch_wasted: list[int] = []
-        if self.n_pending[layer]:
+        if n_pending:
             was = np.flatnonzero(pending)
             used = np.zeros(self.w.num_experts, dtype=bool)
             used[experts[source == PREFETCHED]] = True
@@ -175,8 +201,8 @@ class Controller:
             pending[:] = False
             self.n_pending[layer] = 0
 
-        prefetches = self._issue_prefetches(view)
-        swaps = self._apply_swaps(view, layer)
+        prefetches = self._issue_prefetches(view) if self._prefetching else []
+        swaps = self._apply_swaps(view, layer) if self._swapping else []
         return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, hit,
                          admitted, staged, evicted, prefetches, prefetch_used, prefetch_wasted, swaps)
 
@@ -205,7 +231,7 @@ class Controller:
                 evictable = np.flatnonzero(resident & ~activated)
                 victim = cache.victim(layer, e, view, readonly(evictable)) if evictable.size else None
                 if victim is not None:
-                    self._check_victims(step, layer, np.array([victim]), resident, activated)
+                    self._check_victims(step, layer, np.array([victim]), resident & ~activated)
                     resident[victim] = False
                     self.n_resident[layer] -= 1
                     cache.on_evict(layer, int(victim))
@@ -227,36 +253,45 @@ class Controller:
         admitted = np.zeros(len(experts), dtype=bool)
         victims = experts[:0]
         cand = np.flatnonzero(miss)
-        if cand.size:
+        m = len(cand)
+        if m:
             free = int(self.capacities[layer] - self.n_resident[layer])
             take = 0
             refused = free > 0 and not cache.accepts(layer, int(experts[cand[0]]), view)
             if not refused:
-                take = min(max(free, 0), cand.size)
-                rest = cand.size - take
+                take = min(max(free, 0), m)
+                rest = m - take
                 if rest:
-                    activated = self._activated(experts)
-                    evictable = np.flatnonzero(resident & ~activated)
-                    if evictable.size:
+                    evictable_mask = resident.copy()
+                    evictable_mask[experts] = False  # activated experts are not evictable
+                    evictable = np.flatnonzero(evictable_mask)
+                    if len(evictable):
                         victims = np.asarray(cache.victim_order(layer, view, readonly(evictable)))[:rest]
-                        self._check_victims(view.step, layer, victims, resident, activated)
+                        self._check_victims(view.step, layer, victims, evictable_mask)
             admitted[cand[:take + len(victims)]] = True
             if len(victims):
                 resident[victims] = False
                 cache.evicted(layer, victims)
             resident[experts[admitted]] = True
-            self.n_resident[layer] += int(admitted.sum()) - len(victims)
+            self.n_resident[layer] += take
         touched = hit | admitted
-        if touched.any():
+        if np.count_nonzero(touched):
             cache.touched(layer, experts[touched], admitted[touched], view)
         return admitted, victims.tolist()
 
-    def _check_victims(self, step: int, layer: int, victims: np.ndarray, resident: np.ndarray,
-                       activated: np.ndarray) -> None:
-        if not (resident[victims].all() and not activated[victims].any()) or len(np.unique(victims)) != len(victims):
-            evictable = np.flatnonzero(resident & ~activated)
+    def _check_victims(self, step: int, layer: int, victims: np.ndarray, evictable_mask: np.ndarray) -> None:
+        """The victims are distinct evictable entries (resident, not activated), else the policy's error.
+        ``evictable_mask`` (E,) bool is the caller's scratch copy: the victims are cleared in it."""
+        before = np.count_nonzero(evictable_mask)
+        was = evictable_mask.copy()
+        try:
+            evictable_mask[victims] = False
+            ok = before - np.count_nonzero(evictable_mask) == len(victims)  # each one evictable, none twice
+        except IndexError:
+            ok = False
+        if not ok:
             raise ValueError(f"cache policy {self.cache.name!r} chose victim(s) {np.asarray(victims).tolist()} at step "
-                             f"{step} layer {layer}, not evictable entries of {evictable.tolist()}")
+                             f"{step} layer {layer}, not evictable entries of {np.flatnonzero(was).tolist()}")
 
     def _issue_prefetches(self, view: LayerView) -> list[tuple[int, int]]:
         """The prefetcher's requests in its order, skipping resident, pending and repeated ones, while
@@ -267,6 +302,9 @@ class Controller:
         asked = self.prefetcher.prefetch(self._view_for(self.prefetcher, view))
         if not len(asked):
             return []
+        if len(asked) <= 32 and (asked.ndim == 2 and asked.shape[1] == 2 if isinstance(asked, np.ndarray)
+                                 else all(len(p) == 2 for p in asked)):  # a few pairs: the same rule on ints
+            return self._issue_few(view, asked, free)
         pairs = np.asarray(asked, dtype=np.int64).reshape(-1, 2)
         target, e = pairs[:, 0], pairs[:, 1]
         valid = (view.layer < target) & (target < self.w.num_layers) & (0 <= e) & (e < self.w.num_experts)
@@ -276,6 +314,30 @@ class Controller:
             t, x = pairs[n_valid].tolist()
             raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
                              f"at layer {view.layer}; targets must be later layers of the same step")
+        return issued
+
+    def _issue_few(self, view: LayerView, asked, free: int) -> list[tuple[int, int]]:
+        """:meth:`_issue_prefetches` after the policy's answer, for a short one, one request at a time."""
+        pairs = asked.tolist() if isinstance(asked, np.ndarray) else asked
+        L, E = self.w.num_layers, self.w.num_experts
+        resident, pending = self.resident, self.pending
+        issued: list[tuple[int, int]] = []
+        seen: set[tuple[int, int]] = set()
+        for pair in pairs:
+            t, x = (int(v) for v in pair)
+            if not (view.layer < t < L and 0 <= x < E):
+                if len(issued) < free:  # the request was reached before the buffers ran out
+                    raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
+                                     f"at layer {view.layer}; targets must be later layers of the same step")
+                break
+            if (t, x) in seen:
+                continue  # the first request of each (layer, expert) counts
+            seen.add((t, x))
+            if len(issued) < free and not resident[t, x] and not pending[t, x]:
+                issued.append((t, x))
+        for t, x in issued:
+            pending[t, x] = True
+            self.n_pending[t] += 1
         return issued
 
     def _take_prefetches(self, target: np.ndarray, e: np.ndarray, free: int) -> list[tuple[int, int]]:
@@ -289,7 +351,7 @@ class Controller:
         return list(zip(target.tolist(), e.tolist()))
 
     def _apply_swaps(self, view: LayerView, layer: int) -> list[tuple[int, int]]:
-        if type(self.cache).rebalance is CachePolicy.rebalance:
+        if not self._swapping:
             return []  # the policy never swaps
         resident = self.resident[layer]
         swaps = self.cache.rebalance(view, readonly(resident.copy()))

@@ -26,32 +26,43 @@ COUNTERS = (
 
 
 class PlanCounters:
-    """Accumulates :data:`COUNTERS` per MoE layer from a stream of :class:`LayerPlan`."""
+    """Accumulates :data:`COUNTERS` per MoE layer from a stream of :class:`LayerPlan`.
+
+    :meth:`add` runs once per (step, layer) in the simulator and the executor, so it keeps one tuple of
+    Python ints per plan and adds them up in bulk; ``c`` (a dict of per-layer arrays, one per counter,
+    that may be changed in place) takes them in when it is read."""
+
+    _FLUSH = 4096  # plans kept as tuples before they are added up
 
     def __init__(self, num_layers: int):
-        self.c = {name: np.zeros(num_layers, dtype=np.int64) for name in COUNTERS}
+        self._table = np.zeros((len(COUNTERS), num_layers), dtype=np.int64)
+        self._c = {name: self._table[i] for i, name in enumerate(COUNTERS)}
+        self._rows: list[tuple[int, ...]] = []
+
+    @property
+    def c(self) -> dict[str, np.ndarray]:
+        self._flush()
+        return self._c
+
+    def _flush(self) -> None:
+        if self._rows:
+            rows = np.array(self._rows, dtype=np.int64)
+            np.add.at(self._table.T, rows[:, 0], rows[:, 1:])
+            self._rows.clear()
 
     def add(self, p: LayerPlan) -> None:
-        c, l, nz = self.c, p.layer, np.count_nonzero
-        n = len(p.experts)
-        by_source = np.bincount(p.source, minlength=4)
-        gpu = n - int(by_source[CPU])
-        c["activated"][l] += n
-        c["hits"][l] += nz(p.hit)
-        c["gpu_experts"][l] += gpu
-        c["cpu_experts"][l] += n - gpu
-        c["on_demand"][l] += by_source[FETCH]
-        c["prefetch_used"][l] += by_source[PREFETCHED]
-        c["prefetch_issued"][l] += len(p.prefetches)
-        c["prefetch_wasted"][l] += len(p.prefetch_wasted)
-        c["admitted"][l] += nz(p.admitted)
-        c["evicted"][l] += len(p.evicted)
-        c["staged"][l] += nz(p.staged)
-        c["swaps"][l] += len(p.swaps)
-        total = int(p.counts.sum())
-        gpu_tokens = total if gpu == n else (int(p.counts[p.on_gpu].sum()) if gpu else 0)
-        c["gpu_tokens"][l] += gpu_tokens
-        c["cpu_tokens"][l] += total - gpu_tokens
+        source, nz = p.source, np.count_nonzero
+        n = len(source)
+        by_source = np.bincount(source, minlength=4).tolist()
+        tokens = np.bincount(source, weights=p.counts, minlength=4).tolist()  # exact: integers below 2**53
+        cpu, fetch, prefetched = by_source[CPU], by_source[FETCH], by_source[PREFETCHED]
+        cpu_tokens = int(tokens[CPU])
+        self._rows.append((
+            p.layer, n, nz(p.hit), n - cpu, cpu, fetch, prefetched, len(p.prefetches), len(p.prefetch_wasted),
+            nz(p.admitted) if fetch or prefetched else 0,  # only experts that came to the GPU are admitted
+            len(p.evicted), nz(p.staged) if fetch else 0, len(p.swaps), int(sum(tokens)) - cpu_tokens, cpu_tokens))
+        if len(self._rows) >= self._FLUSH:
+            self._flush()
 
     def frame(self, layers: tuple[int, ...]) -> pd.DataFrame:
         df = pd.DataFrame(self.c, index=pd.Index(layers, name="layer"))

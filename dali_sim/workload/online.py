@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from dali_sim.models.spec import ModelSpec
+from dali_sim.policies import kernels
 from dali_sim.trace.reader import read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
 from dali_sim.workload.builder import Workload, WorkloadConfig, predicted_top_k
@@ -87,6 +88,48 @@ def frequencies_from_trace(path: str | Path, model: ModelSpec) -> np.ndarray:
         raise ValueError(f"--frequencies-from {path}: the trace has MoE layers {list(have[0])} with {have[1]} experts, "
                          f"the model {list(want[0])} with {want[1]}: use a trace recorded from this model")
     return Workload(trace, WorkloadConfig()).frequencies()
+
+
+def _segment_rule(ids, num_experts):
+    """:meth:`OnlineWorkload._segment` with the range check and the counts, as one loop (compiled with numba):
+    (ok, experts in touch order (int16), workloads (int32), best ranks (int8), (E,) counts, (E,) best rank
+    per expert (top_k where absent)). Touch order: workload descending, then best rank, then id."""
+    n, k = ids.shape
+    counts = np.zeros(num_experts, np.int64)
+    best = np.full(num_experts, k, np.int64)
+    for r in range(k):
+        for t in range(n):
+            e = ids[t, r]
+            if e < 0 or e >= num_experts:
+                return False, np.zeros(0, np.int16), np.zeros(0, np.int32), np.zeros(0, np.int8), counts, best
+            counts[e] += 1
+            if best[e] > r:
+                best[e] = r
+    m = 0
+    for e in range(num_experts):
+        if counts[e] > 0:
+            m += 1
+    experts = np.empty(m, np.int64)
+    m = 0
+    for e in range(num_experts):
+        if counts[e] > 0:
+            experts[m] = e
+            m += 1
+    # lexsort((experts, best, -count)): stable sorts by the minor keys first
+    by_rank = experts[np.argsort(best[experts], kind="mergesort")]
+    touch = by_rank[np.argsort(-counts[by_rank], kind="mergesort")]
+    return (True, touch.astype(np.int16), counts[touch].astype(np.int32), best[touch].astype(np.int8), counts,
+            best)
+
+
+_SEGMENT: list = []
+
+
+def _segment_kernel():
+    """The compiled :func:`_segment_rule`, or None without numba."""
+    if not _SEGMENT:
+        _SEGMENT.append(kernels.jit(_segment_rule))
+    return _SEGMENT[0]
 
 
 class _Growing:
@@ -179,11 +222,12 @@ class OnlineWorkload:
             if seq_ids.shape != (tokens,) or positions.shape != (tokens,):
                 raise ValueError(f"seq_ids and positions must have one value per token ({tokens})")
             context = float((positions + 1).mean())
-            for sid in np.unique(seq_ids).tolist():
-                mine = seq_ids == sid
-                kv += int(positions[mine].max()) + 1
+            sids, inverse, per_seq = np.unique(seq_ids, return_inverse=True, return_counts=True)
+            last = np.full(len(sids), -1, np.int64)
+            np.maximum.at(last, inverse, positions)
+            kv = int(last.sum()) + len(sids)
+            for sid, n in zip(sids.tolist(), per_seq.tolist()):
                 rec = self._seqs.setdefault(sid, [batch, 0, 0, -1, -1, -1, -1])
-                n = int(mine.sum())
                 if ph == PREFILL:
                     rec[1] += n
                     rec[3] = s if rec[3] < 0 else rec[3]
@@ -214,9 +258,18 @@ class OnlineWorkload:
         if layer != self._next_layer:
             raise ValueError(f"online workload: step {self._step} expects MoE layer {self._next_layer}, got {layer}")
         T, k, E = int(self._tokens.view[-1]), self.top_k, self.num_experts
-        ids = self._ids(ids, T, f"step {self._step} layer {layer}: routing")
-        counts = np.bincount(ids.reshape(-1), minlength=E)
-        self._act.append(self._segment(ids, counts))
+        where = f"step {self._step} layer {layer}: routing"
+        kernel = _segment_kernel()
+        if kernel is not None:  # the checks, the counts and the segment in one compiled loop
+            ids = self._ids_shape(ids, T, where)
+            ok, experts, cnt, best, counts, _ = kernel(ids, E)
+            if not ok:
+                raise ValueError(f"{where}: expert ids must lie in 0..{E - 1}")
+            self._act.append((experts, cnt, best))
+        else:
+            ids = self._ids(ids, T, where)
+            counts = np.bincount(ids.reshape(-1), minlength=E)
+            self._act.append(self._segment(ids, counts))
         self._observed[layer] += counts
         predicted = dict(predicted or {})
         unknown = sorted(set(predicted) - set(self.predictor_offsets))
@@ -239,7 +292,14 @@ class OnlineWorkload:
                     raise ValueError(f"{name!r} logits must be ({T}, {E}), got {arr.shape}")
                 keep = ~np.isnan(arr).all(axis=1)
                 arr = predicted_top_k(arr[keep], k)
-            pred = self._ids(arr, None, f"step {self._step} layer {layer}: {name!r} prediction")
+            where = f"step {self._step} layer {layer}: {name!r} prediction"
+            if kernel is not None:
+                ok, experts, _, _, pcounts, ranks = kernel(self._ids_shape(arr, None, where), E)
+                if not ok:
+                    raise ValueError(f"{where}: expert ids must lie in 0..{E - 1}")
+                self._pred[(name, target)] = (pcounts.astype(np.float64), ranks)
+                continue
+            pred = self._ids(arr, None, where)
             sc = self._segment(pred)
             counts = np.zeros(E, np.float64)
             counts[sc[0]] = sc[1]
@@ -248,7 +308,8 @@ class OnlineWorkload:
             self._pred[(name, target)] = (counts, ranks)
         self._next_layer += 1
 
-    def _ids(self, ids: np.ndarray, tokens: int | None, where: str) -> np.ndarray:
+    def _ids_shape(self, ids: np.ndarray, tokens: int | None, where: str) -> np.ndarray:
+        """``ids`` as a (tokens, top_k) int64 array (the range is the caller's check)."""
         ids = np.asarray(ids)
         k = self.top_k
         if ids.ndim != 2 or ids.shape[1] != k or (tokens is not None and ids.shape[0] != tokens):
@@ -256,9 +317,13 @@ class OnlineWorkload:
             raise ValueError(f"{where}: expected {want} expert ids, got shape {ids.shape}")
         if not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"{where}: expert ids must be integers, got {ids.dtype}")
+        return np.ascontiguousarray(ids, dtype=np.int64)
+
+    def _ids(self, ids: np.ndarray, tokens: int | None, where: str) -> np.ndarray:
+        ids = self._ids_shape(ids, tokens, where)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
             raise ValueError(f"{where}: expert ids must lie in 0..{self.num_experts - 1}")
-        return ids.astype(np.int64)
+        return ids
 
     def _segment(self, ids: np.ndarray, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(experts in touch order, workloads, best ranks): the trace workload's rule for one (step, layer)

@@ -1,0 +1,311 @@
+"""The runtime's per-layer index building as single compiled loops (numba, :func:`dali_sim.policies.kernels.jit`).
+
+Grouping a layer's routing by expert and building a group's indices take a dozen NumPy operations each
+on arrays of a few hundred entries, where each operation costs about a microsecond of call overhead on
+this scale; one compiled loop does the same in one call. :func:`group_routing` and :func:`group_index`
+return exactly what the NumPy code of :mod:`.routing` and :mod:`.grouped` computes (the same values,
+dtypes and orders: a stable counting sort is the stable argsort; tested in tests/test_exec_grouped.py),
+which stays the path when numba is off (``DALI_NUMBA=0``) and the reference. Kernels compile on first
+use (cached on disk).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dali_sim.policies import kernels as _policy_kernels
+
+OK, NOT_PERMUTATION, NOT_SORTED, NEGATIVE = 0, 1, 2, 3
+
+
+def _group_routing(flat, order_in, weights, counted, k):
+    """Stable grouping of the flat (token, rank) pairs by expert id: (status, order, ptr, experts, sorted
+    weights, sorted counted flags, counted pairs per expert). ``order_in``: a given permutation (checked)
+    or empty; ``counted``: per token, or empty."""
+    n = flat.shape[0]
+    top = 0
+    for i in range(n):
+        v = flat[i]
+        if v < 0:
+            return NEGATIVE, order_in, order_in, order_in, weights, counted, order_in
+        if v + 1 > top:
+            top = v + 1
+    if order_in.shape[0] == 0:
+        start = np.zeros(top + 1, np.int64)
+        for i in range(n):
+            start[flat[i] + 1] += 1
+        for e in range(top):
+            start[e + 1] += start[e]
+        order = np.empty(n, np.int64)
+        for i in range(n):
+            e = flat[i]
+            order[start[e]] = i
+            start[e] += 1
+    else:
+        order = order_in
+        if order.shape[0] != n:
+            return NOT_PERMUTATION, order, order, order, weights, counted, order
+        seen = np.zeros(n, np.bool_)
+        for j in range(n):
+            o = order[j]
+            if o < 0 or o >= n or seen[o]:
+                return NOT_PERMUTATION, order, order, order, weights, counted, order
+            seen[o] = True
+        for j in range(1, n):
+            if flat[order[j]] < flat[order[j - 1]]:
+                return NOT_SORTED, order, order, order, weights, counted, order
+    experts = np.empty(n, np.int64)
+    ptr = np.empty(n + 1, np.int64)
+    m = 0
+    prev = -1
+    for j in range(n):
+        e = flat[order[j]]
+        if e != prev:
+            experts[m] = e
+            ptr[m] = j
+            m += 1
+            prev = e
+    ptr[m] = n
+    w = np.empty(n, np.float32)
+    for j in range(n):
+        w[j] = weights[order[j]]
+    if counted.shape[0] == 0:
+        return OK, order, ptr[:m + 1], experts[:m], w, np.zeros(0, np.bool_), np.zeros(0, np.int64)
+    c = np.empty(n, np.bool_)
+    per = np.zeros(m, np.int64)
+    g = 0
+    for j in range(n):
+        if j == ptr[g + 1]:
+            g += 1
+        c[j] = counted[order[j] // k]
+        if c[j]:
+            per[g] += 1
+    return OK, order, ptr[:m + 1], experts[:m], w, c, per
+
+
+def _rows_ready(rows, experts, layer, hold_layer, hold_expert, inflight):
+    """``SlotPool.check_rows`` without its messages: does every row hold (layer, its expert) with no copy in
+    flight? (The caller asks the pool for the message when not.)"""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if hold_layer[r] != layer or hold_expert[r] != experts[i] or inflight[r] != 0:
+            return False
+    return True
+
+
+def _group_index(ptr, positions, weights, experts, seg, rows, k, layer, hold_layer, hold_expert, inflight):
+    """A group's indices (see ``GroupIndex``): the experts ``seg`` (indices into the routing's experts)
+    in table rows ``rows``, sorted by row (stably): (pairs, weights, rows, experts, counts, lo, table
+    counts, offsets (int32), token of each pair, row of each pair within the span, ready). ``ready``: with
+    a slot table given (``hold_layer`` not empty), whether every row holds (layer, its expert) with no
+    copy in flight (:func:`_rows_ready`); True without one."""
+    order = np.argsort(rows, kind="mergesort")
+    g = seg.shape[0]
+    rows_s = np.empty(g, np.int64)
+    experts_s = np.empty(g, np.int64)
+    counts = np.empty(g, np.int64)
+    total = 0
+    for i in range(g):
+        s = seg[order[i]]
+        rows_s[i] = rows[order[i]]
+        experts_s[i] = experts[s]
+        counts[i] = ptr[s + 1] - ptr[s]
+        total += counts[i]
+    lo = rows_s[0]
+    span = rows_s[g - 1] - lo + 1
+    table_counts = np.zeros(span, np.int64)
+    pairs = np.empty(total, np.int64)
+    w = np.empty(total, np.float32)
+    tok = np.empty(total, np.int64)
+    pair_rows = np.empty(total, np.int64)
+    a = 0
+    for i in range(g):
+        s = seg[order[i]]
+        table_counts[rows_s[i] - lo] = counts[i]
+        for j in range(ptr[s], ptr[s + 1]):
+            p = positions[j]
+            pairs[a] = p
+            w[a] = weights[j]
+            tok[a] = p // k
+            pair_rows[a] = rows_s[i] - lo
+            a += 1
+    offs = np.empty(span, np.int32)
+    acc = 0
+    for r in range(span):
+        acc += table_counts[r]
+        offs[r] = acc
+    ready = True
+    if hold_layer.shape[0]:
+        ready = _rows_ready_fn(rows_s, experts_s, layer, hold_layer, hold_expert, inflight)
+    return pairs, w, rows_s, experts_s, counts, lo, table_counts, offs, tok, pair_rows, ready
+
+
+def _matches(have_experts, have_counts, experts, counts):
+    """``LayerRouting.matches``: ``experts`` / ``counts`` (any order, counts > 0) are exactly the entries of
+    ``have_experts`` (ascending, unique) with a nonzero ``have_counts``, with those counts."""
+    m = 0
+    for i in range(have_counts.shape[0]):
+        if have_counts[i] > 0:
+            m += 1
+    if experts.shape[0] != m:
+        return False
+    n = have_experts.shape[0]
+    seen = np.zeros(n, np.bool_)
+    for j in range(m):
+        e = experts[j]
+        lo = 0
+        hi = n
+        while lo < hi:  # binary search in the ascending ids
+            mid = (lo + hi) // 2
+            if have_experts[mid] < e:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == n or have_experts[lo] != e or seen[lo] or counts[j] <= 0 or have_counts[lo] != counts[j]:
+            return False
+        seen[lo] = True
+    return True
+
+
+READY, PREFETCHED_KIND, FETCHED, STAGED = 0, 1, 2, 3  # an accelerator expert's kind in a lane split
+
+
+def _partition(r_experts, r_counts, p_experts, p_counts, source, admitted, row_of, codes, uncounted_on_cpu):
+    """A layer's routing checked against its plan and split between the lanes, in one pass.
+
+    ``codes``: the plan's source codes (CPU, HIT, PREFETCHED, FETCH). Returns (status, CPU experts as
+    ascending indices into the routing's experts (with, if ``uncounted_on_cpu``, those only uncounted
+    tokens use), ``lane``: a (5, g) array over the g accelerator experts in touch order (their positions
+    in the plan, indices into the routing's experts, cache rows (-1 unless a hit), expert ids, kinds:
+    READY hit / PREFETCHED_KIND / FETCHED (admitted) / STAGED), ``order``: lane positions of the hits and
+    prefetched ones, then the fetched ones, then the staged ones (each in touch order), the number of
+    hits, of hits and prefetched ones, and of fetched ones). Status: 0 ok, 1 the routing is not the plan's
+    (``LayerRouting.matches``), 2 a hit that the slot table does not cache (``lane[3, 0]`` names it)."""
+    cpu_code, hit_code, prefetched_code = codes[0], codes[1], codes[2]
+    n = r_experts.shape[0]
+    m = p_experts.shape[0]
+    empty = np.zeros(0, np.int64)
+    nonzero = 0
+    for i in range(n):
+        if r_counts[i] > 0:
+            nonzero += 1
+    if nonzero != m:
+        return 1, empty, np.zeros((5, 0), np.int64), empty, 0, 0, 0
+    on_cpu = np.zeros(n, np.bool_)
+    seen = np.zeros(n, np.bool_)
+    lane = np.empty((5, m), np.int64)
+    g = 0
+    hits = 0
+    ready = 0
+    fetched = 0
+    for j in range(m):
+        e = p_experts[j]
+        lo = 0
+        hi = n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if r_experts[mid] < e:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == n or r_experts[lo] != e or seen[lo] or p_counts[j] <= 0 or r_counts[lo] != p_counts[j]:
+            return 1, empty, np.zeros((5, 0), np.int64), empty, 0, 0, 0
+        seen[lo] = True
+        src = source[j]
+        if src == cpu_code:
+            on_cpu[lo] = True
+            continue
+        row = -1
+        if src == hit_code:
+            row = row_of[e] if e < row_of.shape[0] else -1
+            if row < 0:
+                bad = np.zeros((5, 1), np.int64)
+                bad[3, 0] = e
+                return 2, empty, bad, empty, 0, 0, 0
+            kind = READY
+            hits += 1
+            ready += 1
+        elif src == prefetched_code:
+            kind = PREFETCHED_KIND
+            ready += 1
+        elif admitted[j]:
+            kind = FETCHED
+            fetched += 1
+        else:
+            kind = STAGED
+        lane[0, g] = j
+        lane[1, g] = lo
+        lane[2, g] = row
+        lane[3, g] = e
+        lane[4, g] = kind
+        g += 1
+    order = np.empty(g, np.int64)
+    a = 0
+    b = ready
+    c = ready + fetched
+    for i in range(g):
+        kind = lane[4, i]
+        if kind == READY or kind == PREFETCHED_KIND:
+            order[a] = i
+            a += 1
+        elif kind == FETCHED:
+            order[b] = i
+            b += 1
+        else:
+            order[c] = i
+            c += 1
+    c = 0
+    for i in range(n):
+        if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
+            c += 1
+    cpu = np.empty(c, np.int64)
+    c = 0
+    for i in range(n):
+        if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
+            cpu[c] = i
+            c += 1
+    return 0, cpu, lane[:, :g].copy(), order, hits, ready, fetched
+
+
+def _rank_order(ids, weights, rows):
+    """Each token's expert ids in rank order: descending gate weight, ties keeping their column (the stable
+    sort of ``np.argsort(-weights, axis=1, kind="stable")``), for the tokens ``rows`` (all if empty)."""
+    T = rows.shape[0] if rows.shape[0] else ids.shape[0]
+    k = ids.shape[1]
+    out = np.empty((T, k), np.int64)
+    w = np.empty(k, np.float64)
+    for t in range(T):
+        r = rows[t] if rows.shape[0] else t
+        for j in range(k):  # insertion sort: stable, k is small
+            v = weights[r, j]
+            e = ids[r, j]
+            i = j
+            while i > 0 and w[i - 1] < v:
+                w[i] = w[i - 1]
+                out[t, i] = out[t, i - 1]
+                i -= 1
+            w[i] = v
+            out[t, i] = e
+    return out
+
+
+_rows_ready_fn = _rows_ready  # what _group_index calls: the compiled _rows_ready once compiled
+
+_KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
+            "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready}
+_compiled: dict[str, object] = {}
+
+
+def compiled(name: str):
+    """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
+    ``rank_order``, ``rows_ready``), or None without numba."""
+    global _rows_ready_fn
+    if name not in _compiled:
+        if name == "group_index":  # it calls rows_ready: that one compiled first
+            _rows_ready_fn = compiled("rows_ready") or _rows_ready
+        _compiled[name] = _policy_kernels.jit(_KERNELS[name])
+    return _compiled[name]
+
+
+__all__ = ["FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY", "STAGED",
+           "compiled"]

@@ -1,0 +1,199 @@
+"""The compiled per-layer loops (numba) give exactly what their NumPy code gives: the same values, dtypes
+and orders, on random layers (dali_exec/executor/kernels.py, the online workload's segment rule and
+dali-greedy's one-loop placement)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+pytest.importorskip("torch")
+
+from dali_exec.executor import kernels as K  # noqa: E402
+from dali_exec.executor.grouped import GroupIndex  # noqa: E402
+from dali_exec.executor.routing import LayerRouting  # noqa: E402
+from dali_sim.models.presets import get_model  # noqa: E402
+from dali_sim.policies import placement_dali as PD  # noqa: E402
+from dali_sim.workload import online  # noqa: E402
+
+RNG_TRIALS = 150
+
+
+def _layer(rng, *, counted: bool, order: bool):
+    T, k = int(rng.integers(1, 30)), int(rng.integers(1, 5))
+    E = int(rng.integers(k, 24))
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    w = rng.random((T, k)).astype(np.float32)
+    mask = rng.random(T) > 0.3 if counted else None
+    perm = np.argsort(ids.reshape(-1), kind="stable") if order else None
+    return ids, w, mask, perm
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype and np.array_equal(a, b), (a, b)
+
+
+def test_routing_grouped_by_the_kernel_equals_the_numpy_code():
+    rng = np.random.default_rng(0)
+    for trial in range(RNG_TRIALS):
+        ids, w, mask, perm = _layer(rng, counted=trial % 2 == 1, order=trial % 3 == 0)
+        a = LayerRouting.group(ids, w, counted=mask, order=perm)
+        b = LayerRouting._group_numpy(*ids.shape, ids.reshape(-1).astype(np.int64), w, mask, perm)
+        for field in ("experts", "ptr", "positions", "weights"):
+            _same(getattr(a, field), getattr(b, field))
+        assert (a.counted is None) == (b.counted is None)
+        if a.counted is not None:
+            _same(a.counted, b.counted)
+        _same(a.counts(), b.counts())
+
+
+def test_the_kernel_refuses_what_the_numpy_code_refuses():
+    ids = np.array([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="permutation"):
+        LayerRouting.group(ids, None, order=np.array([0, 0, 1, 2]))
+    with pytest.raises(ValueError, match="sort the flat positions"):
+        LayerRouting.group(ids, None, order=np.array([3, 2, 1, 0]))
+    with pytest.raises(ValueError, match=">= 0"):
+        LayerRouting.group(np.array([[0, -1]]), None)
+
+
+def test_matches_partition_and_group_indices_equal_the_numpy_code(monkeypatch):
+    rng = np.random.default_rng(1)
+    for trial in range(RNG_TRIALS):
+        ids, w, mask, _ = _layer(rng, counted=trial % 2 == 1, order=False)
+        r = LayerRouting.group(ids, w, counted=mask)
+        own = r.counts()
+        experts, counts = r.experts[own > 0], own[own > 0]
+        p = rng.permutation(len(experts))
+        assert K.compiled("matches")(r.experts, own, experts[p], counts[p])
+        if len(experts):
+            bad = counts[p].copy()
+            bad[0] += 1
+            assert not K.compiled("matches")(r.experts, own, experts[p], bad)
+        seg = np.sort(rng.choice(len(r.experts), int(rng.integers(1, len(r.experts) + 1)), replace=False))
+        rows = rng.choice(40, len(seg), replace=False).astype(np.int64)
+        a = GroupIndex.build(r, seg, rows)
+        with monkeypatch.context() as m:
+            m.setattr(K, "compiled", lambda name: None)
+            b = GroupIndex.build(r, seg, rows)
+        for field in ("pairs", "weights", "rows", "experts", "counts", "table_counts", "offs"):
+            _same(getattr(a, field), getattr(b, field))
+        assert a.lo == b.lo
+        _same(a.token_rows(r.top_k), b.pairs // r.top_k)
+        _same(a.row_of_pairs(), np.repeat(b.rows - b.lo, b.counts))
+
+
+def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from dali_exec.executor.runtime import OffloadRuntime
+    from dali_exec.executor.slots import SlotPool
+    from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED
+    rng = np.random.default_rng(2)
+    for trial in range(RNG_TRIALS):
+        ids, w, mask, _ = _layer(rng, counted=trial % 2 == 1, order=False)
+        r = LayerRouting.group(ids, w, counted=mask)
+        own = r.counts()
+        touch = rng.permutation(int((own > 0).sum()))
+        experts = r.experts[own > 0][touch]
+        source = rng.choice([HIT, FETCH, CPU, PREFETCHED], len(experts)).astype(np.int8)
+        pool = SlotPool(np.array([30]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=30)
+        pool.admit_many(0, experts[source == HIT].astype(np.int64))
+        plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=own[own > 0][touch].astype(
+            np.int32), source=source, admitted=rng.random(len(experts)) < 0.5)
+        runtime = SimpleNamespace(pool=pool)
+        flag = trial % 4 == 1
+        got = OffloadRuntime._partition(runtime, plan, r, flag)
+        with monkeypatch.context() as m:
+            m.setattr(K, "compiled", lambda name: None)
+            want = OffloadRuntime._partition(runtime, plan, r, flag)
+        _same(got[0], want[0])
+        for a, b in zip(got[1], want[1]):
+            if isinstance(a, np.ndarray):
+                _same(a, b)
+            else:
+                assert a == b
+
+
+def test_rank_order_is_the_stable_descending_sort():
+    rng = np.random.default_rng(3)
+    for _ in range(RNG_TRIALS):
+        T, k = int(rng.integers(1, 12)), int(rng.integers(1, 9))
+        ids = rng.integers(0, 64, (T, k))
+        w = np.round(rng.random((T, k)), 1).astype(np.float32)  # ties
+        rows = np.sort(rng.choice(T, int(rng.integers(1, T + 1)), replace=False))
+        want = np.take_along_axis(ids, np.argsort(-w, axis=1, kind="stable"), 1)
+        _same(K.compiled("rank_order")(ids, w, np.zeros(0, np.int64)), want)
+        _same(K.compiled("rank_order")(ids, w, rows), want[rows])
+
+
+def test_online_segment_rule_equals_the_numpy_code():
+    wl = online.OnlineWorkload(get_model("mixtral-8x7b"))
+    rng = np.random.default_rng(4)
+    kernel = online._segment_kernel()
+    for _ in range(RNG_TRIALS):
+        T = int(rng.integers(1, 20))
+        ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(T)]).astype(np.int64)
+        ok, experts, cnt, best, counts, ranks = kernel(ids, 8)
+        assert ok
+        want = wl._segment(ids, np.bincount(ids.reshape(-1), minlength=8))
+        for a, b in zip((experts, cnt, best), want):
+            _same(a, b)
+        _same(counts, np.bincount(ids.reshape(-1), minlength=8))
+        dense = np.full(8, 2, np.int64)
+        dense[want[0]] = want[2]
+        _same(ranks, dense)
+    assert not kernel(np.array([[0, 9]]), 8)[0]
+
+
+def test_dali_greedy_in_one_loop_decides_as_algorithm_1():
+    kernel = PD._compiled_place()
+    rng = np.random.default_rng(5)
+    for trial in range(1000):
+        E, n = 32, int(rng.integers(1, 20))
+        experts = rng.choice(E, n, replace=False).astype(np.int16)
+        counts = rng.integers(1, 6, n).astype(np.int32)
+        resident, pending = rng.random(E) < 0.4, rng.random(E) < 0.2
+        lut_g, lut_c = np.round(rng.random(10) * 4, 1), np.round(rng.random(10) * 4, 1)  # ties in |t_gpu - t_cpu|
+        xfer, overlap, pending_resident = float(np.round(rng.random() * 3, 1)), trial % 2 == 0, trial % 5 != 0
+        present = resident[experts] | (pending[experts] if pending_resident else False)
+        t_gpu = np.where(present, lut_g[counts],
+                         np.maximum(xfer, lut_g[counts]) if overlap else xfer + lut_g[counts])
+        want = PD.greedy_assign(t_gpu, lut_c[counts], workload=counts, ids=experts)
+        got = kernel(experts, counts, resident, pending, lut_g, lut_c, xfer, overlap, pending_resident)
+        _same(got, want)
+
+
+@pytest.mark.parametrize("system", ["dali", "gpu-lru", "ktransformers"])
+def test_a_replay_without_numba_computes_and_counts_the_same(system, tmp_path, monkeypatch):
+    """Where numba is missing (DALI_NUMBA=0, or a bare GPU machine) every loop above takes its NumPy code:
+    the same outputs bit for bit and the same counts."""
+    import torch
+
+    from dali_exec.executor import ExecOptions, ReplayOptions, execute
+    from dali_sim.sim.counters import COUNTERS
+    from dali_sim.trace import read_trace
+    from dali_sim.trace.synth import SynthConfig, synthesize
+
+    path = tmp_path / "t.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=5, gen_len=5, seed=2,
+                           lookahead=("residual=0.9",)), path)
+    trace = read_trace(path)
+    opts, run = ReplayOptions(layers=3, scale=1 / 64, dtype="fp32"), ExecOptions(device="cpu", cpu_threads=1,
+                                                                                  accel_threads=1)
+
+    def replay():
+        outs = []
+        result = execute(trace, system, opts, run, batch_size=3, on_layer=lambda r: outs.append(r.output.clone()))
+        return result, outs
+
+    compiled, out_c = replay()
+    monkeypatch.setattr(K, "compiled", lambda name: None)
+    monkeypatch.setattr(online, "_segment_kernel", lambda: None)
+    monkeypatch.setattr(PD, "_compiled_place", lambda: None)
+    plain, out_p = replay()
+    assert {k: compiled.summary[k] for k in COUNTERS} == {k: plain.summary[k] for k in COUNTERS}
+    assert len(out_c) == len(out_p) and all(torch.equal(a, b) for a, b in zip(out_c, out_p))
