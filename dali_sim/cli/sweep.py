@@ -47,8 +47,11 @@ def sweep() -> None:
 def run_cmd(spec: Path, out: Path, workers: int | None, ray_address: str | None, retry_failed: bool,
             save_every: float, quiet: bool) -> None:
     """Run every configuration of SPEC not yet stored in OUT (by configuration hash)."""
-    from dali_sim.sweep.engines import make_engine
+    from dali_sim.sweep.engines import import_ray, make_engine
     from dali_sim.sweep.run import run_sweep
+
+    if ray_address is not None:
+        import_ray()  # before any work: without Ray, one line that says how to get it
 
     def log(message: str) -> None:
         click.echo(message, err=True)

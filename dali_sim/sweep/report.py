@@ -73,18 +73,27 @@ def _with_variants(df, columns: str, keys: list[str]):
     """With per-system grid keys (``SYSTEM:section.key``) and ``columns == "system"``: the system column
     names the variant (``dali (prefetch.k=2)``), so a table never averages over a system's own axis."""
     own = [k for k in keys if ":" in k]
-    if columns != "system" or not own:
-        return df, [k for k in keys if k not in own]
+    if not own:
+        return df, keys
     df = df.copy()
+    for k in own:  # text, "-" for the other systems (a table level or plot panel can then group by it)
+        df[k] = [_text(v) for v in df[k]]
+    if columns != "system":
+        return df, keys
 
     def label(row) -> str:
-        parts = [f"{k.partition(':')[2]}={row[k]:g}" if isinstance(row[k], float) else f"{k.partition(':')[2]}={row[k]}"
-                 for k in own if row[k] is not None and row[k] == row[k]]
+        parts = [f"{k.partition(':')[2]}={row[k]}" for k in own if row[k] != "-"]
         return f"{row['system']} ({', '.join(parts)})" if parts else row["system"]
 
     df["base_system"] = df["system"]
     df["system"] = df.apply(label, axis=1)
     return df, [k for k in keys if k not in own]
+
+
+def _text(value) -> str:
+    if value is None or value != value:
+        return "-"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def speedups(ok, metric: str, baseline: str, keys: list[str]):

@@ -192,7 +192,7 @@ def _grid(path: Path, data: Any, systems: tuple[str, ...]) -> dict[str, tuple[An
         raise _err(path, "grid", "give cache_ratio or cache_experts, not both")
     grid: dict[str, tuple[Any, ...]] = {}
     for key, values in data.items():
-        where = f"grid.{key}" if _NAME.match(key) else f'grid."{key}"'
+        where = _grid_key(key)
         if key not in GRID_KEYS:
             name, colon, rest = key.partition(":")
             target = rest if colon else key
@@ -332,7 +332,10 @@ def _resolve(spec: SweepSpec, index: int, trace: TraceSource, hardware: str, sys
         sysconf = resolve_system(system, over, model)
         predictors, needs_future = _reads(sysconf)
     except ValueError as exc:
-        raise spec.error(_culprit(system, model, fixed, grid), f"{exc} ({where})") from None
+        key = _culprit(system, model, fixed, grid)
+        hint = (f"; for one system only, give \"SYSTEM:{key[6:-1]}\"" if key.startswith('grid."') and ":" not in key
+                else "")
+        raise spec.error(key, f"{exc} ({where}){hint}") from None
     missing = sorted(set(predictors) - trace.predictors)
     if missing:
         raise spec.error(f"traces.{trace.name}", f"system {system!r} reads the lookahead column(s) {missing}, which "
@@ -367,8 +370,14 @@ def _culprit(system: str, model: ModelSpec, fixed: dict, grid: dict[str, Any]) -
         return "set"
     for key, value in grid.items():
         if value is not None and key not in BATCHING_KEYS + RUN_KEYS and fails(merge_overrides(fixed, _overrides_of(key, value))):
-            return f"grid.{key}" if _NAME.match(key) else f'grid."{key}"'
+            return _grid_key(key)
     return "grid"
+
+
+def _grid_key(key: str) -> str:
+    """How the spec names a grid key: ``grid.batch_size``, ``grid."dali:prefetch.k"``."""
+    return f"grid.{key}" if key in GRID_KEYS or "." not in key and ":" not in key else f'grid."{key}"'
+
 
 
 def _reads(sysconf: SystemConfig) -> tuple[tuple[str, ...], bool]:
@@ -396,8 +405,8 @@ def plan_runs(spec: SweepSpec, out: Path, log: Callable[[str], None] = lambda m:
                                      "made from it) or write the sweep to another folder")
             else:
                 log(f"synthesising trace {trace.name!r} -> {path}")
-                synthesize(trace.synth, path, command=f"dali sweep {spec.path.name} (traces.{trace.name})",
-                           progress=False)
+                # the same recipe gives the same bytes, whatever the spec file is called
+                synthesize(trace.synth, path, command=f"dali sweep (recipe traces.{trace.name})", progress=False)
         paths[trace.name], shas[trace.name] = path.resolve(), file_sha256(path)
     hw = {h: file_sha256(resolve_profile_path(_hardware_ref(spec.path, h))) for h in spec.hardware}
     runs = [dataclasses.replace(r, trace_path=str(paths[r.trace]), trace_sha256=shas[r.trace],
