@@ -102,6 +102,8 @@ def results_table(rows: list[dict[str, Any]]):
     arrays, fields = [], []
     for name in columns:
         values = [row.get(name) for row in rows]
+        if name in _INT:  # counts a run does not have (a time bound's cache counters) are NaN: null
+            values = [None if isinstance(v, float) and v != v else v for v in values]
         typ = _arrow_type(name, values)
         if typ is None:
             values, typ = [None if v is None else str(v) for v in values], pa.string()
