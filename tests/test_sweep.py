@@ -345,3 +345,25 @@ def test_report_pivots_by_any_two_keys(smoke, tmp_path):
         assert tab.loc[(system, k, ratio), str(batch)] == pytest.approx(rows["hit_rate"].item())
     bad = CliRunner().invoke(cli, ["sweep", "report", str(smoke), "--index", "nokey"])
     assert bad.exit_code == 1 and "--index 'nokey': not a grid key" in bad.output
+
+
+def test_future_readers_and_the_time_bound(tmp_path):
+    """Policies that read next-use times get them from the task's workload (no enrich file needed), with
+    the results of a run on the `dali trace enrich` file; the time bound's counters are null."""
+    from dali_sim.runtime.future import write_future
+    from dali_sim.trace import read_trace
+    from dali_sim.workload.builder import WorkloadConfig
+
+    spec = write_spec(tmp_path, 'systems = ["gpu-lru", "oracle-heuristic", "lower-bound"]\n'
+                                'set = ["gpu-lru:cache.policy=belady"]\n[grid]\nbatch_size = [2]')
+    out = tmp_path / "out"
+    run(spec, out)
+    df = table(out).set_index("system")
+    assert (df["status"] == "ok").all() and df.loc["gpu-lru", "oracles"] == "cache=belady"
+    trace = out / "traces" / "tiny.parquet"
+    write_future(read_trace(trace), WorkloadConfig(2), tmp_path / "f.parquet")
+    for system, over in (("gpu-lru", {"cache": {"policy": "belady"}}), ("oracle-heuristic", None)):
+        r = simulate(trace, system, batch_size=2, overrides=over, future=tmp_path / "f.parquet")
+        assert df.loc[system, "hit_rate"] == r.summary["hit_rate"] and df.loc[system, "makespan_s"] == r.summary["makespan_s"]
+    bound = df.loc["lower-bound"]
+    assert bound["bounds"] == "time=lower-bound" and pd.isna(bound["hits"]) and bound["makespan_s"] > 0

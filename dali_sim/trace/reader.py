@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -78,10 +78,6 @@ class Needs:
     weights: bool = False
     router_logits: bool = False
     predictors: tuple[str, ...] = ()
-
-    def __or__(self, other: "Needs") -> "Needs":
-        return Needs(self.weights or other.weights, self.router_logits or other.router_logits,
-                     tuple(sorted(set(self.predictors) | set(other.predictors))))
 
 
 class Trace:
@@ -433,8 +429,7 @@ def _read_needed(path: Path, meta: TraceMeta, record: dict | None, needs: Needs,
     table = pa.Table.from_arrays([_arrow_column(arrays[c], c, expected.field(c).type) for c in dense],
                                  schema=pa.schema([expected.field(c) for c in dense]))
     trace = Trace(table, meta, path, record, packed)
-    trace.__dict__.update({c: arrays[c] for c in dense if c in ("seq_id", "phase", "pos", "layer", "experts")})
-    trace.__dict__.update({c: arrays[c] for c in ("weights", "router_logits") if c in arrays})
+    trace.__dict__.update(arrays)  # the column accessors (cached properties) answer with these arrays
     if validate and meta.status != STATUS_PARTIAL:
         check_structure(trace.row_arrays(lookahead=False), meta, where, order=trace.row_order)
     return trace
