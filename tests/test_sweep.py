@@ -367,3 +367,15 @@ def test_future_readers_and_the_time_bound(tmp_path):
         assert df.loc[system, "hit_rate"] == r.summary["hit_rate"] and df.loc[system, "makespan_s"] == r.summary["makespan_s"]
     bound = df.loc["lower-bound"]
     assert bound["bounds"] == "time=lower-bound" and pd.isna(bound["hits"]) and bound["makespan_s"] > 0
+
+
+def test_workers_run_this_dali_wherever_the_sweep_starts(smoke, tmp_path):
+    """Worker processes import the dali the command runs, even from a folder holding another dali_sim (a
+    checkout): they are spawned with this process's import path."""
+    (tmp_path / "dali_sim").mkdir()
+    (tmp_path / "dali_sim" / "__init__.py").write_text("raise ImportError('the wrong dali_sim')\n")
+    dali = Path(sys.executable).with_name("dali")
+    r = subprocess.run([str(dali), "sweep", str(SMOKE), "-o", str(tmp_path / "out"), "--workers", "2", "-q"],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0 and "(0 failed)" in r.stderr, r.stderr[-2000:]
+    pd.testing.assert_frame_equal(table(tmp_path / "out"), table(smoke))

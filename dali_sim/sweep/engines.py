@@ -44,7 +44,8 @@ def _ignore_interrupts() -> None:
 
 
 class LocalEngine:
-    """``workers`` processes of this machine (forked from a server that has imported the simulator once)."""
+    """``workers`` processes of this machine, started fresh (``spawn``: no threads or state inherited, and the
+    parent's import path, so they run the same dali as this process wherever it was started from)."""
 
     def __init__(self, workers: int):
         if workers < 1:
@@ -53,9 +54,8 @@ class LocalEngine:
         self.name = f"{workers} local worker processes"
 
     def _pool(self) -> ProcessPoolExecutor:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["dali_sim.sweep.worker", "dali_sim.sim.simulate"])
-        return ProcessPoolExecutor(self.slots, mp_context=ctx, initializer=_ignore_interrupts)
+        return ProcessPoolExecutor(self.slots, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_ignore_interrupts)
 
     def run(self, tasks: Iterable[SweepTask]) -> Iterator[Outcome]:
         queue = deque(tasks)
@@ -102,12 +102,12 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         terminate()
         return
     processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
     for p in processes:
         if p.is_alive():
             p.terminate()
     for p in processes:
         p.join(timeout=5)
+    pool.shutdown(wait=True, cancel_futures=True)  # the pool's threads and queues cleaned up, workers gone
 
 
 def import_ray():

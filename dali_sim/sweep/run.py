@@ -117,8 +117,9 @@ def run_sweep(spec_path: str | Path, out: str | Path, engine_factory: Callable[[
         if close is not None:
             close()
         if summary.interrupted:
-            log(f"interrupted: {summary.ran} of the {len(todo)} configurations to run finished and are stored in "
-                f"{out / RESULTS_FILE}; rerun the same command to run the remaining {summary.remaining}")
+            kept = (f"{summary.ran} of the {len(todo)} configurations to run finished and are stored in "
+                    f"{out / RESULTS_FILE}" if summary.ran else "no configuration had finished")
+            log(f"interrupted: {kept}; rerun the same command to run the remaining {summary.remaining}")
     log(f"done: {summary.ran} configurations run ({summary.failed} failed), {summary.stored} were already stored; "
         f"results in {out / RESULTS_FILE}")
     return summary
