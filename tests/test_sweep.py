@@ -373,7 +373,7 @@ def test_workers_run_this_dali_wherever_the_sweep_starts(smoke, tmp_path):
     """Worker processes import the dali the command runs, even from a folder holding another dali_sim (a
     checkout): they are spawned with this process's import path."""
     (tmp_path / "dali_sim").mkdir()
-    (tmp_path / "dali_sim" / "__init__.py").write_text("raise ImportError('the wrong dali_sim')\n")
+    (tmp_path / "dali_sim" / "__init__.py").write_text('"""Another dali_sim, without the sweep."""\n')
     dali = Path(sys.executable).with_name("dali")
     r = subprocess.run([str(dali), "sweep", str(SMOKE), "-o", str(tmp_path / "out"), "--workers", "2", "-q"],
                        cwd=tmp_path, capture_output=True, text=True)
