@@ -10,6 +10,7 @@ from dali_sim.cli.exec_cmd import exec_group
 from dali_sim.cli.hw import hw
 from dali_sim.cli.model import model
 from dali_sim.cli.sim import sim
+from dali_sim.cli.sweep import sweep
 from dali_sim.cli.trace import trace
 
 
@@ -23,6 +24,7 @@ def cli() -> None:
     model   model shape presets and specs read from Hugging Face configs
     hw      hardware profiles and the cost model built on them
     sim     simulate offloading systems (placement, prefetch, cache) on a trace
+    sweep   ablations at scale: a TOML grid of traces, systems and settings, in parallel, resumable
     exec    run them on real devices with torch: replay, real models, calibration, validation
     """
 
@@ -31,4 +33,5 @@ cli.add_command(trace)
 cli.add_command(model)
 cli.add_command(hw)
 cli.add_command(sim)
+cli.add_command(sweep)
 cli.add_command(exec_group)

@@ -88,13 +88,13 @@ def run_inputs(kw) -> list[Path]:
     return [kw["trace_path"], kw["future"], hardware if hardware.is_file() else None]
 
 
-def _run(trace, system: str, kw, over, timeline: bool = False) -> SimResult:
+def _run(trace, system: str, kw, over, timeline: bool = False, workload=None) -> SimResult:
     from dali_sim.sim.simulate import simulate
 
     return simulate(trace, system, hardware=kw["hardware"], batch_size=kw["batch_size"],
                     prefill_chunk=kw["prefill_chunk"], seed=kw["seed"], overrides=over,
                     precision=kw["precision"], timing=not kw["no_timing"], timeline=timeline, progress=True,
-                    future=kw["future"])
+                    future=kw["future"], workload=workload)
 
 
 def _fmt(v, unit: str = "", digits: int = 3) -> str:
@@ -171,9 +171,9 @@ def run_cmd(system: str, timeline: Path | None, **kw) -> None:
     check_outputs({"timeline": timeline}, run_inputs(kw))
     over = overrides(kw, [system])[system]
     from dali_sim.sim.timeline import write_timeline
-    from dali_sim.trace import read_trace
 
-    result = _run(read_trace(kw["trace_path"]), system, kw, over, timeline=timeline is not None)
+    # read by simulate(): only the columns the system needs
+    result = _run(kw["trace_path"], system, kw, over, timeline=timeline is not None)
     if timeline:
         write_timeline(timeline, result.intervals, f"{system} on {kw['trace_path']}")
     if kw["as_json"]:
@@ -201,14 +201,19 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
     from dali_sim.cli.sim_compare import compare_table, format_compare, winner
     from dali_sim.files import write_text_atomic
     from dali_sim.policies.systems import resolve_system
-    from dali_sim.trace import read_trace
+    from dali_sim.sim.simulate import trace_needs
+    from dali_sim.trace.reader import read_meta, read_trace
+    from dali_sim.workload.builder import Workload, WorkloadConfig
 
     over = overrides(kw, names)
     for name in names:
         resolve_system(name, over[name])  # fail fast on a bad name or parameter
     check_outputs({"CSV table": csv_path}, run_inputs(kw))
-    trace = read_trace(kw["trace_path"])
-    results = {name: _run(trace, name, kw, over[name]) for name in names}
+    model = read_meta(kw["trace_path"]).model
+    needs = trace_needs([resolve_system(name, over[name], model) for name in names])
+    trace = read_trace(kw["trace_path"], needs=needs)  # the columns some system reads, once for all
+    workload = Workload(trace, WorkloadConfig(kw["batch_size"], kw["prefill_chunk"]), predictors=needs.predictors)
+    results = {name: _run(trace, name, kw, over[name], workload=workload) for name in names}
     table = compare_table(results, baseline)
     if csv_path:
         write_text_atomic(csv_path, table.to_csv())

@@ -20,13 +20,13 @@ from dali_sim.hardware.profile import DEFAULT_HARDWARE, load_profile
 from dali_sim.models.presets import apply_precision
 from dali_sim.policies.systems import SystemConfig, resolve_system
 from dali_sim.runtime.controller import Controller
-from dali_sim.runtime.future import future_path, load_future
+from dali_sim.runtime.future import FutureDemand, future_path, load_future
 from dali_sim.runtime.memory import plan_memory
 from dali_sim.sim.counters import COUNTERS, PlanCounters, derived, ratio
 from dali_sim.sim.engine import EngineOutput, Interval, SimEngine
 from dali_sim.sim.lower_bound import bound_memory, time_lower_bound
 from dali_sim.trace.provenance import file_sha256
-from dali_sim.trace.reader import Trace, read_trace
+from dali_sim.trace.reader import Needs, Trace, read_meta, read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
 from dali_sim.workload.builder import Workload, WorkloadConfig
 
@@ -90,29 +90,48 @@ def simulate(
     timing: bool = True,
     timeline: bool = False,
     progress: bool = False,
-    future: str | Path | None = None,
+    future: str | Path | FutureDemand | None = None,
+    workload: Workload | None = None,
 ) -> SimResult:
     """Replay ``trace`` under ``system`` on ``hardware``. ``timing=False`` is the fast no-timing path:
     the same decisions and counts, no SimPy, no times. ``future``: the next-use file of a policy that
-    needs one (``belady``); default: the one ``dali trace enrich`` wrote beside the trace."""
+    needs one (``belady``); default: the one ``dali trace enrich`` wrote beside the trace; or next-use
+    times already computed (``FutureDemand.from_workload``).
+
+    A trace given by path is read with only the columns the system needs (:func:`trace_needs`).
+    ``workload``: one already built from ``trace`` for this batching, to share it between runs (it must
+    hold the lookahead predictors the system reads; it may hold more): the results are those of a run
+    that builds its own."""
     if not isinstance(trace, Trace):
-        trace = read_trace(trace)
+        meta = read_meta(trace)
+        sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides, meta.model)
+        trace = read_trace(trace, needs=trace_needs([sysconf]))
     model = apply_precision(trace.model, precision)
     sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides, model)
     profile = load_profile(hardware)
+    config = WorkloadConfig(batch_size, prefill_chunk)
+    if workload is not None and (workload.config != config or workload.trace_path != trace.path):
+        raise ValueError(f"the workload given was built for {workload.trace_path} with {workload.config}, "
+                         f"not for {trace.path} with {config}")
     if sysconf.time_bound:
         if not timing:
             raise ValueError(f"system {sysconf.name!r} is a time bound: it has no counts-only mode (drop --no-timing)")
-        return _time_bound(trace, sysconf, model, profile, WorkloadConfig(batch_size, prefill_chunk),
-                           seed=seed, hardware=hardware)
+        return _time_bound(trace, sysconf, model, profile, config, seed=seed, hardware=hardware,
+                           workload=workload.with_predictors(()) if workload is not None else None)
     sysconf, impl_note = implementation_for(sysconf, profile)
     costs = CostModel(profile, model, implementation=sysconf.implementation, system=sysconf.name)
     placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
-    workload = Workload(trace, WorkloadConfig(batch_size, prefill_chunk), predictors=prefetch.required_predictors())
+    if workload is None:
+        workload = Workload(trace, config, predictors=prefetch.required_predictors())
+    else:
+        workload = workload.with_predictors(prefetch.required_predictors())
     mem = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, workload.max_batch_context,
                       required=placement.required_capacities(workload.num_layers, workload.num_experts))
     needers = [p for p in (placement, cache, prefetch) if p.needs_future]
-    next_uses = load_future(trace, workload.config, future, needed_by=f"{needers[0].name!r}") if needers else None
+    next_uses = None
+    if needers:
+        next_uses = future if isinstance(future, FutureDemand) else \
+            load_future(trace, workload.config, future, needed_by=f"{needers[0].name!r}")
     controller = Controller(workload, costs, placement, cache, prefetch, mem.capacities,
                             cache_init=sysconf.memory.cache_init, prefetch_slots=mem.prefetch_slots,
                             staging_slots=mem.staging_slots, seed=seed, future=next_uses)
@@ -136,7 +155,9 @@ def simulate(
         workload, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=batch_size,
         bounds=controller.bounds, oracles=controller.oracles)
     manifest = run_manifest(trace, seed, profile, model, mem, timing, sysconf.implementation, impl_note)
-    if next_uses is not None:
+    if isinstance(future, FutureDemand):
+        manifest["future"] = {"computed": "from the trace's workload (FutureDemand.from_workload)"}
+    elif next_uses is not None:
         used = Path(future) if future is not None else future_path(trace.path, workload.config)
         manifest["future"] = {"path": str(used), "sha256": file_sha256(used)}
     config = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": batch_size,
@@ -145,13 +166,13 @@ def simulate(
 
 
 def _time_bound(trace: Trace, sysconf: SystemConfig, model, profile, config: WorkloadConfig, *,
-                seed: int, hardware) -> SimResult:
+                seed: int, hardware, workload: Workload | None = None) -> SimResult:
     """A time bound's result (``dali_sim.sim.lower_bound``) in the simulator's layout: the times are
     bounds; the cache and transfer counters do not apply (NaN). Its costs are the least over
     :func:`bound_implementations` (every term separately), so no system run by one of them is faster."""
     names = bound_implementations(sysconf, profile)
     costs = [CostModel(profile, model, implementation=n, system=sysconf.name) for n in names]
-    w = Workload(trace, config)
+    w = workload if workload is not None else Workload(trace, config)
     memory = bound_memory(model, sysconf.memory, profile.gpu_memory_bytes, w.max_batch_context)
     lb = time_lower_bound(w, costs, memory.expert_slots)
     counters = PlanCounters(w.num_layers)
@@ -171,6 +192,16 @@ def _time_bound(trace: Trace, sysconf: SystemConfig, model, profile, config: Wor
                   "prefill_chunk": config.prefill_chunk, "seed": seed, "precision": model.precision.name,
                   "timing": True}
     return SimResult(summary, per_layer, per_seq, per_step, config_out, manifest)
+
+
+def trace_needs(systems) -> Needs:
+    """The trace columns the runs of ``systems`` (resolved :class:`SystemConfig`) read: the routing and the
+    lookahead predictors their prefetch policies name (no gate weights, router logits or other columns)."""
+    names: set[str] = set()
+    for sysconf in systems:
+        if sysconf.prefetch is not None:
+            names.update(sysconf.prefetch.build().required_predictors())
+    return Needs(predictors=tuple(sorted(names)))
 
 
 def implementation_for(sysconf: SystemConfig, profile) -> tuple[SystemConfig, str]:
@@ -203,7 +234,7 @@ def run_manifest(trace: Trace, seed: int, profile, model, memory, timing: bool, 
         "implementation": {"name": implementation, **({"note": implementation_note} if implementation_note else {})},
         "dali_version": __version__,
         "trace": str(trace.path) if trace.path else None,
-        "trace_sha256": file_sha256(trace.path) if trace.path else None,
+        "trace_sha256": trace.sha256 if trace.path else None,
         "seed": seed,
         "hardware": {"name": profile.name, "path": str(getattr(profile, "path", "") or "")},
         "model": model.to_dict(),
@@ -254,4 +285,5 @@ def timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict
         "events": out.events,
     }
 
-__all__ = ["DEFAULT_HARDWARE", "SimResult", "implementation_for", "per_sequence", "result_tables", "run_manifest", "simulate", "timed_summary"]
+__all__ = ["DEFAULT_HARDWARE", "SimResult", "implementation_for", "per_sequence", "result_tables", "run_manifest", "simulate",
+           "timed_summary", "trace_needs"]

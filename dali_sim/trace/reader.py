@@ -1,8 +1,15 @@
-"""Reading traces: validation on load and a :class:`Trace` with NumPy views of its columns."""
+"""Reading traces: validation on load and a :class:`Trace` with NumPy views of its columns.
+
+``read_trace(path)`` loads every column. ``read_trace(path, needs=Needs(...))`` reads only what a run
+needs (docs/trace-format.md, "Reading what a run needs"): the routing columns, gate weights or router
+logits only if asked, and the named lookahead columns streamed block by block and packed to each
+row's predicted top-k experts, so memory grows with the rows' routing, not with the logits.
+"""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -11,7 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dali_sim.files import PathError, check_input
-from dali_sim.trace.checksum import read_record, verify_columns
+from dali_sim.trace.checksum import ContentHasher, read_record, verify_columns, verify_digests
+from dali_sim.trace.lookahead import pack_top_k
+from dali_sim.trace.provenance import file_sha256
 from dali_sim.trace.schema import (
     META_KEY,
     PHASES,
@@ -40,16 +49,50 @@ def fixed_list_to_numpy(column: pa.ChunkedArray | pa.Array, width: int, dtype=No
     return out.astype(dtype, copy=False) if dtype is not None else out
 
 
+def phase_codes(col: pa.Array) -> np.ndarray:
+    """A phase column (dictionary or plain strings) -> int8 codes: 0 prefill, 1 decode, -1 anything else."""
+    if isinstance(col, pa.DictionaryArray):
+        names = col.dictionary.to_pylist()
+        remap = np.array([PHASES.index(x) if x in PHASES else -1 for x in names] or [-1], dtype=np.int8)
+        return remap[col.indices.to_numpy(zero_copy_only=False)]
+    return np.array([PHASES.index(x) if x in PHASES else -1 for x in col.to_pylist()], dtype=np.int8)
+
+
+def check_predictor(meta: TraceMeta, predictor: str, path: Path | None) -> None:
+    """The uniform error for a lookahead column the trace does not have."""
+    if predictor not in meta.predictors:
+        known = ", ".join(sorted(meta.predictors)) or "none"
+        raise TraceError(
+            f"{path or 'trace'}: no lookahead column {predictor!r} (this trace has: {known}); "
+            "`dali trace record` records real ones (next-gate; residual with --residual; gate2 and gate3 "
+            "with --next-gates 3), `dali trace synth --lookahead NAME=ACCURACY[@OFFSET]` makes synthetic ones"
+        )
+
+
+@dataclass(frozen=True)
+class Needs:
+    """The columns a run reads (``read_trace(path, needs=...)``): the routing (seq_id, phase, pos, layer,
+    experts) always; gate weights and router logits only if asked; the named lookahead columns only as
+    each row's predicted top-k experts (:meth:`Trace.predicted_top_k`: all the simulator uses of them)."""
+
+    weights: bool = False
+    router_logits: bool = False
+    predictors: tuple[str, ...] = ()
+
+
 class Trace:
     """A loaded trace: metadata plus an Arrow table; column accessors return (cached) NumPy arrays."""
 
-    def __init__(self, table: pa.Table, meta: TraceMeta, path: Path | None = None, checksum: dict | None = None):
+    def __init__(self, table: pa.Table, meta: TraceMeta, path: Path | None = None, checksum: dict | None = None,
+                 packed: dict[str, np.ndarray] | None = None):
         self.table = table
         self.meta = meta
         self.path = path
         #: the footer's checksum record, verified on load (None: a file written before checksums)
         self.checksum = checksum
         self._lookahead: dict[str, np.ndarray] = {}
+        #: lookahead columns read packed (``needs``): predictor -> (rows, top_k) int16 predicted top-k
+        self._packed: dict[str, np.ndarray] = dict(packed or {})
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -100,12 +143,7 @@ class Trace:
     @functools.cached_property
     def phase(self) -> np.ndarray:
         """Phase codes: 0 = prefill, 1 = decode (see :data:`PHASES`)."""
-        col = self.table.column("phase").combine_chunks()
-        if isinstance(col, pa.DictionaryArray):
-            names = col.dictionary.to_pylist()
-            remap = np.array([PHASES.index(x) if x in PHASES else -1 for x in names], dtype=np.int8)
-            return remap[col.indices.to_numpy(zero_copy_only=False)]
-        return np.array([PHASES.index(x) if x in PHASES else -1 for x in col.to_pylist()], dtype=np.int8)
+        return phase_codes(self.table.column("phase").combine_chunks())
 
     @functools.cached_property
     def experts(self) -> np.ndarray:
@@ -116,27 +154,36 @@ class Trace:
     def weights(self) -> np.ndarray | None:
         if not self.meta.has_weights:
             return None
-        return fixed_list_to_numpy(self.table.column("weights"), self.top_k, np.float32)
+        return fixed_list_to_numpy(self._column("weights"), self.top_k, np.float32)
 
     @functools.cached_property
     def router_logits(self) -> np.ndarray | None:
         if not self.meta.has_router_logits:
             return None
-        return fixed_list_to_numpy(self.table.column("router_logits"), self.num_experts, np.float32)
+        return fixed_list_to_numpy(self._column("router_logits"), self.num_experts, np.float32)
+
+    def _column(self, name: str) -> pa.ChunkedArray:
+        if name not in self.table.column_names:
+            raise TraceError(f"{self.path or 'trace'}: column {name!r} was not read (read_trace(..., needs=...) "
+                             "reads only the columns a run needs)")
+        return self.table.column(name)
 
     def lookahead(self, predictor: str) -> np.ndarray:
         """(rows, num_experts) predicted router logits of ``predictor``; NaN rows where there is no target."""
-        if predictor not in self.meta.predictors:
-            known = ", ".join(sorted(self.meta.predictors)) or "none"
-            raise TraceError(
-                f"{self.path or 'trace'}: no lookahead column {predictor!r} (this trace has: {known}); "
-                "`dali trace record` records real ones (next-gate; residual with --residual; gate2 and gate3 "
-                "with --next-gates 3), `dali trace synth --lookahead NAME=ACCURACY[@OFFSET]` makes synthetic ones"
-            )
+        check_predictor(self.meta, predictor, self.path)
         if predictor not in self._lookahead:
             col = self.meta.predictors[predictor].column
-            self._lookahead[predictor] = fixed_list_to_numpy(self.table.column(col), self.num_experts, np.float32)
+            self._lookahead[predictor] = fixed_list_to_numpy(self._column(col), self.num_experts, np.float32)
         return self._lookahead[predictor]
+
+    def predicted_top_k(self, predictor: str) -> np.ndarray:
+        """(rows, top_k) int16: the experts ``predictor``'s logits rank highest in each row, best first
+        (:func:`dali_sim.trace.lookahead.predicted_top_k`); -1 rows where it predicts nothing. From the
+        packed column when the trace was read with ``needs``, else computed from the logits."""
+        check_predictor(self.meta, predictor, self.path)
+        if predictor not in self._packed:
+            self._packed[predictor] = pack_top_k(self.lookahead(predictor), self.top_k)
+        return self._packed[predictor]
 
     def column_arrays(self) -> dict[str, np.ndarray]:
         """Every column as the accessors return it, by column name (what the checksums cover)."""
@@ -150,19 +197,40 @@ class Trace:
             cols[p.column] = self.lookahead(p.name)
         return cols
 
-    def row_arrays(self) -> RowArrays:
+    def row_arrays(self, lookahead: bool = True) -> RowArrays:
+        """The columns as :mod:`dali_sim.trace.validate` checks them (``lookahead=False``: the routing only)."""
+        if not lookahead:
+            return RowArrays(self.seq_id, self.phase, self.pos, self.layer, self.experts)
         floats = {p.column: self.lookahead(p.name) for p in self.meta.predictors.values()}
         if self.meta.has_router_logits:
             floats["router_logits"] = self.router_logits
         return RowArrays(self.seq_id, self.phase, self.pos, self.layer, self.experts, self.weights, floats)
 
     # ---- views --------------------------------------------------------------------------------
+    @functools.cached_property
+    def row_order(self) -> np.ndarray | None:
+        """The permutation that orders the rows by (seq_id, pos, layer); None when they already are."""
+        s, p, layer = self.seq_id, self.pos, self.layer
+        if len(s) < 2:
+            return None
+        ordered = (s[1:] > s[:-1]) | ((s[1:] == s[:-1]) & ((p[1:] > p[:-1]) | ((p[1:] == p[:-1]) & (layer[1:] >= layer[:-1]))))
+        if ordered.all():
+            return None
+        del ordered
+        return np.lexsort((layer, p, s))
+
+    @functools.cached_property
+    def sha256(self) -> str | None:
+        """SHA-256 of the file the trace was read from (None: an in-memory trace), computed once."""
+        return file_sha256(self.path) if self.path is not None else None
+
     def sorted(self) -> "Trace":
         """Rows ordered by (seq_id, pos, layer)."""
-        order = np.lexsort((self.layer, self.pos, self.seq_id))
-        if np.all(order[1:] > order[:-1]):
+        order = self.row_order
+        if order is None:
             return self
-        return Trace(self.table.take(pa.array(order)), self.meta, self.path)
+        return Trace(self.table.take(pa.array(order)), self.meta, self.path,
+                     packed={name: top[order] for name, top in self._packed.items()})
 
     def to_pandas(self) -> pd.DataFrame:
         """One row per (seq, pos, layer); list columns become arrays per cell."""
@@ -235,7 +303,8 @@ def read_meta(path: str | Path) -> TraceMeta:
     return read_meta_and_checksum(path)[0]
 
 
-def read_trace(path: str | Path, *, validate: bool = True, allow_partial: bool = False) -> Trace:
+def read_trace(path: str | Path, *, validate: bool = True, allow_partial: bool = False,
+               needs: Needs | None = None) -> Trace:
     """Load and (by default) validate a trace.
 
     Validation: the checksums (Parquet pages; metadata and every column against the footer's SHA-256
@@ -244,6 +313,10 @@ def read_trace(path: str | Path, *, validate: bool = True, allow_partial: bool =
     exactly once for every token, prefill before decode. A partial trace is refused unless
     ``allow_partial``; its last token may lack layers, so only the row checks run on it.
     ``validate=False`` skips the column checksums and the row checks (for benchmarks).
+
+    ``needs``: read only those columns (:class:`Needs`), streamed in blocks of :data:`READ_ROWS` rows;
+    the checks and checksums cover every column read, the columns not read are neither loaded nor
+    checked. Default: every column, as stored.
     """
     path = Path(path)
     where = str(path)
@@ -253,16 +326,11 @@ def read_trace(path: str | Path, *, validate: bool = True, allow_partial: bool =
             f"{where}: partial trace (writer stopped: {meta.partial_reason or 'unknown reason'}); "
             f"its {meta.num_rows} rows can be read with allow_partial=True (--allow-partial)"
         )
+    if needs is not None:
+        return _read_needed(path, meta, record, needs, validate)
     table = _read_parquet(path)
     expected = arrow_schema(meta)
-    for field in expected:
-        if field.name not in table.column_names:
-            raise TraceError(f"{where}: missing column {field.name!r} (required by its metadata)")
-        got = table.schema.field(field.name).type
-        if not got.equals(field.type):
-            raise TraceError(f"{where}: column {field.name!r} has type {got}, expected {field.type}")
-    if table.num_rows != meta.num_rows:
-        raise TraceError(f"{where}: {table.num_rows} rows but the metadata says {meta.num_rows}")
+    _check_columns(table.schema, table.num_rows, meta, where)
     trace = Trace(table.select(expected.names), meta, path, record)
     if validate and record is not None:
         verify_columns(record, trace.column_arrays(), where)
@@ -273,5 +341,104 @@ def read_trace(path: str | Path, *, validate: bool = True, allow_partial: bool =
         rows = trace.row_arrays()
         check_rows(rows, meta, where)
         if meta.status != STATUS_PARTIAL:
-            check_structure(rows, meta, where)
+            check_structure(rows, meta, where, order=trace.row_order)
     return trace
+
+
+def _check_columns(schema: pa.Schema, num_rows: int, meta: TraceMeta, where: str) -> None:
+    """Every column the metadata implies is present with its type, and the row count is the metadata's."""
+    for field in arrow_schema(meta):
+        if field.name not in schema.names:
+            raise TraceError(f"{where}: missing column {field.name!r} (required by its metadata)")
+        got = schema.field(field.name).type
+        if not got.equals(field.type):
+            raise TraceError(f"{where}: column {field.name!r} has type {got}, expected {field.type}")
+    if num_rows != meta.num_rows:
+        raise TraceError(f"{where}: {num_rows} rows but the metadata says {meta.num_rows}")
+
+
+#: rows converted, checked and hashed at once by the streaming reader (``needs``)
+READ_ROWS = 1 << 17
+ROUTING_COLUMNS = ("seq_id", "phase", "pos", "layer", "experts")
+
+
+def _read_needed(path: Path, meta: TraceMeta, record: dict | None, needs: Needs, validate: bool) -> Trace:
+    """:func:`read_trace` with ``needs``: one pass over the file's row groups, each block of rows converted
+    into preallocated arrays, checked (:func:`check_rows`) and hashed; lookahead logits packed to their
+    top-k per block and dropped. A checksum mismatch is reported before a row problem (as a full read does)."""
+    where = str(path)
+    for name in needs.predictors:
+        check_predictor(meta, name, path)
+    _check_exists(path)
+    try:
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{where}: not a readable Parquet file (truncated or corrupt): {exc}") from None
+    _check_columns(pf.schema_arrow, pf.metadata.num_rows, meta, where)
+    expected = arrow_schema(meta)
+    if record is not None and set(record["columns"]) != set(expected.names):
+        raise TraceError(f"{where}: columns {sorted(expected.names)} do not match the checksummed columns "
+                         f"{sorted(record['columns'])}: the file was changed or damaged after it was written")
+    n, k, e = meta.num_rows, meta.top_k, meta.num_experts
+    dense = list(ROUTING_COLUMNS) + (["weights"] if needs.weights and meta.has_weights else []) \
+        + (["router_logits"] if needs.router_logits and meta.has_router_logits else [])
+    width = {"experts": k, "weights": k, "router_logits": e}
+    dtypes = {"seq_id": np.int32, "phase": np.int8, "pos": np.int32, "layer": np.int16, "experts": np.int16,
+              "weights": np.float32, "router_logits": np.float32}
+    arrays = {c: np.empty((n, width[c]) if c in width else n, dtypes[c]) for c in dense}
+    looks = {meta.predictors[name].column: name for name in needs.predictors}
+    packed = {name: np.empty((n, k), np.int16) for name in needs.predictors}
+    hasher = ContentHasher(dense + list(looks)) if validate and record is not None else None
+    problem: TraceError | None = None
+    offset = 0
+    try:
+        for batch in pf.iter_batches(batch_size=READ_ROWS, columns=dense + list(looks)):
+            rows = slice(offset, offset + batch.num_rows)
+            for c in dense:
+                col = batch.column(c)
+                if col.null_count:
+                    raise TraceError(f"{where}: column {c!r} has nulls")
+                arrays[c][rows] = phase_codes(col) if c == "phase" else \
+                    fixed_list_to_numpy(col, width[c], dtypes[c]) if c in width else col.to_numpy()
+            logits = {col: fixed_list_to_numpy(batch.column(col), e, np.float32) for col in looks}
+            if hasher is not None:
+                for c in dense:
+                    hasher.update(c, arrays[c][rows])
+                for c, values in logits.items():
+                    hasher.update(c, values)
+            if validate and problem is None:
+                block = RowArrays(*(arrays[c][rows] for c in ROUTING_COLUMNS),
+                                  arrays["weights"][rows] if "weights" in arrays else None,
+                                  {**logits, **({"router_logits": arrays["router_logits"][rows]}
+                                                if "router_logits" in arrays else {})}, offset=offset)
+                try:
+                    check_rows(block, meta, where)
+                except TraceError as exc:
+                    problem = exc
+            for c, values in logits.items():
+                packed[looks[c]][rows] = pack_top_k(values, k)
+            offset = rows.stop
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{where}: not a readable Parquet file (truncated or corrupt): {exc}") from None
+    if offset != n:
+        raise TraceError(f"{where}: {offset} rows read but the metadata says {n}")
+    if hasher is not None:
+        verify_digests(record, hasher.digests(), where)
+    if problem is not None:
+        raise problem
+    table = pa.Table.from_arrays([_arrow_column(arrays[c], c, expected.field(c).type) for c in dense],
+                                 schema=pa.schema([expected.field(c) for c in dense]))
+    trace = Trace(table, meta, path, record, packed)
+    trace.__dict__.update(arrays)  # the column accessors (cached properties) answer with these arrays
+    if validate and meta.status != STATUS_PARTIAL:
+        check_structure(trace.row_arrays(lookahead=False), meta, where, order=trace.row_order)
+    return trace
+
+
+def _arrow_column(values: np.ndarray, name: str, typ: pa.DataType) -> pa.Array:
+    """A numpy column back as the Arrow array of its trace type (zero-copy for the numeric ones)."""
+    if name == "phase":
+        return pa.DictionaryArray.from_arrays(pa.array(values), pa.array(list(PHASES)))
+    if values.ndim == 2:
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
+    return pa.array(values)

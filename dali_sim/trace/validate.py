@@ -75,22 +75,34 @@ def check_rows(rows: RowArrays, meta: TraceMeta, where: str) -> None:
                          + (f" weights={np.round(rows.weights[i], 4).tolist()}" if rows.weights is not None else ""))
 
 
-def check_structure(rows: RowArrays, meta: TraceMeta, where: str) -> None:
+def check_structure(rows: RowArrays, meta: TraceMeta, where: str, order: np.ndarray | None | str = "sort") -> None:
     """Whole-trace checks: each (seq_id, pos) has every MoE layer exactly once, one phase per token,
-    and within a sequence every prefill position comes before every decode position."""
+    and within a sequence every prefill position comes before every decode position.
+
+    ``order``: the permutation that sorts the rows by (seq_id, pos, layer) if the caller has it
+    (:attr:`Trace.row_order`; None = already sorted); by default it is computed here."""
     n = len(rows.seq_id)
     if n == 0:
         return
     layers = np.asarray(meta.layers)
-    layer_ord = np.searchsorted(layers, rows.layer)
-    order = np.lexsort((layer_ord, rows.pos, rows.seq_id))
-    s, p, lo, ph = rows.seq_id[order], rows.pos[order], layer_ord[order], rows.phase[order]
+    if isinstance(order, str):
+        order = np.lexsort((rows.layer, rows.pos, rows.seq_id))  # MoE layers sort like their ordinals
+    if order is None:
+        s, p, ph = rows.seq_id, rows.pos, rows.phase
+        lo = np.searchsorted(layers, rows.layer).astype(np.int16)
+    else:
+        s, p, ph = rows.seq_id[order], rows.pos[order], rows.phase[order]
+        lo = np.searchsorted(layers, rows.layer[order]).astype(np.int16)
+
+    def at(j: int) -> int:
+        """File row index of sorted row ``j``."""
+        return int(j) if order is None else int(order[j])
 
     same_token = (s[1:] == s[:-1]) & (p[1:] == p[:-1])
     dup = same_token & (lo[1:] == lo[:-1])
     if dup.any():
         j = int(np.flatnonzero(dup)[0])
-        first, second = sorted((int(order[j]), int(order[j + 1])))
+        first, second = sorted((at(j), at(j + 1)))
         raise TraceError(f"{where}: {rows.describe(second)}: duplicate of row {rows.offset + first}")
 
     # token boundaries in sorted order
@@ -99,7 +111,7 @@ def check_structure(rows: RowArrays, meta: TraceMeta, where: str) -> None:
     bad_tokens = np.flatnonzero(counts != len(layers))
     if bad_tokens.size:
         # report the incomplete token whose earliest row comes first in the file
-        first_rows = np.minimum.reduceat(order, starts)
+        first_rows = starts if order is None else np.minimum.reduceat(order, starts)
         t = bad_tokens[np.argmin(first_rows[bad_tokens])]
         a, b = starts[t], starts[t] + counts[t]
         present = layers[lo[a:b]]
@@ -111,7 +123,7 @@ def check_structure(rows: RowArrays, meta: TraceMeta, where: str) -> None:
     mixed = same_token & (ph[1:] != ph[:-1])
     if mixed.any():
         j = int(np.flatnonzero(mixed)[0])
-        raise TraceError(f"{where}: {rows.describe(int(order[j + 1]))}: phase differs between layers of one token")
+        raise TraceError(f"{where}: {rows.describe(at(j + 1))}: phase differs between layers of one token")
 
     # prefill before decode within each sequence (sorted by seq, pos: a prefill after a decode is wrong)
     same_seq = s[1:] == s[:-1]
@@ -119,6 +131,6 @@ def check_structure(rows: RowArrays, meta: TraceMeta, where: str) -> None:
     if wrong.any():
         j = int(np.flatnonzero(wrong)[0])
         raise TraceError(
-            f"{where}: {rows.describe(int(order[j + 1]))}: prefill position after decode position {int(p[j])} "
+            f"{where}: {rows.describe(at(j + 1))}: prefill position after decode position {int(p[j])} "
             "of the same sequence"
         )

@@ -11,12 +11,15 @@ then best (lowest) rank among the step's tokens, then lower id. Cache policies s
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from dali_sim.models.spec import ModelSpec
+from dali_sim.trace.lookahead import predicted_top_k  # noqa: F401  (re-exported: dali_sim.workload.online)
 from dali_sim.trace.reader import Trace
 from dali_sim.trace.schema import DECODE, PREFILL
 
@@ -46,6 +49,25 @@ class SparseCounts:
         return slice(int(self.ptr[i]), int(self.ptr[i + 1]))
 
 
+def _concat_counts(parts: list[SparseCounts]) -> SparseCounts:
+    """Sparse counts of consecutive blocks of segments as one; one field at a time, dropping the blocks'
+    copies as it goes, so the peak is the result plus its largest field."""
+    sizes = np.concatenate([np.diff(p.ptr) for p in parts])
+    ptr = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=ptr[1:])
+    fields = {}
+    for name in ("expert", "count", "rank"):
+        fields[name] = np.concatenate([getattr(p, name) for p in parts])
+        for p in parts:
+            setattr(p, name, None)
+    return SparseCounts(ptr, fields["expert"], fields["count"], fields["rank"])
+
+
+def _freeze(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        a.flags.writeable = False
+
+
 def _sparse_counts(step: np.ndarray, layer: np.ndarray, ids: np.ndarray, ranks: np.ndarray,
                    num_steps: int, num_layers: int, num_experts: int) -> SparseCounts:
     """Group (step, layer, expert) occurrences; order each segment by (-count, best rank, id)."""
@@ -64,13 +86,8 @@ def _sparse_counts(step: np.ndarray, layer: np.ndarray, ids: np.ndarray, ranks: 
     return SparseCounts(ptr, expert.astype(np.int16), counts, best.astype(np.int8))
 
 
-def predicted_top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    """(tokens, k) expert ids a lookahead column's logits predict, in rank order: the k highest logits
-    (NaN = never), highest first, ties to the lower id."""
-    pred = np.nan_to_num(np.asarray(logits), nan=-np.inf)
-    top = np.argpartition(-pred, k - 1, axis=1)[:, :k]
-    top = np.sort(top, axis=1)
-    return np.take_along_axis(top, np.argsort(-np.take_along_axis(pred, top, 1), axis=1, kind="stable"), 1)
+#: rows of the trace grouped into per (step, layer) counts at once (whole steps; at least one step)
+BUILD_ROWS = 1 << 18
 
 
 class Workload:
@@ -80,6 +97,11 @@ class Workload:
     earlier tokens, plus itself, that each query attends to) and ``kv_tokens`` (KV-cache entries read
     in the step, summed over its sequences). ``sequences`` is a DataFrame with one row per sequence:
     its batch, prompt and decode token counts and first/last step of each phase.
+
+    The per (step, layer) counts are built a block of steps at a time (:data:`BUILD_ROWS` rows), from
+    the trace's routing and, for each of ``predictors``, its packed predicted top-k
+    (:meth:`Trace.predicted_top_k`), so building needs memory for one block beside the result. The
+    arrays are read-only: one workload can serve several runs (:meth:`with_predictors`).
     """
 
     def __init__(self, trace: Trace, config: WorkloadConfig = WorkloadConfig(),
@@ -92,38 +114,89 @@ class Workload:
         self.num_layers = len(trace.layers)
         self.num_experts = trace.num_experts
         self.top_k = trace.top_k
-        t = trace.sorted()
         L = self.num_layers
-        tok_seq = t.seq_id[::L].astype(np.int64)
-        tok_pos = t.pos[::L].astype(np.int64)
-        tok_phase = t.phase[::L]
+        self._trace = trace
+        self._row_order = trace.row_order  # rows sorted by (seq_id, pos, layer): token i's rows are i*L..i*L+L-1
+        first_rows = self._file_rows(np.arange(0, len(trace), L))
+        tok_seq = trace.seq_id[first_rows].astype(np.int64)
+        tok_pos = trace.pos[first_rows].astype(np.int64)
+        tok_phase = trace.phase[first_rows]
         step_of_token, self.sequences = self._schedule(tok_seq, tok_pos, tok_phase, config)
         self.num_steps = int(step_of_token.max()) + 1
         self._token_step = step_of_token
         # per-token routing for runtimes that execute the steps (dali_exec): tokens in (seq_id, pos) order
-        self._sorted = t
         self._token_seq, self._token_pos = tok_seq, tok_pos
         self._step_token_order = np.argsort(step_of_token, kind="stable")
         self._step_token_ptr = np.searchsorted(step_of_token[self._step_token_order], np.arange(self.num_steps + 1))
         self._step_arrays(step_of_token, tok_seq, tok_pos, tok_phase)
-
-        k = self.top_k
-        row_step = np.repeat(step_of_token, L)
-        layer_idx = t.layer_index.astype(np.int64)
-        self.actual = _sparse_counts(np.repeat(row_step, k), np.repeat(layer_idx, k), t.experts.reshape(-1),
-                                     np.tile(np.arange(k, dtype=np.int8), len(t)), self.num_steps, L, self.num_experts)
-        self.predicted: dict[str, SparseCounts] = {}
         self.predictor_offsets: dict[str, int] = {}
         for name in predictors:
-            logits = t.lookahead(name)  # raises the uniform "no such column" message
-            offset = t.meta.predictors[name].target_offset
-            has = ~np.isnan(logits).all(axis=1) & (layer_idx + offset < L)
-            top = predicted_top_k(logits[has], k)
-            # the row at layer l predicts layer l + offset: index the prediction by its target layer
-            self.predicted[name] = _sparse_counts(
-                np.repeat(row_step[has], k), np.repeat(layer_idx[has] + offset, k), top.reshape(-1),
-                np.tile(np.arange(k, dtype=np.int8), len(top)), self.num_steps, L, self.num_experts)
-            self.predictor_offsets[name] = offset
+            trace.predicted_top_k(name)  # raises the uniform "no such column" message
+            self.predictor_offsets[name] = trace.meta.predictors[name].target_offset
+        self.actual, self.predicted, self._frequencies = self._build_counts(trace, tuple(predictors))
+        for arr in (self.actual, *self.predicted.values()):
+            _freeze(arr.ptr, arr.expert, arr.count, arr.rank)
+        _freeze(self.step_tokens, self.step_phase, self.step_context, self.step_kv, self.step_batch,
+                self.step_logit_tokens, self._frequencies)
+
+    def _file_rows(self, sorted_rows: np.ndarray) -> np.ndarray:
+        """File row indices of rows given by their index in (seq_id, pos, layer) order."""
+        return sorted_rows if self._row_order is None else self._row_order[sorted_rows]
+
+    def _step_blocks(self):
+        """(first step, end step) of consecutive blocks of whole steps of about :data:`BUILD_ROWS` rows."""
+        rows_before = self._step_token_ptr * self.num_layers
+        s0 = 0
+        while s0 < self.num_steps:
+            s1 = int(np.searchsorted(rows_before, rows_before[s0] + BUILD_ROWS, side="right")) - 1
+            s1 = min(max(s1, s0 + 1), self.num_steps)
+            yield s0, s1
+            s0 = s1
+
+    def _build_counts(self, trace: Trace, predictors: tuple[str, ...]):
+        """(actual, predicted, frequencies): the sparse counts of every (step, layer), block by block."""
+        L, E, k = self.num_layers, self.num_experts, self.top_k
+        ranks = np.arange(k, dtype=np.int8)
+        parts: dict[str | None, list[SparseCounts]] = {None: [], **{name: [] for name in predictors}}
+        freq = np.zeros(L * E, np.int64)
+        tops = {name: trace.predicted_top_k(name) for name in predictors}
+        for s0, s1 in self._step_blocks():
+            tokens = self._step_token_order[self._step_token_ptr[s0]:self._step_token_ptr[s1]]
+            rows = self._file_rows((tokens[:, None] * L + np.arange(L)).reshape(-1))
+            step = np.repeat(self._token_step[tokens] - s0, L)
+            layer = trace.layer_index[rows]
+            m = len(rows)
+            act = _sparse_counts(np.repeat(step, k), np.repeat(layer, k), trace.experts[rows].reshape(-1),
+                                 np.tile(ranks, m), s1 - s0, L, E)
+            parts[None].append(act)
+            seg_layer = np.repeat(np.arange((s1 - s0) * L) % L, np.diff(act.ptr))
+            freq += np.bincount(seg_layer * E + act.expert, weights=act.count, minlength=L * E).astype(np.int64)
+            for name, top in tops.items():
+                target = layer + self.predictor_offsets[name]
+                pred = top[rows]
+                has = (pred[:, 0] >= 0) & (target < L)
+                parts[name].append(_sparse_counts(np.repeat(step[has], k), np.repeat(target[has], k),
+                                                  pred[has].reshape(-1), np.tile(ranks, int(has.sum())),
+                                                  s1 - s0, L, E))
+        actual = _concat_counts(parts.pop(None))
+        return actual, {name: _concat_counts(p) for name, p in parts.items()}, freq.reshape(L, E)
+
+    def with_predictors(self, names) -> "Workload":
+        """This workload with only the lookahead predictors ``names`` (which it must have loaded): what a
+        run whose policies read those would have built itself. Shares every array (they are read-only)."""
+        missing = [n for n in names if n not in self.predicted]
+        if missing:
+            raise ValueError(f"predictor(s) {missing} were not loaded into this workload "
+                             f"(loaded: {', '.join(self.predicted) or 'none'})")
+        view = copy.copy(self)
+        view.predicted = {n: self.predicted[n] for n in names}
+        view.predictor_offsets = {n: self.predictor_offsets[n] for n in names}
+        return view
+
+    @functools.cached_property
+    def _sorted(self) -> Trace:
+        """The trace with its rows in (seq_id, pos, layer) order (made on first use)."""
+        return self._trace.sorted()
 
     # ---- scheduling ---------------------------------------------------------------------------
     @staticmethod
@@ -206,9 +279,9 @@ class Workload:
     def routing(self, step: int, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Per token of the step (in :meth:`step_token_ids` order) at MoE layer ordinal ``layer``: (T, top_k)
         expert ids in rank order and (T, top_k) gate weights (None if the trace has none)."""
-        rows = self.step_token_ids(step) * self.num_layers + layer
-        weights = self._sorted.weights
-        return self._sorted.experts[rows], (weights[rows] if weights is not None else None)
+        rows = self._file_rows(self.step_token_ids(step) * self.num_layers + layer)
+        weights = self._trace.weights
+        return self._trace.experts[rows], (weights[rows] if weights is not None else None)
 
     def predicted_counts(self, name: str, step: int, layer: int) -> np.ndarray:
         """(E,) number of the step's tokens whose predicted top-k for MoE layer ``layer`` holds each
@@ -232,10 +305,7 @@ class Workload:
 
     def frequencies(self) -> np.ndarray:
         """(L, E) total workload of each expert over the whole trace (for frequency-based policies)."""
-        seg = np.repeat(np.arange(self.num_steps * self.num_layers), np.diff(self.actual.ptr))
-        out = np.zeros((self.num_layers, self.num_experts), np.int64)
-        np.add.at(out, (seg % self.num_layers, self.actual.expert.astype(np.int64)), self.actual.count)
-        return out
+        return self._frequencies.copy()
 
     @property
     def max_batch_context(self) -> int:
