@@ -65,9 +65,11 @@ def _simulated_counts(setup, tmp_path):
     if setup.sysconf.needs_future:  # belady, optimal: next-use times from a file beside the trace
         from dali_sim.runtime.future import write_future
 
-        future = write_future(setup.trace, WorkloadConfig(BATCH), out=tmp_path / "reduced.future.parquet")
+        future = write_future(setup.trace, WorkloadConfig(BATCH), out=tmp_path / "reduced.future.parquet", share=0.0)
     kw = {"future": future} if future is not None else {}
-    return simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False, **kw)
+    # the replay's evaluated sequences with its profiling input (the default split made by prepare_replay)
+    return simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False,
+                    profiling=setup.profiled, **kw)
 
 
 def test_a_time_bound_is_not_replayed(mix):
@@ -99,7 +101,8 @@ def test_result_has_every_simulator_key(mix):
     result = execute(mix, "dali", TINY, CPU_RUN, batch_size=BATCH)
     setup = prepare_replay(mix, "dali", TINY, batch_size=BATCH)
     # the executor's implementation needs a measured profile's host costs; the keys are the same with bare
-    timed = simulate(setup.trace, dataclasses.replace(setup.sysconf, implementation="bare"), batch_size=BATCH)
+    timed = simulate(setup.trace, dataclasses.replace(setup.sysconf, implementation="bare"), batch_size=BATCH,
+                     profiling=setup.profiled)
     assert set(timed.summary) <= set(result.summary)
     assert set(timed.per_layer.columns) <= set(result.per_layer.columns)
     assert set(timed.manifest) <= set(result.manifest) and set(timed.config) <= set(result.config)
@@ -152,8 +155,8 @@ def test_a_store_of_another_shape_is_refused(mix):
 def test_delayed_copies_are_waited_for(mix):
     records = []
     slow = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1, copy_delay_s=0.003)
-    result = execute(mix, "mixtral-offloading", TINY, slow, batch_size=BATCH, on_layer=records.append)
-    _check_against_reference(records, prepare_replay(mix, "mixtral-offloading", TINY, batch_size=BATCH))
+    result = execute(mix, "mixtral-offloading-best", TINY, slow, batch_size=BATCH, on_layer=records.append)
+    _check_against_reference(records, prepare_replay(mix, "mixtral-offloading-best", TINY, batch_size=BATCH))
     assert result.summary["on_demand"] > 0 and result.summary["prefetch_used"] > 0
     copies: dict[tuple, list[float]] = {}
     computes = []
