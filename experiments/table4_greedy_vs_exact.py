@@ -82,7 +82,8 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
     for model in args.models:
         for bs in args.batch_sizes:
             spec = (C.TraceSpec(model, 0, 0, 0) if model == "gpt-oss-20b"
-                    else C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, args.gen_len, args.seed))
+                    else C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, args.gen_len,
+                                     args.seed))
             specs.append(spec)
             C.progress(f"{model} bs={bs}")
             trace = C.get_trace(spec, quiet=False)

@@ -271,7 +271,8 @@ def test_measured_host_costs_run_before_the_dense_part(tmp_path, overlap_trace):
     assert ("host", "host L0", 0.0, 1.375) in first and ("gpu", "dense L0", 1.375, 1.875) in first
     assert r.manifest["implementation"]["name"] == "dali-executor"
     assert "describes dali's executor" in r.manifest["implementation"]["note"]
-    bare = simulate(overlap_trace, dataclasses.replace(split_system([0]), implementation="bare"), hardware=prof, profiling=WHOLE)
+    bare = simulate(overlap_trace, dataclasses.replace(split_system([0]), implementation="bare"), hardware=prof,
+                    profiling=WHOLE)
     assert bare.summary["makespan_s"] == 18.0 and "note" not in bare.manifest["implementation"]
 
 

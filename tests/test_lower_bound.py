@@ -241,7 +241,8 @@ def test_the_bound_takes_the_least_implementation(tmp_path):
     anyb = simulate(trace, "lower-bound", overrides=budget, profiling=WHOLE)
     assert anyb.manifest["implementation"]["name"].split(",")[0] != "any"
     assert len(anyb.manifest["implementation"]["name"].split(",")) > 3
-    llama_b = simulate(trace, "lower-bound", overrides={**budget, "system": {"implementation": "llamacpp"}}, profiling=WHOLE)
+    llama_b = simulate(trace, "lower-bound", overrides={**budget, "system": {"implementation": "llamacpp"}},
+                       profiling=WHOLE)
     llama = simulate(trace, "llamacpp", overrides=budget, profiling=WHOLE)
     assert anyb.summary["makespan_s"] <= llama_b.summary["makespan_s"] <= llama.summary["makespan_s"]
     assert llama_b.summary["makespan_s"] > anyb.summary["makespan_s"]  # llama.cpp's own costs count

@@ -392,7 +392,8 @@ def test_dali_greedy_prefill_fetches_heavy_experts(synth_trace, timing):
     # batch 4, empty LRU cache: prefill steps route up to ~100 tokens to an expert, past the ~25-token
     # crossover, so uncached experts are copied to the GPU; light ones stay on the CPU
     res = simulate(synth_trace, "gpu-lru", batch_size=4, timing=timing,
-                   overrides={"placement": {"policy": "dali-greedy"}, "memory": {"cache_experts": "8"}}, profiling=WHOLE)
+                   overrides={"placement": {"policy": "dali-greedy"}, "memory": {"cache_experts": "8"}},
+                   profiling=WHOLE)
     s = res.summary
     assert s["on_demand"] > 0 and s["gpu_experts"] > 0 and s["cpu_experts"] > 0
     if timing:

@@ -275,7 +275,8 @@ def test_mrs_end_to_end_differs_from_lru(one_layer):
     r = agree(trace, "gpu-lru", ov, hardware=profile)
     s = r.summary
     assert (s["hits"], s["on_demand"], s["admitted"], s["evicted"]) == (4, 3, 3, 1)
-    lru = simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"memory": {"cache_experts": "2"}}, profiling=WHOLE)
+    lru = simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"memory": {"cache_experts": "2"}},
+                   profiling=WHOLE)
     assert (lru.summary["hits"], lru.summary["evicted"]) == (3, 2)
 
 
@@ -476,7 +477,8 @@ def test_llamacpp_offload_end_to_end(tmp_path, prompt, copies):
     assert r.per_layer["hits"].tolist() == [0, 4 + 3 * 2]
     assert r.summary["admitted"] == 0
     # without the rule (the preset turns it on): nothing is ever copied
-    plain = simulate(trace, "llamacpp", hardware=profile, timing=False, overrides={"placement": {"cpu_layers": "1", "offload_min_tokens": "0"}}, profiling=WHOLE)
+    plain = simulate(trace, "llamacpp", hardware=profile, timing=False,
+                     overrides={"placement": {"cpu_layers": "1", "offload_min_tokens": "0"}}, profiling=WHOLE)
     assert plain.per_layer["on_demand"].tolist() == [0, 0]
 
 
@@ -555,7 +557,8 @@ def test_hybrimoe_prefetch_missing_columns(synthetic, one_layer):
         simulate(synthetic, "gpu-lru", timing=False,
                  overrides={**HYBRI, "prefetch": {"policy": "hybrimoe", "predictor3": "gate4"}}, profiling=WHOLE)
     # the default threshold prefetches nothing here, and the run still works
-    s = simulate(synthetic, "gpu-lru", timing=False, overrides={**HYBRI, "prefetch": {"policy": "hybrimoe"}}, profiling=WHOLE).summary
+    s = simulate(synthetic, "gpu-lru", timing=False, overrides={**HYBRI, "prefetch": {"policy": "hybrimoe"}},
+                 profiling=WHOLE).summary
     assert s["prefetch_issued"] == 0
 
 
@@ -579,7 +582,8 @@ def test_adapmoe_style_prefetch_end_to_end(synthetic):
     experts and fills the free buffer in the order given (best predicted rank first)."""
     mem = {"cache_experts": "2", "prefetch_slots": "1", "gpu_memory_gib": "48"}
     ada = simulate(synthetic, "gpu-lru", timing=False,
-                   overrides={"prefetch": {"policy": "next-gate", "decode_only": "true"}, "memory": mem}, profiling=WHOLE).summary
+                   overrides={"prefetch": {"policy": "next-gate", "decode_only": "true"}, "memory": mem},
+                   profiling=WHOLE).summary
     every = simulate(synthetic, "gpu-lru", timing=False,
                      overrides={"prefetch": {"policy": "next-gate"}, "memory": mem}, profiling=WHOLE).summary
     layers = read_trace(synthetic).model.num_moe_layers

@@ -239,7 +239,8 @@ def test_window_end_to_end_u0_and_lru_differ(one_layer):
                  overrides={**WINDOW, "cache": {"policy": "dali-window", "w": "2", "u": "0"}}, profiling=WHOLE)
     assert (r.summary["hits"], r.summary["swaps"], r.summary["staged"]) == (2, 0, 4)
     # LRU on the same demand: 2 2 2 hit twice, and it evicts (never swaps)
-    lru = simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"memory": {"cache_experts": "2"}}, profiling=WHOLE)
+    lru = simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"memory": {"cache_experts": "2"}},
+                   profiling=WHOLE)
     assert (lru.summary["hits"], lru.summary["swaps"], lru.summary["evicted"]) == (2, 0, 4)
 
 
@@ -454,7 +455,8 @@ def test_missing_column_names_the_commands(one_layer, two_layer):
 def test_prefetch_needs_buffers(two_layer):
     trace, profile = two_layer
     with pytest.raises(ValueError, match="prefetch policy 'dali-residual' needs prefetch buffers"):
-        simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"prefetch": {"policy": "dali-residual"}}, profiling=WHOLE)
+        simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"prefetch": {"policy": "dali-residual"}},
+                 profiling=WHOLE)
 
 
 # ---- synthetic traces: perfect and half-right predictors ------------------------------------------

@@ -278,7 +278,8 @@ def test_preset_golden(traces, profile, key, tmp_path):
     future = None  # next-use times for presets with a Belady cache, written where the test may write
     if resolve_system(name).needs_future:
         future = write_future(trace, WorkloadConfig(batch), tmp_path / "next-uses.parquet", share=0.0)
-    r = simulate(trace, name, hardware=profile, batch_size=batch, overrides=VARIANTS[name][variant], future=future, profiling=WHOLE)
+    r = simulate(trace, name, hardware=profile, batch_size=batch, overrides=VARIANTS[name][variant], future=future,
+                 profiling=WHOLE)
     s = r.summary
     *ints, makespan = PINS[key]
     if resolve_system(name).time_bound:

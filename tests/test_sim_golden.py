@@ -229,7 +229,8 @@ def test_variants_match_reference(trace, policy, init, count, batch, slots):
         over["cache"] = {"count": count}
     r = simulate(trace, SYSTEM_OF[policy], batch_size=batch, overrides=over, timing=False, seed=3, profiling=WHOLE)
     if init == "random":
-        again = simulate(trace, SYSTEM_OF[policy], batch_size=batch, overrides=over, timing=False, seed=3, profiling=WHOLE)
+        again = simulate(trace, SYSTEM_OF[policy], batch_size=batch, overrides=over, timing=False, seed=3,
+                         profiling=WHOLE)
         assert r.to_json() == again.to_json()
         return
     c = reference(trace, policy, slots, batch, init=init, lfu_count=count or "tokens")
@@ -321,14 +322,16 @@ def test_llamacpp_budget_fits_one_layer(trace):
     kv = kv_cache_bytes(m, 6)
     fixed = m.bytes_of(m.non_expert_params) + kv + m.num_experts * m.expert_bytes
     budget = fixed + 5 * m.expert_bytes * 3 // 2
-    r = simulate(trace, "llamacpp", timing=False, overrides={"memory": {"gpu_memory_gib": repr(budget / 2**30)}}, profiling=WHOLE)
+    r = simulate(trace, "llamacpp", timing=False, overrides={"memory": {"gpu_memory_gib": repr(budget / 2**30)}},
+                 profiling=WHOLE)
     assert r.manifest["memory"]["budget_gib"] * 2**30 == budget
     assert r.manifest["memory"]["cache_slots_per_layer"] == [0, 5]
     _llamacpp_checks(r)
     assert r.per_layer["hits"].tolist() == [0, 16]
     # one byte less than a whole layer's experts beyond the fixed part: no GPU layer at all
     r0 = simulate(trace, "llamacpp", timing=False,
-                  overrides={"memory": {"gpu_memory_gib": repr((fixed + 5 * m.expert_bytes - 1) / 2**30)}}, profiling=WHOLE)
+                  overrides={"memory": {"gpu_memory_gib": repr((fixed + 5 * m.expert_bytes - 1) / 2**30)}},
+                  profiling=WHOLE)
     assert r0.manifest["memory"]["cache_slots_per_layer"] == [0, 0]
     assert r0.summary["cpu_experts"] == 33 and r0.summary["hits"] == 0
 
@@ -345,7 +348,8 @@ def test_llamacpp_explicit_cpu_layers(trace):
     budget_gib = fixed.manifest["memory"]["used_gib"]
     with pytest.raises(ValueError, match=r"the placement needs 5 cached experts"):
         simulate(trace, "llamacpp", timing=False,
-                 overrides={"placement": {"cpu_layers": "1"}, "memory": {"gpu_memory_gib": str(budget_gib)}}, profiling=WHOLE)
+                 overrides={"placement": {"cpu_layers": "1"}, "memory": {"gpu_memory_gib": str(budget_gib)}},
+                 profiling=WHOLE)
 
 
 # ---- timed golden run ----------------------------------------------------------------------------

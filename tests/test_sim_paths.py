@@ -120,7 +120,8 @@ def test_same_inputs_same_results(traces):
 @pytest.mark.parametrize("system", ["gpu-lru", "gpu-static"])
 def test_random_cache_init_depends_on_seed(traces, system):
     over = {"memory": {"cache_ratio": "0.25", "cache_init": "random"}}
-    runs = {seed: simulate(traces["synth"], system, seed=seed, overrides=over, timing=False, profiling=WHOLE) for seed in range(5)}
+    runs = {seed: simulate(traces["synth"], system, seed=seed, overrides=over, timing=False,
+                           profiling=WHOLE) for seed in range(5)}
     hits = {seed: tuple(r.per_layer["hits"]) for seed, r in runs.items()}
     assert len(set(hits.values())) > 1  # different seeds, different initial caches, different hits
     again = simulate(traces["synth"], system, seed=3, overrides=over, timing=False, profiling=WHOLE)
@@ -128,7 +129,8 @@ def test_random_cache_init_depends_on_seed(traces, system):
     assert again.manifest["seed"] == 3 and again.config["seed"] == 3
     # empty init ignores the seed
     empty = {"memory": {"cache_ratio": "0.25", "cache_init": "empty"}}
-    assert len({simulate(traces["synth"], "gpu-lru", seed=s, overrides=empty, timing=False, profiling=WHOLE).summary["hits"]
+    assert len({simulate(traces["synth"], "gpu-lru", seed=s, overrides=empty, timing=False,
+                         profiling=WHOLE).summary["hits"]
                 for s in range(3)}) == 1
 
 
@@ -136,7 +138,8 @@ def test_random_cache_init_depends_on_seed(traces, system):
 def test_result_carries_config_and_manifest(traces):
     path = traces["synth"]
     over = {"memory": {"cache_experts": "3"}, "cache": {"policy": "lfu", "count": "activations"}}
-    r = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, precision="q8_0", profiling=WHOLE)
+    r = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, precision="q8_0",
+                 profiling=WHOLE)
     c = r.config
     assert c["system"] == resolve_system("gpu-lru", over).to_dict()
     assert c["system"]["cache"] == {"policy": "lfu", "count": "activations"}
@@ -157,7 +160,8 @@ def test_result_carries_config_and_manifest(traces):
     assert d["config"] == json.loads(json.dumps(c)) and d["manifest"]["trace_sha256"] == m["trace_sha256"]
     assert d["prefetch_precision"] is None
     # q8_0 experts are about half the bf16 bytes: fewer bytes per transfer
-    bf16 = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, timing=False, profiling=WHOLE)
+    bf16 = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, timing=False,
+                    profiling=WHOLE)
     assert bf16.summary["on_demand"] == r.summary["on_demand"] > 0
     assert r.summary["bytes_h2d"] < bf16.summary["bytes_h2d"]
 
@@ -242,7 +246,8 @@ def test_no_timeline_unless_asked(traces):
     ("gpu-lru", {"memory": {"cache_experts": "abc"}}, ValueError, r"memory\.cache_experts: cannot read 'abc' as int"),
     ("gpu-lru", {"memory": {"cache_experts": "6"}}, ValueError, r"memory\.cache_experts=6 exceeds the 5 experts"),
     ("gpu-lru", {"memory": {"layout": "diagonal"}}, ValueError, r"memory\.layout must be one of uniform, whole-layers, none"),
-    ("gpu-lru", {"memory": {"cache_init": "best"}}, ValueError, r"memory\.cache_init must be one of empty, random, frequency, frequency-hindsight"),
+    ("gpu-lru", {"memory": {"cache_init": "best"}}, ValueError,
+     r"memory\.cache_init must be one of empty, random, frequency, frequency-hindsight"),
     ("gpu-lru", {"memory": {"cache_ratio": "0.5", "cache_experts": "2"}}, ValueError, r"cache_ratio or memory\.cache_experts, not both"),
     ("gpu-lru", {"memory": {"staging_slots": "-2"}}, ValueError, r"memory.staging_slots must be >= 0 \(or -1 = one layer.s experts\), got -2"),
     ("gpu-lru", {"cache": {"policy": "nope"}}, UnknownNameError, r"unknown cache policy 'nope'; known: .*lfu, lru, optimal, static"),
@@ -271,12 +276,15 @@ def test_measured_profile_of_another_model_is_refused():
 def test_impossible_budget_names_the_numbers(traces):
     with pytest.raises(ValueError, match=r"GPU memory budget 1\.00 GiB cannot hold the minimum working set "
                                          r"\(\d+\.\d\d GiB: dense_weights \d+\.\d\d, kv_cache .*memory\.gpu_memory_gib"):
-        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"gpu_memory_gib": "1"}}, timing=False, profiling=WHOLE)
+        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"gpu_memory_gib": "1"}}, timing=False,
+                 profiling=WHOLE)
     with pytest.raises(ValueError, match=r"32 cache slots x 24 layers x \d+\.\d MiB = \d+\.\d\d GiB do not fit .* "
                                          r"at most 18 slots per layer fit"):
-        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "32"}}, timing=False, profiling=WHOLE)
+        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "32"}}, timing=False,
+                 profiling=WHOLE)
     # 18 slots do fit the default 24 GiB
-    r = simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "18"}}, timing=False, profiling=WHOLE)
+    r = simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "18"}}, timing=False,
+                 profiling=WHOLE)
     assert r.manifest["memory"]["cache_slots_per_layer"] == [18] * 24
 
 

@@ -106,7 +106,8 @@ def test_no_timing_counts_agree_with_prefetch(trace, profile):
 
 def test_prefetch_needs_buffers_and_buffers_limit_it(trace, profile):
     with pytest.raises(ValueError, match="prefetch policy 'oracle' needs prefetch buffers"):
-        simulate(trace, "gpu-lru", hardware=profile, overrides={"prefetch": {"policy": "oracle"}}, timing=False, profiling=WHOLE)
+        simulate(trace, "gpu-lru", hardware=profile, overrides={"prefetch": {"policy": "oracle"}}, timing=False,
+                 profiling=WHOLE)
     one = dict(ORACLE, memory={**ORACLE["memory"], "prefetch_slots": "1"})
     r = simulate(trace, "gpu-lru", hardware=profile, overrides=one, timing=False, profiling=WHOLE)
     assert r.summary["prefetch_issued"] == 2  # one buffer: one prefetch per step

@@ -3,7 +3,8 @@
 From a trace and the user's options: the profiling split (``dali_sim.workload.profiling``, as
 ``simulate()`` makes it: the profiling sequences are never replayed), the model shape to build (a preset
 or the trace's own, scaled by ``scale`` and cut to the first ``layers`` MoE layers), the reduced trace
-(those layers, optionally the first evaluated sequences and tokens), the workload, and the memory plan. The budget is the *full* model's:
+(those layers, optionally the first evaluated sequences and tokens), the workload, and the memory plan.
+The budget is the *full* model's:
 ``plan_memory`` on the full-size model (``--gpu-memory`` or the hardware profile's GPU), whose cache
 bytes are then scaled to the replay model (see :func:`replay_budget`), so a scaled replay keeps the
 full run's slots per layer. The resolved system carries that scaled budget, so ``simulate()`` on

@@ -250,7 +250,8 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
 @click.option("--residual", "residual_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Residual vectors (`dali trace calibrate-residual`): needed by systems that prefetch with the "
                    "`residual` lookahead (dali, dali-plus).")
-@click.option("--profile-trace", "--frequencies-from", "frequencies_from", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--profile-trace", "--frequencies-from", "frequencies_from",
+              type=click.Path(dir_okay=False, path_type=Path),
               help="A trace of this model (`dali trace record`) as the profiling input: per-expert frequencies for "
                    "cache_init=frequency (default: uniform). The prompts generated are never seen in advance, so "
                    "there is no split and no frequency-hindsight.")

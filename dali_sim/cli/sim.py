@@ -36,7 +36,8 @@ def option_group(*options):
 policy_options = option_group(
     click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts."),
     click.option("--cache-experts", type=int, help="Cache slots per layer."),
-    click.option("--cache-init", type=click.Choice(["empty", "random", "frequency", "frequency-hindsight", "lowest-ids", "highest-ids"]),
+    click.option("--cache-init", type=click.Choice(["empty", "random", "frequency", "frequency-hindsight",
+                                                    "lowest-ids", "highest-ids"]),
                  help="Initial cache contents (default: the system's); frequency reads the profiling input, "
                       "frequency-hindsight the evaluated data itself."),
     click.option("--set", "sets", multiple=True, metavar="[SYSTEM:]SECTION.KEY=VALUE",
@@ -284,8 +285,8 @@ def systems_cmd(verbose: bool) -> None:
             for section, values in conf.to_dict().items():
                 if isinstance(values, dict):
                     click.echo(f"{'':<{width + 2}}{section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
-    click.echo("\nreadings: paper = as the DALI paper ran the competitor (or as its released code runs, where the paper "
-               "did not run it); best = its most favourable reasonable reading (NAME-best); ours = beyond DALI; "
+    click.echo("\nreadings: paper = as the DALI paper ran the competitor (or as its released code runs, where the "
+               "paper did not run it); best = its most favourable reasonable reading (NAME-best); ours = beyond DALI; "
                "baseline = textbook policies; bound; reference = an oracle heuristic, not a bound")
     click.echo("policies: placement " + ", ".join(PLACEMENTS.names()) + "; cache " + ", ".join(CACHES.names())
                + "; prefetch " + ", ".join(PREFETCHERS.names()))

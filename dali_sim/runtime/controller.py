@@ -75,7 +75,8 @@ class Controller:
         self.staging_slots = staging_slots
         hindsight = workload.frequencies()
         if frequencies is not None and np.shape(frequencies) != (L, E):
-            raise ValueError(f"profile frequencies must be ({L}, {E}) (MoE layers x experts), got {np.shape(frequencies)}")
+            raise ValueError(f"profile frequencies must be ({L}, {E}) (MoE layers x experts), "
+                             f"got {np.shape(frequencies)}")
         ctx = SetupContext(
             num_layers=L, num_experts=E, top_k=workload.top_k, capacities=readonly(self.capacities),
             frequencies=readonly(np.asarray(frequencies if frequencies is not None else hindsight, np.int64)),

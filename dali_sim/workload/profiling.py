@@ -185,5 +185,5 @@ def check_batch_size(batch_size: int, sequences: int, where: str = "the trace") 
 
 
 __all__ = ["DEFAULT_PROFILE_SHARE", "HINDSIGHT", "PROFILE_TRACE", "SPLIT", "ProfileSpec", "ProfiledTrace",
-           "apply_profile", "check_batch_size", "describe_profiling", "profile_count", "select_sequences", "seq_id_summary",
-           "total_sequences", "trace_frequencies"]
+           "apply_profile", "check_batch_size", "describe_profiling", "profile_count", "select_sequences",
+           "seq_id_summary", "total_sequences", "trace_frequencies"]
