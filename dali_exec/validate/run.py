@@ -30,12 +30,12 @@ from dali_sim.hardware.profile import load_profile
 from dali_sim.models.spec import ModelSpec
 from dali_sim.registry import UnknownNameError
 from dali_sim.runtime.future import write_future
-from dali_sim.workload.profiling import ProfileSpec
 from dali_sim.sim.simulate import DEFAULT_HARDWARE, simulate
 from dali_sim.sim.timeline import write_timeline
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.schema import TraceError
 from dali_sim.workload.builder import Workload
+from dali_sim.workload.profiling import ProfileSpec
 
 #: calibration settings of a validation (fewer repeats than `dali exec calibrate`'s default: the points
 #: are those the workload needs, see :func:`calibration_points`)

@@ -11,7 +11,9 @@ readings and parameter choices in docs/policies.md ("HybriMoE").
   uncached ones from the lowest load up and, when the GPU is the bottleneck, even cached ones.
   ``mode=best`` and ``mode=greedy`` are our readings of the paper's description written before the code
   was at hand (every prefix of the uncached list simulated, smallest makespan; the CPU and the link each
-  taking their next expert when free): :func:`hybrid_schedule`.
+  taking their next expert when free): :func:`hybrid_schedule`. ``hss_steps=single-token`` is the released
+  code's ``generate = input_tensor.size(0) == 1``: a step of more tokens runs every activated expert on
+  the GPU (``calc_experts`` outside ``generate``), the schedule is for one-token steps only.
 * ``hybrimoe-mrs`` (cache): Minus Recent Score (``KScoreAwareCache``). Per layer, at every visit,
   ``S <- a * TopP(s) + (1 - a) * S`` (a = 0.5 in the code); experts outside TopP decay by ``1 - a``; a full
   cache evicts the lowest score (ties: least recently used, as the code's ``argmin`` over its LRU-ordered
