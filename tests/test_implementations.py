@@ -155,7 +155,7 @@ def test_lm_head_tokens_per_step(overlap_trace):
 
 # ---- the engine applies the traits (round numbers: GPU 1 s/token, CPU 3 s/token, copy 2 s, dense 0.5 s) --
 def _engine(trace, system, profile_path, impl):
-    """One timed run of ``system`` with implementation ``impl`` (bypassing simulate(profiling=WHOLE)'s choice)."""
+    """One timed run of ``system`` with implementation ``impl`` (bypassing simulate()'s choice)."""
     profile = load_profile(profile_path)
     model = trace.model
     costs = CostModel(profile, model, implementation=impl, system=system.name)

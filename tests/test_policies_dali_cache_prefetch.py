@@ -189,7 +189,7 @@ def test_window_keeps_layers_apart():
     assert swaps == {(0, 0): [], (0, 1): [], (1, 0): [(2, 0)], (1, 1): [(1, 0)]}
 
 
-# ---- dali-window end to end: a hand-written trace through simulate(profiling=WHOLE) -------------------------------
+# ---- dali-window end to end: a hand-written trace through simulate() -------------------------------
 ONE_LAYER = tiny_model(num_layers=1, moe_layers=(0,), num_experts=4, top_k=1)
 DEMAND = [0, 1, 2, 2, 2, 3, 0, 1]  # one sequence, one token per step (pos 0 prefill, then decode)
 WINDOW = {"cache": {"policy": "dali-window", "w": "2", "u": "1"}, "memory": {"cache_experts": "2"}}

@@ -133,3 +133,9 @@ def test_initial_contents_by_id():
         initial_contents(0, 3, ctx, "frequency-hindsight", rng)
     with pytest.raises(ValueError, match="memory.cache_init must be one of"):
         MemoryConfig(cache_init="middle-ids")
+    # the command line offers the same names (written out there: `dali --help` imports no memory plan)
+    from dali_sim.cli.sim import run_cmd
+    from dali_sim.runtime.memory import CACHE_INITS
+
+    choice = next(p for p in run_cmd.params if p.name == "cache_init").type.choices
+    assert tuple(choice) == CACHE_INITS

@@ -362,7 +362,7 @@ def profile(tmp_path, trace):
 
 
 def _general_path(monkeypatch):
-    """Make simulate(profiling=WHOLE) build its engine with shortcut=False (the general SimPy path everywhere)."""
+    """Make simulate() build its engine with shortcut=False (the general SimPy path everywhere)."""
     simulate_mod = importlib.import_module("dali_sim.sim.simulate")  # the package re-exports the function
     monkeypatch.setattr(simulate_mod, "SimEngine", functools.partial(SimEngine, shortcut=False))
 

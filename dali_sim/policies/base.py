@@ -217,7 +217,7 @@ class CachePolicy(Policy[C]):
         return self._batch_form and type(self).victim_order is not CachePolicy.victim_order
 
     def initial(self, layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:
-        """Initial contents of a layer's cache (``init``: one of :data:`CACHE_INITS`)."""
+        """Initial contents of a layer's cache (``init``: one of ``dali_sim.runtime.memory.CACHE_INITS``)."""
         return initial_contents(layer, capacity, ctx, init, rng)
 
     def next_use_times(self, ctx: SetupContext):
@@ -276,13 +276,10 @@ class CachePolicy(Policy[C]):
         return []
 
 
-#: initial cache contents (``memory.cache_init``): ``frequency`` reads the profiling input's frequencies,
-#: ``frequency-hindsight`` the evaluated workload's own; ``lowest-ids`` / ``highest-ids`` fill each layer by
-#: id, as HybriMoE's and mixtral-offloading's code do at load time (docs/policies.md, "Initial contents")
-CACHE_INITS = ("empty", "random", "frequency", "frequency-hindsight", "lowest-ids", "highest-ids")
-
-
 def initial_contents(layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:
+    """``init``: one of ``dali_sim.runtime.memory.CACHE_INITS`` (docs/policies.md, "Initial contents")."""
+    from dali_sim.runtime.memory import CACHE_INITS  # the memory settings own the vocabulary
+
     if init not in CACHE_INITS:
         raise ValueError(f"cache init must be one of {', '.join(CACHE_INITS)}, got {init!r}")
     if capacity <= 0 or init == "empty":

@@ -17,6 +17,10 @@ from dali_sim.policies.base import PolicyConfig
 
 GIB = 2**30
 LAYOUTS = ("uniform", "whole-layers", "none")
+#: initial cache contents (``memory.cache_init``): ``frequency`` reads the profiling input's frequencies,
+#: ``frequency-hindsight`` the evaluated workload's own; ``lowest-ids`` / ``highest-ids`` fill each layer by
+#: id, as HybriMoE's and mixtral-offloading's code do at load time (docs/policies.md, "Initial contents")
+CACHE_INITS = ("empty", "random", "frequency", "frequency-hindsight", "lowest-ids", "highest-ids")
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,6 @@ class MemoryConfig(PolicyConfig):
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"memory.layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
-        from dali_sim.policies.base import CACHE_INITS
-
         if self.cache_init not in CACHE_INITS:
             raise ValueError(f"memory.cache_init must be one of {', '.join(CACHE_INITS)}, got {self.cache_init!r}")
         if self.cache_ratio != -1.0 and not 0.0 <= self.cache_ratio <= 1.0:
