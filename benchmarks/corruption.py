@@ -40,7 +40,7 @@ def future_content(path: Path, trace_path: Path, batch_size: int):
     from dali_sim.runtime.future import load_future
     from dali_sim.workload.builder import WorkloadConfig
 
-    f = load_future(read_trace(trace_path), WorkloadConfig(batch_size), path)
+    f = load_future(read_trace(trace_path), WorkloadConfig(batch_size), path, share=0.0)  # the whole trace
     return "", [f._steps, f._key]
 
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
             from dali_sim.runtime.future import write_future
             from dali_sim.workload.builder import WorkloadConfig
 
-            target = write_future(read_trace(path), WorkloadConfig(2), Path(tmp) / "future.parquet")
+            target = write_future(read_trace(path), WorkloadConfig(2), Path(tmp) / "future.parquet", share=0.0)
             counts = run(target, args.flips, args.seed, lambda p: future_content(p, path, 2))
         else:
             target = path

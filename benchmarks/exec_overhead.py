@@ -50,6 +50,7 @@ from dali_sim.runtime.future import FutureDemand
 from dali_sim.sim.counters import PlanCounters
 from dali_sim.trace import read_trace
 from dali_sim.trace.synth import SynthConfig, synthesize
+from dali_sim.workload.profiling import ProfileSpec
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER_OVERHEAD = 0.045  # DALI (arXiv 2602.03495): reported scheduling overhead, for comparison only
@@ -90,7 +91,8 @@ def run_once(setup, devices, run: ExecOptions, store):
 
 
 def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: int, repeats: int, stores: dict) -> dict:
-    setup = prepare_replay(trace, system, opts, batch_size=batch)
+    # the runtime's overhead on the whole trace (no profiling split: every sequence is replayed)
+    setup = prepare_replay(trace, system, opts, batch_size=batch, profiling=ProfileSpec(share=0.0))
     devices = Devices.create(run.device, opts.dtype)
     key = setup.model.name
     if key not in stores:  # the same random weights for every system of this trace (they are deterministic)

@@ -56,6 +56,10 @@ import numpy as np
 from dali_sim.sim import simulate
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.synth import SynthConfig, synthesize
+from dali_sim.workload.profiling import ProfileSpec
+
+#: speed is measured on the whole trace (no profiling split), so the workloads keep their documented sizes
+WHOLE_TRACE = ProfileSpec(share=0.0)
 
 PATHS = {"simpy": True, "replay": False}  # path name -> simulate(timing=...)
 TARGET = {"model": "mixtral-8x7b", "sequences": 64, "gen_len": 128, "system": "gpu-lru", "batch": 32, "path": "simpy"}
@@ -124,7 +128,8 @@ class Bench:
             result = None
             gc.collect()
             c0, t0 = time.process_time(), time.perf_counter()
-            result = simulate(trace, system, batch_size=batch, timing=PATHS[path], hardware=self.args.hardware)
+            result = simulate(trace, system, batch_size=batch, timing=PATHS[path], hardware=self.args.hardware,
+                              profiling=WHOLE_TRACE)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
         s = result.summary
@@ -330,7 +335,7 @@ def run_profile(bench: Bench, args, spec: str) -> str:
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    simulate(trace, system, batch_size=batch, timing=PATHS[path], hardware=args.hardware)
+    simulate(trace, system, batch_size=batch, timing=PATHS[path], hardware=args.hardware, profiling=WHOLE_TRACE)
     prof.disable()
     wall = time.perf_counter() - t0
     buf = io.StringIO()

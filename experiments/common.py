@@ -43,6 +43,7 @@ from dali_sim.runtime.future import future_path, write_future  # noqa: E402
 from dali_sim.sim import simulate  # noqa: E402
 from dali_sim.trace.reader import Trace, read_trace  # noqa: E402
 from dali_sim.trace.synth import SynthConfig, synthesize  # noqa: E402
+from dali_sim.workload.profiling import apply_profile, total_sequences  # noqa: E402
 from dali_sim.workload.builder import WorkloadConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,6 +130,18 @@ def next_uses(trace: Trace, system: str, batch_size: int, overrides: dict | None
         write_future(trace, WorkloadConfig(batch_size), private)
         os.replace(private, path)
     return path
+
+
+def sequences_for(evaluated: int) -> int:
+    """Sequences a synthetic trace needs so that ``evaluated`` of them (batch size x batches) remain after
+    the default profiling split (the first 25% profile frequency choices; dali_sim.workload.profiling)."""
+    return total_sequences(evaluated)
+
+
+def batch_fits(trace: Trace, batch_size: int) -> bool:
+    """Whether the trace's evaluated sequences (after the default split) fill a batch of ``batch_size``;
+    a larger batch is an error (the real GPT-OSS trace has 12 sequences, 9 evaluated)."""
+    return batch_size <= apply_profile(trace).evaluated.num_sequences
 
 
 def run_sim(trace: Trace, system: str, batch_size: int, overrides: dict | None = None, *,

@@ -54,10 +54,13 @@ def run(args) -> pd.DataFrame:
             if model == "gpt-oss-20b":
                 spec = C.TraceSpec(model, 0, 0, 0)
             else:
-                spec = C.TraceSpec(model, bs * args.batches, args.prompt_len, args.gen_len, args.seed)
+                spec = C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, args.gen_len, args.seed)
             if spec not in specs:
                 specs.append(spec)
             trace = C.get_trace(spec, quiet=False)
+            if not C.batch_fits(trace, bs):
+                C.progress(f"{model} bs={bs}: skipped, the trace has fewer evaluated sequences")
+                continue
             for label, preset, ov in systems_for(model):
                 C.progress(f"{model} bs={bs} {label}")
                 r = C.run_sim(trace, preset, bs, ov, seed=args.seed)

@@ -49,11 +49,14 @@ def run(args) -> pd.DataFrame:
                         continue
                     spec = C.TraceSpec(model, 0, 0, 0)
                 elif phase == "prefill":  # prompts only: one prefill step per batch
-                    spec = C.TraceSpec(model, bs * args.batches, args.prompt_len, 0, args.seed)
+                    spec = C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, 0, args.seed)
                 else:  # decode only
-                    spec = C.TraceSpec(model, bs * args.batches, 0, args.gen_len, args.seed)
+                    spec = C.TraceSpec(model, C.sequences_for(bs * args.batches), 0, args.gen_len, args.seed)
                 specs.append(spec)
                 trace = C.get_trace(spec, quiet=False)
+                if not C.batch_fits(trace, bs):
+                    C.progress(f"{model} bs={bs}: skipped, the trace has fewer evaluated sequences")
+                    continue
                 for label, placement in PLACEMENTS.items():
                     C.progress(f"{model} bs={bs} {phase} {label}")
                     r = C.run_sim(trace, "gpu-lru", bs, overrides(placement), seed=args.seed)

@@ -69,7 +69,7 @@ def run(args) -> pd.DataFrame:
     specs = []
     bs = args.batch_size
     for model in args.models:
-        spec = C.TraceSpec(model, bs * args.batches, args.prompt_len, args.gen_len, args.seed)
+        spec = C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, args.gen_len, args.seed)
         specs.append(spec)
         trace = C.get_trace(spec, quiet=False)
         for sweep, value, system, ov in configs(args):

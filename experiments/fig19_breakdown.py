@@ -58,7 +58,7 @@ def run(args) -> pd.DataFrame:
     specs = []
     for model in args.models:
         for bs in args.batch_sizes:
-            spec = C.TraceSpec(model, bs * args.batches, args.prompt_len, args.gen_len, args.seed)
+            spec = C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, args.gen_len, args.seed)
             specs.append(spec)
             trace = C.get_trace(spec, quiet=False)
             for ladder, step, preset, ov in STEPS:

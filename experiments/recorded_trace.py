@@ -40,7 +40,7 @@ from dali_sim.workload import Workload, WorkloadConfig  # noqa: E402
 NAME = "recorded_trace"
 TRACE = C.REPO / "traces" / "dali-tiny-moe.parquet"
 COST_SHAPE = "qwen3-30b-a3b"
-OVERRIDES = {"hybrimoe": {"prefetch": {"predictor2": "", "predictor3": ""}}}
+OVERRIDES = {name: {"prefetch": {"predictor2": "", "predictor3": ""}} for name in ("hybrimoe", "hybrimoe-best")}
 
 
 def costed(trace: Trace) -> Trace:

@@ -32,6 +32,13 @@ SYSTEM_COLORS: dict[str, str] = {
     "gpu-lfu": "#7f7f7f",  # grey
     "gpu-static": "#aec7e8",  # light blue
     "cpu-only": "#c49c94",  # light brown
+    # the most favourable readings (NAME-best): the light shade of the paper reading's colour
+    "llamacpp-best": "#ffbb78",
+    "ktransformers-best": "#c5b0d5",
+    "hybrimoe-best": "#ff9896",
+    "fiddler-best": "#f7b6d2",
+    "mixtral-offloading-best": "#9edae5",
+    "moe-lightning-best": "#a6761d",
 }
 #: other names the figures use, mapped to a system's colour or their own
 ALIASES: dict[str, str] = {"dali-greedy": "dali", "all-cpu": "cpu-only", "optimal": "lower-bound",

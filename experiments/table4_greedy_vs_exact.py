@@ -82,10 +82,15 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
     for model in args.models:
         for bs in args.batch_sizes:
             spec = (C.TraceSpec(model, 0, 0, 0) if model == "gpt-oss-20b"
-                    else C.TraceSpec(model, bs * args.batches, args.prompt_len, args.gen_len, args.seed))
+                    else C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, args.gen_len,
+                                     args.seed))
             specs.append(spec)
             C.progress(f"{model} bs={bs}")
-            for r in evaluate(C.get_trace(spec, quiet=False), bs, args.max_layers, args.seed):
+            trace = C.get_trace(spec, quiet=False)
+            if not C.batch_fits(trace, bs):
+                C.progress(f"{model} bs={bs}: skipped, the trace has fewer evaluated sequences")
+                continue
+            for r in evaluate(trace, bs, args.max_layers, args.seed):
                 detail.append({"model": model, "batch_size": bs, **r})
     d = pd.DataFrame(detail)
     g = d.groupby(["model", "batch_size", "phase"], sort=False)

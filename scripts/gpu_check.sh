@@ -80,19 +80,21 @@ for w in "${WL[@]}"; do [[ "$w" == mixtral || "$w" == deepseek ]] || die "unknow
 [[ ${#WL[@]} -gt 0 ]] || die "--workloads is empty"
 
 # ---- the workloads: synthetic trace arguments | replay and budget arguments of `dali exec validate` ----
+# (--profile-share 0: executor and simulator are compared on every sequence, no profiling split is needed;
+# --precision bf16: the full model's memory plan in bf16, as these workloads were sized before the 4-bit defaults)
 LOOKAHEAD=(--lookahead residual=0.9 --lookahead next-gate=0.7 --lookahead gate2=0.6@2 --lookahead gate3=0.5@3)
 if (( QUICK )); then
   SYNTH_mixtral=(--model mixtral-8x7b -n 2 --prompt-len 8 --gen-len 4 --seed 1)
-  REPLAY_mixtral=(--scale 0.0625 --layers 4 --batch-size 2 --gpu-memory 24 --repeats 1)
+  REPLAY_mixtral=(--scale 0.0625 --layers 4 --batch-size 2 --gpu-memory 24 --repeats 1 --profile-share 0 --precision bf16)
   SYNTH_deepseek=(--model deepseek-v2-lite -n 2 --prompt-len 8 --gen-len 4 --seed 2)
-  REPLAY_deepseek=(--scale 0.0625 --layers 3 --batch-size 2 --gpu-memory 12 --repeats 1)
+  REPLAY_deepseek=(--scale 0.0625 --layers 3 --batch-size 2 --gpu-memory 12 --repeats 1 --profile-share 0 --precision bf16)
 else
   # Mixtral-8x7B at half width (experts of 88 MB), 8 MoE layers, on a 24 GiB consumer-GPU budget;
   # DeepSeek-V2-Lite at full width (experts of 17 MB), 6 MoE layers, on a 12 GiB budget
   SYNTH_mixtral=(--model mixtral-8x7b -n 8 --prompt-len 64 --gen-len 32 --seed 1)
-  REPLAY_mixtral=(--scale 0.5 --layers 8 --batch-size 4 --gpu-memory 24 --repeats 3)
+  REPLAY_mixtral=(--scale 0.5 --layers 8 --batch-size 4 --gpu-memory 24 --repeats 3 --profile-share 0 --precision bf16)
   SYNTH_deepseek=(--model deepseek-v2-lite -n 8 --prompt-len 64 --gen-len 32 --seed 2)
-  REPLAY_deepseek=(--scale 1 --layers 6 --batch-size 4 --gpu-memory 12 --repeats 3)
+  REPLAY_deepseek=(--scale 1 --layers 6 --batch-size 4 --gpu-memory 12 --repeats 3 --profile-share 0 --precision bf16)
 fi
 
 # ---- the interpreter and what it lacks ----

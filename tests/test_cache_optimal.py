@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import WHOLE, tiny_model
 
 from dali_sim.policies import CACHES, PLACEMENTS, PREFETCHERS
 from dali_sim.policies.cache_optimal import optimal_cache_schedule
@@ -176,10 +176,10 @@ def sets_trace(path: Path, steps, num_experts: int):
 def test_the_issue_counter_examples(tmp_path, steps, E, C, want):
     """From the issue: belady below the optimum; in the 9-step case lru and lfu beat belady too."""
     trace = sets_trace(tmp_path / "t.parquet", steps, E)
-    write_future(trace, WorkloadConfig(1))
+    write_future(trace, WorkloadConfig(1), share=0.0)
     for name, hits in want.items():
         r = simulate(trace, "gpu-lru", timing=False, overrides={"cache": {"policy": name},
-                                                                "memory": {"cache_experts": str(C)}})
+                                                                "memory": {"cache_experts": str(C)}}, profiling=WHOLE)
         assert r.summary["hits"] == hits, name
         bound = name == "optimal"
         assert r.summary["bounds"] == ({"cache": "optimal"} if bound else {})
@@ -207,14 +207,14 @@ SHIPPED = sorted(p for p in (REPO / "traces").glob("*.parquet")
 def _per_layer_hits(trace, cache, slots, batch, future):
     r = simulate(trace, "gpu-lru", batch_size=batch, timing=False, future=future,
                  overrides={"cache": {"policy": cache},
-                            "memory": {"cache_experts": str(slots), "gpu_memory_gib": "4096"}})
+                            "memory": {"cache_experts": str(slots), "gpu_memory_gib": "4096"}}, profiling=WHOLE)
     return r.per_layer["hits"].to_numpy()
 
 
 def _check_shipped(path: Path, tmp_path, batch: int):
     """Per layer and at several cache sizes, optimal >= belady, lru, lfu."""
     trace = read_trace(path)
-    future = write_future(trace, WorkloadConfig(batch), tmp_path / f"{path.stem}.future.parquet")
+    future = write_future(trace, WorkloadConfig(batch), tmp_path / f"{path.stem}.future.parquet", share=0.0)
     E = trace.num_experts
     for slots in sorted({1, 2, E // 4, E // 2, E - 1} - {0}):
         best = _per_layer_hits(trace, "optimal", slots, batch, future)

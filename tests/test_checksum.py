@@ -49,7 +49,7 @@ def test_byte_flips_in_a_next_use_file_are_rejected_or_harmless(synthetic, tmp_p
     from dali_sim.runtime.future import write_future
     from dali_sim.workload.builder import WorkloadConfig
 
-    future = write_future(read_trace(synthetic), WorkloadConfig(2), tmp_path / "f.parquet")
+    future = write_future(read_trace(synthetic), WorkloadConfig(2), tmp_path / "f.parquet", share=0.0)
     counts = corruption.run(future, 100, 0, lambda p: corruption.future_content(p, synthetic, 2))
     assert counts["silently_different"] == 0 and counts["crashed"] == 0, counts
 

@@ -112,11 +112,15 @@ def test_exec_run_prints_metrics_and_writes_timeline_and_csv(profile, tmp_path):
     from dali_sim.trace.synth import SynthConfig, synthesize
 
     trace = tmp_path / "mix.parquet"
-    synthesize(SynthConfig(model="mixtral-8x7b", sequences=2, prompt_len=4, gen_len=4, seed=1), trace)
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=4, gen_len=4, seed=1), trace)
     tl, csv = tmp_path / "tl.json", tmp_path / "layers.csv"
     args = ["exec", "run", "--trace", str(trace), "--system", "fiddler", "--layers", "2", "--scale", SCALE,
             "--dtype", "fp32", "--device", "cpu", "--cpu-threads", "1", "--accel-threads", "1",
             "--hardware", str(profile), "--batch-size", "2"]
+    # the default split: the first of the 3 sequences profiles (fiddler's popular set), 2 are replayed; the
+    # batch cannot exceed them
+    r = _invoke(*args[:-1], "3")
+    assert r.exit_code == 1 and "batch size 3 exceeds the 2 sequence(s) evaluated" in r.output
     r = _invoke(*args, "--timeline", str(tl), "--csv", str(csv))
     assert r.exit_code == 0, r.output
     assert "overhead per layer: decisions" in r.output and "executed on" in r.output
@@ -131,7 +135,8 @@ def test_exec_run_prints_metrics_and_writes_timeline_and_csv(profile, tmp_path):
     assert csv.read_text().splitlines()[0].startswith("layer,activated,hits")
     r = _invoke(*args, "--json")
     out = json.loads(r.output)
-    assert out["system"] == "fiddler" and out["executor"]["device"] == "cpu"
+    assert out["system"] == "fiddler" and out["executor"]["device"] == "cpu" and out["sequences"] == 2
+    assert out["manifest"]["profiling"]["source"] == "split" and out["config"]["profiling"]["share"] == 0.25
     assert out["manifest"]["executor"]["replay"]["scale"] == 1 / 64
 
 

@@ -40,6 +40,7 @@ from dali_sim.policies import resolve_system, system_names  # noqa: E402
 from dali_sim.runtime.memory import GIB, plan_memory  # noqa: E402
 from dali_sim.sim import simulate  # noqa: E402
 from dali_sim.sim.counters import COUNTERS  # noqa: E402
+from dali_sim.workload.profiling import ProfileSpec  # noqa: E402
 
 from conftest import REPO, round_number_profile  # noqa: E402
 
@@ -115,36 +116,53 @@ def whole_layers_budget(model, lengths, batch, new, layers_on_gpu=1) -> str:
     return repr((fixed + (layers_on_gpu + 0.5) * spec.num_experts * spec.expert_bytes) / GIB)
 
 
+#: whole-layers presets: a budget with one MoE layer on the GPU (2 slots matched in memory are no whole layer)
+WHOLE_LAYERS = ("llamacpp", "llamacpp-best", "ktransformers", "moe-lightning")
+
+
 def overrides_for(system, budget) -> dict | None:
-    if system == "llamacpp":
+    if system in WHOLE_LAYERS:
         return {"memory": {"gpu_memory_gib": budget}}
-    if system in ("moe-lightning", "cpu-only"):
+    if system == "cpu-only":
         return None  # no cache by design
     over = {"memory": {"cache_experts": "2"}}
-    if system == "hybrimoe":
-        over["prefetch"] = {"min_gain": "0"}  # tiny experts: any gain, so that its prefetch path runs
+    if system == "hybrimoe-best":
+        over["prefetch"] = {"min_gain": "0"}  # tiny experts: any gain, so that its prefetch path runs (the paper's)
     return over
 
 
 #: what each preset must have done (beyond identical outputs), from its counters
 EXPECT = {
     "cpu-only": lambda s: s["cpu_experts"] == s["activated"],
+    # whole layers: the first on the CPU, the last on the GPU; no per-layer GPU prefill below 30,000 tokens
     "ktransformers": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0 and s["on_demand"] == 0,
+    "ktransformers-best": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0 and s["on_demand"] == 0,
     "fiddler": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0,
+    "fiddler-best": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0,
     "gpu-lru": lambda s: s["on_demand"] > 0 and s["hits"] > 0 and s["cpu_experts"] == 0 and s["admitted"] > 0,
     "gpu-lfu": lambda s: s["on_demand"] > 0 and s["hits"] > 0 and s["cpu_experts"] == 0,
     "gpu-static": lambda s: s["on_demand"] > 0 and s["hits"] > 0 and s["staged"] == s["on_demand"],
     # CPU layers, the last layer on the GPU, and op offload in prefill (steps of >= 32 tokens)
     "llamacpp": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0 and s["on_demand"] == s["staged"] > 0,
-    "mixtral-offloading": lambda s: s["prefetch_used"] > 0 and s["on_demand"] > 0 and s["cpu_experts"] == 0,
-    "moe-lightning": lambda s: s["prefetch_used"] > 0 and s["on_demand"] > 0 and s["hits"] == 0,
+    "llamacpp-best": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0 and s["on_demand"] == s["staged"] > 0,
+    # the released code: an LRU cache, no prefetch
+    "mixtral-offloading": lambda s: s["prefetch_issued"] == 0 and s["on_demand"] > 0 and s["cpu_experts"] == 0
+    and s["hits"] > 0,
+    "mixtral-offloading-best": lambda s: s["prefetch_used"] > 0 and s["on_demand"] > 0 and s["cpu_experts"] == 0,
+    # the last layer resident whole, the others streamed (the first of a step copied on demand; with 2 MoE
+    # layers nothing else is left to stream)
+    "moe-lightning": lambda s: s["on_demand"] > 0 and s["hits"] > 0 and s["cpu_experts"] == 0,
+    "moe-lightning-best": lambda s: s["prefetch_used"] > 0 and s["on_demand"] > 0 and s["hits"] > 0,
     # (whether its greedy also fetches on demand depends on the costs: the tiny shapes make CPU experts cheap)
     "dali": lambda s: s["prefetch_issued"] > 0 and s["cpu_experts"] > 0 and s["swaps"] > 0,
     "dali-plus": lambda s: s["prefetch_issued"] > 0 and s["cpu_experts"] > 0,
-    "hybrimoe": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0,
+    # the released code: batch-2 steps (multi-token) run every expert on the GPU; single-token steps (a batch
+    # whose other sequence has stopped) may use the CPU
+    "hybrimoe": lambda s: s["hits"] > 0 and s["on_demand"] > 0,
+    "hybrimoe-best": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0,
 }
 #: presets that prefetch (checked on the main families: with 2 MoE layers HybriMoE finds nothing worth it)
-PREFETCHING = ("dali", "dali-plus", "hybrimoe", "mixtral-offloading", "moe-lightning")
+PREFETCHING = ("dali", "dali-plus", "hybrimoe", "hybrimoe-best", "mixtral-offloading-best", "moe-lightning-best")
 assert set(EXPECT) == set(SYSTEMS), "a new preset needs its expectations here"
 
 
@@ -329,7 +347,7 @@ def test_skipping_padding_rows(cases):
 def test_slow_copies_change_nothing(cases):
     """Every copy held back: prefetches and fetches land late, the outputs are the same."""
     c = cases("olmoe")
-    for system in ("mixtral-offloading", "moe-lightning", "dali"):
+    for system in ("mixtral-offloading-best", "moe-lightning", "dali"):
         result, logits = c.run(system, opts={"copy_delay_s": 0.002})
         c.check_same(result, logits)
 
@@ -400,7 +418,9 @@ def test_counts_equal_a_simulation_of_the_recorded_trace(cases, family, tmp_path
         result, _ = c.run(system, opts={"frequencies_from": trace}, overrides=over)
         # the online run is dali's executor: the simulation decides with the same implementation's costs
         over = {**(over or {}), "system": {"implementation": "dali-executor"}}
-        sim = simulate(trace, system, batch_size=BATCH, timing=False, overrides=over, precision="fp32")
+        # the whole recorded trace evaluated, its frequencies the online run's profile (--profile-trace)
+        sim = simulate(trace, system, batch_size=BATCH, timing=False, overrides=over, precision="fp32",
+                       profiling=ProfileSpec(trace=trace))
         for key in COUNTERS:
             assert result.summary[key] == sim.summary[key], (system, key)
         pd.testing.assert_frame_equal(result.per_layer[list(COUNTERS)], sim.per_layer[list(COUNTERS)])
@@ -419,7 +439,7 @@ def test_cli(tmp_path):
     runner = CliRunner()
     base = ["exec", "generate", "--model", str(folder), "--prompts", str(prompts), "--batch-size", "2",
             "--max-new-tokens", "5", "--cpu-threads", "1", "--accel-threads", "1", "-q"]
-    r = runner.invoke(cli, base + ["--system", "mixtral-offloading", "--cache-experts", "2", "--json"])
+    r = runner.invoke(cli, base + ["--system", "mixtral-offloading-best", "--cache-experts", "2", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert [g["token_ids"] for g in d["generated"]] == plain
@@ -439,12 +459,14 @@ def test_cli(tmp_path):
     r = runner.invoke(cli, ["trace", "record", "--model", str(folder), "--prompts", str(prompts), "--batch-size", "2",
                             "--max-new-tokens", "5", "-q", "-o", str(trace)])
     assert r.exit_code == 0, r.output
-    r = runner.invoke(cli, base + ["--system", "gpu-static", "--cache-experts", "3", "--frequencies-from", str(trace),
+    r = runner.invoke(cli, base + ["--system", "gpu-static", "--cache-experts", "3", "--profile-trace", str(trace),
                                    "--json"])
     assert r.exit_code == 0, r.output
     online = json.loads(r.output)
+    # the simulation of the recording with the same profiling input: the whole trace evaluated
     r = runner.invoke(cli, ["sim", "run", "--trace", str(trace), "--system", "gpu-static", "--cache-experts", "3",
-                            "--batch-size", "2", "--precision", "fp32", "--no-timing", "--json"])
+                            "--batch-size", "2", "--precision", "fp32", "--no-timing", "--profile-trace", str(trace),
+                            "--json"])
     assert r.exit_code == 0, r.output
     simulated = json.loads(r.output)
     assert {k: online[k] for k in COUNTERS} == {k: simulated[k] for k in COUNTERS}

@@ -179,7 +179,7 @@ def test_a_replay_without_numba_computes_and_counts_the_same(system, tmp_path, m
     from dali_sim.trace.synth import SynthConfig, synthesize
 
     path = tmp_path / "t.parquet"
-    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=5, gen_len=5, seed=2,
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=4, prompt_len=5, gen_len=5, seed=2,
                            lookahead=("residual=0.9",)), path)
     trace = read_trace(path)
     opts, run = ReplayOptions(layers=3, scale=1 / 64, dtype="fp32"), ExecOptions(device="cpu", cpu_threads=1,

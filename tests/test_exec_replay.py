@@ -65,9 +65,11 @@ def _simulated_counts(setup, tmp_path):
     if setup.sysconf.needs_future:  # belady, optimal: next-use times from a file beside the trace
         from dali_sim.runtime.future import write_future
 
-        future = write_future(setup.trace, WorkloadConfig(BATCH), out=tmp_path / "reduced.future.parquet")
+        future = write_future(setup.trace, WorkloadConfig(BATCH), out=tmp_path / "reduced.future.parquet", share=0.0)
     kw = {"future": future} if future is not None else {}
-    return simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False, **kw)
+    # the replay's evaluated sequences with its profiling input (the default split made by prepare_replay)
+    return simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False,
+                    profiling=setup.profiled, **kw)
 
 
 def test_a_time_bound_is_not_replayed(mix):
@@ -99,7 +101,8 @@ def test_result_has_every_simulator_key(mix):
     result = execute(mix, "dali", TINY, CPU_RUN, batch_size=BATCH)
     setup = prepare_replay(mix, "dali", TINY, batch_size=BATCH)
     # the executor's implementation needs a measured profile's host costs; the keys are the same with bare
-    timed = simulate(setup.trace, dataclasses.replace(setup.sysconf, implementation="bare"), batch_size=BATCH)
+    timed = simulate(setup.trace, dataclasses.replace(setup.sysconf, implementation="bare"), batch_size=BATCH,
+                     profiling=setup.profiled)
     assert set(timed.summary) <= set(result.summary)
     assert set(timed.per_layer.columns) <= set(result.per_layer.columns)
     assert set(timed.manifest) <= set(result.manifest) and set(timed.config) <= set(result.config)
@@ -168,8 +171,8 @@ def test_a_store_of_another_shape_is_refused(mix):
 def test_delayed_copies_are_waited_for(mix):
     records = []
     slow = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1, copy_delay_s=0.003)
-    result = execute(mix, "mixtral-offloading", TINY, slow, batch_size=BATCH, on_layer=records.append)
-    _check_against_reference(records, prepare_replay(mix, "mixtral-offloading", TINY, batch_size=BATCH))
+    result = execute(mix, "mixtral-offloading-best", TINY, slow, batch_size=BATCH, on_layer=records.append)
+    _check_against_reference(records, prepare_replay(mix, "mixtral-offloading-best", TINY, batch_size=BATCH))
     assert result.summary["on_demand"] > 0 and result.summary["prefetch_used"] > 0
     copies: dict[tuple, list[float]] = {}
     computes = []
@@ -199,12 +202,13 @@ def test_staged_experts_cycle_through_few_buffers(mix, staging, tmp_path):
     over = {"memory": {"staging_slots": str(staging), "cache_experts": "1"}}
     records = []
     slow = dataclasses.replace(CPU_RUN, copy_delay_s=0.001)
-    result = execute(mix, "gpu-lru", TINY, slow, batch_size=3, overrides=over, on_layer=records.append)
-    setup = prepare_replay(mix, "gpu-lru", TINY, batch_size=3, overrides=over)
+    result = execute(mix, "gpu-lru", TINY, slow, batch_size=BATCH, overrides=over, on_layer=records.append)
+    setup = prepare_replay(mix, "gpu-lru", TINY, batch_size=BATCH, overrides=over)
     assert setup.memory.staging_slots == staging
     assert max(int(rec.plan.staged.sum()) for rec in records) > staging  # the buffers were cycled
     _check_against_reference(records, setup)
-    sim = simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=3, timing=False)
+    sim = simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False,
+                   profiling=setup.profiled)
     assert {k: result.summary[k] for k in COUNTERS} == {k: sim.summary[k] for k in COUNTERS}
     fetched = sum(1 for iv in result.intervals if iv.name.startswith("fetch"))
     assert fetched == result.summary["on_demand"]  # one copy (and one timeline interval) per on-demand fetch
@@ -216,7 +220,7 @@ def test_a_compute_from_a_slot_still_being_copied_is_caught(mix, monkeypatch):
     monkeypatch.setattr(OffloadRuntime, "_is_present", lambda self, slot: True)  # a lane that forgets to wait
     slow = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1, copy_delay_s=0.05)
     with pytest.raises(SlotNotReady, match="has not completed"):
-        execute(mix, "mixtral-offloading", TINY, slow, batch_size=BATCH)
+        execute(mix, "mixtral-offloading-best", TINY, slow, batch_size=BATCH)  # the reading that prefetches
 
 
 def test_replays_are_deterministic(mix):

@@ -45,7 +45,8 @@ QUICK_CAL = MicroSettings(repeats=1, warmup=0)
 @pytest.fixture(scope="module")
 def mix_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("val") / "mix.parquet"
-    synthesize(SynthConfig(model="mixtral-8x7b", sequences=2, prompt_len=6, gen_len=5, seed=5,
+    # 3 sequences: the default split profiles the first, the other 2 are replayed and simulated (batch 2)
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=6, gen_len=5, seed=5,
                            lookahead=("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")), path)
     return path
 

@@ -126,7 +126,7 @@ def test_every_shipped_number_has_a_source(name):
 def test_shipped_headline_numbers():
     """Pins the documented key numbers (docs/hardware.md) for Mixtral-8x7B bf16 (the bare implementation:
     the roofline alone)."""
-    mix = get_model("mixtral-8x7b")
+    mix = get_model("mixtral-8x7b", "bf16")
     tb = CostModel(load_profile("rtx3090-epyc7532"), mix)
     # GPU, 1 token: memory bound, (352321536 + 36864*2 bytes) / (936e9 * 0.85)
     assert tb.expert_time("gpu", 1) == pytest.approx((352321536 + 73728) / 795.6e9)
@@ -358,7 +358,7 @@ def test_unknown_profile_name_and_missing_file(tmp_path):
 # ---- measured profiles ------------------------------------------------------------------------
 @pytest.fixture
 def measured() -> CostModel:
-    return CostModel(load_profile(EXAMPLE), get_model("mixtral-8x7b"))
+    return CostModel(load_profile(EXAMPLE), get_model("mixtral-8x7b", "bf16"))
 
 
 def test_measured_interpolation(measured):
@@ -453,7 +453,7 @@ def test_measured_format_2_round_trip_with_contention_host_and_d2h(tmp_path):
 
 def get_model_for(p: MeasuredProfile):
     """A spec of the shape a measured profile was taken for (the example's toy shape)."""
-    return next(m for m in (toy_model(), get_model("mixtral-8x7b")) if _shape_matches(p, m))
+    return next(m for m in (toy_model(), get_model("mixtral-8x7b", "bf16")) if _shape_matches(p, m))
 
 
 def _shape_matches(p, m) -> bool:
@@ -515,7 +515,7 @@ def test_measured_model_mismatch_is_detected():
         CostModel(p, get_model("mixtral-8x7b", "q4_0"))
     d = example_dict()
     d["model"]["model"] = "my-mixtral-finetune"  # same shape, other name: accepted
-    CostModel(measured_profile_from_dict(d), get_model("mixtral-8x7b"))
+    CostModel(measured_profile_from_dict(d), get_model("mixtral-8x7b", "bf16"))
 
 
 def test_measured_dict_errors_without_file():

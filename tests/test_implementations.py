@@ -9,7 +9,7 @@ from importlib import resources
 
 import numpy as np
 import pytest
-from conftest import OVERLAP_MODEL, round_number_profile
+from conftest import OVERLAP_MODEL, WHOLE, round_number_profile
 from test_hardware import TOY_PARAMS, toy_model, toy_profile_dict
 from test_sim_overlap import spans, split_system
 
@@ -287,21 +287,22 @@ def test_measured_host_costs_run_before_the_dense_part(tmp_path, overlap_trace):
     decisions; case C's first layer (2 GPU experts, 1 CPU expert, 2 copies): 1.375 s of host work first."""
     prof = round_number_profile(tmp_path / "host.json", OVERLAP_MODEL,
                                 host={"layer_s": 0.25, "gpu_expert_s": 0.5, "decision_s": {"split": 0.125}})
-    r = simulate(overlap_trace, split_system([0]), hardware=prof, timeline=True)
+    r = simulate(overlap_trace, split_system([0]), hardware=prof, timeline=True, profiling=WHOLE)
     first = sorted(s for s in spans(r) if s[2] < 2.0)
     assert ("host", "host L0", 0.0, 1.375) in first and ("gpu", "dense L0", 1.375, 1.875) in first
     assert r.manifest["implementation"]["name"] == "dali-executor"
     assert "describes dali's executor" in r.manifest["implementation"]["note"]
-    bare = simulate(overlap_trace, dataclasses.replace(split_system([0]), implementation="bare"), hardware=prof)
+    bare = simulate(overlap_trace, dataclasses.replace(split_system([0]), implementation="bare"), hardware=prof,
+                    profiling=WHOLE)
     assert bare.summary["makespan_s"] == 18.0 and "note" not in bare.manifest["implementation"]
 
 
 def test_executor_implementation_needs_measured_host_costs(overlap_trace):
     system = dataclasses.replace(resolve_system("gpu-lru"), implementation="dali-executor")
     with pytest.raises(ValueError, match="needs the executor's measured host costs"):
-        simulate(overlap_trace, system)
+        simulate(overlap_trace, system, profiling=WHOLE)
     # the no-timing path never asks for host time
-    assert simulate(overlap_trace, system, timing=False).summary["hits"] >= 0
+    assert simulate(overlap_trace, system, timing=False, profiling=WHOLE).summary["hits"] >= 0
 
 
 def test_which_steps_replay_a_cuda_graph():

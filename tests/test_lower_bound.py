@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import round_number_profile, tiny_model, write_hand_trace
+from conftest import WHOLE, round_number_profile, tiny_model, write_hand_trace
 
 from dali_sim.models import get_model
 from dali_sim.policies import CACHES, resolve_system, system_names
@@ -39,11 +39,11 @@ def test_golden_trace_by_hand(tmp_path):
     the bound is the best split per layer, transfers free. Decode layers (two 1-token experts): both on
     the GPU, 2 s. Step 0 layer 0, workloads 2,2,1,1: the CPU takes a 1-token expert (3 s), the GPU
     the rest (5 s): 5; step 0 layer 1, 3,2,1: CPU the 1-token one, GPU 5: 5; step 4 (batch 1), layers
-    2,1,1: CPU one 1-token (3), GPU 3: 3 each. 14 dense parts x 0.5 = 7 s + 36 s = 43 s: hybrimoe's
+    2,1,1: CPU one 1-token (3), GPU 3: 3 each. 14 dense parts x 0.5 = 7 s + 36 s = 43 s: hybrimoe-best's
     time (tests/test_preset_goldens.py), so the bound is tight there."""
     trace = read_trace(DATA / "sim-golden.parquet")
     profile = round_number_profile(tmp_path / "p.json", trace.model)
-    r = simulate(trace, "lower-bound", hardware=profile)
+    r = simulate(trace, "lower-bound", hardware=profile, profiling=WHOLE)
     s = r.summary
     assert s["makespan_s"] == pytest.approx(43.0)
     assert s["bounds"] == {"time": "lower-bound"} and s["oracles"] == {}
@@ -52,10 +52,11 @@ def test_golden_trace_by_hand(tmp_path):
     assert np.isnan(s["hits"]) and np.isnan(s["hit_rate"]) and s["activated"] == 33
     assert r.per_layer["activated"].tolist() == [17, 16]
     assert r.per_layer["time_s"].sum() == pytest.approx(43.0)
-    hyb = simulate(trace, "hybrimoe", hardware=profile, overrides={"prefetch": {"policy": "none"}})
+    hyb = simulate(trace, "hybrimoe-best", hardware=profile, overrides={"prefetch": {"policy": "none"}},
+                   profiling=WHOLE)
     assert hyb.summary["makespan_s"] == pytest.approx(43.0)
     with pytest.raises(ValueError, match="time bound: it has no counts-only mode"):
-        simulate(trace, "lower-bound", hardware=profile, timing=False)
+        simulate(trace, "lower-bound", hardware=profile, timing=False, profiling=WHOLE)
     with pytest.raises(ValueError, match="time bound with no cache policy"):
         resolve_system("lower-bound", {"cache": {"policy": "lru"}})
 
@@ -83,7 +84,7 @@ def test_the_link_term_by_hand(tmp_path):
     trace = _one_layer(tmp_path, [0, 1, 2, 3], 4)
     profile = round_number_profile(tmp_path / "p.json", trace.model, cpu=(30.0, 60.0))
     none = {"memory": {"gpu_memory_gib": _budget_for(trace, 0)}}
-    r = simulate(trace, "lower-bound", hardware=profile, overrides=none)
+    r = simulate(trace, "lower-bound", hardware=profile, overrides=none, profiling=WHOLE)
     lb = r.summary["lower_bound"]
     lam = LAMBDAS[np.searchsorted(LAMBDAS, 2 / 31)]
     assert lb["expert_slots"] == 0 and lb["reuse"] == 0 and lb["compute_s"] == pytest.approx(6.0)
@@ -135,7 +136,8 @@ def random_case(i: int, tmp_path: Path):
     path = tmp_path / f"case{i}.parquet"
     synthesize(cfg, path)
     trace = read_trace(path)
-    batch = rng.randint(1, 3)
+    # at most the trace's sequences (a larger batch is an error; it used to run as this one)
+    batch = min(rng.randint(1, 3), trace.num_sequences)
     spec, w = trace.model, Workload(trace, WorkloadConfig(batch))
     base = plan_memory(spec, MemoryConfig(gpu_memory_gib=1e6, layout="none", staging_slots=0), 0, w.max_batch_context)
     full = 24 * GIB
@@ -148,14 +150,14 @@ def random_case(i: int, tmp_path: Path):
 
 def _check_case(i: int, tmp_path: Path):
     trace, batch, budget, hardware = random_case(i, tmp_path)
-    write_future(trace, WorkloadConfig(batch))
+    write_future(trace, WorkloadConfig(batch), share=0.0)
     mem = {"memory": {"gpu_memory_gib": budget}}
-    lb = simulate(trace, "lower-bound", batch_size=batch, hardware=hardware, overrides=mem)
+    lb = simulate(trace, "lower-bound", batch_size=batch, hardware=hardware, overrides=mem, profiling=WHOLE)
     b_seq = lb.per_sequence.set_index("seq_id")
     ran = 0
     for name in SYSTEMS:
         try:
-            r = simulate(trace, name, batch_size=batch, hardware=hardware, overrides=mem)
+            r = simulate(trace, name, batch_size=batch, hardware=hardware, overrides=mem, profiling=WHOLE)
         except ValueError as exc:
             if "budget" in str(exc) or "do not fit" in str(exc):
                 continue  # this preset's memory plan does not fit the budget: not a system here
@@ -176,12 +178,12 @@ def _check_case(i: int, tmp_path: Path):
     for init in ("empty", "frequency"):
         over = {"memory": {"gpu_memory_gib": "4096", "cache_experts": slots, "cache_init": init}}
         best = simulate(trace, "gpu-lru", batch_size=batch, hardware=hardware, timing=False,
-                        overrides={**over, "cache": {"policy": "optimal"}}).summary["hits"]
+                        overrides={**over, "cache": {"policy": "optimal"}}, profiling=WHOLE).summary["hits"]
         for cache in NO_SWAP:
             if cache == "static" and init == "empty":
                 continue
             hits = simulate(trace, "gpu-lru", batch_size=batch, hardware=hardware, timing=False,
-                            overrides={**over, "cache": {"policy": cache}}).summary["hits"]
+                            overrides={**over, "cache": {"policy": cache}}, profiling=WHOLE).summary["hits"]
             assert hits <= best, (cache, init, hits, best)
 
 
@@ -206,18 +208,19 @@ def test_cli_labels_bounds_and_oracle_heuristics(tmp_path):
 
     golden = DATA / "sim-golden.parquet"
     profile = str(round_number_profile(tmp_path / "p.json", read_trace(golden).model))
+    whole = ["--profile-share", "0"]  # the golden trace evaluated whole, as the hand derivation
     run = CliRunner().invoke(cli, ["sim", "run", "--trace", str(golden), "--system", "lower-bound", "--hardware",
-                                   profile, "--cache-experts", "2"])
+                                   profile, "--cache-experts", "2", *whole])
     assert run.exit_code == 0, run.output
     assert "BOUND: time lower-bound bounds time" in run.output and "makespan 43.000 s" in run.output
     assert "memory.cache_experts not used" in run.output and "10 expert buffers" in run.output
     js = CliRunner().invoke(cli, ["sim", "run", "--trace", str(golden), "--system", "lower-bound", "--hardware",
-                                  profile, "--json"])
+                                  profile, "--json", *whole])
     d = json.loads(js.output)
     assert d["bounds"] == {"time": "lower-bound"} and d["hits"] is None and d["makespan_s"] == pytest.approx(43.0)
-    future = write_future(read_trace(golden), WorkloadConfig(1), tmp_path / "f.parquet")
+    future = write_future(read_trace(golden), WorkloadConfig(1), tmp_path / "f.parquet", share=0.0)
     cmp = CliRunner().invoke(cli, ["sim", "compare", "--trace", str(golden), "--hardware", profile, "--future",
-                                   str(future), "--systems", "lower-bound,oracle-heuristic,fiddler"])
+                                   str(future), "--systems", "lower-bound,oracle-heuristic,fiddler", *whole])
     assert cmp.exit_code == 0, cmp.output
     assert "lower-bound: BOUND: time lower-bound" in cmp.output
     assert "oracle-heuristic: ORACLE HEURISTIC: cache belady reads the future" in cmp.output
@@ -235,11 +238,12 @@ def test_the_bound_takes_the_least_implementation(tmp_path):
     cfg = SynthConfig(model="mixtral-8x7b", sequences=2, prompt_len=4, gen_len=4, seed=3, precision="q4_0")
     trace = read_trace(synthesize(cfg, tmp_path / "m.parquet"))
     budget = {"memory": {"gpu_memory_gib": "12"}}
-    anyb = simulate(trace, "lower-bound", overrides=budget)
+    anyb = simulate(trace, "lower-bound", overrides=budget, profiling=WHOLE)
     assert anyb.manifest["implementation"]["name"].split(",")[0] != "any"
     assert len(anyb.manifest["implementation"]["name"].split(",")) > 3
-    llama_b = simulate(trace, "lower-bound", overrides={**budget, "system": {"implementation": "llamacpp"}})
-    llama = simulate(trace, "llamacpp", overrides=budget)
+    llama_b = simulate(trace, "lower-bound", overrides={**budget, "system": {"implementation": "llamacpp"}},
+                       profiling=WHOLE)
+    llama = simulate(trace, "llamacpp", overrides=budget, profiling=WHOLE)
     assert anyb.summary["makespan_s"] <= llama_b.summary["makespan_s"] <= llama.summary["makespan_s"]
     assert llama_b.summary["makespan_s"] > anyb.summary["makespan_s"]  # llama.cpp's own costs count
     with pytest.raises(ValueError, match="implementation=any is only for a time bound"):

@@ -39,7 +39,7 @@ def test_required_presets_exist():
 
 
 def test_expert_bytes_derived_from_shape_and_precision():
-    m = get_model("mixtral-8x7b")
+    m = get_model("mixtral-8x7b", "bf16")
     assert m.expert_params == 3 * 4096 * 14336
     assert m.expert_bytes == 3 * 4096 * 14336 * 2  # 336 MiB in bf16
     assert get_model("mixtral-8x7b", "q4_0").expert_bytes == round(3 * 4096 * 14336 * 18 / 32)
@@ -86,8 +86,8 @@ def test_hf_config_mixtral_file(tmp_path):
            "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
            "vocab_size": 32000, "torch_dtype": "bfloat16", "_name_or_path": "mistralai/Mixtral-8x7B-v0.1"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    spec = spec_from_hf_config(tmp_path)  # a model folder
-    preset = get_model("mixtral-8x7b")
+    spec = spec_from_hf_config(tmp_path)  # a model folder (its torch_dtype: bf16)
+    preset = get_model("mixtral-8x7b", "bf16")
     assert spec.name == "mistralai/Mixtral-8x7B-v0.1"
     assert (spec.total_params, spec.expert_bytes, spec.moe_layers) == (preset.total_params, preset.expert_bytes, preset.moe_layers)
 
@@ -128,9 +128,28 @@ def test_hf_config_errors(tmp_path):
 
 def test_cli_model_commands():
     r = CliRunner().invoke(cli, ["model", "list"])
-    assert r.exit_code == 0 and "mixtral-8x7b" in r.output and "336.0" in r.output
+    # each preset at its default precision: Mixtral's 4-bit experts (94.5 MiB), gpt-oss as released
+    rows = {line.split()[0]: line.split() for line in r.output.splitlines()[1:-1]}
+    assert r.exit_code == 0 and rows["mixtral-8x7b"][1:2] == ["q4_0"] and rows["mixtral-8x7b"][5] == "94.5"
+    assert rows["gpt-oss-20b"][1] == "mxfp4/bf16" and rows["olmoe-1b-7b"][1] == "bf16"
     r = CliRunner().invoke(cli, ["model", "show", "olmoe-1b-7b", "--precision", "q4_0", "--json"])
     data = json.loads(r.output)
     assert data["derived"]["expert_bytes"] == round(3 * 2048 * 1024 * 0.5625)
     r = CliRunner().invoke(cli, ["model", "show", "nope"])
     assert r.exit_code == 1 and "Error:" in r.output
+
+
+def test_default_precisions_match_how_each_model_is_run():
+    """gpt-oss-20b as released: MXFP4 experts, bf16 elsewhere; the DALI paper's three models at 4-bit
+    (q4_0: 18 bytes per 32 weights, whole model); the others bf16. --precision still overrides."""
+    g = get_model("gpt-oss-20b")
+    assert (g.precision.name, g.dense_format.name, g.precision_label) == ("mxfp4", "bf16", "mxfp4/bf16")
+    assert g.expert_bytes == round(g.expert_params * 17 / 32)
+    assert g.bytes_of(g.non_expert_params) == round(g.non_expert_params * 2)
+    for name in ("mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b"):
+        m = get_model(name)
+        assert m.precision_label == "q4_0" and m.expert_bytes == round(m.expert_params * 18 / 32), name
+    for name in ("olmoe-1b-7b", "qwen1.5-moe-a2.7b", "switch-base-8"):
+        assert get_model(name).precision_label == "bf16"
+    assert get_model("mixtral-8x7b", "bf16").precision_label == "bf16"
+    assert get_model("gpt-oss-20b", "bf16").precision_label == "bf16"  # a whole-model format replaces both

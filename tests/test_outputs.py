@@ -40,7 +40,8 @@ def refused(result, path, code: int = 1) -> str:
 @pytest.fixture
 def trace(tmp_path) -> Path:
     path = tmp_path / "t.parquet"
-    synthesize(SynthConfig("mixtral-8x7b", sequences=2, prompt_len=4, gen_len=4), path, progress=False)
+    # 3 sequences: the default profiling split leaves 2 evaluated, a batch of 2
+    synthesize(SynthConfig("mixtral-8x7b", sequences=3, prompt_len=4, gen_len=4), path, progress=False)
     return path
 
 

@@ -39,6 +39,7 @@ from dali_sim.sim.simulate import simulate
 from dali_sim.trace import TraceWriter, read_trace
 from dali_sim.trace.synth import SynthConfig, synthesize
 from dali_sim.workload.builder import Workload, WorkloadConfig
+from conftest import WHOLE
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_OSS = REPO / "traces" / "gpt-oss-20b.parquet"
@@ -376,7 +377,7 @@ def test_dali_greedy_batch_one_on_gptoss(gptoss_subset, timing):
     # batch-1 decode: every workload is 1, so (see test_decode_at_batch_one...) exactly the cached experts run
     # on the GPU and the rest on the CPU; nothing is copied, so a frequency-initialised LRU never changes
     res = simulate(gptoss_subset, "gpu-lru", overrides={"placement": {"policy": "dali-greedy"}, "memory": FREQ8},
-                   timing=timing)
+                   timing=timing, profiling=WHOLE)
     s = res.summary
     assert s["gpu_experts"] == s["hits"] > 0
     assert s["cpu_experts"] == s["activated"] - s["hits"] > 0
@@ -391,7 +392,8 @@ def test_dali_greedy_prefill_fetches_heavy_experts(synth_trace, timing):
     # batch 4, empty LRU cache: prefill steps route up to ~100 tokens to an expert, past the ~25-token
     # crossover, so uncached experts are copied to the GPU; light ones stay on the CPU
     res = simulate(synth_trace, "gpu-lru", batch_size=4, timing=timing,
-                   overrides={"placement": {"policy": "dali-greedy"}, "memory": {"cache_experts": "8"}})
+                   overrides={"placement": {"policy": "dali-greedy"}, "memory": {"cache_experts": "8"}},
+                   profiling=WHOLE)
     s = res.summary
     assert s["on_demand"] > 0 and s["gpu_experts"] > 0 and s["cpu_experts"] > 0
     if timing:
@@ -400,7 +402,7 @@ def test_dali_greedy_prefill_fetches_heavy_experts(synth_trace, timing):
 
 def test_optimal_is_labelled_a_bound(gptoss_subset):
     res = simulate(gptoss_subset, "gpu-lru", timing=False,
-                   overrides={"placement": {"policy": "optimal"}, "memory": FREQ8})
+                   overrides={"placement": {"policy": "optimal"}, "memory": FREQ8}, profiling=WHOLE)
     assert res.summary["bounds"] == {"placement": "optimal"}
     assert res.summary["gpu_experts"] == res.summary["hits"]  # the same answer as the greedy at batch 1
 

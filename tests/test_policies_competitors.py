@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import demand_rows, round_number_profile, simulate_both, tiny_model, write_hand_trace
+from conftest import WHOLE, demand_rows, round_number_profile, simulate_both, tiny_model, write_hand_trace
 
 import dali_sim.policies  # noqa: F401  (the built-in policies)
 import dali_sim.policies.hybrimoe  # noqa: F401  (registers hybrimoe placement, hybrimoe-mrs, hybrimoe prefetch)
@@ -275,7 +275,8 @@ def test_mrs_end_to_end_differs_from_lru(one_layer):
     r = agree(trace, "gpu-lru", ov, hardware=profile)
     s = r.summary
     assert (s["hits"], s["on_demand"], s["admitted"], s["evicted"]) == (4, 3, 3, 1)
-    lru = simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"memory": {"cache_experts": "2"}})
+    lru = simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"memory": {"cache_experts": "2"}},
+                   profiling=WHOLE)
     assert (lru.summary["hits"], lru.summary["evicted"]) == (3, 2)
 
 
@@ -476,7 +477,8 @@ def test_llamacpp_offload_end_to_end(tmp_path, prompt, copies):
     assert r.per_layer["hits"].tolist() == [0, 4 + 3 * 2]
     assert r.summary["admitted"] == 0
     # without the rule (the preset turns it on): nothing is ever copied
-    plain = simulate(trace, "llamacpp", hardware=profile, timing=False, overrides={"placement": {"cpu_layers": "1", "offload_min_tokens": "0"}})
+    plain = simulate(trace, "llamacpp", hardware=profile, timing=False,
+                     overrides={"placement": {"cpu_layers": "1", "offload_min_tokens": "0"}}, profiling=WHOLE)
     assert plain.per_layer["on_demand"].tolist() == [0, 0]
 
 
@@ -506,7 +508,7 @@ def test_moe_lightning_end_to_end(tmp_path):
     # 3 prefetch buffers: only 3 of the 4 fit (ids 0, 1, 2); e3 of layer 1 is then copied on demand
     # when activated (steps 0 (e2, e3) and 1 (e3, e0)): 2 more on-demand copies
     r3 = simulate(trace, "gpu-lru", hardware=profile, timing=False,
-                  overrides={**ov, "memory": {**ov["memory"], "prefetch_slots": "3"}})
+                  overrides={**ov, "memory": {**ov["memory"], "prefetch_slots": "3"}}, profiling=WHOLE)
     assert r3.summary["prefetch_issued"] == 9 and r3.per_layer["on_demand"].tolist() == [6, 2]
 
 
@@ -533,7 +535,7 @@ def test_hybrimoe_system_on_synthetic_paths_agree(synthetic, batch):
     assert s["hits"] > 0 and s["prefetch_issued"] > 0
     assert 0 < s["cpu_experts"] < s["activated"]  # a hybrid: some experts on the CPU, some on the GPU
     greedy = simulate(synthetic, "gpu-lru", timing=False, batch_size=batch,
-                      overrides={**HYBRI, "placement": {"policy": "hybrimoe", "mode": "greedy"}})
+                      overrides={**HYBRI, "placement": {"policy": "hybrimoe", "mode": "greedy"}}, profiling=WHOLE)
     assert greedy.summary["activated"] == s["activated"]
 
 
@@ -550,12 +552,13 @@ def test_hybrimoe_prefetch_missing_columns(synthetic, one_layer):
     trace, profile = one_layer
     with pytest.raises(TraceError, match="no lookahead column 'next-gate'"):
         simulate(trace, "gpu-lru", hardware=profile, timing=False,
-                 overrides={"prefetch": {"policy": "hybrimoe"}, "memory": {"prefetch_slots": "2"}})
+                 overrides={"prefetch": {"policy": "hybrimoe"}, "memory": {"prefetch_slots": "2"}}, profiling=WHOLE)
     with pytest.raises(TraceError, match="no lookahead column 'gate4'"):
         simulate(synthetic, "gpu-lru", timing=False,
-                 overrides={**HYBRI, "prefetch": {"policy": "hybrimoe", "predictor3": "gate4"}})
+                 overrides={**HYBRI, "prefetch": {"policy": "hybrimoe", "predictor3": "gate4"}}, profiling=WHOLE)
     # the default threshold prefetches nothing here, and the run still works
-    s = simulate(synthetic, "gpu-lru", timing=False, overrides={**HYBRI, "prefetch": {"policy": "hybrimoe"}}).summary
+    s = simulate(synthetic, "gpu-lru", timing=False, overrides={**HYBRI, "prefetch": {"policy": "hybrimoe"}},
+                 profiling=WHOLE).summary
     assert s["prefetch_issued"] == 0
 
 
@@ -579,9 +582,10 @@ def test_adapmoe_style_prefetch_end_to_end(synthetic):
     experts and fills the free buffer in the order given (best predicted rank first)."""
     mem = {"cache_experts": "2", "prefetch_slots": "1", "gpu_memory_gib": "48"}
     ada = simulate(synthetic, "gpu-lru", timing=False,
-                   overrides={"prefetch": {"policy": "next-gate", "decode_only": "true"}, "memory": mem}).summary
+                   overrides={"prefetch": {"policy": "next-gate", "decode_only": "true"}, "memory": mem},
+                   profiling=WHOLE).summary
     every = simulate(synthetic, "gpu-lru", timing=False,
-                     overrides={"prefetch": {"policy": "next-gate"}, "memory": mem}).summary
+                     overrides={"prefetch": {"policy": "next-gate"}, "memory": mem}, profiling=WHOLE).summary
     layers = read_trace(synthetic).model.num_moe_layers
     assert 0 < ada["prefetch_issued"] <= ada["decode_steps"] * (layers - 1)
     assert ada["prefetch_issued"] < every["prefetch_issued"]
@@ -600,7 +604,16 @@ def test_registration_and_configs():
         resolve_system("gpu-lru", {"placement": {"policy": "hybrimoe", "alpha": "1"}})
     sc = resolve_system("llamacpp", {"placement": {"offload_min_tokens": "32"}})
     assert sc.placement.config == StaticLayersConfig(cpu_layers=-1, offload_min_tokens=32, offload_basis="step")
-    sc = resolve_system("hybrimoe")
+    sc = resolve_system("hybrimoe-best")
     assert sc.placement.config == HybriMoEPlacementConfig(mode="hss")
     assert sc.cache.config == MRSConfig(a=0.5, prefill_evicts=False)
     assert sc.prefetch.config == HybriMoEPrefetchConfig()  # impact-driven, next 3 layers, HSS simulated
+    # the released code's reading: HSS for one-token steps only, eviction in every step, the published
+    # prefetch without our gain threshold, the code's initial contents
+    sc = resolve_system("hybrimoe")
+    assert sc.placement.config == HybriMoEPlacementConfig(mode="hss", hss_steps="single-token")
+    assert sc.cache.config == MRSConfig(a=0.5, prefill_evicts=True)
+    assert sc.prefetch.config == HybriMoEPrefetchConfig(min_gain=0.0)
+    assert sc.memory.cache_init == "lowest-ids" and sc.reading == "paper" and "size(0) == 1" in sc.source
+    with pytest.raises(ValueError, match="placement.hss_steps must be one of all, single-token"):
+        resolve_system("hybrimoe", {"placement": {"hss_steps": "some"}})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import demand_rows, round_number_profile, simulate_both, tiny_model, write_hand_trace
+from conftest import WHOLE, demand_rows, round_number_profile, simulate_both, tiny_model, write_hand_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -218,7 +218,7 @@ def test_window_end_to_end_by_hand(one_layer):
     10 copies.
     """
     trace, profile = one_layer
-    r = simulate(trace, "gpu-lru", hardware=profile, overrides=WINDOW, timeline=True)
+    r = simulate(trace, "gpu-lru", hardware=profile, overrides=WINDOW, timeline=True, profiling=WHOLE)
     s = r.summary
     assert (s["activated"], s["hits"], s["on_demand"], s["admitted"], s["staged"], s["evicted"], s["swaps"],
             s["transfers"]) == (8, 1, 7, 2, 5, 0, 3, 10)
@@ -228,7 +228,7 @@ def test_window_end_to_end_by_hand(one_layer):
     # each swap lands before the layer's next visit
     dense_start = {iv.args["step"]: iv.start for iv in r.intervals if iv.name == "dense L0"}
     assert all(iv.end <= dense_start[iv.args["step"] + 1] for iv in swaps if iv.args["step"] + 1 in dense_start)
-    fast = simulate(trace, "gpu-lru", hardware=profile, overrides=WINDOW, timing=False)
+    fast = simulate(trace, "gpu-lru", hardware=profile, overrides=WINDOW, timing=False, profiling=WHOLE)
     assert {k: fast.summary[k] for k in COUNTERS} == {k: s[k] for k in COUNTERS}
 
 
@@ -236,10 +236,11 @@ def test_window_end_to_end_u0_and_lru_differ(one_layer):
     trace, profile = one_layer
     # u = 0: contents stay {0, 1} after the warm-up: no swaps; steps 6 and 7 hit
     r = simulate(trace, "gpu-lru", hardware=profile, timing=False,
-                 overrides={**WINDOW, "cache": {"policy": "dali-window", "w": "2", "u": "0"}})
+                 overrides={**WINDOW, "cache": {"policy": "dali-window", "w": "2", "u": "0"}}, profiling=WHOLE)
     assert (r.summary["hits"], r.summary["swaps"], r.summary["staged"]) == (2, 0, 4)
     # LRU on the same demand: 2 2 2 hit twice, and it evicts (never swaps)
-    lru = simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"memory": {"cache_experts": "2"}})
+    lru = simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"memory": {"cache_experts": "2"}},
+                   profiling=WHOLE)
     assert (lru.summary["hits"], lru.summary["swaps"], lru.summary["evicted"]) == (2, 0, 4)
 
 
@@ -410,14 +411,14 @@ def test_prefetch_counts_by_hand_end_to_end(two_layer, k, issued, used, wasted):
     trace, profile = two_layer
     ov = {"prefetch": {"policy": "dali-residual", "k": k},
           "memory": {"cache_experts": "0", "staging_slots": "3", "prefetch_slots": "4"}}
-    r = simulate(trace, "gpu-lru", hardware=profile, overrides=ov, batch_size=2, timeline=True)
+    r = simulate(trace, "gpu-lru", hardware=profile, overrides=ov, batch_size=2, timeline=True, profiling=WHOLE)
     s = r.summary
     assert (s["prefetch_issued"], s["prefetch_used"], s["prefetch_wasted"]) == (issued, used, wasted)
     # layer 1 activates e0 (2 tokens), e3, e1: whatever was not prefetched is copied on demand
     assert r.per_layer["on_demand"].tolist() == [3, 3 - used]
     names = [iv.name for iv in r.intervals if iv.name.startswith("prefetch")]
     assert names == ["prefetch L1 E3", "prefetch L1 E1", "prefetch L1 E2"][:issued]
-    fast = simulate(trace, "gpu-lru", hardware=profile, overrides=ov, batch_size=2, timing=False)
+    fast = simulate(trace, "gpu-lru", hardware=profile, overrides=ov, batch_size=2, timing=False, profiling=WHOLE)
     assert {c: fast.summary[c] for c in COUNTERS} == {c: s[c] for c in COUNTERS}
 
 
@@ -429,7 +430,7 @@ def test_prefetch_batch1_ties_go_to_the_best_predicted_rank(two_layer):
     trace, profile = two_layer
     ov = {"prefetch": {"policy": "dali-residual", "k": "1"},
           "memory": {"cache_experts": "0", "staging_slots": "3", "prefetch_slots": "4"}}
-    r = simulate(trace, "gpu-lru", hardware=profile, overrides=ov, timeline=True)
+    r = simulate(trace, "gpu-lru", hardware=profile, overrides=ov, timeline=True, profiling=WHOLE)
     assert [iv.name for iv in r.intervals if iv.name.startswith("prefetch")] == ["prefetch L1 E3", "prefetch L1 E3"]
     assert (r.summary["prefetch_used"], r.summary["prefetch_wasted"]) == (1, 1)
 
@@ -440,7 +441,7 @@ def test_missing_column_names_the_commands(one_layer, two_layer):
         column = PREFETCHERS.get(name).Config().predictor
         with pytest.raises(TraceError) as err:
             simulate(trace, "gpu-lru", hardware=profile, timing=False,
-                     overrides={"prefetch": {"policy": name}, "memory": {"prefetch_slots": "2"}})
+                     overrides={"prefetch": {"policy": name}, "memory": {"prefetch_slots": "2"}}, profiling=WHOLE)
         msg = str(err.value)
         assert f"no lookahead column {column!r}" in msg and "this trace has: none" in msg
         assert "`dali trace record`" in msg and "`dali trace synth --lookahead NAME=ACCURACY[@OFFSET]`" in msg
@@ -448,13 +449,14 @@ def test_missing_column_names_the_commands(one_layer, two_layer):
     trace, profile = two_layer
     with pytest.raises(TraceError, match=r"no lookahead column 'next-gate' \(this trace has: residual\)"):
         simulate(trace, "gpu-lru", hardware=profile, timing=False,
-                 overrides={"prefetch": {"policy": "next-gate"}, "memory": {"prefetch_slots": "2"}})
+                 overrides={"prefetch": {"policy": "next-gate"}, "memory": {"prefetch_slots": "2"}}, profiling=WHOLE)
 
 
 def test_prefetch_needs_buffers(two_layer):
     trace, profile = two_layer
     with pytest.raises(ValueError, match="prefetch policy 'dali-residual' needs prefetch buffers"):
-        simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"prefetch": {"policy": "dali-residual"}})
+        simulate(trace, "gpu-lru", hardware=profile, timing=False, overrides={"prefetch": {"policy": "dali-residual"}},
+                 profiling=WHOLE)
 
 
 # ---- synthetic traces: perfect and half-right predictors ------------------------------------------
@@ -474,7 +476,7 @@ MEM = {"cache_experts": "2", "prefetch_slots": "8", "gpu_memory_gib": "48"}
 @pytest.mark.parametrize("k", ["0", "2"])
 def test_perfect_predictor_precision_one(synthetic, k):
     ov = {"prefetch": {"policy": "dali-residual", "k": k}, "memory": MEM}
-    r = simulate(synthetic, "gpu-lru", overrides=ov, timing=False)
+    r = simulate(synthetic, "gpu-lru", overrides=ov, timing=False, profiling=WHOLE)
     s = r.summary
     assert s["prefetch_issued"] > 100
     assert s["prefetch_precision"] == 1.0 and s["prefetch_wasted"] == 0
@@ -486,7 +488,7 @@ def test_perfect_predictor_precision_one(synthetic, k):
 
 def test_half_right_predictor_precision_well_below_one(synthetic):
     ov = {"prefetch": {"policy": "next-gate"}, "memory": MEM}
-    s = simulate(synthetic, "gpu-lru", overrides=ov, timing=False).summary
+    s = simulate(synthetic, "gpu-lru", overrides=ov, timing=False, profiling=WHOLE).summary
     assert s["prefetch_issued"] > 100
     assert 0.3 < s["prefetch_precision"] < 0.7
     assert s["prefetch_wasted"] == s["prefetch_issued"] - s["prefetch_used"] > 0

@@ -84,6 +84,7 @@ def test_record_next_gates_gives_hybrimoe_its_lookahead(tmp_path):
     from dali_exec.models import get_adapter
     from dali_exec.recorder import load_model, read_prompts, tokenize
     from dali_sim.sim import simulate
+    from dali_sim.workload.profiling import ProfileSpec  # one prompt: the whole trace evaluated
 
     model_dir = REPO / "models" / "dali-tiny-moe"  # 4 MoE layers
     prompts = tmp_path / "p.txt"
@@ -121,14 +122,14 @@ def test_record_next_gates_gives_hybrimoe_its_lookahead(tmp_path):
             with torch.no_grad():
                 want = adapter.router_logits(blocks[ordinal + d], gate_inputs[ordinal]).float().numpy()
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    r = simulate(t, "hybrimoe", overrides={"memory": {"cache_experts": "8"}})
+    r = simulate(t, "hybrimoe", overrides={"memory": {"cache_experts": "8"}}, profiling=ProfileSpec(share=0.0))
     assert r.summary["decode_steps"] > 0 and r.config["system"]["prefetch"]["predictor3"] == "gate3"
     # without the option HybriMoE is refused, and the hint names the option
     code, text = run("trace", "record", "--model", model_dir, "--prompts", prompts, "--max-new-tokens", "3", "-q",
                      "-o", tmp_path / "plain.parquet")
     assert code == 0, text
     with pytest.raises(ValueError, match="gate2 and gate3 with --next-gates 3"):
-        simulate(read_trace(tmp_path / "plain.parquet"), "hybrimoe")
+        simulate(read_trace(tmp_path / "plain.parquet"), "hybrimoe", profiling=ProfileSpec(share=0.0))
 
 
 def test_clear_errors(files, tmp_path):

@@ -44,7 +44,10 @@ def test_record_on_the_shipped_model_then_simulate(tmp_path):
     assert t.num_sequences == 3 and set(t.meta.predictors) == {"next-gate", "residual"}
     # hidden10 holds two prompts per domain in domain order; their attributes travel into the trace
     assert [s.attrs["domain"] for s in t.meta.sequences] == ["arxiv", "arxiv", "book"]
-    res = json.loads(invoke("sim", "run", "--trace", out, "--system", "dali", "--batch-size", 3, "--cache-experts", 8, "--json"))
+    res = json.loads(invoke("sim", "run", "--trace", out, "--system", "dali", "--batch-size", 2, "--cache-experts", 8,
+                            "--json"))
+    # the default split profiles the first of the 3 sequences; the other 2 run in one batch
+    assert res["sequences"] == 2 and res["manifest"]["profiling"]["profile_sequences"]["count"] == 1
     assert res["decode_steps"] == 5 and res["prefill_steps"] == 1 and res["prefetch_issued"] > 0
 
 

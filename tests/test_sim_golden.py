@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import round_number_profile
+from conftest import WHOLE, round_number_profile
 
 from dali_sim.runtime.memory import kv_cache_bytes
 from dali_sim.sim.engine import SimEngine
@@ -204,7 +204,7 @@ def test_simulator_golden_counters(trace, key):
     timed = key in {("lru", 1, 2), ("lfu", 1, 3), ("static", 1, 2), ("lru", 2, 3)}
     for timing in ((False, True) if timed else (False,)):
         r = simulate(trace, SYSTEM_OF[policy], batch_size=batch, timing=timing,
-                     overrides={"memory": {"cache_experts": str(slots)}})
+                     overrides={"memory": {"cache_experts": str(slots)}}, profiling=WHOLE)
         assert _counts(r.summary) == want, timing
         assert r.per_layer["hits"].tolist() == hits
         s = r.summary
@@ -227,9 +227,10 @@ def test_variants_match_reference(trace, policy, init, count, batch, slots):
     over = {"memory": {"cache_experts": str(slots), "cache_init": init}}
     if policy == "lfu":
         over["cache"] = {"count": count}
-    r = simulate(trace, SYSTEM_OF[policy], batch_size=batch, overrides=over, timing=False, seed=3)
+    r = simulate(trace, SYSTEM_OF[policy], batch_size=batch, overrides=over, timing=False, seed=3, profiling=WHOLE)
     if init == "random":
-        again = simulate(trace, SYSTEM_OF[policy], batch_size=batch, overrides=over, timing=False, seed=3)
+        again = simulate(trace, SYSTEM_OF[policy], batch_size=batch, overrides=over, timing=False, seed=3,
+                         profiling=WHOLE)
         assert r.to_json() == again.to_json()
         return
     c = reference(trace, policy, slots, batch, init=init, lfu_count=count or "tokens")
@@ -265,7 +266,7 @@ def test_lru_two_slots_by_hand(trace):
       layer 1: hits 4, on-demand 12, admitted 10, evicted 8, staged 2
     total: hits 8, on-demand 25, admitted 20, evicted 16, staged 5 (= GOLDEN[("lru", 1, 2)]).
     """
-    r = simulate(trace, "gpu-lru", overrides={"memory": {"cache_experts": "2"}}, timing=False)
+    r = simulate(trace, "gpu-lru", overrides={"memory": {"cache_experts": "2"}}, timing=False, profiling=WHOLE)
     pl = r.per_layer
     assert pl["activated"].tolist() == [17, 16]
     assert pl["hits"].tolist() == [4, 4]
@@ -284,7 +285,7 @@ def test_static_frequency_by_hand(trace):
     Hits: layer 0: expert 0 activated in steps 0, 1, 5 and expert 2 in steps 0, 2, 4, 5, 6 -> 8;
     layer 1: expert 1 in steps 1, 4, 5 and expert 3 in steps 0, 3, 5, 6 -> 7.
     Nothing is admitted or evicted; every one of the 33 - 15 = 18 misses is staged."""
-    r = simulate(trace, "gpu-static", overrides={"memory": {"cache_experts": "2"}}, timing=False)
+    r = simulate(trace, "gpu-static", overrides={"memory": {"cache_experts": "2"}}, timing=False, profiling=WHOLE)
     assert r.per_layer["hits"].tolist() == [8, 7]
     assert _counts(r.summary) == (15, 18, 0, 0, 18) == GOLDEN[("static", 1, 2)][0]
     assert r.config["system"]["memory"]["cache_init"] == "frequency"
@@ -292,7 +293,7 @@ def test_static_frequency_by_hand(trace):
 
 def test_cpu_only_by_hand(trace):
     """cpu-only: no cache slots, every activated expert on the CPU, nothing moves over PCIe."""
-    r = simulate(trace, "cpu-only", timing=False)
+    r = simulate(trace, "cpu-only", timing=False, profiling=WHOLE)
     s = r.summary
     assert (s["activated"], s["cpu_experts"], s["gpu_experts"], s["hits"]) == (33, 33, 0, 0)
     assert (s["on_demand"], s["admitted"], s["evicted"], s["staged"], s["transfers"]) == (0, 0, 0, 0, 0)
@@ -321,31 +322,34 @@ def test_llamacpp_budget_fits_one_layer(trace):
     kv = kv_cache_bytes(m, 6)
     fixed = m.bytes_of(m.non_expert_params) + kv + m.num_experts * m.expert_bytes
     budget = fixed + 5 * m.expert_bytes * 3 // 2
-    r = simulate(trace, "llamacpp", timing=False, overrides={"memory": {"gpu_memory_gib": repr(budget / 2**30)}})
+    r = simulate(trace, "llamacpp", timing=False, overrides={"memory": {"gpu_memory_gib": repr(budget / 2**30)}},
+                 profiling=WHOLE)
     assert r.manifest["memory"]["budget_gib"] * 2**30 == budget
     assert r.manifest["memory"]["cache_slots_per_layer"] == [0, 5]
     _llamacpp_checks(r)
     assert r.per_layer["hits"].tolist() == [0, 16]
     # one byte less than a whole layer's experts beyond the fixed part: no GPU layer at all
     r0 = simulate(trace, "llamacpp", timing=False,
-                  overrides={"memory": {"gpu_memory_gib": repr((fixed + 5 * m.expert_bytes - 1) / 2**30)}})
+                  overrides={"memory": {"gpu_memory_gib": repr((fixed + 5 * m.expert_bytes - 1) / 2**30)}},
+                  profiling=WHOLE)
     assert r0.manifest["memory"]["cache_slots_per_layer"] == [0, 0]
     assert r0.summary["cpu_experts"] == 33 and r0.summary["hits"] == 0
 
 
 def test_llamacpp_explicit_cpu_layers(trace):
-    r = simulate(trace, "llamacpp", timing=False, overrides={"placement": {"cpu_layers": "1"}})
+    r = simulate(trace, "llamacpp", timing=False, overrides={"placement": {"cpu_layers": "1"}}, profiling=WHOLE)
     _llamacpp_checks(r)
     # an explicit N fixes the layout: no cache for the CPU layer (so no hits there), the rest whole
     assert r.manifest["memory"]["cache_slots_per_layer"] == [0, 5]
     assert r.per_layer["hits"].tolist() == [0, 16]
     assert r.config["system"]["placement"]["cpu_layers"] == 1
     # and it must fit: one whole layer of experts does not fit a budget of the fixed part alone
-    fixed = simulate(trace, "llamacpp", timing=False, overrides={"placement": {"cpu_layers": "2"}})
+    fixed = simulate(trace, "llamacpp", timing=False, overrides={"placement": {"cpu_layers": "2"}}, profiling=WHOLE)
     budget_gib = fixed.manifest["memory"]["used_gib"]
     with pytest.raises(ValueError, match=r"the placement needs 5 cached experts"):
         simulate(trace, "llamacpp", timing=False,
-                 overrides={"placement": {"cpu_layers": "1"}, "memory": {"gpu_memory_gib": str(budget_gib)}})
+                 overrides={"placement": {"cpu_layers": "1"}, "memory": {"gpu_memory_gib": str(budget_gib)}},
+                 profiling=WHOLE)
 
 
 # ---- timed golden run ----------------------------------------------------------------------------
@@ -389,7 +393,7 @@ def test_golden_makespan_by_hand(trace, profile, monkeypatch):
     for general in (False, True):
         if general:
             _general_path(monkeypatch)
-        r = simulate(trace, "gpu-lru", hardware=profile, overrides={"memory": {"cache_experts": "2"}})
+        r = simulate(trace, "gpu-lru", hardware=profile, overrides={"memory": {"cache_experts": "2"}}, profiling=WHOLE)
         s = r.summary
         assert _counts(s) == (8, 25, 20, 16, 5)
         assert s["makespan_s"] == 72.0
@@ -411,9 +415,9 @@ def test_golden_cpu_only_and_llamacpp_makespan(trace, profile):
     """cpu-only: every layer = 0.5 dense + 3 s per expert-token on the CPU: 7 + 3 x 40 = 127 s,
     events 14 + 33 = 47. llamacpp with layer 0 on the CPU: 7 + 3 x 20 (layer 0) + 1 x 20 (layer 1,
     all hits on the GPU) = 87 s, events 47, no copies."""
-    r = simulate(trace, "cpu-only", hardware=profile)
+    r = simulate(trace, "cpu-only", hardware=profile, profiling=WHOLE)
     assert r.summary["makespan_s"] == 127.0 and r.summary["events"] == 47
     assert r.summary["busy"] == {"gpu": 7 / 127, "cpu": 120 / 127, "pcie": 0.0, "host": 0.0}
-    r = simulate(trace, "llamacpp", hardware=profile, overrides={"placement": {"cpu_layers": "1"}})
+    r = simulate(trace, "llamacpp", hardware=profile, overrides={"placement": {"cpu_layers": "1"}}, profiling=WHOLE)
     assert r.summary["makespan_s"] == 87.0 and r.summary["events"] == 47
     assert r.summary["busy"]["pcie"] == 0.0

@@ -18,6 +18,7 @@ import pytest
 
 from dali_sim.sim.simulate import simulate
 from dali_sim.trace import TraceWriter, read_trace
+from conftest import WHOLE
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_OSS = REPO / "traces" / "gpt-oss-20b.parquet"
@@ -78,7 +79,7 @@ def run_lru(trace, slots: int, timing: bool = False, gpu_memory_gib: float = 0.0
     memory = {"cache_init": "empty", "cache_experts": str(slots)}
     if gpu_memory_gib:
         memory["gpu_memory_gib"] = str(gpu_memory_gib)
-    return simulate(trace, "gpu-lru", batch_size=1, timing=timing, overrides={"memory": memory})
+    return simulate(trace, "gpu-lru", batch_size=1, timing=timing, overrides={"memory": memory}, profiling=WHOLE)
 
 
 def check(result, ref) -> None:

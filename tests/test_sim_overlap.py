@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import simpy
-from conftest import OVERLAP_MODEL
+from conftest import OVERLAP_MODEL, WHOLE
 
 from dali_sim.policies.base import PlacementPolicy
 from dali_sim.policies.systems import PolicyChoice, resolve_system
@@ -102,10 +102,10 @@ def run_both(monkeypatch, trace, system, profile, overrides=None):
         return original(self)
 
     monkeypatch.setattr(simpy.Environment, "step", counting_step)
-    fast = simulate(trace, system, hardware=profile, overrides=overrides, timeline=True)
+    fast = simulate(trace, system, hardware=profile, overrides=overrides, timeline=True, profiling=WHOLE)
     fast_steps, steps["n"] = steps["n"], 0
     monkeypatch.setattr(mod, "SimEngine", functools.partial(SimEngine, shortcut=False))
-    slow = simulate(trace, system, hardware=profile, overrides=overrides, timeline=True)
+    slow = simulate(trace, system, hardware=profile, overrides=overrides, timeline=True, profiling=WHOLE)
     slow_steps = steps["n"]
     monkeypatch.undo()
     assert fast_steps < slow_steps, (fast_steps, slow_steps)

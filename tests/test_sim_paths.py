@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from conftest import random_rows, simulate_both, tiny_model
+from conftest import WHOLE, random_rows, simulate_both, tiny_model
 
 import dali_sim
 from dali_sim.cli.main import cli
@@ -70,6 +70,7 @@ def traces(tmp_path_factory):
 @pytest.mark.parametrize("system", PRESETS)
 @pytest.mark.parametrize("name", ["gpt-oss-slice", "switch", "synth"])
 def test_no_timing_agrees_with_simpy(traces, name, system, batch):
+    batch = min(batch, read_trace(traces[name]).num_sequences)  # the gpt-oss slice has 2: a larger batch is an error
     timed, _ = simulate_both(traces[name], system, batch_size=batch)
     s = timed.summary
     assert s["activated"] == s["gpu_experts"] + s["cpu_experts"]
@@ -88,6 +89,7 @@ def test_no_timing_agrees_with_small_caches(traces, name, system, batch):
     """A quarter of the experts cached (2 of 8): staged experts, and (synth, LRU/LFU) evictions happen.
     (switch-base-8 is prefill only: nearly every expert is activated in every step, so nothing is
     ever evictable.)"""
+    batch = min(batch, read_trace(traces[name]).num_sequences)
     timed, _ = simulate_both(traces[name], system, {"memory": {"cache_ratio": "0.25"}}, batch_size=batch)
     assert timed.manifest["memory"]["cache_slots_per_layer"][0] == 2
     assert timed.summary["staged"] > 0
@@ -105,8 +107,8 @@ def test_no_timing_agrees_full_gpt_oss(system, batch):
 # ---- determinism ---------------------------------------------------------------------------------
 def test_same_inputs_same_results(traces):
     over = {"memory": {"cache_ratio": "0.25", "cache_init": "random"}}
-    a = simulate(traces["synth"], "gpu-lru", batch_size=8, seed=7, overrides=over, timeline=True)
-    b = simulate(traces["synth"], "gpu-lru", batch_size=8, seed=7, overrides=over, timeline=True)
+    a = simulate(traces["synth"], "gpu-lru", batch_size=8, seed=7, overrides=over, timeline=True, profiling=WHOLE)
+    b = simulate(traces["synth"], "gpu-lru", batch_size=8, seed=7, overrides=over, timeline=True, profiling=WHOLE)
     assert a.to_json() == b.to_json()
     pd.testing.assert_frame_equal(a.per_layer, b.per_layer)
     pd.testing.assert_frame_equal(a.per_step, b.per_step)
@@ -118,15 +120,17 @@ def test_same_inputs_same_results(traces):
 @pytest.mark.parametrize("system", ["gpu-lru", "gpu-static"])
 def test_random_cache_init_depends_on_seed(traces, system):
     over = {"memory": {"cache_ratio": "0.25", "cache_init": "random"}}
-    runs = {seed: simulate(traces["synth"], system, seed=seed, overrides=over, timing=False) for seed in range(5)}
+    runs = {seed: simulate(traces["synth"], system, seed=seed, overrides=over, timing=False,
+                           profiling=WHOLE) for seed in range(5)}
     hits = {seed: tuple(r.per_layer["hits"]) for seed, r in runs.items()}
     assert len(set(hits.values())) > 1  # different seeds, different initial caches, different hits
-    again = simulate(traces["synth"], system, seed=3, overrides=over, timing=False)
+    again = simulate(traces["synth"], system, seed=3, overrides=over, timing=False, profiling=WHOLE)
     assert tuple(again.per_layer["hits"]) == hits[3]
     assert again.manifest["seed"] == 3 and again.config["seed"] == 3
     # empty init ignores the seed
     empty = {"memory": {"cache_ratio": "0.25", "cache_init": "empty"}}
-    assert len({simulate(traces["synth"], "gpu-lru", seed=s, overrides=empty, timing=False).summary["hits"]
+    assert len({simulate(traces["synth"], "gpu-lru", seed=s, overrides=empty, timing=False,
+                         profiling=WHOLE).summary["hits"]
                 for s in range(3)}) == 1
 
 
@@ -134,7 +138,8 @@ def test_random_cache_init_depends_on_seed(traces, system):
 def test_result_carries_config_and_manifest(traces):
     path = traces["synth"]
     over = {"memory": {"cache_experts": "3"}, "cache": {"policy": "lfu", "count": "activations"}}
-    r = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, precision="q8_0")
+    r = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, precision="q8_0",
+                 profiling=WHOLE)
     c = r.config
     assert c["system"] == resolve_system("gpu-lru", over).to_dict()
     assert c["system"]["cache"] == {"policy": "lfu", "count": "activations"}
@@ -155,7 +160,8 @@ def test_result_carries_config_and_manifest(traces):
     assert d["config"] == json.loads(json.dumps(c)) and d["manifest"]["trace_sha256"] == m["trace_sha256"]
     assert d["prefetch_precision"] is None
     # q8_0 experts are about half the bf16 bytes: fewer bytes per transfer
-    bf16 = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, timing=False)
+    bf16 = simulate(path, "gpu-lru", batch_size=8, prefill_chunk=4, seed=11, overrides=over, timing=False,
+                    profiling=WHOLE)
     assert bf16.summary["on_demand"] == r.summary["on_demand"] > 0
     assert r.summary["bytes_h2d"] < bf16.summary["bytes_h2d"]
 
@@ -187,7 +193,7 @@ def check_chrome(doc: dict, n_intervals: int) -> dict[str, int]:
 
 
 def test_timeline_chrome_format(traces, tmp_path):
-    r = simulate(traces["gpt-oss-slice"], "llamacpp", timeline=True)  # CPU and GPU lanes
+    r = simulate(traces["gpt-oss-slice"], "llamacpp", timeline=True, profiling=WHOLE)  # CPU and GPU lanes
     assert len(r.intervals) == r.summary["events"]
     check_chrome(chrome_trace(r.intervals), r.summary["events"])
     kinds = Counter((iv.track, iv.name.split(" ")[0] if not iv.name.startswith("L") else "expert") for iv in r.intervals)
@@ -225,7 +231,7 @@ def test_timeline_via_cli(traces, tmp_path):
 
 
 def test_no_timeline_unless_asked(traces):
-    assert simulate(traces["synth"], "gpu-lru").intervals == []
+    assert simulate(traces["synth"], "gpu-lru", profiling=WHOLE).intervals == []
 
 
 # ---- bad input -----------------------------------------------------------------------------------
@@ -240,7 +246,8 @@ def test_no_timeline_unless_asked(traces):
     ("gpu-lru", {"memory": {"cache_experts": "abc"}}, ValueError, r"memory\.cache_experts: cannot read 'abc' as int"),
     ("gpu-lru", {"memory": {"cache_experts": "6"}}, ValueError, r"memory\.cache_experts=6 exceeds the 5 experts"),
     ("gpu-lru", {"memory": {"layout": "diagonal"}}, ValueError, r"memory\.layout must be one of uniform, whole-layers, none"),
-    ("gpu-lru", {"memory": {"cache_init": "best"}}, ValueError, r"memory\.cache_init must be empty, random or frequency"),
+    ("gpu-lru", {"memory": {"cache_init": "best"}}, ValueError,
+     r"memory\.cache_init must be one of empty, random, frequency, frequency-hindsight"),
     ("gpu-lru", {"memory": {"cache_ratio": "0.5", "cache_experts": "2"}}, ValueError, r"cache_ratio or memory\.cache_experts, not both"),
     ("gpu-lru", {"memory": {"staging_slots": "-2"}}, ValueError, r"memory.staging_slots must be >= 0 \(or -1 = one layer.s experts\), got -2"),
     ("gpu-lru", {"cache": {"policy": "nope"}}, UnknownNameError, r"unknown cache policy 'nope'; known: .*lfu, lru, optimal, static"),
@@ -251,44 +258,47 @@ def test_no_timeline_unless_asked(traces):
 def test_bad_system_parameters(system, over, error, pattern):
     for timing in (False, True):
         with pytest.raises(error, match=pattern):
-            simulate(GOLDEN, system, overrides=over, timing=timing)
+            simulate(GOLDEN, system, overrides=over, timing=timing, profiling=WHOLE)
 
 
 def test_unknown_hardware_profile():
     with pytest.raises(UnknownNameError, match=r"unknown hardware profile 'nope'; known: .*rtx3090-epyc7532"):
-        simulate(GOLDEN, "gpu-lru", hardware="nope")
+        simulate(GOLDEN, "gpu-lru", hardware="nope", profiling=WHOLE)
     with pytest.raises(Exception, match=r"no-such-file\.json"):
-        simulate(GOLDEN, "gpu-lru", hardware=str(REPO / "no-such-file.json"))
+        simulate(GOLDEN, "gpu-lru", hardware=str(REPO / "no-such-file.json"), profiling=WHOLE)
 
 
 def test_measured_profile_of_another_model_is_refused():
     with pytest.raises(ValueError, match=r"hw-measured-example\.json: model\.\w+: measured for .*golden-moe"):
-        simulate(GOLDEN, "gpu-lru", hardware=str(REPO / "tests" / "data" / "hw-measured-example.json"))
+        simulate(GOLDEN, "gpu-lru", hardware=str(REPO / "tests" / "data" / "hw-measured-example.json"), profiling=WHOLE)
 
 
 def test_impossible_budget_names_the_numbers(traces):
     with pytest.raises(ValueError, match=r"GPU memory budget 1\.00 GiB cannot hold the minimum working set "
                                          r"\(\d+\.\d\d GiB: dense_weights \d+\.\d\d, kv_cache .*memory\.gpu_memory_gib"):
-        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"gpu_memory_gib": "1"}}, timing=False)
+        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"gpu_memory_gib": "1"}}, timing=False,
+                 profiling=WHOLE)
     with pytest.raises(ValueError, match=r"32 cache slots x 24 layers x \d+\.\d MiB = \d+\.\d\d GiB do not fit .* "
                                          r"at most 18 slots per layer fit"):
-        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "32"}}, timing=False)
+        simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "32"}}, timing=False,
+                 profiling=WHOLE)
     # 18 slots do fit the default 24 GiB
-    r = simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "18"}}, timing=False)
+    r = simulate(traces["gpt-oss-slice"], "gpu-lru", overrides={"memory": {"cache_experts": "18"}}, timing=False,
+                 profiling=WHOLE)
     assert r.manifest["memory"]["cache_slots_per_layer"] == [18] * 24
 
 
 def test_bad_workload_arguments(tmp_path):
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
-        simulate(GOLDEN, "gpu-lru", batch_size=0, timing=False)
+        simulate(GOLDEN, "gpu-lru", batch_size=0, timing=False, profiling=WHOLE)
     with pytest.raises(ValueError, match="prefill_chunk must be >= 0"):
-        simulate(GOLDEN, "gpu-lru", prefill_chunk=-2, timing=False)
+        simulate(GOLDEN, "gpu-lru", prefill_chunk=-2, timing=False, profiling=WHOLE)
     empty = tmp_path / "empty.parquet"
     with TraceWriter(empty, read_trace(GOLDEN).model, provenance={"source": "test"}):
         pass
     for timing in (False, True):
         with pytest.raises(ValueError, match=r"empty\.parquet: the trace has no rows"):
-            simulate(empty, "gpu-lru", timing=timing)
+            simulate(empty, "gpu-lru", timing=timing, profiling=WHOLE)
 
 
 @pytest.mark.parametrize("item", ["memory.cache_experts", "cache_experts=2", "memory=2", "memory.=2"])
@@ -308,7 +318,9 @@ def invoke(*args):
 
 
 def test_cli_run_json(traces):
-    res = invoke("run", "--trace", str(GOLDEN), "--system", "gpu-lru", "--cache-experts", "2", "--json")
+    # --profile-share 0: the golden trace is evaluated whole, as the golden numbers are
+    res = invoke("run", "--trace", str(GOLDEN), "--system", "gpu-lru", "--cache-experts", "2", "--profile-share", "0",
+                 "--json")
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     for key in ("hit_rate", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "bytes_h2d",
@@ -318,13 +330,14 @@ def test_cli_run_json(traces):
     assert set(d["busy"]) == set(TRACKS)
     assert d["config"]["system"]["memory"]["cache_experts"] == 2
     assert d["prefill_s"] + d["decode_s"] == pytest.approx(d["makespan_s"], rel=1e-12)
-    api = simulate(GOLDEN, "gpu-lru", overrides={"memory": {"cache_experts": "2"}})
+    api = simulate(GOLDEN, "gpu-lru", overrides={"memory": {"cache_experts": "2"}}, profiling=WHOLE)
     assert d == json.loads(api.to_json())
 
 
 def test_cli_run_set_and_text(traces):
     res = invoke("run", "--trace", str(GOLDEN), "--system", "gpu-lru", "--set", "cache.policy=static",
-                 "--set", "memory.cache_init=frequency", "--cache-experts", "2", "--no-timing", "--json")
+                 "--set", "memory.cache_init=frequency", "--cache-experts", "2", "--no-timing", "--profile-share", "0",
+                 "--json")
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert d["hits"] == 15 and "makespan_s" not in d  # = gpu-static with 2 slots (test_sim_golden.py)
@@ -356,7 +369,7 @@ def test_cli_both_cache_sizes_is_a_usage_error():
 def test_cli_compare(tmp_path):
     csv = tmp_path / "cmp.csv"
     res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only,gpu-static",
-                 "--cache-experts", "2", "--csv", str(csv), "--json")
+                 "--cache-experts", "2", "--csv", str(csv), "--profile-share", "0", "--json")
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert d["baseline"] == "gpu-lru"
@@ -380,12 +393,14 @@ def test_cli_compare_text_and_baseline():
                  "--cache-experts", "2")
     assert res.exit_code == 0, res.output
     out = res.output.splitlines()
-    # the header names the setting every row shares
+    # the header names the setting every row shares, the next line the profiling split (of 2 sequences: 1 + 1)
     assert out[0].startswith("golden-moe (bf16) on rtx3090-epyc7532: GPU budget 24.0 GiB")
     assert "batch 1" in out[0] and "tokens" in out[0] and "cache slots per MoE layer" in out[0]
-    header = out[1].split()
+    assert "1 sequences" in out[0]
+    assert out[1] == "profiling: the first 1 of 2 sequences (share 0.25); 1 evaluated"
+    header = out[2].split()
     assert header[0] == "slots/layer" and header[-4:] == ["prefill", "x", "decode", "x"]
-    lines = {line.split()[0]: line.split() for line in out[2:] if line.strip() and not line.startswith(
+    lines = {line.split()[0]: line.split() for line in out[3:] if line.strip() and not line.startswith(
         ("legend", "winner", "system", "note"))}
     assert set(lines) >= {"gpu-lru", "gpu-static", "cpu-only"}  # the baseline is added as a row
     assert lines["cpu-only"][-2:] == ["1.00x", "1.00x"]
@@ -411,7 +426,7 @@ def test_compare_header_says_when_cache_slots_differ_by_system():
     res = invoke("compare", "--trace", str(GOLDEN), "--systems", "gpu-lru,cpu-only", "--set", "gpu-lru:memory.cache_experts=2")
     assert res.exit_code == 0, res.output
     assert "cache slots per MoE layer by system" in res.output.splitlines()[0]
-    rows = {line.split()[0]: line.split() for line in res.output.splitlines()[3:5]}
+    rows = {line.split()[0]: line.split() for line in res.output.splitlines()[4:6]}
     assert rows["gpu-lru"][1] == "2" and rows["cpu-only"][1] == "0"
 
 

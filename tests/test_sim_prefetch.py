@@ -38,6 +38,7 @@ from dali_sim.policies.base import CachePolicy, LayerView, PrefetchPolicy
 from dali_sim.policies.systems import PolicyChoice, resolve_system
 from dali_sim.sim.engine import SimEngine
 from dali_sim.sim.simulate import simulate
+from conftest import WHOLE
 
 ORACLE = {
     "cache": {"policy": "lru"}, "prefetch": {"policy": "oracle", "k": "2"},
@@ -56,7 +57,7 @@ def profile(round_profile):
 
 
 def run(trace, profile, system="gpu-lru", overrides=ORACLE, **kw):
-    return simulate(trace, system, hardware=profile, overrides=overrides, timeline=True, **kw)
+    return simulate(trace, system, hardware=profile, overrides=overrides, timeline=True, **kw, profiling=WHOLE)
 
 
 def spans(result, track):
@@ -97,7 +98,7 @@ def test_event_path_equals_direct_path_with_prefetch(trace, profile, monkeypatch
 
 def test_no_timing_counts_agree_with_prefetch(trace, profile):
     timed = run(trace, profile)
-    counts = simulate(trace, "gpu-lru", hardware=profile, overrides=ORACLE, timing=False)
+    counts = simulate(trace, "gpu-lru", hardware=profile, overrides=ORACLE, timing=False, profiling=WHOLE)
     for key in ("hits", "on_demand", "prefetch_issued", "prefetch_used", "prefetch_wasted", "staged", "transfers"):
         assert counts.summary[key] == timed.summary[key], key
     assert counts.per_layer["prefetch_used"].tolist() == [0, 4]
@@ -105,9 +106,10 @@ def test_no_timing_counts_agree_with_prefetch(trace, profile):
 
 def test_prefetch_needs_buffers_and_buffers_limit_it(trace, profile):
     with pytest.raises(ValueError, match="prefetch policy 'oracle' needs prefetch buffers"):
-        simulate(trace, "gpu-lru", hardware=profile, overrides={"prefetch": {"policy": "oracle"}}, timing=False)
+        simulate(trace, "gpu-lru", hardware=profile, overrides={"prefetch": {"policy": "oracle"}}, timing=False,
+                 profiling=WHOLE)
     one = dict(ORACLE, memory={**ORACLE["memory"], "prefetch_slots": "1"})
-    r = simulate(trace, "gpu-lru", hardware=profile, overrides=one, timing=False)
+    r = simulate(trace, "gpu-lru", hardware=profile, overrides=one, timing=False, profiling=WHOLE)
     assert r.summary["prefetch_issued"] == 2  # one buffer: one prefetch per step
 
 
@@ -130,7 +132,7 @@ def test_wasted_prefetch_is_counted(trace, profile, monkeypatch):
 
     monkeypatch.setitem(PREFETCHERS._items, WrongGuess.name, WrongGuess)
     system = with_policy("prefetch", WrongGuess, {"memory": {"cache_experts": "0", "prefetch_slots": "1"}})
-    r = simulate(trace, system, hardware=profile)
+    r = simulate(trace, system, hardware=profile, profiling=WHOLE)
     s = r.summary
     assert (s["prefetch_issued"], s["prefetch_used"], s["prefetch_wasted"]) == (2, 1, 1)
     assert s["prefetch_precision"] == 0.5
@@ -160,7 +162,7 @@ def test_cache_swap_lands_before_next_visit(trace, profile, monkeypatch):
 
     monkeypatch.setitem(CACHES._items, SwapIn.name, SwapIn)
     system = with_policy("cache", SwapIn, {"memory": {"cache_experts": "2", "staging_slots": "2"}})
-    r = simulate(trace, system, hardware=profile, timeline=True)
+    r = simulate(trace, system, hardware=profile, timeline=True, profiling=WHOLE)
     s = r.summary
     assert s["swaps"] == 1 and s["transfers"] == s["on_demand"] + 1
     # step 1 layer 0 activates 1 and 0: after the swap layer 0 holds {1, 2}, so 1 hits and 0 is fetched

@@ -68,6 +68,7 @@ BAD_SPECS = [
     ('systems = ["gpu-lru"]\nbaseline = "dali"', r"baseline: 'dali' is not one of the systems"),
     ('systems = ["gpu-lru", "lower-bound"]\ntiming = false', r"timing: system 'lower-bound' is a time bound"),
     ('systems = ["gpu-lru" ', r"not valid TOML"),
+    ('systems = ["gpu-lru"]\nprofile_share = 1.0', r"profile_share: profile share must be a number in \[0, 1\)"),
 ]
 
 
@@ -107,10 +108,31 @@ def test_the_spec_expands_in_its_order_with_per_system_keys(tmp_path):
     assert first[2].predictors == ("residual",) and not first[0].predictors
 
 
+def test_the_profiling_split_is_part_of_a_configuration(tmp_path):
+    """``profile_share`` splits every trace as `dali sim --profile-share` does: the stored rows are the runs
+    simulate() gives with that split, and another share is another configuration (another hash)."""
+    from dali_sim.workload.profiling import ProfileSpec
+
+    spec = write_spec(tmp_path, 'systems = ["gpu-static", "gpu-lru"]\nprofile_share = 0.5\n[grid]\ncache_ratio = [0.25]')
+    run(spec, tmp_path / "out")
+    df = table(tmp_path / "out")
+    assert (df["status"] == "ok").all() and (df["profile_share"] == 0.5).all()
+    assert (df["sequences"] == 2).all()  # 4 sequences: the first 2 profile
+    trace = tmp_path / "out" / "traces" / "tiny.parquet"
+    for _, row in df.iterrows():
+        r = simulate(trace, row["system"], overrides=json.loads(row["overrides"]), profiling=ProfileSpec(share=0.5))
+        assert row["hit_rate"] == r.summary["hit_rate"] and row["decode_tokens_per_s"] == r.summary["decode_tokens_per_s"]
+    default = load_spec(write_spec(tmp_path, 'systems = ["gpu-static"]\n[grid]\ncache_ratio = [0.25]', name="d.toml"))
+    halves = load_spec(spec)
+    assert default.runs[0].profile_share == 0.25 and default.runs[0].hash != halves.runs[0].hash
+
+
 # ---- results -------------------------------------------------------------------------------------
 def test_every_row_is_the_run_simulate_gives(smoke):
     """Each row equals a direct simulate() of its configuration (the worker shares one workload per trace
     and batching across systems: that must not change anything)."""
+    from dali_sim.cli.sim_compare import slots_text
+
     df = table(smoke)
     assert len(df) == 16 and (df["status"] == "ok").all() and df["config_hash"].is_unique
     trace = smoke / "traces" / "tiny.parquet"
@@ -120,7 +142,7 @@ def test_every_row_is_the_run_simulate_gives(smoke):
         for metric in ("decode_tokens_per_s", "prefill_s", "hit_rate", "prefetch_issued", "bytes_h2d", "busy_pcie"):
             want = r.summary["busy"]["pcie"] if metric == "busy_pcie" else r.summary[metric]
             assert row[metric] == pytest.approx(want, rel=0, abs=0), (row["system"], metric)
-        assert row["cache_slots"] == str(r.manifest["memory"]["cache_slots_per_layer"][0])
+        assert row["cache_slots"] == slots_text(r.manifest["memory"]["cache_slots_per_layer"])
     manifest = json.loads((smoke / "manifests" / f"{df['config_hash'][2]}.json").read_text())
     assert manifest["status"] == "ok" and manifest["run"]["system"] == "dali" and manifest["config"]["batch_size"] == 1
     assert manifest["manifest"]["trace_sha256"] == df["trace_sha256"][2]

@@ -124,6 +124,27 @@ def test_a_shared_workload_is_read_only_and_restricted_per_run(synthetic):
         w.with_predictors(("gate3",))
 
 
+def test_a_split_trace_keeps_its_packed_predictions_and_a_shared_workload_must_be_of_the_evaluated_part(synthetic):
+    """The profiling split of a trace read with ``needs`` keeps each kept row's packed predicted top-k; a
+    run given a workload of the whole trace (not of its evaluated sequences) is refused."""
+    from dali_sim.sim.simulate import simulate
+    from dali_sim.workload.profiling import apply_profile
+
+    full = read_trace(synthetic)
+    profiled = apply_profile(read_trace(synthetic, needs=Needs(predictors=LOOKS)))
+    keep = np.isin(full.seq_id, np.unique(profiled.evaluated.seq_id))
+    assert 0 < keep.sum() < len(full)
+    for name in LOOKS:
+        np.testing.assert_array_equal(profiled.evaluated.predicted_top_k(name), full.predicted_top_k(name)[keep])
+    shared = Workload(profiled.evaluated, WorkloadConfig(2), predictors=LOOKS)
+    a = simulate(profiled.evaluated, "dali", batch_size=2, profiling=profiled, workload=shared)
+    b = simulate(synthetic, "dali", batch_size=2)
+    assert a.summary["hit_rate"] == b.summary["hit_rate"] and a.summary["makespan_s"] == b.summary["makespan_s"]
+    whole = Workload(full, WorkloadConfig(2), predictors=LOOKS)
+    with pytest.raises(ValueError, match="not for the 3 evaluated sequences"):
+        simulate(profiled.evaluated, "dali", batch_size=2, profiling=profiled, workload=whole)
+
+
 def test_routing_of_the_steps_follows_the_file_rows(shuffled):
     """dali_exec reads the routing of each step's tokens: the same through the row order as through a
     sorted copy of the trace."""

@@ -9,6 +9,7 @@ import pytest
 
 from dali_sim.policies.base import PREFETCHERS
 from dali_sim.policies.prefetch_gated import WorthPrefetchConfig, worth_copying
+from conftest import WHOLE
 
 
 class RoundCosts:
@@ -66,7 +67,7 @@ def test_dali_plus_beats_dali_where_prefetch_does_not_pay(tmp_path):
     path = tmp_path / "mix.parquet"
     synthesize(SynthConfig(model="mixtral-8x7b", sequences=2, prompt_len=8, gen_len=24, seed=3,
                            lookahead=("residual=0.9",)), path)
-    dali = simulate(path, "dali").summary
-    plus = simulate(path, "dali-plus").summary
+    dali = simulate(path, "dali", profiling=WHOLE).summary
+    plus = simulate(path, "dali-plus", profiling=WHOLE).summary
     assert plus["prefetch_issued"] < dali["prefetch_issued"]
     assert plus["decode_s"] < dali["decode_s"]

@@ -1,8 +1,10 @@
 """What a trace replay executes, decided before any tensor exists (no torch here).
 
-From a trace and the user's options: the model shape to build (a preset or the trace's own, scaled by
-``scale`` and cut to the first ``layers`` MoE layers), the reduced trace (those layers, optionally the
-first sequences and tokens), the workload, and the memory plan. The budget is the *full* model's:
+From a trace and the user's options: the profiling split (``dali_sim.workload.profiling``, as
+``simulate()`` makes it: the profiling sequences are never replayed), the model shape to build (a preset
+or the trace's own, scaled by ``scale`` and cut to the first ``layers`` MoE layers), the reduced trace
+(those layers, optionally the first evaluated sequences and tokens), the workload, and the memory plan.
+The budget is the *full* model's:
 ``plan_memory`` on the full-size model (``--gpu-memory`` or the hardware profile's GPU), whose cache
 bytes are then scaled to the replay model (see :func:`replay_budget`), so a scaled replay keeps the
 full run's slots per layer. The resolved system carries that scaled budget, so ``simulate()`` on
@@ -30,6 +32,7 @@ from dali_sim.runtime.memory import GIB, MemoryPlan, plan_memory
 from dali_sim.sim.simulate import DEFAULT_HARDWARE
 from dali_sim.trace.reader import Trace
 from dali_sim.workload.builder import Workload, WorkloadConfig
+from dali_sim.workload.profiling import ProfiledTrace, ProfileSpec, apply_profile, check_batch_size
 
 #: weight storage of the replay -> the precision preset with its bytes per parameter
 DTYPE_PRECISION = {"bf16": "bf16", "fp16": "bf16", "fp32": "fp32"}
@@ -135,6 +138,7 @@ class ReplaySetup:
     memory: MemoryPlan  # the replay's plan (what is allocated)
     full_memory: MemoryPlan  # the full model's plan it was scaled from
     hardware: str
+    profiled: ProfiledTrace  # the profiling input; ``profiled.evaluated`` is ``trace``
 
     def describe(self) -> dict[str, Any]:
         o = self.options
@@ -150,11 +154,16 @@ class ReplaySetup:
 
 def prepare_replay(trace: Trace, system: str, options: ReplayOptions = ReplayOptions(), *,
                    hardware: str = DEFAULT_HARDWARE, batch_size: int = 1, prefill_chunk: int = 0,
-                   overrides: Mapping[str, Mapping[str, str]] | None = None) -> ReplaySetup:
-    """Decide the replay: shapes, reduced trace, workload, policies' system and the scaled memory plan."""
+                   overrides: Mapping[str, Mapping[str, str]] | None = None,
+                   profiling: ProfileSpec | None = None) -> ReplaySetup:
+    """Decide the replay: profiling split, shapes, reduced trace, workload, policies' system and the scaled
+    memory plan. ``profiling``: as ``simulate()``'s (default: the first 25% of the sequences profile)."""
     full = full_model_of(trace, options.model_shape, options.precision)
     model = scale_model(full, options.scale, options.layers, DTYPE_PRECISION[options.dtype])
-    reduced = reduce_trace(trace, model, options.sequences, options.max_tokens)
+    split = apply_profile(trace, profiling)
+    reduced = reduce_trace(split.evaluated, model, options.sequences, options.max_tokens)
+    profiled = split.restricted(reduced, model.num_moe_layers)
+    check_batch_size(batch_size, reduced.num_sequences, str(trace.path or "the trace"))
     full_sys = resolve_system(system, overrides, full)
     if full_sys.time_bound:
         raise ValueError(f"system {system!r} is a time bound computed by the simulator (`dali sim run`), not a "
@@ -174,7 +183,8 @@ def prepare_replay(trace: Trace, system: str, options: ReplayOptions = ReplayOpt
     sysconf = resolve_system(system, over, model)
     plan = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, kv, required=required)
     costs = CostModel(profile, model, implementation=sysconf.implementation, system=sysconf.name)
-    return ReplaySetup(reduced, full, model, options, sysconf, profile, costs, workload, plan, full_plan, str(hardware))
+    return ReplaySetup(reduced, full, model, options, sysconf, profile, costs, workload, plan, full_plan, str(hardware),
+                       profiled)
 
 
 __all__ = ["DTYPE_PRECISION", "ReplayOptions", "ReplaySetup", "full_model_of", "prepare_replay", "reduce_trace",

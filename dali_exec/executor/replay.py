@@ -32,6 +32,7 @@ from dali_sim.sim.counters import PlanCounters
 from dali_sim.sim.engine import Activity, EngineOutput
 from dali_sim.sim.simulate import DEFAULT_HARDWARE, SimResult
 from dali_sim.trace.reader import Trace, read_trace
+from dali_sim.workload.profiling import ProfileSpec
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ class Replay:
         future = FutureDemand.from_workload(w) if s.needs_future else None
         self.controller = Controller(w, setup.costs, self.placement, self.cache, self.prefetch, setup.memory.capacities,
                                      cache_init=s.memory.cache_init, prefetch_slots=setup.memory.prefetch_slots,
-                                     staging_slots=setup.memory.staging_slots, seed=seed, future=future)
+                                     staging_slots=setup.memory.staging_slots, seed=seed, future=future,
+                                     frequencies=setup.profiled.frequencies)
         model = setup.model
         if store is None:
             store = HostExpertStore.random(model, devices.dtype, seed, pin=devices.is_cuda, progress=opts.progress)
@@ -211,12 +213,14 @@ def execute(trace: Trace | str | Path, system: str, options: ReplayOptions = Rep
             exec_options: ExecOptions = ExecOptions(), *, hardware: str | Path = DEFAULT_HARDWARE,
             batch_size: int = 1, prefill_chunk: int = 0, seed: int = 0,
             overrides: Mapping[str, Mapping[str, str]] | None = None,
-            on_layer: Callable[[LayerRecord], None] | None = None) -> SimResult:
-    """Replay ``trace`` under ``system`` on real devices; the result has the layout of ``simulate()``."""
+            on_layer: Callable[[LayerRecord], None] | None = None,
+            profiling: ProfileSpec | None = None) -> SimResult:
+    """Replay ``trace`` under ``system`` on real devices; the result has the layout of ``simulate()``
+    (``profiling`` as there: by default the first 25% of the sequences profile and are not replayed)."""
     if not isinstance(trace, Trace):
         trace = read_trace(trace)
     setup = prepare_replay(trace, system, options, hardware=str(hardware), batch_size=batch_size,
-                           prefill_chunk=prefill_chunk, overrides=overrides)
+                           prefill_chunk=prefill_chunk, overrides=overrides, profiling=profiling)
     devices = Devices.create(exec_options.device, options.dtype)
     replay = Replay(setup, devices, exec_options, seed=seed)
     try:

@@ -12,7 +12,7 @@ from dali_exec.executor.problem import ReplaySetup
 from dali_sim.runtime.controller import Controller
 from dali_sim.sim.counters import PlanCounters, ratio
 from dali_sim.sim.engine import EngineOutput
-from dali_sim.sim.simulate import SimResult, result_tables, run_manifest
+from dali_sim.sim.simulate import SimResult, profile_config, result_tables, run_manifest
 
 
 def overhead_summary(per_layer: pd.DataFrame, visits: int) -> dict[str, float]:
@@ -52,9 +52,11 @@ def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCo
     per_layer["bookkeeping_s"], per_layer["bookkeeping_cpu_s"] = bookkeeping_s
     summary["overhead"] = overhead_summary(per_layer, w.num_steps * w.num_layers)
     summary["executor"] = executor_summary(executor)
-    manifest = run_manifest(setup.trace, seed, profile, model, setup.memory, True, sysconf.implementation)
+    manifest = run_manifest(setup.trace, seed, profile, model, setup.memory, True, sysconf.implementation,
+                            profiling=setup.profiled.record)
     manifest["executor"] = {**executor, "replay": setup.describe()}
     config = {"system": sysconf.to_dict(), "hardware": setup.hardware, "batch_size": batch_size,
-              "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": True,
+              "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision_label, "timing": True,
+              "profiling": profile_config(setup.profiled),
               "executor": {k: executor[k] for k in ("options", "cpu_threads", "accel_threads")}}
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals)

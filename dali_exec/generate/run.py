@@ -196,11 +196,14 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         residuals = _residuals(options.residual, model, spec)
 
     source = prompts_source or "prompts"
+    if options.batch_size > len(prompts):
+        raise ValueError(f"batch size {options.batch_size} exceeds the {len(prompts)} prompt(s) of {source}: use "
+                         f"--batch-size {len(prompts)} or less, or more prompts")
     token_ids = tokenize(prompts, tokenizer, source)
     check_fits(prompts, token_ids, model.config, options.max_new_tokens, source)
     eos, pad = special_ids(model, tokenizer)
 
-    freq, freq_source = None, "uniform (every expert 1; no --frequencies-from)"
+    freq, freq_source = None, "uniform (every expert 1; no --profile-trace)"
     if options.frequencies_from is not None:
         freq = frequencies_from_trace(options.frequencies_from, spec)
         freq_source = f"trace {options.frequencies_from} (sha256 {file_sha256(options.frequencies_from)[:16]})"

@@ -35,6 +35,7 @@ from dali_sim.sim.timeline import write_timeline
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.trace.schema import TraceError
 from dali_sim.workload.builder import Workload
+from dali_sim.workload.profiling import ProfileSpec
 
 #: calibration settings of a validation (fewer repeats than `dali exec calibrate`'s default: the points
 #: are those the workload needs, see :func:`calibration_points`)
@@ -62,6 +63,8 @@ class ValidationConfig:
     timelines: bool = True
     plot: bool = True
     thresholds: Thresholds = Thresholds()  # when the validation fails (docs/validation.md, "Verdict")
+    #: the profiling input of frequency choices (as `dali sim`'s); None = the first 25% of the sequences
+    profiling: ProfileSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.systems:
@@ -182,9 +185,10 @@ def _simulate(setup: ReplaySetup, profile: str, cfg: ValidationConfig, tmp: Path
     kw = {}
     s = setup.sysconf
     if s.needs_future:  # bounds that read next-use times (`dali trace enrich`) get them for the reduced trace
-        kw["future"] = write_future(setup.trace, w, out=tmp / f"{s.name}.future.parquet")
+        kw["future"] = write_future(setup.trace, w, out=tmp / f"{s.name}.future.parquet", share=0.0)
+    # the executor's evaluated (reduced) trace with its profiling input: the simulator sees what it replayed
     return simulate(setup.trace, setup.sysconf, hardware=profile, batch_size=w.batch_size,
-                    prefill_chunk=w.prefill_chunk, seed=cfg.seed, timeline=True, **kw)
+                    prefill_chunk=w.prefill_chunk, seed=cfg.seed, timeline=True, profiling=setup.profiled, **kw)
 
 
 def _run_system(trace: Trace, system: str, opts: ReplayOptions, run: ExecOptions, kw: dict, devices: Devices,
@@ -222,7 +226,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
     if not isinstance(trace, Trace):
         trace = read_trace(trace)
     opts, run = cfg.replay, dataclasses.replace(cfg.run, progress=progress)
-    kw = {system: dict(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk,
+    kw = {system: dict(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, profiling=cfg.profiling,
                        overrides=_budget_overrides(cfg, system)) for system in cfg.systems}
     # every system is prepared first, so a bad name, a missing lookahead column or an impossible budget
     # fails before anything is measured (the profile does not change the plans' memory: the budget is set)
@@ -264,6 +268,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         "steps": setup0.workload.num_steps, "tokens": int(setup0.workload.step_tokens.sum()),
         "device": str(devices.accel), "device_name": devices.accel_name(), "host": cpu_name(),
         "cpu_threads": threads[0], "accel_threads": threads[1], "profile": profile_path,
+        "profiling": setup0.profiled.record,
         "calibrated_here": cfg.profile is None, "warmup": cfg.warmup, "systems": list(cfg.systems),
     })
     longest = 0.0

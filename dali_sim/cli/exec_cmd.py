@@ -12,7 +12,8 @@ import click
 from dali_sim.cli.common import (GIB_TYPE, MAX_NEW_TOKENS, MODEL_DTYPE, REPLAY_DTYPE, SEED_TYPE, UserErrorGroup,
                                  check_outputs, checkpoint_files, command_line, require_exec)
 from dali_sim.files import check_output, write_text_atomic
-from dali_sim.cli.sim import CPU_DEVICE_LANES, format_run, option_group, overrides, policy_options
+from dali_sim.cli.sim import (CPU_DEVICE_LANES, format_run, option_group, overrides, policy_options, profile_options,
+                              profile_spec)
 from dali_sim.hardware.profile import DEFAULT_HARDWARE
 
 
@@ -95,6 +96,7 @@ def exec_group() -> None:
 @click.option("--gpu-memory", type=GIB_TYPE,
               help="GPU memory budget of the full-size model in GiB (default: the profile's).")
 @policy_options
+@profile_options
 @click.option("--seed", default=0, show_default=True, type=SEED_TYPE,
               help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores, or half of them without CUDA).")
@@ -105,13 +107,16 @@ def exec_group() -> None:
 def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_tokens, device, dtype, precision, hardware,
             batch_size, prefill_chunk, seed, cpu_threads, accel_threads, timeline, csv_path, as_json, **kw) -> None:
     """Replay a trace's routing on real devices with random weights of the model's shape."""
-    check_outputs({"timeline": timeline, "CSV table": csv_path}, [trace_path, *_profile_file(hardware)])
+    profiling = profile_spec(kw)
+    check_outputs({"timeline": timeline, "CSV table": csv_path},
+                  [trace_path, kw["profile_trace"], *_profile_file(hardware)])
     ex = _exec_module()
     options = ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
                                max_tokens=max_tokens, precision=precision, dtype=dtype)
     run_opts = ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads, progress=True)
     result = ex.execute(trace_path, system, options, run_opts, hardware=hardware, batch_size=batch_size,
-                        prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, [system])[system])
+                        prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, [system])[system],
+                        profiling=profiling)
     if _emit(result, timeline, csv_path, as_json, f"dali exec {system} on {trace_path}"):
         return
     ov, e = result.summary["overhead"], result.manifest["executor"]
@@ -176,6 +181,7 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @click.option("--gpu-memory", type=GIB_TYPE,
               help="GPU memory budget of the full-size model in GiB [default: 24, the default profile's GPU].")
 @policy_options
+@profile_options
 @click.option("--seed", default=0, show_default=True, type=SEED_TYPE,
               help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default as `dali exec run`).")
@@ -197,7 +203,8 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
                  dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, no_warmup,
                  time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
-    check_output(out_dir, [trace_path, profile], "report folder", folder=True)
+    profiling = profile_spec(kw)
+    check_output(out_dir, [trace_path, profile, kw["profile_trace"]], "report folder", folder=True)
     ex = _exec_module()
     from dali_exec.calibrate import MicroSettings
     from dali_exec.validate import ValidationConfig, validate
@@ -213,7 +220,8 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
         batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, names),
         warmup=not no_warmup, calibration=MicroSettings(repeats=repeats, warmup=1), time_budget_s=time_budget,
         timelines=not no_timelines, plot=not no_plot,
-        thresholds=Thresholds(total=max_total_error, step_p90=max_step_p90, order_margin=order_margin))
+        thresholds=Thresholds(total=max_total_error, step_p90=max_step_p90, order_margin=order_margin),
+        profiling=profiling)
     report = validate(trace_path, cfg, out_dir, command=command_line(), log=lambda m: click.echo(m, err=True),
                       progress=True)
     click.echo((out_dir / (JSON if as_json else MARKDOWN)).read_text())
@@ -242,9 +250,11 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
 @click.option("--residual", "residual_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Residual vectors (`dali trace calibrate-residual`): needed by systems that prefetch with the "
                    "`residual` lookahead (dali, dali-plus).")
-@click.option("--frequencies-from", "frequencies_from", type=click.Path(dir_okay=False, path_type=Path),
-              help="A trace of this model (`dali trace record`): per-expert frequencies for cache_init=frequency and "
-                   "frequency-based policies (default: uniform).")
+@click.option("--profile-trace", "--frequencies-from", "frequencies_from",
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="A trace of this model (`dali trace record`) as the profiling input: per-expert frequencies for "
+                   "cache_init=frequency (default: uniform). The prompts generated are never seen in advance, so "
+                   "there is no split and no frequency-hindsight.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Accelerator (default: cuda if present, else the CPU device).")
 @click.option("--dtype", type=MODEL_DTYPE, default="fp32", show_default=True,
               help="Weights dtype of the model, as `dali trace record --dtype` (auto = the checkpoint's; bfloat16, "

@@ -15,12 +15,15 @@ def model() -> None:
 
 @model.command("list")
 def list_models() -> None:
-    """List the presets with their derived sizes (bf16)."""
-    click.echo(f"{'preset':<20} {'MoE layers':>10} {'experts':>7} {'top-k':>5} {'expert MiB':>10} {'total B':>8} {'active B':>8}")
+    """List the presets with their default precision (how each is run; --precision overrides it) and the
+    sizes derived at it."""
+    click.echo(f"{'preset':<20} {'precision':>10} {'MoE layers':>10} {'experts':>7} {'top-k':>5} {'expert MiB':>10} "
+               f"{'total B':>8} {'active B':>8}")
     for name in model_names():
-        s = get_model(name).summary()
+        spec = get_model(name)
+        s = spec.summary()
         click.echo(
-            f"{name:<20} {s['moe_layers']:>10} {s['experts']:>7} {s['top_k']:>5} "
+            f"{name:<20} {spec.precision_label:>10} {s['moe_layers']:>10} {s['experts']:>7} {s['top_k']:>5} "
             f"{s['expert_bytes'] / 2**20:>10.1f} {s['total_params'] / 1e9:>8.2f} {s['active_params'] / 1e9:>8.2f}"
         )
     click.echo(f"precisions: {', '.join(precision_names())}")

@@ -36,12 +36,36 @@ def option_group(*options):
 policy_options = option_group(
     click.option("--cache-ratio", type=float, help="Cache slots per layer as a fraction of its experts."),
     click.option("--cache-experts", type=int, help="Cache slots per layer."),
-    click.option("--cache-init", type=click.Choice(["empty", "random", "frequency"]),
-                 help="Initial cache contents (default: the system's)."),
+    click.option("--cache-init", type=click.Choice(["empty", "random", "frequency", "frequency-hindsight",
+                                                    "lowest-ids", "highest-ids"]),
+                 help="Initial cache contents (default: the system's); frequency reads the profiling input, "
+                      "frequency-hindsight the evaluated data itself."),
     click.option("--set", "sets", multiple=True, metavar="[SYSTEM:]SECTION.KEY=VALUE",
                  help="Override a system parameter, e.g. --set cache.policy=lfu (every system) or "
                       "--set dali:prefetch.k=2 (that system only); repeatable."),
 )
+
+
+#: the profiling input of frequency choices, shared by `dali sim` and `dali exec` (read with :func:`profile_spec`)
+profile_options = option_group(
+    click.option("--profile-trace", type=click.Path(path_type=Path),
+                 help="A trace of the same model whose frequencies frequency-based choices use (cache_init=frequency); "
+                      "the whole --trace is then evaluated."),
+    click.option("--profile-share", type=click.FloatRange(0, 1, max_open=True),
+                 help="Without --profile-trace: the first share of the trace's sequences profile, the rest are "
+                      "evaluated by every system [default: 0.25; 0 = no split, frequency choices see the evaluated "
+                      "data (hindsight)]."),
+)
+
+
+def profile_spec(kw):
+    """The :class:`~dali_sim.workload.profiling.ProfileSpec` of the --profile-* options."""
+    from dali_sim.workload.profiling import ProfileSpec
+
+    try:
+        return ProfileSpec(share=kw.get("profile_share"), trace=kw.get("profile_trace"))
+    except ValueError as exc:
+        raise click.UsageError(f"--profile-trace / --profile-share: {exc}") from None
 
 
 def common_options(f):
@@ -60,6 +84,7 @@ def common_options(f):
         click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed for random choices."),
         click.option("--no-timing", is_flag=True,
                      help="Fast replay: cache hits and transfer counts only, no SimPy, no times."),
+        profile_options,
         click.option("--future", type=click.Path(path_type=Path),
                      help="Next-use file for policies that read it (belady, optimal); default: the one `dali trace "
                           "enrich` wrote beside the trace."),
@@ -85,16 +110,31 @@ def overrides(kw, systems: Sequence[str]) -> dict[str, dict[str, dict[str, str]]
 def run_inputs(kw) -> list[Path]:
     """The files a `dali sim` run reads (an output must be none of them)."""
     hardware = Path(kw["hardware"])
-    return [kw["trace_path"], kw["future"], hardware if hardware.is_file() else None]
+    return [kw["trace_path"], kw["future"], kw.get("profile_trace"), hardware if hardware.is_file() else None]
 
 
-def _run(trace, system: str, kw, over, timeline: bool = False, workload=None) -> SimResult:
+def _run(profiled, system: str, kw, over, timeline: bool = False, workload=None) -> SimResult:
+    """One system on the evaluated trace of ``profiled`` (a ``ProfiledTrace``: every system of a command
+    shares it, so all are evaluated on identical sequences); ``workload``: one built from it to share."""
     from dali_sim.sim.simulate import simulate
 
-    return simulate(trace, system, hardware=kw["hardware"], batch_size=kw["batch_size"],
+    return simulate(profiled.evaluated, system, hardware=kw["hardware"], batch_size=kw["batch_size"],
                     prefill_chunk=kw["prefill_chunk"], seed=kw["seed"], overrides=over,
                     precision=kw["precision"], timing=not kw["no_timing"], timeline=timeline, progress=True,
-                    future=kw["future"], workload=workload)
+                    future=kw["future"], profiling=profiled, workload=workload)
+
+
+def _profiled(kw, systems: Sequence[str], over):
+    """The command's trace, read with only the columns some of ``systems`` reads, with its profiling input
+    applied (once for all of them)."""
+    from dali_sim.policies.systems import resolve_system
+    from dali_sim.sim.simulate import trace_needs
+    from dali_sim.trace.reader import read_meta, read_trace
+    from dali_sim.workload.profiling import apply_profile
+
+    model = read_meta(kw["trace_path"]).model
+    needs = trace_needs([resolve_system(name, over[name], model) for name in systems])
+    return apply_profile(read_trace(kw["trace_path"], needs=needs), profile_spec(kw)), needs
 
 
 def _fmt(v, unit: str = "", digits: int = 3) -> str:
@@ -110,6 +150,7 @@ def format_time_bound(r: SimResult) -> str:
         f"{s['steps']} steps ({s['prefill_steps']} prefill, {s['decode_steps']} decode), {s['tokens']:,} tokens",
         "GPU memory: " + ", ".join(f"{k} {v:.2f}" for k, v in mem["breakdown_gib"].items())
         + f" of {mem['budget_gib']:.2f} GiB ({lb['expert_slots']} expert buffers, any layout)",
+        *profiling_lines(r),
         *label_lines(s),
         f"time: prefill {_fmt(s['prefill_s'], ' s')}, decode {_fmt(s['decode_s'], ' s')} (makespan "
         f"{_fmt(s['makespan_s'], ' s')}; with every transfer free: {_fmt(lb['compute_s'], ' s')})",
@@ -117,6 +158,14 @@ def format_time_bound(r: SimResult) -> str:
         f"{_fmt(s['decode_tokens_per_s'], ' tok/s', 2)}, TTFT {_fmt(s['ttft_s'], ' s')}, "
         f"TPOT {_fmt(s['tpot_s'] * 1e3 if s['tpot_s'] == s['tpot_s'] else float('nan'), ' ms', 1)} (bounds)",
     ] + [f"note: {n}" for n in mem["notes"]])
+
+
+def profiling_lines(r: SimResult) -> list[str]:
+    """Where the run's frequency choices looked (docs/simulator.md, "Profiling input")."""
+    from dali_sim.workload.profiling import describe_profiling
+
+    record = r.manifest.get("profiling")
+    return [describe_profiling(record)] if record else []
 
 
 #: what the lanes are called when the accelerator is the CPU device (`dali exec --device cpu`)
@@ -143,6 +192,7 @@ def format_run(r: SimResult, executed_on: str | None = None, lanes: dict[str, st
         f"{s['activated']:,} activated experts; {s['on_demand']:,} on-demand copies, {s['prefetch_issued']:,} "
         f"prefetches ({_fmt(s['prefetch_precision'])} precision), {s['bytes_h2d'] / 2**30:,.2f} GiB host-to-{accel}",
     ]
+    lines += profiling_lines(r)
     lines += [f"note: {n}" for n in mem["notes"]]
     lines += label_lines(s)
     if "makespan_s" in s:
@@ -170,10 +220,11 @@ def run_cmd(system: str, timeline: Path | None, **kw) -> None:
         raise click.UsageError("--timeline needs timing; drop --no-timing")
     check_outputs({"timeline": timeline}, run_inputs(kw))
     over = overrides(kw, [system])[system]
+    profile_spec(kw)  # a bad combination fails before the trace is read
     from dali_sim.sim.timeline import write_timeline
 
-    # read by simulate(): only the columns the system needs
-    result = _run(kw["trace_path"], system, kw, over, timeline=timeline is not None)
+    profiled, _ = _profiled(kw, [system], {system: over})
+    result = _run(profiled, system, kw, over, timeline=timeline is not None)
     if timeline:
         write_timeline(timeline, result.intervals, f"{system} on {kw['trace_path']}")
     if kw["as_json"]:
@@ -201,19 +252,17 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
     from dali_sim.cli.sim_compare import compare_table, format_compare, winner
     from dali_sim.files import write_text_atomic
     from dali_sim.policies.systems import resolve_system
-    from dali_sim.sim.simulate import trace_needs
-    from dali_sim.trace.reader import read_meta, read_trace
     from dali_sim.workload.builder import Workload, WorkloadConfig
 
     over = overrides(kw, names)
     for name in names:
         resolve_system(name, over[name])  # fail fast on a bad name or parameter
+    profile_spec(kw)
     check_outputs({"CSV table": csv_path}, run_inputs(kw))
-    model = read_meta(kw["trace_path"]).model
-    needs = trace_needs([resolve_system(name, over[name], model) for name in names])
-    trace = read_trace(kw["trace_path"], needs=needs)  # the columns some system reads, once for all
-    workload = Workload(trace, WorkloadConfig(kw["batch_size"], kw["prefill_chunk"]), predictors=needs.predictors)
-    results = {name: _run(trace, name, kw, over[name], workload=workload) for name in names}
+    profiled, needs = _profiled(kw, names, over)
+    workload = Workload(profiled.evaluated, WorkloadConfig(kw["batch_size"], kw["prefill_chunk"]),
+                        predictors=needs.predictors)
+    results = {name: _run(profiled, name, kw, over[name], workload=workload) for name in names}
     table = compare_table(results, baseline)
     if csv_path:
         write_text_atomic(csv_path, table.to_csv())
@@ -226,21 +275,30 @@ def compare_cmd(systems: str, baseline: str | None, csv_path: Path | None, **kw)
 
 
 @sim.command("systems")
-@click.option("--verbose", "-v", is_flag=True, help="Also show each system's resolved parameters.")
+@click.option("--verbose", "-v", is_flag=True, help="Also show each system's source and resolved parameters.")
 def systems_cmd(verbose: bool) -> None:
-    """List the system presets with a line of description each."""
+    """List the system presets: name, reading (paper, best, ours, baseline, bound, reference) and a line of
+    description each (docs/policies.md, "Readings")."""
     from dali_sim.policies.base import CACHES, PLACEMENTS, PREFETCHERS
-    from dali_sim.policies.systems import resolve_system, system_description, system_names
+    from dali_sim.policies.systems import resolve_system, system_description, system_names, system_reading
 
     names = system_names()
     width = max(map(len, names))
+    tag = max(len(system_reading(n)) for n in names)
+    click.echo(f"{'system':<{width}} {'reading':<{tag}} description")
     for name in names:
-        click.echo(f"{name:<{width}} {system_description(name)}")
+        click.echo(f"{name:<{width}} {system_reading(name):<{tag}} {system_description(name)}")
         if verbose:
-            for section, values in resolve_system(name).to_dict().items():
+            conf = resolve_system(name)
+            if conf.source:
+                click.echo(f"{'':<{width + 2}}source: {conf.source}")
+            for section, values in conf.to_dict().items():
                 if isinstance(values, dict):
                     click.echo(f"{'':<{width + 2}}{section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
-    click.echo("\npolicies: placement " + ", ".join(PLACEMENTS.names()) + "; cache " + ", ".join(CACHES.names())
+    click.echo("\nreadings: paper = as the DALI paper ran the competitor (or as its released code runs, where the "
+               "paper did not run it); best = its most favourable reasonable reading (NAME-best); ours = beyond DALI; "
+               "baseline = textbook policies; bound; reference = an oracle heuristic, not a bound")
+    click.echo("policies: placement " + ", ".join(PLACEMENTS.names()) + "; cache " + ", ".join(CACHES.names())
                + "; prefetch " + ", ".join(PREFETCHERS.names()))
 
 

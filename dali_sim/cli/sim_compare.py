@@ -143,7 +143,9 @@ def winner_line(results: Mapping[str, Any], baseline: str) -> str:
 
 
 def format_compare(results: Mapping[str, Any], baseline: str, table) -> str:
-    """Header, table, legend, notes and the winner, as printed by `dali sim compare`."""
+    """Header, the profiling line, table, legend, notes and the winner, as printed by `dali sim compare`."""
+    from dali_sim.workload.profiling import describe_profiling
+
     show = table.copy()
     show["hit_rate"] = 100 * show["hit_rate"]
     show["gpu_fraction"] = 100 * show["gpu_fraction"]
@@ -153,7 +155,8 @@ def format_compare(results: Mapping[str, Any], baseline: str, table) -> str:
     timed = "decode_s" in next(iter(results.values())).summary
     if not timed:
         show = show.drop(columns=[c for c in show.columns if c.endswith(("_s", "_per_s", "speedup"))])
-    lines = [header(results),
+    first = next(iter(results.values())).manifest.get("profiling")
+    lines = [header(results), *([describe_profiling(first)] if first else []),
              show.to_string(formatters=formats, na_rep="-", header=[_HEADERS.get(c, c) for c in show.columns]),
              legend(baseline, timed)]
     for name, r in results.items():

@@ -70,7 +70,7 @@ def info(path: Path, as_json: bool) -> None:
     m = meta.model
     lines = [
         f"{path}: schema v{meta.schema_version}, {meta.status}, {meta.num_rows} rows",
-        f"  model: {m.name} ({m.num_moe_layers} MoE layers {list(m.moe_layers)[:4]}..., "
+        f"  model: {m.name} ({m.precision_label}, {m.num_moe_layers} MoE layers {list(m.moe_layers)[:4]}..., "
         f"{m.num_experts} experts, top-{m.top_k})",
         f"  weights: {meta.weights_note if meta.has_weights else 'none'}",
         f"  router logits: {'yes' if meta.has_router_logits else 'no'}",
@@ -91,22 +91,28 @@ def info(path: Path, as_json: bool) -> None:
 @click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per batch, as in `dali sim`.")
 @click.option("--prefill-chunk", default=0, show_default=True, type=int,
               help="Prompt positions per prefill step, as in `dali sim` (0 = whole prompt).")
+@click.option("--profile-share", default=0.25, show_default=True, type=float,
+              help="As in `dali sim`: the first share of the sequences profile and are not evaluated, so they get no "
+                   "next-use times (0 = every sequence; use 0 when `dali sim` gets --profile-trace).")
 @click.option("-o", "--output", type=click.Path(path_type=Path),
-              help="Where to write (default: beside the trace, X.future-b<B>[-c<C>].parquet).")
-def enrich(path: Path, batch_size: int, prefill_chunk: int, output: Path | None) -> None:
+              help="Where to write (default: beside the trace, X.future-b<B>[-c<C>][-p<SHARE>].parquet).")
+def enrich(path: Path, batch_size: int, prefill_chunk: int, profile_share: float, output: Path | None) -> None:
     """Compute next-use times for policies that read the future (the `optimal` and `belady` caches).
 
-    Next uses depend on the batching (a batch-mate's later use counts), so they are computed for one
-    batch size and prefill chunk; `dali sim` finds the file beside the trace and refuses a stale one.
+    Next uses depend on the batching (a batch-mate's later use counts) and on the evaluated sequences (the
+    profile split), so they are computed for one batch size, prefill chunk and profile share; `dali sim`
+    finds the file beside the trace and refuses a stale one.
     """
     from dali_sim.runtime.future import future_path, write_future
     from dali_sim.trace import read_trace
     from dali_sim.workload.builder import WorkloadConfig
+    from dali_sim.workload.profiling import ProfileSpec
 
+    ProfileSpec(share=profile_share)  # a bad share fails before anything is read
     config = WorkloadConfig(batch_size, prefill_chunk)
-    out = output or future_path(path, config)
+    out = output or future_path(path, config, profile_share)
     check_outputs({"next-use file": out}, [path])
-    out = write_future(read_trace(path), config, out, command_line())
+    out = write_future(read_trace(path), config, out, command_line(), share=profile_share)
     click.echo(f"wrote {out}")
 
 

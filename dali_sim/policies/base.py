@@ -108,7 +108,8 @@ class SetupContext:
     num_experts: int
     top_k: int
     capacities: np.ndarray  # (L,) cache slots per layer
-    frequencies: np.ndarray  # (L, E) total workload per expert over the trace (for frequency-based choices)
+    #: (L, E) total workload per expert in the profiling input (frequency-based choices; docs/simulator.md)
+    frequencies: np.ndarray
     costs: CostModel
     seed: int
     block_of_layer: tuple[int, ...]  # MoE ordinal -> block index
@@ -116,6 +117,8 @@ class SetupContext:
     prefetch_slots: int = 0  # expert buffers for prefetched experts
     #: next-use times (``dali_sim.runtime.future.FutureDemand``): given only to policies that read the future
     future: Any = None
+    #: (L, E) the evaluated workload's own totals: only ``memory.cache_init = frequency-hindsight`` reads them
+    hindsight_frequencies: np.ndarray | None = None
 
 
 class PlacementPolicy(Policy[C]):
@@ -176,7 +179,7 @@ class CachePolicy(Policy[C]):
         return self._batch_form and type(self).victim_order is not CachePolicy.victim_order
 
     def initial(self, layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:
-        """Initial contents of a layer's cache (``init`` is empty | random | frequency)."""
+        """Initial contents of a layer's cache (``init``: one of ``dali_sim.runtime.memory.CACHE_INITS``)."""
         return initial_contents(layer, capacity, ctx, init, rng)
 
     def next_use_times(self, ctx: SetupContext):
@@ -236,15 +239,25 @@ class CachePolicy(Policy[C]):
 
 
 def initial_contents(layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:
+    """``init``: one of ``dali_sim.runtime.memory.CACHE_INITS`` (docs/policies.md, "Initial contents")."""
+    from dali_sim.runtime.memory import CACHE_INITS  # the memory settings own the vocabulary
+
+    if init not in CACHE_INITS:
+        raise ValueError(f"cache init must be one of {', '.join(CACHE_INITS)}, got {init!r}")
     if capacity <= 0 or init == "empty":
         return []
     if init == "random":
         return sorted(rng.choice(ctx.num_experts, size=min(capacity, ctx.num_experts), replace=False).tolist())
-    if init == "frequency":
-        freq = ctx.frequencies[layer]
-        order = np.lexsort((np.arange(ctx.num_experts), -freq))  # most used first, ties: lower id
-        return sorted(order[:capacity].tolist())
-    raise ValueError(f"cache init must be empty, random or frequency, got {init!r}")
+    if init == "lowest-ids":
+        return list(range(min(capacity, ctx.num_experts)))
+    if init == "highest-ids":
+        return list(range(max(0, ctx.num_experts - capacity), ctx.num_experts))
+    freq = ctx.frequencies if init == "frequency" else ctx.hindsight_frequencies
+    if freq is None:
+        raise ValueError(f"cache init {init!r}: this run has no evaluated-workload frequencies (online runs see "
+                         "no future: use frequency with a profile trace)")
+    order = np.lexsort((np.arange(ctx.num_experts), -freq[layer]))  # most used first, ties: lower id
+    return sorted(order[:capacity].tolist())
 
 
 PLACEMENTS: Registry[type[PlacementPolicy]] = Registry("placement policy")

@@ -11,7 +11,9 @@ readings and parameter choices in docs/policies.md ("HybriMoE").
   uncached ones from the lowest load up and, when the GPU is the bottleneck, even cached ones.
   ``mode=best`` and ``mode=greedy`` are our readings of the paper's description written before the code
   was at hand (every prefix of the uncached list simulated, smallest makespan; the CPU and the link each
-  taking their next expert when free): :func:`hybrid_schedule`.
+  taking their next expert when free): :func:`hybrid_schedule`. ``hss_steps=single-token`` is the released
+  code's ``generate = input_tensor.size(0) == 1``: a step of more tokens runs every activated expert on
+  the GPU (``calc_experts`` outside ``generate``), the schedule is for one-token steps only.
 * ``hybrimoe-mrs`` (cache): Minus Recent Score (``KScoreAwareCache``). Per layer, at every visit,
   ``S <- a * TopP(s) + (1 - a) * S`` (a = 0.5 in the code); experts outside TopP decay by ``1 - a``; a full
   cache evicts the lowest score (ties: least recently used, as the code's ``argmin`` over its LRU-ordered
@@ -49,6 +51,7 @@ from dali_sim.policies.cache import LRU
 from dali_sim.trace.schema import PREFILL
 
 MODES = ("hss", "best", "greedy")
+HSS_STEPS = ("all", "single-token")
 SOURCES = ("impact", "score")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]*$")
 
@@ -161,10 +164,16 @@ class HybriMoEPlacementConfig(PolicyConfig):
                 "CPU and PCIe take experts as they become free"})
     pending_resident: bool = field(default=True, metadata={
         "help": "a prefetched expert (in flight or landed) counts as cached (on the GPU, no copy)"})
+    hss_steps: str = field(default="all", metadata={
+        "help": "all: schedule every step; single-token: the released code (KExpertsMarlin.forward, generate = "
+                "input_tensor.size(0) == 1) schedules one-token steps only and runs every activated expert of a "
+                "step of more tokens on the GPU (cached ones from the cache, the rest copied)"})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"placement.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.hss_steps not in HSS_STEPS:
+            raise ValueError(f"placement.hss_steps must be one of {', '.join(HSS_STEPS)}, got {self.hss_steps!r}")
 
 
 @registered(PLACEMENTS)
@@ -180,6 +189,8 @@ class HybriMoEPlacement(PlacementPolicy[HybriMoEPlacementConfig]):
         return hybrid_schedule(view.counts, self._cached(view), t_gpu, t_cpu, xfer, self.config.mode)
 
     def place(self, view: LayerView) -> np.ndarray:
+        if self.config.hss_steps == "single-token" and view.tokens > 1:
+            return np.ones(len(view.experts), dtype=bool)  # the code's all-GPU path (calc_experts, not generate)
         if self.config.mode != "hss":
             return self.schedule(view).on_gpu
         t_gpu, t_cpu, xfer = _times(view.costs, view.counts)  # HSS alone: no prefix model needed
@@ -198,6 +209,7 @@ class MRSConfig(PolicyConfig):
     prefill_evicts: bool = field(default=False, metadata={
         "help": "whether a full cache evicts during prefill; the code never does (misses are loaded into a "
                 "one-layer buffer), so a fetched expert is then staged"})
+
 
     def __post_init__(self) -> None:
         if isinstance(self.a, bool) or not isinstance(self.a, (int, float)) or not 0.0 < float(self.a) <= 1.0:

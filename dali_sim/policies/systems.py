@@ -21,6 +21,8 @@ from dali_sim.registry import Registry, UnknownNameError
 from dali_sim.runtime.memory import MemoryConfig
 
 DEVICES = ("gpu", "cpu")
+#: what a preset is (``reading`` in systems.toml; docs/policies.md, "Readings")
+READINGS = ("paper", "best", "ours", "baseline", "bound", "reference")
 FAMILIES: dict[str, Registry] = {"placement": PLACEMENTS, "cache": CACHES, "prefetch": PREFETCHERS}
 
 
@@ -52,10 +54,13 @@ class SystemConfig:
     dense_device: str = "gpu"  # where attention, router and shared experts run
     implementation: str = "bare"  # how the system's code runs (dali_sim/hardware/implementations.toml)
     time_bound: bool = False
+    reading: str = ""  # one of READINGS ('' for a system built in code)
+    source: str = ""  # where the reading was read (repository, commit, file, function)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
             "name": self.name,
+            "reading": self.reading,
             "description": self.description,
             "placement": self.placement.to_dict() if self.placement else None,
             "cache": self.cache.to_dict() if self.cache else None,
@@ -89,6 +94,11 @@ def system_names() -> list[str]:
 
 def system_description(name: str) -> str:
     return _presets()[name]["description"]
+
+
+def system_reading(name: str) -> str:
+    """The preset's reading: paper, best, ours, baseline, bound or reference (:data:`READINGS`)."""
+    return _presets()[name].get("reading", "")
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, dict[str, str]]:
@@ -171,6 +181,9 @@ def resolve_system(name: str, overrides: Mapping[str, Mapping[str, str]] | None 
     unknown = sorted(set(overrides) - {"placement", "cache", "prefetch", "memory", "system"})
     if unknown:
         raise ValueError(f"unknown --set section(s) {unknown}; sections: placement, cache, prefetch, memory, system")
+    reading = p.get("reading", "")
+    if reading not in READINGS:
+        raise ValueError(f"system {name!r}: reading = {reading!r}; one of {', '.join(READINGS)}")
     time_bound = p.get("bound") == "time"
     if "bound" in p and not time_bound:
         raise ValueError(f"system {name!r}: bound = {p['bound']!r}; the only kind is \"time\"")
@@ -200,8 +213,9 @@ def resolve_system(name: str, overrides: Mapping[str, Mapping[str, str]] | None 
     else:
         get_implementation(system["implementation"])  # an unknown name fails here, listing the known ones
     return SystemConfig(name, p["description"], choices["placement"], choices["cache"], choices["prefetch"],
-                        memory, system["dense_device"], system["implementation"], time_bound)
+                        memory, system["dense_device"], system["implementation"], time_bound, reading,
+                        p.get("source", ""))
 
 
-__all__ = ["PolicyChoice", "SystemConfig", "merge_overrides", "parse_overrides", "resolve_system", "system_names",
-           "system_overrides"]
+__all__ = ["READINGS", "PolicyChoice", "SystemConfig", "merge_overrides", "parse_overrides", "resolve_system",
+           "system_names", "system_overrides", "system_reading"]

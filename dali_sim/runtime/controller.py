@@ -60,7 +60,9 @@ class Controller:
     def __init__(self, workload: Workload, costs: CostModel, placement: PlacementPolicy, cache: CachePolicy,
                  prefetch: PrefetchPolicy, capacities: np.ndarray, *, cache_init: str = "empty",
                  prefetch_slots: int = 0, staging_slots: int = 1, seed: int = 0,
-                 future: FutureDemand | None = None):
+                 future: FutureDemand | None = None, frequencies: np.ndarray | None = None):
+        """``frequencies``: (L, E) per-expert workloads of the profiling input, for frequency-based choices
+        (``dali_sim.workload.profiling``); None = the workload's own (hindsight), as ``frequency-hindsight``."""
         self.w = workload
         self.costs = costs
         self.placement, self.cache, self.prefetcher = placement, cache, prefetch
@@ -72,9 +74,14 @@ class Controller:
             raise ValueError(f"prefetch policy {prefetch.name!r} needs prefetch buffers: set memory.prefetch_slots >= 1")
         self.prefetch_slots = prefetch_slots
         self.staging_slots = staging_slots
+        hindsight = workload.frequencies()
+        if frequencies is not None and np.shape(frequencies) != (L, E):
+            raise ValueError(f"profile frequencies must be ({L}, {E}) (MoE layers x experts), "
+                             f"got {np.shape(frequencies)}")
         ctx = SetupContext(
             num_layers=L, num_experts=E, top_k=workload.top_k, capacities=readonly(self.capacities),
-            frequencies=readonly(workload.frequencies()), costs=costs, seed=seed,
+            frequencies=readonly(np.asarray(frequencies if frequencies is not None else hindsight, np.int64)),
+            hindsight_frequencies=readonly(hindsight), costs=costs, seed=seed,
             block_of_layer=workload.model.moe_layers, staging_slots=staging_slots, prefetch_slots=prefetch_slots,
         )
         self.ctx = ctx

@@ -1,10 +1,12 @@
 """Next-use times for policies that read the future (``belady``, ``optimal``): when is each expert
 of a layer used next?
 
-They depend on the batching (a batch-mate's later use counts), so they are computed from the
-workload's step stream, once per (trace, batch size, prefill chunk), by ``dali trace enrich``, and
+They depend on the batching (a batch-mate's later use counts) and on which sequences are evaluated
+(the profiling split, ``dali_sim.workload.profiling``), so they are computed from the workload's step
+stream, once per (trace, batch size, prefill chunk, profile share), by ``dali trace enrich``, and
 stored in a sidecar Parquet file that the simulator loads (:func:`load_future`). The file names the
-trace's SHA-256 and the workload config it was computed for; a stale or mismatched file is refused.
+trace's SHA-256, the workload config and the evaluated sequences it was computed for; a stale or
+mismatched file is refused.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from dali_sim.trace.checksum import CHECKSUM_KEY, checksum_record, digest, read_
 from dali_sim.trace.provenance import file_sha256
 from dali_sim.trace.reader import Trace
 from dali_sim.workload.builder import Workload, WorkloadConfig
+from dali_sim.workload.profiling import (DEFAULT_PROFILE_SHARE, ProfileSpec, apply_profile, check_batch_size,
+                                         seq_id_summary)
 
 NEVER = np.iinfo(np.int64).max
 FUTURE_KEY = b"dali.future"
-FUTURE_FORMAT = 1
+FUTURE_FORMAT = 2  # 2: the evaluated sequences (profile split) in the header
 COLUMNS = ("layer", "expert", "step", "next_step")
 
 
@@ -87,31 +91,38 @@ class FutureDemand:
                          "step": self._steps.astype(np.int32), "next_step": nxt.astype(np.int32)})
 
 
-def future_path(trace_path: str | Path, config: WorkloadConfig) -> Path:
-    """Where ``dali trace enrich`` puts the next-use file of a trace for one workload config."""
+def future_path(trace_path: str | Path, config: WorkloadConfig, share: float = DEFAULT_PROFILE_SHARE) -> Path:
+    """Where ``dali trace enrich`` puts the next-use file of a trace for one workload config and profile
+    share (``-p<share>`` in the name; none for share 0, every sequence evaluated)."""
     p = Path(trace_path)
     chunk = f"-c{config.prefill_chunk}" if config.prefill_chunk else ""
-    return p.with_name(f"{p.name.removesuffix('.parquet')}.future-b{config.batch_size}{chunk}.parquet")
+    split = f"-p{share:g}" if share else ""
+    return p.with_name(f"{p.name.removesuffix('.parquet')}.future-b{config.batch_size}{chunk}{split}.parquet")
 
 
-def enrich_command(trace_path: str | Path | None, config: WorkloadConfig) -> str:
+def enrich_command(trace_path: str | Path | None, config: WorkloadConfig, share: float = DEFAULT_PROFILE_SHARE) -> str:
     chunk = f" --prefill-chunk {config.prefill_chunk}" if config.prefill_chunk else ""
-    return f"dali trace enrich {trace_path or 'TRACE'} --batch-size {config.batch_size}{chunk}"
+    split = f" --profile-share {share:g}" if share != DEFAULT_PROFILE_SHARE else ""
+    return f"dali trace enrich {trace_path or 'TRACE'} --batch-size {config.batch_size}{chunk}{split}"
 
 
 def write_future(trace: Trace, config: WorkloadConfig, out: str | Path | None = None,
-                 command: str | None = None) -> Path:
-    """Compute the next-use times of ``trace`` under ``config`` and write them (atomically, with
-    page checksums and a SHA-256 of the header and of every column)."""
+                 command: str | None = None, share: float = DEFAULT_PROFILE_SHARE) -> Path:
+    """Compute the next-use times of ``trace``'s evaluated sequences (the profile split with ``share``)
+    under ``config`` and write them (atomically, with page checksums and a SHA-256 of the header and of
+    every column)."""
     if trace.path is None:
         raise ValueError("next-use times are stored beside a trace file: write the trace to disk first")
-    out = Path(out) if out is not None else future_path(trace.path, config)
+    out = Path(out) if out is not None else future_path(trace.path, config, share)
     hidden = trace.path.with_name(trace.meta.hidden_states.file) if trace.meta.hidden_states else None
     check_output(out, (trace.path, hidden), "next-use file")
-    w = Workload(trace, config)
+    evaluated = apply_profile(trace, ProfileSpec(share=share)).evaluated
+    check_batch_size(config.batch_size, evaluated.num_sequences, str(trace.path))
+    w = Workload(evaluated, config)
     future = FutureDemand.from_workload(w)
     meta = {"format": FUTURE_FORMAT, "trace": str(trace.path), "trace_sha256": file_sha256(trace.path),
-            "batch_size": config.batch_size, "prefill_chunk": config.prefill_chunk, "num_steps": w.num_steps,
+            "batch_size": config.batch_size, "prefill_chunk": config.prefill_chunk, "profile_share": share,
+            "evaluated_sequences": seq_id_summary(evaluated.seq_id), "num_steps": w.num_steps,
             "num_layers": w.num_layers, "num_experts": w.num_experts, "activations": len(future),
             "dali_version": __version__, "command": command or "(python API)"}
     table = future.table()
@@ -124,17 +135,19 @@ def write_future(trace: Trace, config: WorkloadConfig, out: str | Path | None = 
 
 
 def load_future(trace: Trace, config: WorkloadConfig, path: str | Path | None = None,
-                *, needed_by: str = "a bound") -> FutureDemand:
-    """The next-use times of ``trace`` under ``config``; refuses a missing, stale or mismatched file."""
+                *, needed_by: str = "a bound", share: float = DEFAULT_PROFILE_SHARE) -> FutureDemand:
+    """The next-use times of ``trace`` (the evaluated sequences of a run whose profile split used ``share``)
+    under ``config``; refuses a missing, stale or mismatched file."""
+    command = enrich_command(trace.path, config, share)
     if path is None:
         if trace.path is None:
             raise ValueError(f"{needed_by} needs next-use times, which are stored beside a trace file: write the "
-                             f"trace to disk and run `{enrich_command(None, config)}`")
-        path = future_path(trace.path, config)
+                             f"trace to disk and run `{enrich_command(None, config, share)}`")
+        path = future_path(trace.path, config, share)
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{needed_by} needs next-use times for batch size {config.batch_size} and prefill chunk "
-                         f"{config.prefill_chunk}: {path} is missing; run `{enrich_command(trace.path, config)}`")
+        raise ValueError(f"{needed_by} needs next-use times for batch size {config.batch_size}, prefill chunk "
+                         f"{config.prefill_chunk} and profile share {share:g}: {path} is missing; run `{command}`")
     check_input(path, "next-use file")
     try:
         pf = pq.ParquetFile(path, page_checksum_verification=True)
@@ -152,10 +165,15 @@ def load_future(trace: Trace, config: WorkloadConfig, path: str | Path | None = 
     want = {"batch_size": config.batch_size, "prefill_chunk": config.prefill_chunk}
     got = {k: meta.get(k) for k in want}
     if got != want:
-        raise ValueError(f"{path}: computed for {got}, but this run uses {want}; run `{enrich_command(trace.path, config)}`")
+        raise ValueError(f"{path}: computed for {got}, but this run uses {want}; run `{command}`")
     if trace.path is not None and meta.get("trace_sha256") != file_sha256(trace.path):
         raise ValueError(f"{path}: computed for a different version of {trace.path} (SHA-256 differs); "
-                         f"run `{enrich_command(trace.path, config)}` again")
+                         f"run `{command}` again")
+    evaluated = (meta.get("evaluated_sequences") or {}).get("sha256")
+    if evaluated != seq_id_summary(trace.seq_id)["sha256"]:
+        raise ValueError(f"{path}: computed for other evaluated sequences (profile share "
+                         f"{meta.get('profile_share', 'unknown')}) than this run's {trace.num_sequences} (share "
+                         f"{share:g}); run `{command}`")
     L, E = trace.model.num_moe_layers, trace.model.num_experts
     if (meta.get("num_layers"), meta.get("num_experts")) != (L, E) or table.num_rows != meta.get("activations"):
         raise ValueError(f"{path}: shape {meta.get('num_layers')} layers x {meta.get('num_experts')} experts, "

@@ -17,6 +17,10 @@ from dali_sim.config import PolicyConfig
 
 GIB = 2**30
 LAYOUTS = ("uniform", "whole-layers", "none")
+#: initial cache contents (``memory.cache_init``): ``frequency`` reads the profiling input's frequencies,
+#: ``frequency-hindsight`` the evaluated workload's own; ``lowest-ids`` / ``highest-ids`` fill each layer by
+#: id, as HybriMoE's and mixtral-offloading's code do at load time (docs/policies.md, "Initial contents")
+CACHE_INITS = ("empty", "random", "frequency", "frequency-hindsight", "lowest-ids", "highest-ids")
 
 
 @dataclass(frozen=True)
@@ -25,12 +29,17 @@ class MemoryConfig(PolicyConfig):
         "help": "GPU memory budget in GiB; 0 = the hardware profile's GPU memory"})
     layout: str = field(default="uniform", metadata={
         "help": "cache slots: uniform (same per layer), whole-layers (all experts of the last layers that "
-                "fit, none elsewhere: llama.cpp), none (no cache)"})
+                "fit, none elsewhere: llama.cpp; with cache_experts / cache_ratio as many whole layers as hold "
+                "the same expert bytes), none (no cache)"})
     cache_ratio: float = field(default=-1.0, metadata={
-        "help": "uniform layout: slots per layer as a fraction of the layer's experts; -1 = unset"})
+        "help": "slots per layer as a fraction of the layer's experts (whole-layers: the same expert bytes in whole "
+                "layers); -1 = unset"})
     cache_experts: int = field(default=-1, metadata={
-        "help": "uniform layout: slots per layer; -1 = unset (if both unset: as many as the budget holds)"})
-    cache_init: str = field(default="empty", metadata={"help": "initial cache contents: empty | random | frequency"})
+        "help": "slots per layer (whole-layers: the same expert bytes in whole layers); -1 = unset (if both unset: "
+                "as many as the budget holds)"})
+    cache_init: str = field(default="empty", metadata={
+        "help": "initial cache contents: empty | random | frequency (each layer's most used experts in the profiling "
+                "input) | frequency-hindsight (in the evaluated data itself) | lowest-ids | highest-ids"})
     staging_slots: int = field(default=2, metadata={
         "help": "expert-sized buffers for fetched experts that are not admitted to the cache; -1 = one layer's "
                 "experts (an implementation that copies a whole layer's experts before computing them)"})
@@ -40,8 +49,8 @@ class MemoryConfig(PolicyConfig):
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"memory.layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
-        if self.cache_init not in ("empty", "random", "frequency"):
-            raise ValueError(f"memory.cache_init must be empty, random or frequency, got {self.cache_init!r}")
+        if self.cache_init not in CACHE_INITS:
+            raise ValueError(f"memory.cache_init must be one of {', '.join(CACHE_INITS)}, got {self.cache_init!r}")
         if self.cache_ratio != -1.0 and not 0.0 <= self.cache_ratio <= 1.0:
             raise ValueError(f"memory.cache_ratio must lie in [0, 1], got {self.cache_ratio}")
         if self.cache_ratio != -1.0 and self.cache_experts != -1:
@@ -106,7 +115,10 @@ def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max
                          "fewer staging/prefetch buffers or a smaller batch")
     notes: list[str] = []
     cache_request = cfg.cache_experts >= 0 or cfg.cache_ratio >= 0
-    if cache_request and (required is not None or cfg.layout != "uniform"):
+    k = cfg.cache_experts if cfg.cache_experts >= 0 else int(round(cfg.cache_ratio * E))
+    if cache_request and k > E:
+        raise ValueError(f"memory.cache_experts={k} exceeds the {E} experts of a layer")
+    if cache_request and (required is not None or cfg.layout == "none"):
         notes.append(f"memory.cache_experts / cache_ratio ignored: the {cfg.layout} layout"
                      + (" with the placement's fixed layers" if required is not None else "") + " sets the cache")
     if required is not None:
@@ -116,13 +128,20 @@ def plan_memory(model: ModelSpec, cfg: MemoryConfig, profile_gpu_bytes: int, max
                              f"but only {free / GIB:.2f} GiB of the {budget / GIB:.2f} GiB budget are left")
     elif cfg.layout == "none":
         caps = np.zeros(L, dtype=np.int64)
+    elif cfg.layout == "whole-layers" and cache_request:
+        # matched in GPU memory: the expert bytes of k slots in every layer, as whole layers (k x L // E)
+        gpu_layers = k * L // E
+        caps = np.where(np.arange(L) >= L - gpu_layers, E, 0).astype(np.int64)
+        notes.append(f"whole layers matched in memory: {gpu_layers} of {L} MoE layers on the GPU hold the expert "
+                     f"bytes of {k} slots per layer")
+        if caps.sum() * xb > free:
+            raise ValueError(f"{gpu_layers} whole layers x {E} experts x {xb / 2**20:.1f} MiB = "
+                             f"{caps.sum() * xb / GIB:.2f} GiB do not fit the {free / GIB:.2f} GiB left of the "
+                             f"{budget / GIB:.2f} GiB budget; at most {free // (E * xb)} whole layers fit")
     elif cfg.layout == "whole-layers":
         gpu_layers = min(L, free // (E * xb))
         caps = np.where(np.arange(L) >= L - gpu_layers, E, 0).astype(np.int64)
     elif cache_request:
-        k = cfg.cache_experts if cfg.cache_experts >= 0 else int(round(cfg.cache_ratio * E))
-        if k > E:
-            raise ValueError(f"memory.cache_experts={k} exceeds the {E} experts of a layer")
         caps = np.full(L, k, dtype=np.int64)
         if caps.sum() * xb > free:
             raise ValueError(

@@ -29,6 +29,7 @@ from dali_sim.trace.provenance import file_sha256
 from dali_sim.trace.reader import Needs, Trace, read_meta, read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
 from dali_sim.workload.builder import Workload, WorkloadConfig
+from dali_sim.workload.profiling import ProfiledTrace, ProfileSpec, apply_profile, check_batch_size
 
 
 
@@ -92,32 +93,43 @@ def simulate(
     progress: bool = False,
     future: str | Path | FutureDemand | None = None,
     workload: Workload | None = None,
+    profiling: ProfileSpec | ProfiledTrace | None = None,
 ) -> SimResult:
     """Replay ``trace`` under ``system`` on ``hardware``. ``timing=False`` is the fast no-timing path:
     the same decisions and counts, no SimPy, no times. ``future``: the next-use file of a policy that
     needs one (``belady``); default: the one ``dali trace enrich`` wrote beside the trace; or next-use
-    times already computed (``FutureDemand.from_workload``).
+    times already computed (``FutureDemand.from_workload`` of the evaluated sequences' workload).
+
+    ``profiling``: the profiling input of frequency-based choices (``dali_sim.workload.profiling``); default
+    ``ProfileSpec()``: the first 25% of the trace's sequences profile, the rest are evaluated. A
+    :class:`ProfiledTrace` made once by :func:`apply_profile` (for several systems) must come with its own
+    evaluated trace as ``trace``. A batch size above the evaluated sequences is an error.
 
     A trace given by path is read with only the columns the system needs (:func:`trace_needs`).
-    ``workload``: one already built from ``trace`` for this batching, to share it between runs (it must
-    hold the lookahead predictors the system reads; it may hold more): the results are those of a run
-    that builds its own."""
+    ``workload``: one already built from the evaluated trace for this batching, to share it between runs
+    (it must hold the lookahead predictors the system reads; it may hold more): the results are those of
+    a run that builds its own."""
     if not isinstance(trace, Trace):
         meta = read_meta(trace)
         sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides, meta.model)
         trace = read_trace(trace, needs=trace_needs([sysconf]))
+    profiled = profiled_input(trace, profiling)
+    trace = profiled.evaluated
+    check_batch_size(batch_size, trace.num_sequences, str(trace.path or "the trace"))
     model = apply_precision(trace.model, precision)
     sysconf = system if isinstance(system, SystemConfig) else resolve_system(system, overrides, model)
     profile = load_profile(hardware)
     config = WorkloadConfig(batch_size, prefill_chunk)
-    if workload is not None and (workload.config != config or workload.trace_path != trace.path):
-        raise ValueError(f"the workload given was built for {workload.trace_path} with {workload.config}, "
-                         f"not for {trace.path} with {config}")
+    if workload is not None and (workload.config != config or workload.trace_path != trace.path
+                                 or len(workload.sequences) != trace.num_sequences):
+        raise ValueError(f"the workload given was built for {len(workload.sequences)} sequences of "
+                         f"{workload.trace_path} with {workload.config}, not for the {trace.num_sequences} evaluated "
+                         f"sequences of {trace.path} with {config}")
     if sysconf.time_bound:
         if not timing:
             raise ValueError(f"system {sysconf.name!r} is a time bound: it has no counts-only mode (drop --no-timing)")
         return _time_bound(trace, sysconf, model, profile, config, seed=seed, hardware=hardware,
-                           workload=workload.with_predictors(()) if workload is not None else None)
+                           profiled=profiled, workload=workload.with_predictors(()) if workload is not None else None)
     sysconf, impl_note = implementation_for(sysconf, profile)
     costs = CostModel(profile, model, implementation=sysconf.implementation, system=sysconf.name)
     placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
@@ -128,13 +140,15 @@ def simulate(
     mem = plan_memory(model, sysconf.memory, profile.gpu_memory_bytes, workload.max_batch_context,
                       required=placement.required_capacities(workload.num_layers, workload.num_experts))
     needers = [p for p in (placement, cache, prefetch) if p.needs_future]
+    share = profiled.record["share"]
     next_uses = None
     if needers:
         next_uses = future if isinstance(future, FutureDemand) else \
-            load_future(trace, workload.config, future, needed_by=f"{needers[0].name!r}")
+            load_future(trace, workload.config, future, needed_by=f"{needers[0].name!r}", share=share)
     controller = Controller(workload, costs, placement, cache, prefetch, mem.capacities,
                             cache_init=sysconf.memory.cache_init, prefetch_slots=mem.prefetch_slots,
-                            staging_slots=mem.staging_slots, seed=seed, future=next_uses)
+                            staging_slots=mem.staging_slots, seed=seed, future=next_uses,
+                            frequencies=profiled.frequencies)
     counters = PlanCounters(workload.num_layers)
     # the bar appears only for runs longer than 2 s
     bar = tqdm(total=workload.num_steps, desc=f"{'sim' if timing else 'replay'} {sysconf.name}", unit="step",
@@ -154,19 +168,38 @@ def simulate(
     summary, per_layer, per_seq, per_step = result_tables(
         workload, counters, out, model, system=sysconf.name, hardware=profile.name, batch_size=batch_size,
         bounds=controller.bounds, oracles=controller.oracles)
-    manifest = run_manifest(trace, seed, profile, model, mem, timing, sysconf.implementation, impl_note)
+    manifest = run_manifest(trace, seed, profile, model, mem, timing, sysconf.implementation, impl_note,
+                            profiled.record)
     if isinstance(future, FutureDemand):
-        manifest["future"] = {"computed": "from the trace's workload (FutureDemand.from_workload)"}
+        manifest["future"] = {"computed": "from the evaluated sequences' workload (FutureDemand.from_workload)"}
     elif next_uses is not None:
-        used = Path(future) if future is not None else future_path(trace.path, workload.config)
+        used = Path(future) if future is not None else future_path(trace.path, workload.config, share)
         manifest["future"] = {"path": str(used), "sha256": file_sha256(used)}
     config = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": batch_size,
-              "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision.name, "timing": timing}
+              "prefill_chunk": prefill_chunk, "seed": seed, "precision": model.precision_label, "timing": timing,
+              "profiling": profile_config(profiled)}
     return SimResult(summary, per_layer, per_seq, per_step, config, manifest, out.intervals if out else [])
 
 
+def profiled_input(trace: Trace, profiling: ProfileSpec | ProfiledTrace | None) -> ProfiledTrace:
+    """``profiling`` applied to ``trace``; a :class:`ProfiledTrace` is taken as it is when ``trace`` is its
+    evaluated trace."""
+    if isinstance(profiling, ProfiledTrace):
+        if profiling.evaluated is not trace:
+            raise ValueError("a ProfiledTrace comes with its own evaluated trace: pass its .evaluated as the trace")
+        return profiling
+    return apply_profile(trace, profiling)
+
+
+def profile_config(profiled: ProfiledTrace) -> dict[str, Any]:
+    """The run config's account of its profiling input (the manifest has the full record)."""
+    r = profiled.record
+    return {"source": r["source"], "share": r["share"], **({"trace": r["trace"]} if "trace" in r else {}),
+            "evaluated_sequences": r["evaluated_sequences"]["count"]}
+
+
 def _time_bound(trace: Trace, sysconf: SystemConfig, model, profile, config: WorkloadConfig, *,
-                seed: int, hardware, workload: Workload | None = None) -> SimResult:
+                seed: int, hardware, profiled: ProfiledTrace, workload: Workload | None = None) -> SimResult:
     """A time bound's result (``dali_sim.sim.lower_bound``) in the simulator's layout: the times are
     bounds; the cache and transfer counters do not apply (NaN). Its costs are the least over
     :func:`bound_implementations` (every term separately), so no system run by one of them is faster."""
@@ -187,10 +220,11 @@ def _time_bound(trace: Trace, sysconf: SystemConfig, model, profile, config: Wor
     per_layer[[c for c in per_layer.columns if c not in ("activated", "time_s")]] = np.nan
     summary["lower_bound"] = lb.details
     manifest = run_manifest(trace, seed, profile, model, memory, True, ",".join(names),
-                            f"a time bound over implementations {', '.join(names)}" if len(names) > 1 else "")
+                            f"a time bound over implementations {', '.join(names)}" if len(names) > 1 else "",
+                            profiled.record)
     config_out = {"system": sysconf.to_dict(), "hardware": str(hardware), "batch_size": config.batch_size,
-                  "prefill_chunk": config.prefill_chunk, "seed": seed, "precision": model.precision.name,
-                  "timing": True}
+                  "prefill_chunk": config.prefill_chunk, "seed": seed, "precision": model.precision_label,
+                  "timing": True, "profiling": profile_config(profiled)}
     return SimResult(summary, per_layer, per_seq, per_step, config_out, manifest)
 
 
@@ -227,10 +261,11 @@ def bound_implementations(sysconf: SystemConfig, profile) -> list[str]:
 
 
 def run_manifest(trace: Trace, seed: int, profile, model, memory, timing: bool, implementation: str,
-                 implementation_note: str = "") -> dict[str, Any]:
-    """What a run used (inputs with their hashes, versions, memory plan, implementation): simulator and
-    executor alike."""
+                 implementation_note: str = "", profiling: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a run used (inputs with their hashes, versions, memory plan, implementation, profiling input):
+    simulator and executor alike."""
     return {
+        "profiling": dict(profiling) if profiling is not None else None,
         "implementation": {"name": implementation, **({"note": implementation_note} if implementation_note else {})},
         "dali_version": __version__,
         "trace": str(trace.path) if trace.path else None,
@@ -285,5 +320,5 @@ def timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict
         "events": out.events,
     }
 
-__all__ = ["DEFAULT_HARDWARE", "SimResult", "implementation_for", "per_sequence", "result_tables", "run_manifest", "simulate",
-           "timed_summary", "trace_needs"]
+__all__ = ["DEFAULT_HARDWARE", "SimResult", "implementation_for", "per_sequence", "profile_config", "profiled_input",
+           "result_tables", "run_manifest", "simulate", "timed_summary", "trace_needs"]

@@ -41,7 +41,7 @@ class SweepSummary:
 
 
 def make_tasks(todo: list[RunConfig], runs: list[RunConfig], slots: int) -> list[SweepTask]:
-    """``todo`` grouped by (trace, batch size, prefill chunk) in the spec's order, groups split so that
+    """``todo`` grouped by (trace, batch size, prefill chunk, profile share) in the spec's order, groups split so that
     there are about :data:`TASKS_PER_SLOT` tasks per slot, longest (estimated) first. A trace is read
     with the columns every configuration of it in ``runs`` needs, the same for all its tasks."""
     from dali_sim.trace.reader import read_meta
@@ -53,15 +53,15 @@ def make_tasks(todo: list[RunConfig], runs: list[RunConfig], slots: int) -> list
     size = {path: (m.num_rows, max(len(m.sequences), 1)) for path in needs for m in [read_meta(path)]}
     groups: dict[tuple, list[RunConfig]] = {}
     for r in todo:
-        groups.setdefault((r.trace_path, r.batch_size, r.prefill_chunk), []).append(r)
+        groups.setdefault((r.trace_path, r.batch_size, r.prefill_chunk, r.profile_share), []).append(r)
     per_task = max(1, math.ceil(len(todo) / (TASKS_PER_SLOT * max(slots, 1))))
     tasks = []
-    for (path, batch, chunk), group in groups.items():
+    for (path, batch, chunk, share), group in groups.items():
         rows, sequences = size[path]
         for i in range(0, len(group), per_task):
             part = tuple(group[i:i + per_task])
             cost = len(part) * rows / min(batch, sequences)  # ~ (step, layer) pairs simulated
-            tasks.append(SweepTask(path, needs[path], batch, chunk, part, cost))
+            tasks.append(SweepTask(path, needs[path], batch, chunk, part, cost, share))
     return sorted(tasks, key=lambda t: (-t.cost, t.runs[0].index))
 
 

@@ -24,10 +24,11 @@ from dali_sim.models.presets import apply_precision
 from dali_sim.models.spec import ModelSpec
 from dali_sim.policies.systems import SystemConfig, merge_overrides, parse_overrides, resolve_system, system_overrides
 from dali_sim.trace.provenance import file_sha256
+from dali_sim.workload.profiling import DEFAULT_PROFILE_SHARE, ProfileSpec
 
 #: bumped when the meaning of a configuration hash changes (every stored result then reruns)
-HASH_FORMAT = 1
-TOP_KEYS = ("traces", "systems", "hardware", "grid", "set", "baseline", "timing")
+HASH_FORMAT = 2  # 2: the profiling split (profile_share) is part of a configuration
+TOP_KEYS = ("traces", "systems", "hardware", "grid", "set", "baseline", "timing", "profile_share")
 #: grid keys that are not ``[SYSTEM:]section.key`` overrides
 BATCHING_KEYS = ("batch_size", "prefill_chunk")
 MEMORY_KEYS = {"cache_ratio": "cache_ratio", "cache_experts": "cache_experts", "cache_init": "cache_init",
@@ -75,6 +76,7 @@ class RunConfig:
     seed: int
     precision: str | None
     timing: bool
+    profile_share: float  # the first share of the trace's sequences profile, the rest are evaluated
     overrides: dict[str, dict[str, str]]
     grid: dict[str, Any]
     predictors: tuple[str, ...]
@@ -89,10 +91,11 @@ class RunConfig:
     @property
     def hash(self) -> str:
         """SHA-256 (16 hex digits) of what determines the result: the trace's bytes, the resolved system,
-        the hardware profile's bytes, batching, seed, precision and timing (not names or paths)."""
+        the hardware profile's bytes, batching, seed, precision, timing and profiling split (not names or paths)."""
         key = {"format": HASH_FORMAT, "trace_sha256": self.trace_sha256, "system": self.system_config,
                "hardware": self.hardware_sha256, "batch_size": self.batch_size, "prefill_chunk": self.prefill_chunk,
-               "seed": self.seed, "precision": self.precision_name, "timing": self.timing}
+               "seed": self.seed, "precision": self.precision_name, "timing": self.timing,
+               "profile_share": self.profile_share}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def describe(self) -> dict[str, Any]:
@@ -109,6 +112,7 @@ class SweepSpec:
     sets: tuple[str, ...] = ()
     baseline: str | None = None
     timing: bool = True
+    profile_share: float = DEFAULT_PROFILE_SHARE
     runs: tuple[RunConfig, ...] = field(default_factory=tuple)
 
     def error(self, key: str, problem: str) -> SpecError:
@@ -289,7 +293,12 @@ def load_spec(path: str | Path) -> SweepSpec:
     timing = data.get("timing", True)
     if not isinstance(timing, bool):
         raise _err(path, "timing", f"expected true or false, got {timing!r}")
-    spec = SweepSpec(path, traces, systems, hardware, grid, tuple(sets), baseline, timing)
+    share = data.get("profile_share", DEFAULT_PROFILE_SHARE)
+    try:
+        ProfileSpec(share=share)
+    except ValueError as exc:
+        raise _err(path, "profile_share", str(exc)) from None
+    spec = SweepSpec(path, traces, systems, hardware, grid, tuple(sets), baseline, timing, float(share))
     return dataclasses.replace(spec, runs=tuple(_expand(spec)))
 
 
@@ -346,7 +355,8 @@ def _resolve(spec: SweepSpec, index: int, trace: TraceSource, hardware: str, sys
         raise spec.error("timing", f"system {system!r} is a time bound: it has no counts-only mode (timing = false)")
     config = {k: v for k, v in sysconf.to_dict().items() if k != "description"}
     return RunConfig(index, trace.name, trace.model.name, system, hardware, settings["batch_size"],
-                     settings["prefill_chunk"], settings["seed"], settings["precision"], spec.timing, over, grid,
+                     settings["prefill_chunk"], settings["seed"], settings["precision"], spec.timing, spec.profile_share,
+                     over, grid,
                      predictors, needs_future, config, precision_name=model.precision_label)
 
 

@@ -24,7 +24,7 @@ RESULTS_FILE = "results.parquet"
 MANIFESTS = "manifests"
 #: the configuration columns every row has, first
 CONFIG_COLUMNS = ("config_hash", "status", "error", "trace", "model", "precision", "hardware", "system",
-                  "batch_size", "prefill_chunk", "seed", "timing")
+                  "batch_size", "prefill_chunk", "seed", "timing", "profile_share")
 WORKLOAD_METRICS = ("steps", "prefill_steps", "decode_steps", "batches", "sequences", "tokens")
 DERIVED_METRICS = ("hit_rate", "gpu_fraction", "prefetch_precision", "prefetch_recall", "transfers", "bytes_h2d")
 TIME_METRICS = ("makespan_s", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
@@ -35,7 +35,7 @@ METRIC_COLUMNS = (WORKLOAD_METRICS + COUNTERS + DERIVED_METRICS + TIME_METRICS
                   + tuple(f"busy_{lane}" for lane in BUSY_LANES) + ("events", "bounds", "oracles", "gpu_budget_gib",
                                                                     "cache_slots"))
 _INT = ("batch_size", "prefill_chunk", "seed", "events", "transfers", "bytes_h2d") + WORKLOAD_METRICS + COUNTERS
-_FLOAT = ("hit_rate", "gpu_fraction", "prefetch_precision", "prefetch_recall", "gpu_budget_gib") + TIME_METRICS \
+_FLOAT = ("profile_share", "hit_rate", "gpu_fraction", "prefetch_precision", "prefetch_recall", "gpu_budget_gib") + TIME_METRICS \
     + tuple(f"busy_{lane}" for lane in BUSY_LANES)
 _STRING = ("config_hash", "status", "error", "trace", "model", "precision", "hardware", "system", "overrides",
            "system_config", "trace_sha256", "bounds", "oracles", "cache_slots")
@@ -65,7 +65,8 @@ def result_row(run: RunConfig, outcome: Outcome) -> dict[str, Any]:
     row: dict[str, Any] = {"config_hash": run.hash, "status": outcome.status, "error": outcome.error,
                            "trace": run.trace, "model": run.model, "precision": run.precision_name,
                            "hardware": run.hardware, "system": run.system, "batch_size": run.batch_size,
-                           "prefill_chunk": run.prefill_chunk, "seed": run.seed, "timing": run.timing}
+                           "prefill_chunk": run.prefill_chunk, "seed": run.seed, "timing": run.timing,
+                           "profile_share": run.profile_share}
     row |= {k: v for k, v in run.grid.items() if k not in row}
     row |= {"overrides": json.dumps(run.overrides, sort_keys=True),
             "system_config": json.dumps(run.system_config, sort_keys=True), "trace_sha256": run.trace_sha256}

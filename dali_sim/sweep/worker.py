@@ -2,7 +2,8 @@
 
 A :class:`SweepTask` names its trace by path (workers read it themselves; nothing large is pickled)
 and carries the resolved configurations of one (trace, batch size, prefill chunk). The worker reads
-the trace once with the columns any configuration of it needs, builds the :class:`Workload` once and
+the trace once with the columns any configuration of it needs, splits off its profiling sequences
+(``profile_share``, as ``dali sim``), builds the :class:`Workload` of the evaluated ones once and
 shares it across the task's systems (``simulate(..., workload=...)``: identical results), and returns
 one :class:`Outcome` per configuration; a configuration that fails is an outcome with its error, not
 an exception. Both are kept for the next task in the same process (a small per-process cache).
@@ -30,6 +31,7 @@ class SweepTask:
     prefill_chunk: int
     runs: tuple[RunConfig, ...]
     cost: float = 0.0  # estimated relative run time (longest tasks are handed out first)
+    profile_share: float = 0.25  # the profiling split: the first share of the sequences profile
 
 
 @dataclass
@@ -65,22 +67,30 @@ def _trace(path: str, needs: Needs):
 
 
 @functools.lru_cache(maxsize=2)
-def _workload(path: str, needs: Needs, batch_size: int, prefill_chunk: int):
-    from dali_sim.workload.builder import Workload, WorkloadConfig
+def _profiled(path: str, needs: Needs, share: float):
+    from dali_sim.workload.profiling import ProfileSpec, apply_profile
 
-    return Workload(_trace(path, needs), WorkloadConfig(batch_size, prefill_chunk), predictors=needs.predictors)
+    return apply_profile(_trace(path, needs), ProfileSpec(share=share))
 
 
 @functools.lru_cache(maxsize=2)
-def _future(path: str, needs: Needs, batch_size: int, prefill_chunk: int):
+def _workload(path: str, needs: Needs, share: float, batch_size: int, prefill_chunk: int):
+    from dali_sim.workload.builder import Workload, WorkloadConfig
+
+    return Workload(_profiled(path, needs, share).evaluated, WorkloadConfig(batch_size, prefill_chunk),
+                    predictors=needs.predictors)
+
+
+@functools.lru_cache(maxsize=2)
+def _future(path: str, needs: Needs, share: float, batch_size: int, prefill_chunk: int):
     from dali_sim.runtime.future import FutureDemand
 
-    return FutureDemand.from_workload(_workload(path, needs, batch_size, prefill_chunk))
+    return FutureDemand.from_workload(_workload(path, needs, share, batch_size, prefill_chunk))
 
 
 def clear_caches() -> None:
     """Drop the traces and workloads kept for the next task (the in-process engine calls it at the end)."""
-    for cached in (_future, _workload, _trace):
+    for cached in (_future, _workload, _profiled, _trace):
         cached.cache_clear()
 
 
@@ -93,9 +103,9 @@ def iter_task(task: SweepTask) -> Iterator[Outcome]:
     """The outcomes of ``task``'s configurations, one at a time, in the task's order."""
     from dali_sim.sim.simulate import simulate
 
-    args = (task.trace_path, task.needs, task.batch_size, task.prefill_chunk)
+    args = (task.trace_path, task.needs, task.profile_share, task.batch_size, task.prefill_chunk)
     try:
-        trace, workload = _trace(task.trace_path, task.needs), _workload(*args)
+        profiled, workload = _profiled(*args[:3]), _workload(*args)
     except Exception as exc:  # the whole task fails: every configuration records why
         yield from failed(task, _one_line(exc), traceback.format_exc())
         return
@@ -103,9 +113,10 @@ def iter_task(task: SweepTask) -> Iterator[Outcome]:
         start = time.perf_counter()
         try:
             future = _future(*args) if run.needs_future else None
-            r = simulate(trace, run.system, hardware=run.hardware_ref, batch_size=run.batch_size,
+            r = simulate(profiled.evaluated, run.system, hardware=run.hardware_ref, batch_size=run.batch_size,
                          prefill_chunk=run.prefill_chunk, seed=run.seed, overrides=run.overrides,
-                         precision=run.precision, timing=run.timing, workload=workload, future=future)
+                         precision=run.precision, timing=run.timing, workload=workload, future=future,
+                         profiling=profiled)
             yield Outcome(run.hash, "ok", summary=r.summary, config=r.config, manifest=r.manifest,
                           wall_s=time.perf_counter() - start, worker=_worker_id())
         except Exception as exc:

@@ -97,6 +97,12 @@ class Trace:
     def __len__(self) -> int:
         return self.table.num_rows
 
+    def rows(self, keep: np.ndarray, meta: TraceMeta) -> "Trace":
+        """The rows where ``keep`` (a boolean mask) is true, described by ``meta``: the same file (``path``
+        kept, checksum record dropped); lookahead columns read packed stay packed for those rows."""
+        packed = {name: top_k[keep] for name, top_k in self._packed.items()}
+        return Trace(self.table.filter(pa.array(keep)), meta, self.path, packed=packed)
+
     def __repr__(self) -> str:
         return (f"Trace({self.path or '<memory>'}: {len(self)} rows, model={self.meta.model.name}, "
                 f"{self.num_sequences} sequences, status={self.meta.status})")

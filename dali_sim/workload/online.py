@@ -33,7 +33,8 @@ from dali_sim.models.spec import ModelSpec
 from dali_sim.policies import kernels
 from dali_sim.trace.reader import read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
-from dali_sim.workload.builder import Workload, WorkloadConfig, predicted_top_k
+from dali_sim.workload.builder import WorkloadConfig, predicted_top_k
+from dali_sim.workload.profiling import trace_frequencies
 
 #: lookahead predictors a running model can compute at MoE layer l from its gate input x_l
 ONLINE_PREDICTORS = {
@@ -63,6 +64,9 @@ def check_online(sysconf) -> None:
     if sysconf.time_bound:
         raise ValueError(f"system {sysconf.name!r} is a time bound computed by the simulator (`dali sim run`), "
                          "not a system that runs")
+    if sysconf.memory.cache_init == "frequency-hindsight":
+        raise ValueError(f"system {sysconf.name!r}: memory.cache_init=frequency-hindsight reads the frequencies of "
+                         "the data being run, which a running model does not know: use frequency with --profile-trace")
     for family in ("placement", "cache", "prefetch"):
         policy = getattr(sysconf, family).build()
         if not (policy.is_bound or policy.reads_future):
@@ -80,14 +84,15 @@ def check_online(sysconf) -> None:
 
 
 def frequencies_from_trace(path: str | Path, model: ModelSpec) -> np.ndarray:
-    """(L, E) total workload of every expert in a prior trace of the same model (``--frequencies-from``)."""
+    """(L, E) total workload of every expert in a prior trace of the same model (``--profile-trace``, the
+    profiling input of a run on a live model; ``--frequencies-from`` is its old name)."""
     trace = read_trace(path)
     have = (tuple(trace.layers), trace.num_experts)
     want = (tuple(model.moe_layers), model.num_experts)
     if have != want:
-        raise ValueError(f"--frequencies-from {path}: the trace has MoE layers {list(have[0])} with {have[1]} experts, "
+        raise ValueError(f"--profile-trace {path}: the trace has MoE layers {list(have[0])} with {have[1]} experts, "
                          f"the model {list(want[0])} with {want[1]}: use a trace recorded from this model")
-    return Workload(trace, WorkloadConfig()).frequencies()
+    return trace_frequencies(trace)
 
 
 def _segment_rule(ids, num_experts):
