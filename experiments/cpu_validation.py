@@ -2,7 +2,8 @@
 
     python experiments/cpu_validation.py [--repeats 3] [--out DIR] [--shapes mixtral-8x7b,deepseek-v2-lite]
 
-For each model shape: a synthetic trace (4 sequences of 32 prompt + 16 generated tokens, the lookahead
+For each model shape: a synthetic trace (6 sequences of 32 prompt + 16 generated tokens: the first 2 are the
+profiling input (the default split), the other 4 are evaluated; the lookahead
 columns of every system), replayed at scale 1/4 on its first MoE layers, batch 4, by `dali exec
 validate` for cpu-only, gpu-lru, llamacpp, hybrimoe and dali; the first repeat calibrates the machine
 (the profile is kept), the others reuse that profile, so the repeats show the run-to-run spread of the
@@ -31,7 +32,9 @@ from dali_exec.executor.problem import ReplayOptions  # noqa: E402
 from dali_exec.executor.replay import ExecOptions  # noqa: E402
 from dali_exec.validate import ValidationConfig, validate  # noqa: E402
 from dali_exec.validate.compare import Thresholds  # noqa: E402
+from dali_sim.workload.profiling import total_sequences  # noqa: E402
 
+BATCH = 4
 SYSTEMS = ("cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali")
 THRESHOLDS = Thresholds(total=0.15, step_p90=0.25, order_margin=0.10)  # the targets
 
@@ -54,7 +57,7 @@ def loadavg() -> float:
 
 
 def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool) -> list[dict]:
-    spec = C.TraceSpec(shape.model, sequences=4, prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
+    spec = C.TraceSpec(shape.model, sequences=total_sequences(BATCH), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
                        seed=0)
     trace = C.get_trace(spec)
     replay = ReplayOptions(model_shape=shape.model, layers=2 if quick else shape.layers, scale=scale,
@@ -64,7 +67,7 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool) 
         folder = out / f"{shape.model}-r{rep}"
         before = loadavg()
         cfg = ValidationConfig(systems=SYSTEMS, replay=replay, run=ExecOptions(device="cpu"), profile=profile,
-                               batch_size=4, gpu_memory_gib=shape.gpu_memory_gib, timelines=False, plot=False,
+                               batch_size=BATCH, gpu_memory_gib=shape.gpu_memory_gib, timelines=False, plot=False,
                                thresholds=THRESHOLDS)
         report = validate(trace, cfg, folder, command=f"experiments/cpu_validation.py ({shape.model}, repeat {rep})",
                           log=C.progress)

@@ -36,6 +36,15 @@ from dali_sim.sim.engine import Activity
 ON_DEMAND, BACKGROUND = 0, 1  # lower first, as in the simulator's PCIe resource
 
 
+
+def copy_rows(dst_table: torch.Tensor, src_table: torch.Tensor, layer: int, rows, experts) -> None:
+    """``dst_table[rows[i]].copy_(src_table[layer, experts[i]])`` for every i, on the CPU device: row by row,
+    straight from the host store. A gather (``index_select``) and scatter (``index_copy_``) would first fill
+    a temporary of all the rows: measured 2-6x slower for four 22 MB experts on the 2-core development VM
+    (docs/executor.md, "Copies on the CPU device")."""
+    for row, expert in zip(rows, experts):
+        dst_table[row].copy_(src_table[layer, expert])
+
 class CopyTicket:
     """One request: one copy, or several copies issued back to back at one priority (a layer's on-demand
     copies); ``done`` is set once all have landed, ``landed`` counts those that have."""
@@ -161,7 +170,7 @@ class CopyEngine:
         ``after`` event (the last compute that read its row), and their end events are returned: a compute
         from a row waits for its event on the compute stream, the host never waits. On the CPU device
         (no DMA engine: the host copies) they are done now, in one gather and scatter when there are
-        several, and None is returned. ``previous``: background copies into these rows that may still be
+        several (:func:`copy_rows`), and None is returned. ``previous``: background copies into these rows that may still be
         queued; they are promoted and waited for first, so copies into a row land in order. ``pause``:
         a stopwatch, stopped while the copies themselves run (they are not bookkeeping)."""
         for t in previous or ():
@@ -181,10 +190,7 @@ class CopyEngine:
                 if self.delay_s:
                     time.sleep(self.delay_s * n)
                 start = self.timer.mark()
-                if n == 1:
-                    dst_table[rows[0]].copy_(src_table[layer, experts[0]])
-                else:
-                    dst_table.index_copy_(0, torch.tensor(rows), src_table[layer].index_select(0, torch.tensor(experts)))
+                copy_rows(dst_table, src_table, layer, rows, experts)
                 self.timer.add_copies("fetch", step, layer, experts, start, self.timer.mark())
                 return None
             ends = []
@@ -297,7 +303,7 @@ class CopyEngine:
 
     def _copy_at_once(self, t: CopyTicket, first: int, n: int) -> bool:
         """The CPU device: the rest of a background request whose copies all come from one layer of the host
-        store, as one gather and scatter, landed together, unless an on-demand request waits (then copy by
+        store, copied back to back (:func:`copy_rows`) and landed together, unless an on-demand request waits (then copy by
         copy, as on CUDA) or copies are delayed (tests)."""
         if self.stream is not None or self.delay_s or t.src_table is None or n - first < 2:
             return False
@@ -310,8 +316,7 @@ class CopyEngine:
                 return False
         dst_table, src_table = t.src_table
         start = self.timer.mark()
-        dst_table.index_copy_(0, torch.tensor(t.dsts[first:n]), src_table[layer].index_select(
-            0, torch.tensor(experts[first:n])))
+        copy_rows(dst_table, src_table, layer, t.dsts[first:n], experts[first:n])
         end = self.timer.mark()
         t.starts.extend([start] * (n - first))
         t.ends.extend([end] * (n - first))
