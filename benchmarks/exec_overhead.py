@@ -144,6 +144,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU device")
     ap.add_argument("--cpu-threads", type=int)
+    ap.add_argument("--precision", default="bf16",
+                    help="the full model's weight format for the memory plan (default bf16, as the tables in "
+                         "benchmarks/README.md were measured: at a model's 4-bit default the Qwen3 shape's experts "
+                         "all fit the GPU and nothing is staged)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="scale 1/16, 4 layers, 2 sequences x 16 tokens, 1 repeat")
     ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
         a.scale, a.layers, a.sequences, a.max_tokens, a.repeats = 1 / 16, 4, 2, 16, 1
     device = resolve_device(a.device)
     dtype = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    opts = ReplayOptions(layers=a.layers, scale=a.scale, sequences=a.sequences, max_tokens=a.max_tokens, dtype=dtype)
+    opts = ReplayOptions(layers=a.layers, scale=a.scale, sequences=a.sequences, max_tokens=a.max_tokens, dtype=dtype,
+                         precision=a.precision)
     run = ExecOptions(device=str(device), cpu_threads=a.cpu_threads)
     stores: dict = {}
     plain = [n for n in a.systems.split(",") if n]
