@@ -43,7 +43,11 @@ SYSTEMS: tuple[tuple[str, str, dict], ...] = (
     ("dali-plus", "dali-plus", {}),
     (OURS, OURS, {}),
     (f"{OURS}@pytorch-eager", OURS, {"system": {"implementation": "pytorch-eager"}}),
+    # the same engine for every policy (kt-sglang): what the policies alone are worth
+    *((f"{s}@kt-sglang", s, {"system": {"implementation": "kt-sglang"}})
+      for s in ("llamacpp-best", "hybrimoe-best", "fiddler-best", "dali", "dali-plus")),
 )
+ENGINE = "kt-sglang"
 RATIO = 0.5
 MIN_EVALUATED = 8
 
@@ -86,9 +90,13 @@ def run(args) -> pd.DataFrame:
                     C.progress(f"{model} bs={bs} {label}: skipped ({e})")
                     continue
                 C.progress(f"{model} bs={bs} {label}")
-                cell.append({"model": model, "batch_size": bs, "system": label,
-                             **one_run(trace, preset, bs, ov, args.seed)})
-            budget = max(r["used_gib"] for r in cell)
+                try:
+                    got = one_run(trace, preset, bs, ov, args.seed)
+                except Exception as e:  # noqa: BLE001  (a simulator failure is reported, not hidden)
+                    C.progress(f"  FAILED: {type(e).__name__}: {e}")
+                    got = {"decode_tokens_per_s": float("nan"), "error": f"{type(e).__name__}: {e}"}
+                cell.append({"model": model, "batch_size": bs, "system": label, **got})
+            budget = max(r["used_gib"] for r in cell if "error" not in r)
             C.progress(f"{model} bs={bs} lower-bound ({budget:.2f} GiB)")
             lb = one_run(trace, "lower-bound", bs, {"memory": {"gpu_memory_gib": budget}}, args.seed)
             cell.append({"model": model, "batch_size": bs, "system": "lower-bound", **lb, "used_gib": budget})
@@ -104,9 +112,9 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
         v = d.set_index("system")["decode_tokens_per_s"]
         row: dict = {"model": model, "batch": int(bs)}
         for c in COMPETITORS:
-            got = [v[r] for r in (c, f"{c}-best") if r in v]
+            got = [v[r] for r in (c, f"{c}-best") if r in v and np.isfinite(v[r])]
             row[c] = max(got) if got else float("nan")
-        comp = pd.Series({r: v[r] for r in READINGS if r in v})
+        comp = pd.Series({r: v[r] for r in READINGS if r in v and np.isfinite(v[r])})
         row["best competitor"] = f"{comp.idxmax()} {comp.max():.3g}" if len(comp) else "-"
         for s in ("dali", "dali-plus", OURS, f"{OURS}@pytorch-eager", "lower-bound"):
             row[s] = v.get(s, float("nan"))
@@ -114,6 +122,28 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
         row["ours / bound"] = row[OURS] / row["lower-bound"]
         out.append(row)
     return pd.DataFrame(out)
+
+
+def same_engine(df: pd.DataFrame) -> pd.DataFrame:
+    """Decode tokens/s of the policies on one engine (kt-sglang): ktransformers-best (its own), the other
+    strong readings and dali / dali-plus moved to it, ours, and our ratio to the best of them."""
+    cols = ["ktransformers-best"] + [f"{s}@{ENGINE}" for s in ("llamacpp-best", "hybrimoe-best", "fiddler-best",
+                                                               "dali", "dali-plus")]
+    out = []
+    for (model, bs), d in df.groupby(["model", "batch_size"], sort=False):
+        v = d.set_index("system")["decode_tokens_per_s"]
+        row = {"model": model, "batch": int(bs), **{c: v.get(c, float("nan")) for c in cols}, OURS: v.get(OURS)}
+        others = [v[c] for c in cols if c in v and np.isfinite(v[c]) and not c.startswith("dali")]
+        row["ours / best other"] = row[OURS] / max(others) if others else float("nan")
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def failures(df: pd.DataFrame) -> list[str]:
+    if "error" not in df or not df["error"].notna().any():
+        return []
+    bad = df[df["error"].notna()][["model", "batch_size", "system", "error"]]
+    return ["## Runs that failed (left out of the maxima)", C.markdown_table(bad)]
 
 
 def plot(df: pd.DataFrame):
@@ -168,6 +198,12 @@ def main(argv=None) -> int:
         "`link-budget@pytorch-eager` the same policies on DALI's implementation. `lower-bound` is the time "
         "bound (docs/bounds.md) at the GPU budget of the hungriest system of the cell.",
         C.markdown_table(head),
+        "## The policies alone: every one on the kt-sglang engine",
+        "Competitors' implementations differ (per-expert Python loops, CUDA graphs or not, pageable copies: "
+        "docs/hardware.md). Here the policies of the strongest readings run on `kt-sglang` like ours, so the "
+        "differences are the policies' own.",
+        C.markdown_table(same_engine(df)),
+        *failures(df),
         "## Every run",
         C.markdown_table(df[["model", "batch_size", "system", "decode_tokens_per_s", "prefill_tokens_per_s",
                              "hit_rate", "on_demand", "prefetch_issued", "swaps"]

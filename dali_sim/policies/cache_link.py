@@ -42,6 +42,9 @@ from dali_sim.policies.hybrimoe import _hss
 from dali_sim.policies.hybrimoe import _times as expert_costs
 
 
+ADMIT = ("better", "always")
+
+
 @dataclass(frozen=True)
 class LinkBudgetConfig(PolicyConfig):
     a: float = field(default=1 / 16, metadata={
@@ -53,6 +56,9 @@ class LinkBudgetConfig(PolicyConfig):
         "help": "link credit cap, in transfer times (>= 1 for any swap to happen; 0 = never swap)"})
     max_swaps: int = field(default=1, metadata={
         "help": "at most this many swaps after one layer visit (>= 0)"})
+    admit: str = field(default="better", metadata={
+        "help": "a fetched expert and a full cache: better = replace the worst evictable entry iff the fetched "
+                "one's expected saving is higher; always = replace it in any case (as HybriMoE's MRS cache)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.a, bool) or not isinstance(self.a, (int, float)) or not 0.0 < float(self.a) <= 1.0:
@@ -61,6 +67,8 @@ class LinkBudgetConfig(PolicyConfig):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"cache.{name} must be a number >= 0, got {v!r}")
+        if self.admit not in ADMIT:
+            raise ValueError(f"cache.admit must be one of {', '.join(ADMIT)}, got {self.admit!r}")
         if isinstance(self.max_swaps, bool) or not isinstance(self.max_swaps, int) or self.max_swaps < 0:
             raise ValueError(f"cache.max_swaps must be an integer >= 0, got {self.max_swaps!r}")
 
@@ -127,12 +135,15 @@ class LinkBudget(CachePolicy[LinkBudgetConfig]):
         cap = float(self.config.max_credit) * xfer
         duration, fetched = layer_estimate(view)
         prefetched = int(np.count_nonzero(view.pending))  # copies the layer's prefetches took
-        self.credit = min(cap, self.credit + duration - (fetched + prefetched) * xfer)
+        if fetched:  # on-demand copies: the link is on the critical path; a background copy would delay them
+            self.credit = min(self.credit, 0.0)
+        else:
+            self.credit = min(cap, self.credit + duration - prefetched * xfer)
 
     def victim(self, layer: int, expert: int, view: LayerView, evictable: np.ndarray) -> int | None:
         sav = self.saving[layer]
         worst = int(evictable[np.lexsort((evictable, sav[evictable]))[0]])  # lowest saving; ties: lower id
-        return worst if sav[expert] > sav[worst] else None
+        return worst if self.config.admit == "always" or sav[expert] > sav[worst] else None
 
     def rebalance(self, view: LayerView, resident: np.ndarray) -> list[tuple[int, int]]:
         if self.config.max_swaps == 0:
