@@ -50,7 +50,7 @@ class LinkBudgetConfig(PolicyConfig):
     a: float = field(default=1 / 16, metadata={
         "help": "weight of the current visit in the moving average of each expert's token share (0 < a <= 1); "
                 "1 / a visits is the horizon over which a swap must pay"})
-    min_gain: float = field(default=1.0, metadata={
+    min_gain: float = field(default=0.0, metadata={
         "help": "a swap must save at least this many transfer times over the horizon (>= 0)"})
     max_credit: float = field(default=2.0, metadata={
         "help": "link credit cap, in transfer times (>= 1 for any swap to happen; 0 = never swap)"})
