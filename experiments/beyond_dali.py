@@ -36,6 +36,7 @@ NAME = "beyond_dali"
 COMPETITORS = ("llamacpp", "ktransformers", "hybrimoe", "fiddler", "moe-lightning", "mixtral-offloading")
 READINGS = tuple(r for c in COMPETITORS for r in (c, f"{c}-best"))
 OURS = "link-budget"
+ENGINE = "kt-sglang"
 #: (label, preset, overrides beside the cache ratio)
 SYSTEMS: tuple[tuple[str, str, dict], ...] = (
     *((r, r, {}) for r in READINGS),
@@ -47,9 +48,24 @@ SYSTEMS: tuple[tuple[str, str, dict], ...] = (
     *((f"{s}@kt-sglang", s, {"system": {"implementation": "kt-sglang"}})
       for s in ("llamacpp-best", "hybrimoe-best", "fiddler-best", "dali", "dali-plus")),
 )
-ENGINE = "kt-sglang"
 RATIO = 0.5
 MIN_EVALUATED = 8
+#: where dali loses time: one change at a time, from the paper's dali to ours (each step keeps the earlier ones)
+ABLATION: tuple[tuple[str, str, dict], ...] = (
+    ("dali (paper)", "dali", {}),
+    ("dali-plus (gated prefetch)", "dali-plus", {}),
+    ("dali, no prefetch", "dali", {"prefetch": {"policy": "none"}}),
+    ("+ no window swaps (u=0)", "dali", {"prefetch": {"policy": "none"}, "cache": {"u": 0}}),
+    ("+ profile's frequent experts to start", "dali", {"prefetch": {"policy": "none"}, "cache": {"u": 0},
+                                                       "memory": {"cache_init": "frequency"}}),
+    ("+ kt-sglang engine", "dali", {"prefetch": {"policy": "none"}, "cache": {"u": 0},
+                                    "memory": {"cache_init": "frequency"}, "system": {"implementation": ENGINE}}),
+    ("+ HybriMoE's schedule (HSS)", "dali", {"prefetch": {"policy": "none"}, "cache": {"u": 0},
+                                             "memory": {"cache_init": "frequency"},
+                                             "system": {"implementation": ENGINE},
+                                             "placement": {"policy": "hybrimoe", "mode": "hss"}}),
+    ("+ link-budget cache = ours", OURS, {}),
+)
 
 
 def trace_for(model: str, batch_size: int, args) -> C.TraceSpec:
@@ -101,6 +117,19 @@ def run(args) -> pd.DataFrame:
             lb = one_run(trace, "lower-bound", bs, {"memory": {"gpu_memory_gib": budget}}, args.seed)
             cell.append({"model": model, "batch_size": bs, "system": "lower-bound", **lb, "used_gib": budget})
             rows.extend(cell)
+    return pd.DataFrame(rows)
+
+
+def run_ablation(args) -> pd.DataFrame:
+    rows = []
+    for model in args.models:
+        for bs in args.ablation_batch_sizes:
+            trace = C.get_trace(trace_for(model, bs, args), quiet=False)
+            for label, preset, extra in ABLATION:
+                ov = {**extra, "memory": {"cache_ratio": RATIO, **extra.get("memory", {})}}
+                C.progress(f"ablation {model} bs={bs} {label}")
+                rows.append({"model": model, "batch_size": bs, "step": label,
+                             **one_run(trace, preset, bs, ov, args.seed)})
     return pd.DataFrame(rows)
 
 
@@ -181,9 +210,44 @@ def main(argv=None) -> int:
     p.add_argument("--systems", type=C.str_list, default=[s[0] for s in SYSTEMS])
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--ablation-batch-sizes", type=C.int_list, default=[1, 16])
+    p.add_argument("--part", choices=("all", "grid", "ablation"), default="all",
+                   help="grid: every system at every batch size; ablation: from dali to ours one change at a time")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.batch_sizes, args.prompt_len, args.gen_len = ["mixtral-8x7b"], [1, 4], 8, 4
+        args.ablation_batch_sizes = [1]
+    if args.part in ("all", "ablation"):
+        ablation_outputs(args)
+    if args.part in ("all", "grid"):
+        grid_outputs(args)
+    return 0
+
+
+def ablation_outputs(args) -> None:
+    t0 = time.perf_counter()
+    df = run_ablation(args)
+    cols = ["model", "batch_size", "step", "decode_tokens_per_s", "hit_rate", "on_demand", "prefetch_issued",
+            "swaps"] + [c for c in ("busy_gpu", "busy_cpu", "busy_pcie", "busy_host") if c in df]
+    md = ["# Where dali loses time: from dali to ours, one change at a time (simulated)",
+          "Decode tokens/s per sequence and the busy share of each lane (`summary.busy`: gpu, cpu, pcie = the "
+          "host-to-GPU link, host = the implementation's own host work) on the setup of beyond_dali.md. Each "
+          "row keeps the changes of the rows above it (the second row, dali-plus, is a side branch).",
+          C.markdown_table(df[cols]), f"Runtime: {time.perf_counter() - t0:.0f} s."]
+    specs = list(dict.fromkeys(trace_for(m, b, args) for m in args.models for b in args.ablation_batch_sizes))
+    manifest = C.base_manifest(f"{NAME}_ablation", args, specs, cache_ratio=RATIO, min_evaluated=MIN_EVALUATED,
+                               steps=[{"label": a, "preset": b, "overrides": c} for a, b, c in ABLATION])
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for (model, bs), d in df.groupby(["model", "batch_size"], sort=False):
+        ax.plot(range(len(d)), d["decode_tokens_per_s"].to_numpy(), marker="o", label=f"{model} b{bs}")
+    S.tick_labels(ax, list(range(len(ABLATION))), [a for a, _, _ in ABLATION])
+    ax.set_ylabel("decode tokens/s per sequence")
+    S.log_y(ax)
+    ax.legend(fontsize=7)
+    C.write_outputs(args.out, f"{NAME}_ablation", df, fig, md, manifest, show=df[cols])
+
+
+def grid_outputs(args) -> None:
     t0 = time.perf_counter()
     df = run(args)
     head = headline(df)
@@ -215,7 +279,6 @@ def main(argv=None) -> int:
                                systems=[{"label": s[0], "preset": s[1], "overrides": s[2]} for s in SYSTEMS
                                         if s[0] in args.systems])
     C.write_outputs(args.out, NAME, df, plot(df), md, manifest, show=head)
-    return 0
 
 
 if __name__ == "__main__":
