@@ -18,14 +18,16 @@ that are free or paid for:
 * **Admission** (free: the weights are on the GPU already): an expert fetched on demand enters a full
   cache iff its saving beats the lowest saving among the evictable entries, which it replaces.
 * **Swaps** (paid: one copy each, at background priority): after a layer's visit, the best outsider
-  replaces the worst resident iff the saving difference summed over the score's horizon ``1 / a``
-  visits exceeds ``min_gain`` transfer times, and the *link credit* holds a transfer. The credit is
-  the policy's own estimate of the link's idle time: every visit adds the estimated duration of the
-  layer (the dense part at its token count plus the larger of the lanes, resident experts on the GPU
-  and the others on the CPU) and subtracts one transfer per activated expert that is not resident and
-  that the cost model says is worth fetching (``t_cpu(n) > transfer + t_gpu(n)``); it is capped at
-  ``max_credit`` transfers (idle time cannot be saved up for long: a copy issued late delays the
-  on-demand copies behind it, the link being non-preemptive) and each swap spends one transfer.
+  replaces the worst resident iff its saving is higher (by more than ``min_gain`` transfer times summed
+  over the score's horizon of ``1 / a`` visits; default 0) and the *link credit* holds a transfer. The
+  credit is the policy's own estimate of the link's idle time. Each visit runs HybriMoE's schedule (the
+  placement of the ``link-budget`` preset, :func:`dali_sim.policies.hybrimoe.hybrid_schedule`) on the view: if it
+  fetches any expert on demand the link is on the critical path and the credit drops to at most 0 (a
+  background copy would hold up those copies: the link is non-preemptive); otherwise the credit grows
+  by the estimated duration of the visit (the dense part at its token count plus the schedule's
+  makespan) less the copies the layer's prefetches took, up to ``max_credit`` transfers. Each swap
+  spends one transfer. So at batch 1, where no copy pays on demand, the idle link refreshes the cache;
+  at large batches, where the link carries on-demand copies, the cache only admits what was fetched.
 
 Everything is computed from the cost model (``CostModel.expert_time``, ``expert_transfer_time``,
 ``dense_time``) and the view; no clock is read and no evaluated data is seen.
@@ -38,8 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dali_sim.policies.base import CACHES, CachePolicy, LayerView, PolicyConfig, SetupContext, registered
-from dali_sim.policies.hybrimoe import _hss
-from dali_sim.policies.hybrimoe import _times as expert_costs
+from dali_sim.policies.hybrimoe import hybrid_schedule
 
 
 ADMIT = ("better", "always")
@@ -91,7 +92,7 @@ def expected_saving(share: np.ndarray, tokens: int, costs) -> np.ndarray:
 def layer_estimate(view: LayerView) -> tuple[float, int]:
     """The policy's estimate of a layer visit: its duration (the dense part at its token count, no
     context, plus the makespan of HybriMoE's schedule, the placement of the ``ours`` preset) and the
-    on-demand copies that schedule makes (:func:`dali_sim.policies.hybrimoe._hss`, the same inputs)."""
+    on-demand copies that schedule makes (:func:`hybrid_schedule`, mode ``hss``, on the placement's inputs)."""
     costs = view.costs
     dense = float(costs.dense_time("gpu", max(view.tokens, 1)))
     counts = np.asarray(view.counts, dtype=np.int64)
@@ -99,9 +100,10 @@ def layer_estimate(view: LayerView) -> tuple[float, int]:
         return dense, 0
     experts = np.asarray(view.experts)
     cached = np.asarray(view.resident, dtype=bool)[experts] | np.asarray(view.pending, dtype=bool)[experts]
-    t_gpu, t_cpu, xfer = expert_costs(costs, counts)
-    _, fetched, gpu_end, cpu_end = _hss(counts, cached, t_gpu, t_cpu, xfer)
-    return dense + max(gpu_end, cpu_end), int(np.count_nonzero(fetched))
+    t_gpu = np.asarray(costs.expert_time("gpu", counts), dtype=float).reshape(counts.shape)
+    t_cpu = np.asarray(costs.expert_time("cpu", counts), dtype=float).reshape(counts.shape)
+    plan = hybrid_schedule(counts, cached, t_gpu, t_cpu, float(costs.expert_transfer_time()), "hss")
+    return dense + plan.makespan, int(np.count_nonzero(plan.fetched))
 
 
 @registered(CACHES)
