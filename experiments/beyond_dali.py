@@ -215,7 +215,7 @@ def main(argv=None) -> int:
                    help="grid: every system at every batch size; ablation: from dali to ours one change at a time")
     args = p.parse_args(argv)
     if args.quick:
-        args.models, args.batch_sizes, args.prompt_len, args.gen_len = ["mixtral-8x7b"], [1, 4], 8, 4
+        args.models, args.batch_sizes, args.prompt_len, args.gen_len = ["mixtral-8x7b"], [1], 8, 4
         args.ablation_batch_sizes = [1]
     if args.part in ("all", "ablation"):
         ablation_outputs(args)
