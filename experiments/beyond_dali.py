@@ -68,6 +68,11 @@ ABLATION: tuple[tuple[str, str, dict], ...] = (
 )
 
 
+def with_ratio(extra: dict) -> dict:
+    """``extra`` with the matched-memory cache ratio added to its memory section."""
+    return {**extra, "memory": {"cache_ratio": RATIO, **extra.get("memory", {})}}
+
+
 def trace_for(model: str, batch_size: int, args) -> C.TraceSpec:
     evaluated = max(batch_size, MIN_EVALUATED)
     return C.TraceSpec(model, C.sequences_for(evaluated), args.prompt_len, args.gen_len, args.seed)
@@ -84,8 +89,6 @@ def one_run(trace, preset: str, batch_size: int, overrides: dict, seed: int) -> 
             "swaps": s.get("swaps", float("nan")),
             **{f"busy_{k}": float(v) for k, v in busy.items()},
             "used_gib": float(r.manifest["memory"].get("used_gib", float("nan"))),
-            "implementation": r.manifest.get("implementation", {}).get("name", "")
-            if isinstance(r.manifest.get("implementation"), dict) else str(r.manifest.get("implementation", "")),
             "sim_wall_s": time.perf_counter() - t0}
 
 
@@ -99,7 +102,7 @@ def run(args) -> pd.DataFrame:
             for label, preset, extra in SYSTEMS:
                 if label not in args.systems:
                     continue
-                ov = {"memory": {"cache_ratio": RATIO}, **extra}
+                ov = with_ratio(extra)
                 try:
                     resolve_system(preset, ov, trace.model)
                 except ValueError as e:  # a reading that cannot run this model (e.g. a missing column)
@@ -126,7 +129,7 @@ def run_ablation(args) -> pd.DataFrame:
         for bs in args.ablation_batch_sizes:
             trace = C.get_trace(trace_for(model, bs, args), quiet=False)
             for label, preset, extra in ABLATION:
-                ov = {**extra, "memory": {"cache_ratio": RATIO, **extra.get("memory", {})}}
+                ov = with_ratio(extra)
                 C.progress(f"ablation {model} bs={bs} {label}")
                 rows.append({"model": model, "batch_size": bs, "step": label,
                              **one_run(trace, preset, bs, ov, args.seed)})
@@ -214,6 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--part", choices=("all", "grid", "ablation"), default="all",
                    help="grid: every system at every batch size; ablation: from dali to ours one change at a time")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.systems) - {s[0] for s in SYSTEMS})
+    if unknown:
+        p.error(f"unknown systems {unknown}; choose from {', '.join(s[0] for s in SYSTEMS)}")
     if args.quick:
         args.models, args.batch_sizes, args.prompt_len, args.gen_len = ["mixtral-8x7b"], [1], 8, 4
         args.ablation_batch_sizes = [1]

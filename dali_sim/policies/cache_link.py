@@ -91,7 +91,7 @@ def expected_saving(share: np.ndarray, tokens: int, costs) -> np.ndarray:
 
 def layer_estimate(view: LayerView) -> tuple[float, int]:
     """The policy's estimate of a layer visit: its duration (the dense part at its token count, no
-    context, plus the makespan of HybriMoE's schedule, the placement of the ``ours`` preset) and the
+    context, plus the makespan of HybriMoE's schedule, the placement of the ``link-budget`` preset) and the
     on-demand copies that schedule makes (:func:`hybrid_schedule`, mode ``hss``, on the placement's inputs)."""
     costs = view.costs
     dense = float(costs.dense_time("gpu", max(view.tokens, 1)))
@@ -123,7 +123,6 @@ class LinkBudget(CachePolicy[LinkBudgetConfig]):
         self.share = share * ctx.top_k
         self.saving = np.zeros_like(self.share)  # expected saving per visit at the current step, per layer
         self.credit = 0.0
-        self.swaps_made = 0
 
     def observe(self, view: LayerView) -> None:
         a = float(self.config.a)
@@ -168,5 +167,4 @@ class LinkBudget(CachePolicy[LinkBudgetConfig]):
                 break  # later pairs gain less
             swaps.append((e_in, e_out))
             self.credit -= xfer
-        self.swaps_made += len(swaps)
         return swaps
