@@ -89,6 +89,7 @@ def one_run(trace, preset: str, batch_size: int, overrides: dict, seed: int) -> 
             "swaps": s.get("swaps", float("nan")),
             **{f"busy_{k}": float(v) for k, v in busy.items()},
             "used_gib": float(r.manifest["memory"].get("used_gib", float("nan"))),
+            "implementation": (r.manifest.get("implementation") or {}).get("name", ""),
             "sim_wall_s": time.perf_counter() - t0}
 
 
