@@ -20,6 +20,7 @@ import numpy as np
 SYSTEM_COLORS: dict[str, str] = {
     "dali": "#1f77b4",  # blue
     "dali-plus": "#2ca02c",  # green
+    "link-budget": "#6b8e23",  # olive drab: ours beyond DALI
     "oracle-heuristic": "#555555",  # dark grey: a reference point that reads the future
     "lower-bound": "#000000",  # black: a bound
     "llamacpp": "#ff7f0e",  # orange

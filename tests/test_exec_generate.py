@@ -160,6 +160,8 @@ EXPECT = {
     # whose other sequence has stopped) may use the CPU
     "hybrimoe": lambda s: s["hits"] > 0 and s["on_demand"] > 0,
     "hybrimoe-best": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0,
+    # ours: HybriMoE's schedule with the link-budget cache (its swaps depend on the costs)
+    "link-budget": lambda s: s["cpu_experts"] > 0 and s["hits"] > 0,
 }
 #: presets that prefetch (checked on the main families: with 2 MoE layers HybriMoE finds nothing worth it)
 PREFETCHING = ("dali", "dali-plus", "hybrimoe", "hybrimoe-best", "mixtral-offloading-best", "moe-lightning-best")

@@ -247,6 +247,13 @@ PINS = {
     # everything: exactly the numbers of the former wg = 0 preset's default, (0, 17, 35, 16, 0, 33, 109.0)
     # and (0, 13, 20, 14, 0, 27, 72.5). moe-lightning-best keeps each layer's most frequent experts
     # (static, the sets of ktransformers-best: 15 hits at batch 1) and streams the others
+    # link-budget (ours): HybriMoE's schedule with the link-budget cache. default (all resident): no outsider
+    # to swap in, nothing to fetch, so hybrimoe-best's schedule and time (43 s, 37 s; derived by hand there);
+    # small: regression pins (the profile's most frequent experts to start, swaps paid from idle link time)
+    ('link-budget', 'default', 1): (33, 0, 0, 0, 0, 29, 43.0),
+    ('link-budget', 'default', 2): (27, 0, 0, 0, 0, 21, 37.0),
+    ('link-budget', 'small', 1): (14, 13, 0, 0, 0, 27, 54.0),
+    ('link-budget', 'small', 2): (11, 9, 0, 0, 0, 20, 41.0),
     ('moe-lightning', 'default', 1): (33, 0, 0, 0, 0, 33, 47.0),
     ('moe-lightning', 'default', 2): (27, 0, 0, 0, 0, 27, 44.0),
     ('moe-lightning', 'small', 1): (0, 17, 35, 16, 0, 33, 109.0),

@@ -250,7 +250,7 @@ def test_no_timeline_unless_asked(traces):
      r"memory\.cache_init must be one of empty, random, frequency, frequency-hindsight"),
     ("gpu-lru", {"memory": {"cache_ratio": "0.5", "cache_experts": "2"}}, ValueError, r"cache_ratio or memory\.cache_experts, not both"),
     ("gpu-lru", {"memory": {"staging_slots": "-2"}}, ValueError, r"memory.staging_slots must be >= 0 \(or -1 = one layer.s experts\), got -2"),
-    ("gpu-lru", {"cache": {"policy": "nope"}}, UnknownNameError, r"unknown cache policy 'nope'; known: .*lfu, lru, optimal, static"),
+    ("gpu-lru", {"cache": {"policy": "nope"}}, UnknownNameError, r"unknown cache policy 'nope'; known: .*lfu, link-budget, lru, optimal, static"),
     ("gpu-lfu", {"cache": {"count": "bytes"}}, ValueError, r"cache\.count must be 'tokens' or 'activations', got 'bytes'"),
     ("gpu-lru", {"memory": {"cache_experts": "0", "staging_slots": "0"}}, ValueError, r"memory\.staging_slots is 0"),
     ("llamacpp", {"placement": {"cpu_layers": "5"}}, ValueError, r"placement\.cpu_layers=5 is not in 0\.\.2"),

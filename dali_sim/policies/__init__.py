@@ -7,6 +7,7 @@ from dali_sim.policies import (  # noqa: F401  (registration)
     cache,
     cache_belady,
     cache_dali,
+    cache_link,
     cache_optimal,
     hybrimoe,
     placement,
