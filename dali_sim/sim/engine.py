@@ -229,7 +229,14 @@ class SimEngine:
                 start = self.env.now
                 yield self._copy()
                 self._log_expert("pcie", start, self.env.now, "writeback", plan, e)
+        staged_left = sum(1 for _, staged, _ in fetches if staged)
+
+        def all_can_start():  # every copy left can start without waiting for a staging buffer
+            if not signal[1].triggered and staged_left <= self.staging.capacity - self.staging.count:
+                signal[1].succeed()
+
         for e, staged, done in fetches:
+            all_can_start()
             if staged:
                 if self.staging.count >= self.staging.capacity and link is not None:
                     self.pcie.release(link)
@@ -237,6 +244,8 @@ class SimEngine:
                 req = self.staging.request()
                 yield req
                 staging[e] = req
+                staged_left -= 1
+                all_can_start()
             if link is None:
                 link = self.pcie.request(priority=ON_DEMAND)
                 yield link
@@ -330,7 +339,11 @@ class SimEngine:
         for e, _, ev in events:
             ready[e] = ev
         staging: dict[int, object] = {}
-        signal = [env.event()]  # fires when any of this layer's copies lands; re-armed after each wait
+        # signal[0] fires when any of this layer's copies lands (re-armed after each wait); signal[1] once
+        # every copy left can start without waiting for a staging buffer (a lane that waits for them all)
+        signal = [env.event(), env.event()]
+        if sum(1 for _, staged in fetches if staged) <= self.staging.capacity - self.staging.count:
+            signal[1].succeed()  # known now (the copying process starts later)
         copying = None
         if events or (self.writeback and plan.evicted):
             copying = env.process(self._on_demand(plan, events, staging, signal))
@@ -338,16 +351,22 @@ class SimEngine:
             yield from self._compute("gpu", d, what)
         own = {id(ev) for _, _, ev in events}
         remaining = list(ready)  # touch order
-        if self.waits_all:
-            pending = [ev for ev in ready.values() if ev is not None and not ev.triggered]
-            if copying is not None:
-                pending.append(copying)  # the write-backs too
-            if pending:
-                start = env.now
-                yield env.all_of(pending)
-                self.layer_wait[plan.layer] += env.now - start
+        waited_all = not self.waits_all
         group_left = 0  # experts left in the current call on what has landed (gpu_calls = landed)
         while remaining:
+            if not waited_all and signal[1].triggered:
+                # a grouped launch needs every expert's weights: once no copy waits for a staging buffer,
+                # wait for all of them; until then what is present runs, freeing its staging buffer (as
+                # the direct path: _gpu_lane_end)
+                waited_all = True
+                pending = [ev for ev in ready.values() if ev is not None and not ev.triggered]
+                if copying is not None:
+                    pending.append(copying)  # the write-backs too
+                if pending:
+                    start = env.now
+                    yield env.all_of(pending)
+                    self.layer_wait[plan.layer] += env.now - start
+                continue
             e = next((x for x in remaining if ready[x] is None or ready[x].triggered), None)
             if e is None:
                 start = env.now
@@ -364,7 +383,10 @@ class SimEngine:
             remaining.remove(e)
             yield from self._gpu_compute(plan, e, counts[e])
             if e in staging:
-                self.staging.release(staging.pop(e))
+                freed = self.staging.release(staging.pop(e))
+                if not waited_all:  # the copy waiting for this buffer takes it first (signal[1], as the direct path)
+                    yield freed  # its request is granted when the release is processed,
+                    yield env.timeout(0)  # and it resumes before this lane does
         yield from self._compute("gpu", self._gpu_epilogue(plan), Activity("handoff", plan.step, plan.layer))
 
     def _uncontended(self, ready) -> bool:
