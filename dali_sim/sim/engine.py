@@ -298,25 +298,14 @@ class SimEngine:
             if d > 0:
                 self._log("cpu", t, t + d, Activity(kind, plan.step, plan.layer))
                 t += d
-        for e, n in lane.experts:
-            d = self._expert_time("cpu", n)
-            self._log_expert("cpu", t, t + d, "expert", plan, e, n)
-            t += d
-        if lane.handoff_out > 0:
-            self._log("cpu", t, t + lane.handoff_out, Activity("handoff", plan.step, plan.layer))
-            t += lane.handoff_out
-        return t
-
-    def _cpu_lane_end_compiled(self, plan: LayerPlan, lane: _CpuLane | None, t: float) -> float:
-        """:meth:`_cpu_lane_end` with the experts' loop compiled (no timeline)."""
-        if lane is None:
-            return t
-        for d, kind in ((lane.handoff_in, "handoff"), (lane.overhead, "overhead")):
-            if d > 0:
-                self._log("cpu", t, t + d, Activity(kind, plan.step, plan.layer))
+        if self.kernels is not None:  # the experts' loop compiled (no timeline)
+            t = float(self.kernels[0](t, self._expert_times("cpu", lane.counts), self.busy))
+            self.events += len(lane.counts)
+        else:
+            for e, n in lane.experts:
+                d = self._expert_time("cpu", n)
+                self._log_expert("cpu", t, t + d, "expert", plan, e, n)
                 t += d
-        t = float(self.kernels[0](t, self._expert_times("cpu", lane.counts), self.busy))
-        self.events += len(lane.counts)
         if lane.handoff_out > 0:
             self._log("cpu", t, t + lane.handoff_out, Activity("handoff", plan.step, plan.layer))
             t += lane.handoff_out
@@ -547,7 +536,7 @@ class SimEngine:
             t = now + host
             self._log(self.dense_device, t, t + dense, dense_what)
             lanes = t + dense
-            cpu_end = (self._cpu_lane_end if self.kernels is None else self._cpu_lane_end_compiled)(plan, cpu, lanes)
+            cpu_end = self._cpu_lane_end(plan, cpu, lanes)
             gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, ready, counts,
                                             fetches, prologue)
             yield env.timeout(max(cpu_end, gpu_end) - now)

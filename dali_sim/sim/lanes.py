@@ -1,6 +1,6 @@
 """The engine's direct lane rules (a layer nothing can interfere with) as compiled loops.
 
-:meth:`SimEngine._cpu_lane_end <dali_sim.sim.engine.SimEngine._cpu_lane_end>` and
+The Python loops of :meth:`SimEngine._cpu_lane_end <dali_sim.sim.engine.SimEngine._cpu_lane_end>` and
 :meth:`SimEngine._gpu_lane_end <dali_sim.sim.engine.SimEngine._gpu_lane_end>` are the reference: they
 also record a timeline. These loops compute the same lane ends, busy seconds, waits and event counts
 without one, in float64 operations in the same order (no fast-math), so results are identical bit for
