@@ -186,7 +186,7 @@ def test_solver_status_is_checked(monkeypatch):
     monkeypatch.setattr("scipy.optimize.milp", stopped)  # imported by the solver when it runs
     n = popt.ENUMERATE_MAX + 1  # small layers are enumerated, larger ones go to HiGHS
     with pytest.raises(SolverError, match="status 1.*time_limit_s"):
-        optimal_assign(np.arange(1, n + 1), np.arange(n, 0, -1))
+        optimal_assign(np.arange(1, n + 1), np.arange(n, 0, -1), solver="milp")
 
 
 def test_milp_and_enumeration_agree():
@@ -196,9 +196,101 @@ def test_milp_and_enumeration_agree():
     for _ in range(5):
         a = rng.integers(0, 60, 14).astype(float)
         b = rng.integers(0, 60, 14).astype(float)
-        via_milp = optimal_assign(a, b)
+        via_milp = optimal_assign(a, b, solver="milp")
         via_enum = popt._enumerate(a, b, np.zeros(14, bool), None)
         assert max(a[via_milp].sum(), b[~via_milp].sum()) == max(a[via_enum].sum(), b[~via_enum].sum())
+
+
+# ---- the type DP (solver = dp) against the enumeration and HiGHS ------------------------------
+def canonical(tg, tc, needs):
+    order = np.lexsort((np.arange(len(tg)), needs, tc, tg))
+    return tg[order], tc[order], needs[order]
+
+
+def random_layer(rng, n: int, integer: bool):
+    """Times in canonical order: small integers (many exact ties) or floats; max_new binding or None."""
+    if integer:
+        tg, tc = rng.integers(0, 8, n).astype(float), rng.integers(0, 8, n).astype(float)
+    else:
+        tg, tc = rng.uniform(1e-5, 1e-2, n), rng.uniform(1e-5, 1e-2, n)
+    tg, tc, needs = canonical(tg, tc, rng.random(n) < 0.5)
+    max_new = None if rng.random() < 0.4 else int(rng.integers(0, n + 1))
+    if max_new is not None and max_new >= int(needs.sum()):
+        max_new = None  # as Optimal.place passes it
+    return tg, tc, needs, max_new
+
+
+def test_dp_matches_enumeration_on_400_random_small_layers():
+    # the same mask, not only the same optimum: the first optimal assignment in mask order, ties included
+    rng = np.random.default_rng(13)
+    for i in range(400):
+        tg, tc, needs, max_new = random_layer(rng, int(rng.integers(1, popt.ENUMERATE_MAX + 1)), integer=i % 2 == 0)
+        want = popt._enumerate(tg, tc, needs, max_new)
+        for kernel in (popt._types_dp, None):  # the plain Python reference and the compiled kernel
+            got = popt.dp_assign(tg, tc, needs, max_new, kernel=kernel)
+            assert got.tolist() == want.tolist(), (i, tg, tc, needs, max_new)
+
+
+def _dp_against_milp(cases) -> int:
+    for tg, tc, needs, max_new in cases:
+        got = popt.dp_assign(tg, tc, needs, max_new)
+        ref = popt._milp(tg, tc, needs, max_new, 10.0)
+        if max_new is not None:
+            assert int((got & needs).sum()) <= max_new
+        opt = makespan(ref, tg, tc)
+        assert makespan(got, tg, tc) == pytest.approx(opt, rel=1e-9, abs=0)
+    return len(cases)
+
+
+def test_dp_matches_milp_on_random_layers():
+    rng = np.random.default_rng(5)
+    cases = [random_layer(rng, int(rng.integers(13, 40)), integer=i % 2 == 0) for i in range(30)]
+    assert _dp_against_milp(cases) == 30
+
+
+@pytest.mark.slow
+def test_dp_matches_milp_on_300_random_layers():
+    rng = np.random.default_rng(6)
+    cases = [random_layer(rng, int(rng.integers(13, 100)), integer=i % 3 == 0) for i in range(300)]
+    assert _dp_against_milp(cases) == 300
+
+
+def recorded_layers(monkeypatch, trace: Path, batch: int) -> list:
+    """The distinct layers of more than ENUMERATE_MAX experts that oracle-heuristic's placement solves on
+    ``trace`` (canonical order, as Optimal.place passes them)."""
+    from dali_sim.runtime.future import FutureDemand
+
+    seen = []
+    solve = popt._solve
+
+    def recording(g, c, b, max_new, time_limit, solver="dp"):
+        if len(g) > popt.ENUMERATE_MAX:
+            seen.append((g.copy(), c.copy(), b.copy(), max_new))
+        return solve(g, c, b, max_new, time_limit, solver)
+
+    monkeypatch.setattr(popt, "_solve", recording)
+    t = read_trace(trace)
+    future = FutureDemand.from_workload(Workload(t, WorkloadConfig(batch, 0)))
+    for policy in ("optimal", "optimal-mem"):
+        simulate(t, "oracle-heuristic", batch_size=batch, profiling=WHOLE, future=future,
+                 overrides={"placement": {"policy": policy}})
+    return seen
+
+
+@pytest.mark.slow
+def test_dp_matches_milp_on_recorded_layers(monkeypatch):
+    # the shipped dali-tiny-moe trace at batch 16 (prefill layers of up to 32 experts) and gpt-oss-20b at batch 4
+    cases = recorded_layers(monkeypatch, REPO / "traces" / "dali-tiny-moe.parquet", 16)
+    cases += recorded_layers(monkeypatch, GPT_OSS, 4)
+    assert _dp_against_milp(cases) >= 300
+
+
+def test_solver_config_is_checked():
+    assert PLACEMENTS.get("optimal").Config().solver == "dp"
+    with pytest.raises(ValueError, match="placement.solver must be one of dp, milp"):
+        PLACEMENTS.get("optimal").Config(solver="highs")
+    with pytest.raises(ValueError, match="solver must be one of"):
+        optimal_assign([1.0], [1.0], solver="x")
 
 
 # ---- the policies on LayerViews -------------------------------------------------------------

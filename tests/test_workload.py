@@ -291,3 +291,29 @@ def test_batch_mixing_prefill_and_decode_only_sequences(tmp_path):
         # step 1 layer 0: [3, 1] and [1, 0] -> 1 twice
         e, c, r = w.activated(1, 0)
         assert e.tolist() == [1, 3, 0] and c.tolist() == [2, 1, 1] and r.tolist() == [0, 0, 1]
+
+
+def test_sparse_counts_against_a_plain_reference():
+    # per (step, layer): each expert's count and best rank, ordered by (-count, best rank, id)
+    from dali_sim.workload.builder import _sparse_counts
+
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        S, L, E, k = (int(rng.integers(1, 12)), int(rng.integers(1, 5)), int(rng.integers(2, 40)),
+                      int(rng.integers(1, 9)))
+        m = int(rng.integers(0, 200))
+        step, layer = np.repeat(rng.integers(0, S, m), k), np.repeat(rng.integers(0, L, m), k)
+        ids = rng.integers(0, E, m * k).astype(np.int16)
+        ranks = np.tile(np.arange(k, dtype=np.int8), m)
+        got = _sparse_counts(step, layer, ids, ranks, S, L, E)
+        for seg in range(S * L):
+            sel = step * L + layer == seg
+            stats = {}
+            for e, r in zip(ids[sel].tolist(), ranks[sel].tolist()):
+                n, best = stats.get(e, (0, k))
+                stats[e] = (n + 1, min(best, r))
+            want = sorted(stats, key=lambda e: (-stats[e][0], stats[e][1], e))
+            lo, hi = got.ptr[seg], got.ptr[seg + 1]
+            assert got.expert[lo:hi].tolist() == want
+            assert got.count[lo:hi].tolist() == [stats[e][0] for e in want]
+            assert got.rank[lo:hi].tolist() == [stats[e][1] for e in want]

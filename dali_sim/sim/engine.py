@@ -31,12 +31,14 @@ import simpy
 from dali_sim.hardware.cost import CostModel
 from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, Controller, LayerPlan
 from dali_sim.sim.counters import PlanCounters
+from dali_sim.sim import lanes as lane_kernels
 from dali_sim.sim.fluid import FluidLanes
 from dali_sim.trace.schema import DECODE
 from dali_sim.workload.builder import Workload
 
 ON_DEMAND, BACKGROUND = 0, 1  # PCIe priorities (lower first)
-TRACKS = ("gpu", "cpu", "pcie", "host")
+TRACKS = ("gpu", "cpu", "pcie", "host")  # the order of SimEngine.busy (and of dali_sim.sim.lanes)
+TRACK_INDEX = {t: i for i, t in enumerate(TRACKS)}
 #: the lane of the contention model each track's activities load (the host work runs on the accelerator
 #: lane's thread)
 LANE_OF_TRACK = {"gpu": "gpu", "cpu": "cpu", "pcie": "h2d", "host": "gpu"}
@@ -106,6 +108,7 @@ class _CpuLane:
     overhead: float
     experts: list[tuple[int, int]]
     handoff_out: float
+    counts: np.ndarray  # the experts' token counts (int64), in lane order
 
 
 class SimEngine:
@@ -161,7 +164,9 @@ class SimEngine:
         L = workload.num_layers
         self.layer_time = np.zeros(L)
         self.layer_wait = np.zeros(L)
-        self.busy = dict.fromkeys(TRACKS, 0.0)
+        self.busy = np.zeros(len(TRACKS))  # seconds each track was busy, TRACKS order
+        # the direct lane rules compiled (same results, no timeline): dali_sim.sim.lanes
+        self.kernels = None if record else lane_kernels.compiled()
         self.events = 0
         self.intervals: list[Interval] = []
         self.arrivals: dict[tuple[int, int], simpy.Event] = {}
@@ -170,7 +175,7 @@ class SimEngine:
 
     # ---- primitives ---------------------------------------------------------------------------
     def _log(self, track: str, start: float, end: float, what: Activity) -> None:
-        self.busy[track] += end - start
+        self.busy[TRACK_INDEX[track]] += end - start
         self.events += 1
         if self.record:
             self.intervals.append(Interval(track, what.name(), start, end, what.args()))
@@ -178,7 +183,7 @@ class SimEngine:
     def _log_expert(self, track: str, start: float, end: float, kind: str, plan: LayerPlan, e: int,
                     tokens: int = 0) -> None:
         """``_log`` for the hot path: the Activity is built only when a timeline is recorded."""
-        self.busy[track] += end - start
+        self.busy[TRACK_INDEX[track]] += end - start
         self.events += 1
         if self.record:
             what = Activity(kind, plan.step, plan.layer, e, tokens=tokens)
@@ -187,6 +192,13 @@ class SimEngine:
     def _expert_time(self, device: str, n: int) -> float:
         table = self.gpu_table if device == "gpu" else self.cpu_table
         return float(table[n]) if n < len(table) else float(self.costs.expert_time(device, n))
+
+    def _expert_times(self, device: str, counts: np.ndarray) -> np.ndarray:
+        """:meth:`_expert_time` of each of ``counts`` (the same values)."""
+        table = self.gpu_table if device == "gpu" else self.cpu_table
+        if counts.size and int(counts.max()) >= len(table):
+            return np.array([self._expert_time(device, n) for n in counts.tolist()])
+        return table[counts]
 
     def _compute(self, track: str, duration: float, what: Activity, demand: float = 0.0):
         """One activity of ``duration`` seconds (alone) on ``track``, slowed while other lanes contend."""
@@ -259,14 +271,15 @@ class SimEngine:
             self.pcie.release(link)
 
     def _cpu_work(self, plan: LayerPlan) -> _CpuLane | None:
-        idx = np.flatnonzero(plan.source == CPU)
-        if not idx.size:
+        on_cpu = plan.source == CPU
+        if not on_cpu.any():
             return None
-        experts = [(int(plan.experts[i]), int(plan.counts[i])) for i in idx]
+        counts = plan.counts[on_cpu].astype(np.int64)
+        experts = list(zip(plan.experts[on_cpu].tolist(), counts.tolist()))
         off_dense = self.dense_device != "cpu"  # the lane's activations live on the dense device
-        pairs = sum(n for _, n in experts)
+        pairs = int(counts.sum())
         return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, self.lane_overhead["cpu"],
-                        experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0)
+                        experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
 
     def _gpu_prologue(self, plan: LayerPlan, n_gpu: int) -> list[tuple[float, Activity]]:
         """What the GPU lane runs before its experts: activations in (dense part on the CPU), the
@@ -294,10 +307,14 @@ class SimEngine:
             if d > 0:
                 self._log("cpu", t, t + d, Activity(kind, plan.step, plan.layer))
                 t += d
-        for e, n in lane.experts:
-            d = self._expert_time("cpu", n)
-            self._log_expert("cpu", t, t + d, "expert", plan, e, n)
-            t += d
+        if self.kernels is not None:  # the experts' loop compiled (no timeline)
+            t = float(self.kernels[0](t, self._expert_times("cpu", lane.counts), self.busy))
+            self.events += len(lane.counts)
+        else:
+            for e, n in lane.experts:
+                d = self._expert_time("cpu", n)
+                self._log_expert("cpu", t, t + d, "expert", plan, e, n)
+                t += d
         if lane.handoff_out > 0:
             self._log("cpu", t, t + lane.handoff_out, Activity("handoff", plan.step, plan.layer))
             t += lane.handoff_out
@@ -315,16 +332,14 @@ class SimEngine:
 
     def _gpu_sources(self, plan: LayerPlan):
         """GPU experts in touch order -> arrival event (None = present), on-demand copies, workloads."""
-        ready: dict[int, simpy.Event | None] = {}
-        fetches: list[tuple[int, bool]] = []
-        for i in np.flatnonzero(plan.on_gpu):
-            e, src = int(plan.experts[i]), plan.source[i]
-            if src == PREFETCHED:
-                ready[e] = self.arrivals.pop((plan.layer, e))
-            else:
-                ready[e] = None  # HIT; a FETCH gets its event on the event-by-event path
-                if src != HIT:
-                    fetches.append((e, bool(plan.staged[i])))
+        on_gpu = plan.on_gpu
+        experts = plan.experts[on_gpu]
+        source = plan.source[on_gpu]
+        ready: dict[int, simpy.Event | None] = dict.fromkeys(experts.tolist())  # HIT; a FETCH gets its event
+        for e in experts[source == PREFETCHED].tolist():  # on the event-by-event path
+            ready[e] = self.arrivals.pop((plan.layer, e))
+        fetch = (source != HIT) & (source != PREFETCHED)
+        fetches = list(zip(experts[fetch].tolist(), plan.staged[on_gpu][fetch].tolist()))
         return ready, fetches, dict(zip(plan.experts.tolist(), plan.counts.tolist()))
 
     def _gpu_compute(self, plan: LayerPlan, e: int, n: int):
@@ -405,7 +420,8 @@ class SimEngine:
         if self.dense_device == "cpu":
             busy["cpu"] = float(self.dense_demand[step])
         if cpu is not None:
-            busy["cpu"] = max(busy.get("cpu", 0.0), max(self.costs.host_demand("cpu", n) for _, n in cpu.experts))
+            demand = max(self.costs.host_demand("cpu", n) for n in np.unique(cpu.counts).tolist())
+            busy["cpu"] = max(busy.get("cpu", 0.0), demand)
         if fetches:
             busy["h2d"] = self.copy_demand
         return self.lanes.would_interfere(busy)
@@ -476,12 +492,30 @@ class SimEngine:
                 releases.append(t)
         return t
 
+    def _gpu_lane_end_compiled(self, plan: LayerPlan, link_t: float, t: float) -> float:
+        """:meth:`_gpu_lane_end` compiled (no timeline), from the plan's arrays."""
+        on_gpu = plan.on_gpu
+        source = plan.source[on_gpu]
+        fetched = (source != HIT) & (source != PREFETCHED)
+        staged = plan.staged[on_gpu] & fetched
+        times = self._expert_times("gpu", plan.counts[on_gpu].astype(np.int64))
+        t, events, ok = self.kernels[1](
+            link_t, t, times, fetched, staged, self.staging.capacity - self.staging.count, self.xfer, self.per_group,
+            self.writeback, len(plan.evicted) if self.writeback else 0, self.waits_all, self.busy, self.layer_wait,
+            plan.layer)
+        if not ok:
+            raise AssertionError("direct GPU lane: no expert can ever arrive")
+        self.events += events
+        return float(t)
+
     def _direct_gpu_lane(self, plan: LayerPlan, start: float, ready, counts, fetches, prologue) -> float:
         t = start
         for d, what in prologue:
             self._log("gpu", t, t + d, what)
             t += d
-        if ready:
+        if ready and self.kernels is not None:
+            t = self._gpu_lane_end_compiled(plan, start, t)
+        elif ready:
             t = self._gpu_lane_end(plan, start, t, list(ready), counts, fetches)
         tail = self._gpu_epilogue(plan)
         if tail > 0:
@@ -508,8 +542,10 @@ class SimEngine:
         prologue = self._gpu_prologue(plan, len(ready))
         device_s = 0.0
         if self.counts_launches:  # the GPU work the layer's launches start (a launch-bound layer takes longer)
-            device_s = (dense if self.dense_device == "gpu" else 0.0) + sum(d for d, _ in prologue) + \
-                sum(self._expert_time("gpu", counts[e]) for e in ready)
+            gpu = self._expert_times("gpu", plan.counts[plan.on_gpu].astype(np.int64))
+            # np.add.accumulate adds left to right, as sum() over the experts in touch order did
+            experts_s = float(np.add.accumulate(gpu)[-1]) if gpu.size else 0
+            device_s = (dense if self.dense_device == "gpu" else 0.0) + sum(d for d, _ in prologue) + experts_s
         copies = len(fetches) + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
         host = self.costs.host_layer_time(len(ready), len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
@@ -568,5 +604,6 @@ class SimEngine:
         self.env.process(self._run(out))
         self.env.run()
         # background copies may still run after the last layer: the makespan is the last step's end
-        return EngineOutput(out["starts"], out["ends"], self.layer_time, self.layer_wait, self.busy, self.events,
+        busy = dict(zip(TRACKS, self.busy.tolist()))
+        return EngineOutput(out["starts"], out["ends"], self.layer_time, self.layer_wait, busy, self.events,
                             self.intervals, dict(self.lanes.slowed_s))

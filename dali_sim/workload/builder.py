@@ -72,13 +72,14 @@ def _sparse_counts(step: np.ndarray, layer: np.ndarray, ids: np.ndarray, ranks: 
                    num_steps: int, num_layers: int, num_experts: int) -> SparseCounts:
     """Group (step, layer, expert) occurrences; order each segment by (-count, best rank, id)."""
     seg = step.astype(np.int64) * num_layers + layer
-    key = seg * num_experts + ids
-    order = np.argsort(key, kind="stable")
-    key_sorted = key[order]
-    starts = np.flatnonzero(np.concatenate(([True], key_sorted[1:] != key_sorted[:-1]))) if key.size else np.array([], int)
-    uniq = key_sorted[starts]
-    counts = np.diff(np.append(starts, key.size)).astype(np.int32)
-    best = np.minimum.reduceat(ranks[order], starts) if key.size else np.array([], np.int8)
+    # one sort of (segment, expert, rank) keys: each (segment, expert) run starts with its best rank
+    base = int(ranks.max()) + 1 if ranks.size else 1
+    key_sorted = np.sort((seg * num_experts + ids) * base + ranks)
+    full = key_sorted // base
+    starts = np.flatnonzero(np.concatenate(([True], full[1:] != full[:-1]))) if full.size else np.array([], int)
+    uniq = full[starts]
+    counts = np.diff(np.append(starts, full.size)).astype(np.int32)
+    best = (key_sorted[starts] % base).astype(np.int8)
     useg, expert = np.divmod(uniq, num_experts)
     touch = np.lexsort((expert, best, -counts, useg))
     useg, expert, counts, best = useg[touch], expert[touch], counts[touch], best[touch]
