@@ -143,27 +143,24 @@ def _local_path(spec_path: Path, text: str) -> Path:
     return p if p.is_absolute() else spec_path.parent / p
 
 
-def _trace_source(path: Path, name: str, entry: Any) -> TraceSource:
+def _trace_source(path: Path, name: str, entry: Any, systems: tuple[str, ...]) -> TraceSource:
     key = f"traces.{name}"
     if not _NAME.match(name):
         raise _err(path, key, "a trace name must be letters, digits, '.', '_' or '-' (it names OUT/traces/NAME.parquet)")
     if not isinstance(entry, Mapping) or sorted(set(entry) - {"grid"}) not in (["path"], ["synth"]):
         raise _err(path, key, "give exactly one of path = \"FILE.parquet\" or synth = { model = ..., ... } "
                               "(the arguments of `dali trace synth`), and optionally grid = { KEY = [values] }")
-    own = _trace_grid(path, key, entry.get("grid", {}))
+    own = _trace_grid(path, key, entry.get("grid", {}), systems)
     source = _trace_file_or_recipe(path, name, key, entry)
     return dataclasses.replace(source, grid=own)
 
 
-def _trace_grid(path: Path, key: str, data: Any) -> tuple[tuple[str, tuple[Any, ...]], ...]:
-    """A trace's own values of shared grid keys (checked like the grid's; that the keys are in the shared
-    grid is checked by :func:`load_spec`)."""
+def _trace_grid(path: Path, key: str, data: Any, systems: tuple[str, ...]) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """A trace's own values of grid keys (checked like the grid's; that the keys are in [grid] is checked
+    by :func:`load_spec`)."""
     if not isinstance(data, Mapping):
         raise _err(path, f"{key}.grid", f"expected a table of KEY = [values], got {data!r}")
-    for k in data:
-        if ":" in k:
-            raise _err(path, _grid_key(k, f"{key}.grid"), "a trace's grid takes shared grid keys only, not SYSTEM: keys")
-    checked = _grid(path, data, (), where=f"{key}.grid")
+    checked = _grid(path, data, systems, where=f"{key}.grid")
     return tuple(checked.items())
 
 
@@ -284,13 +281,13 @@ def load_spec(path: str | Path) -> SweepSpec:
     traces_data = data.get("traces")
     if not isinstance(traces_data, Mapping) or not traces_data:
         raise _err(path, "traces", "missing: give at least one [traces.NAME] with path = ... or synth = {...}")
-    traces = tuple(_trace_source(path, name, entry) for name, entry in traces_data.items())
     systems = _string_list(path, data, "systems", None)
     from dali_sim.policies.systems import system_names
 
     for name in systems:
         if name not in system_names():
             raise _err(path, "systems", f"unknown system {name!r}; known: {', '.join(system_names())}")
+    traces = tuple(_trace_source(path, name, entry, systems) for name, entry in traces_data.items())
     hardware = _string_list(path, data, "hardware", (DEFAULT_HARDWARE,))
     for i, h in enumerate(hardware):
         try:
@@ -302,7 +299,7 @@ def load_spec(path: str | Path) -> SweepSpec:
         for k, _ in t.grid:
             if k not in grid:
                 raise _err(path, _grid_key(k, f"traces.{t.name}.grid"),
-                           "not a key of [grid]: a trace's grid replaces the values of a shared grid key for that trace")
+                           "not a key of [grid]: a trace's grid replaces the values of a grid key for that trace")
     sets = data.get("set", [])
     if isinstance(sets, str):
         sets = [sets]
@@ -347,7 +344,7 @@ def _expand(spec: SweepSpec):
             for values in itertools.product(*(values_of[k] for k in shared)):
                 point = dict(zip(shared, values))
                 for system in spec.systems:
-                    for own_values in itertools.product(*(spec.grid[k] for k in own[system])):
+                    for own_values in itertools.product(*(values_of[k] for k in own[system])):
                         grid = {k: None for k in spec.grid} | point | dict(zip(own[system], own_values))
                         yield _resolve(spec, next(index), trace, hardware, system, grid, fixed[system])
 
