@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import common as C  # noqa: E402
 
-SCRIPTS = ("fig12_13_speedups", "fig14_assignment", "table4_greedy_vs_exact", "fig17_18_sensitivity",
+SCRIPTS = ("fig12_13_speedups", "implementation_share", "fig14_assignment", "table4_greedy_vs_exact", "fig17_18_sensitivity",
            "fig19_breakdown", "presets_vs_oracle", "prefetch_accuracy",
            "recorded_trace", "published_validation")
 HEADLINE_INPUTS = ("fig12_13_speedups", "fig14_assignment", "table4_greedy_vs_exact", "fig17_18_sensitivity",

@@ -65,6 +65,17 @@ def test_fig12_13_speedups(tmp_path):
     assert np.isclose(r.summary["decode_tokens_per_s"], row.decode_tokens_per_s)
 
 
+def test_implementation_share(tmp_path):
+    _run("implementation_share", tmp_path)
+    df = _outputs(tmp_path, "implementation_share")
+    assert set(zip(df.system, df.implementation)) == {
+        ("dali", "pytorch-eager"), ("dali", "kt-sglang"), ("dali", "bare"), ("llamacpp", "llamacpp"),
+        ("llamacpp", "bare"), ("ktransformers-best", "kt-sglang"), ("ktransformers-best", "bare")}
+    tps = df.set_index("label").decode_tokens_per_s
+    for system, impl in (("dali", "pytorch-eager"), ("llamacpp", "llamacpp"), ("ktransformers-best", "kt-sglang")):
+        assert tps[f"{system} @ bare"] >= tps[f"{system} @ {impl}"] * (1 - 1e-9)  # host costs only add time
+
+
 def test_fig14_assignment(tmp_path):
     _run("fig14_assignment", tmp_path)
     df = _outputs(tmp_path, "fig14_assignment")
