@@ -27,7 +27,6 @@ import common as C  # noqa: E402
 import style as S  # noqa: E402
 
 NAME = "fig17_18_sensitivity"
-SYSTEMS = ("dali", "dali-plus")
 SWEEPS = ("cache_ratio", "k", "window")
 
 

@@ -9,7 +9,13 @@ cache size, staging and prefetch buffers at every step, so only the policies cha
   ``dali-plus`` with ``cache.u=0`` (worth-prefetch, ours);
 * ``+cache``: the full preset (``dali`` / ``dali-plus``: the workload-aware window cache swaps);
 * ``oracle-heuristic``: the ``oracle-heuristic`` preset (optimal assignment, Belady cache, gated oracle
-  prefetch: it reads the future, but it is a reference point, not a bound; docs/bounds.md).
+  prefetch: it reads the future, but it is a reference point, not a bound; docs/bounds.md), and
+  ``lower-bound``, the time bound;
+* ``greedy+cache (no prefetch)``: the window cache without the prefetcher (the grid's fourth corner).
+
+The runs are the sweep ``experiments/sweeps/fig19_breakdown.toml`` (cache ratio 0.25, 64 + 64 tokens,
+default precision, profiling split 0.25; ``dali:prefetch.policy`` x ``dali:cache.u``, ``dali-plus:cache.u``,
+with each model's own preset u as a trace's grid), run or resumed into ``<out>/sweeps/``.
 
 Each step's speedup is its per-sequence tokens/s over the previous step's (``oracle-heuristic`` over the
 ladder's best step is not computed: it is a reference, shown as its speedup over ``greedy``).
@@ -33,7 +39,6 @@ import common as C  # noqa: E402
 import style as S  # noqa: E402
 
 NAME = "fig19_breakdown"
-ORDER = ("greedy", "+prefetch", "+cache")
 
 
 def step_of(row) -> tuple[str, str]:

@@ -56,7 +56,7 @@ class TraceSource:
     predictors: frozenset[str]  # its lookahead columns
     path: Path | None = None
     synth: Any = None  # dali_sim.trace.synth.SynthConfig
-    grid: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # this trace's own values of shared grid keys
+    grid: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # this trace's own values of grid keys
 
     def output_path(self, out: Path) -> Path:
         return self.path if self.path is not None else out / "traces" / f"{self.name}.parquet"
@@ -160,7 +160,7 @@ def _trace_grid(path: Path, key: str, data: Any, systems: tuple[str, ...]) -> tu
     by :func:`load_spec`)."""
     if not isinstance(data, Mapping):
         raise _err(path, f"{key}.grid", f"expected a table of KEY = [values], got {data!r}")
-    checked = _grid(path, data, systems, where=f"{key}.grid")
+    checked = _grid(path, data, systems, table=f"{key}.grid")
     return tuple(checked.items())
 
 
@@ -205,8 +205,8 @@ def _synth(path: Path, key: str, recipe: Any):
     return config
 
 
-def _grid(path: Path, data: Any, systems: tuple[str, ...], where: str = "grid") -> dict[str, tuple[Any, ...]]:
-    table = where
+def _grid(path: Path, data: Any, systems: tuple[str, ...], table: str = "grid") -> dict[str, tuple[Any, ...]]:
+    """The checked grid ``data`` (``table``: how the spec names it, ``grid`` or ``traces.NAME.grid``)."""
     if not isinstance(data, Mapping):
         raise _err(path, table, f"expected a table of KEY = [values], got {data!r}")
     if "cache_ratio" in data and "cache_experts" in data:
