@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import common as C  # noqa: E402
@@ -91,6 +92,10 @@ def plot(df: pd.DataFrame):
             values = {s: d[d.system == s].set_index("batch_size").reindex(bss)[f"dali_{phase}_speedup"].to_numpy()
                       for s in systems}
             ax.set_title(f"{m} ({phase})", fontsize=9)
+            if S.no_data(ax, np.concatenate([v for v in values.values()] or [[]]),
+                         f"no {phase} speedups: this trace has no {phase} steps" if len(d) else "no runs"):
+                ax.set_title(f"{m} ({phase})", fontsize=9)
+                continue
             x = S.grouped_bars(ax, bss, systems, values, labels={s: f"vs {s}" for s in systems})
             ax.axhline(1.0, color="k", lw=0.8)
             S.tick_labels(ax, x, [str(b) for b in bss])

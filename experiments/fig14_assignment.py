@@ -77,7 +77,7 @@ def plot(d: pd.DataFrame):
         values = {lab: g[g.placement == lab].set_index("batch_size").reindex(bss)["ms_per_token"].to_numpy()
                   for lab in labels}
         ax.set_title(f"{m}\n{ph}", fontsize=8)
-        x = S.grouped_bars(ax, bss, labels, values, labels={"optimal": "optimal (of DALI's objective)"})
+        x = S.grouped_bars(ax, bss, labels, values)
         S.tick_labels(ax, x, [str(b) for b in bss])
         ax.set_xlabel("batch size")
         ax.set_ylabel("ms / token")
