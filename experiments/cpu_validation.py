@@ -2,7 +2,7 @@
 
     python experiments/cpu_validation.py [--repeats 3] [--out DIR] [--shapes mixtral-8x7b,deepseek-v2-lite]
 
-For each model shape: a synthetic trace (4 sequences of 32 prompt + 16 generated tokens, the lookahead
+For each model shape: a synthetic trace (6 sequences, 4 evaluated after the profiling split, of 32 prompt + 16 generated tokens, the lookahead
 columns of every system), replayed at scale 1/4 on its first MoE layers, batch 4, by `dali exec
 validate` for cpu-only, gpu-lru, llamacpp, hybrimoe and dali; the first repeat calibrates the machine
 (the profile is kept), the others reuse that profile, so the repeats show the run-to-run spread of the
@@ -54,7 +54,7 @@ def loadavg() -> float:
 
 
 def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool) -> list[dict]:
-    spec = C.TraceSpec(shape.model, sequences=4, prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
+    spec = C.TraceSpec(shape.model, sequences=C.sequences_for(4), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
                        seed=0)
     trace = C.get_trace(spec)
     replay = ReplayOptions(model_shape=shape.model, layers=2 if quick else shape.layers, scale=scale,

@@ -267,7 +267,7 @@ def test_sigterm_keeps_what_finished_and_a_rerun_finishes_the_rest(tmp_path):
     """A sweep on worker processes killed mid-way: a complete results file of finished configurations, no
     temporary files, exit code 143; rerun, only the missing configurations run."""
     out = tmp_path / "out"
-    recipe = RECIPE.replace("gen_len = 8", "gen_len = 96")
+    recipe = RECIPE.replace("gen_len = 8", "gen_len = 96").replace("sequences = 4", "sequences = 8")  # 6 evaluated
     spec = write_spec(tmp_path, SMOKE.read_text().replace("batch_size = [1, 2]", "batch_size = [1, 2, 3, 4, 5, 6]")
                       .replace(RECIPE, recipe), "long.toml")
     proc = subprocess.Popen([sys.executable, "-m", "dali_sim", "sweep", str(spec), "-o", str(out), "--workers", "2",
