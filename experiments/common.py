@@ -283,6 +283,16 @@ def sweep_manifest(names: Sequence[str], args: argparse.Namespace) -> dict[str, 
                            "store": str(Path(args.out) / "sweeps" / n)} for n in names}}
 
 
+def write_sweep_outputs(name: str, specs: Sequence[str], args: argparse.Namespace, df: pd.DataFrame, fig,
+                        md_sections: list[str], t0: float, show: pd.DataFrame | None = None, **extra) -> dict[str, Path]:
+    """:func:`write_outputs` for a script drawn from sweeps: its run time closes the markdown, and the
+    manifest names the specs and stores (:func:`sweep_manifest`)."""
+    runtime = time.perf_counter() - t0
+    md = [*md_sections, f"Runtime of this script (sweeps resumed from their stores where stored): {runtime:.0f} s."]
+    manifest = base_manifest(name, args, [], runtime_s=round(runtime, 1), **extra, **sweep_manifest(specs, args))
+    return write_outputs(args.out, name, df, fig, md, manifest, show=show)
+
+
 def speed_ratio(df: pd.DataFrame, metric: str, ours: str, keys: Sequence[str]) -> np.ndarray:
     """Per row: ``ours``' metric / the row's metric, matched on ``keys`` (a rate metric: > 1 = ours faster)."""
     keys = list(keys)

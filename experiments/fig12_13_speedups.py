@@ -134,11 +134,8 @@ def main(argv=None) -> int:
         C.markdown_table(bounds),
         "## Every run",
         C.markdown_table(df[cols]),
-        f"Runtime of this script (sweep resumed from the store where stored): {time.perf_counter() - t0:.0f} s.",
     ]
-    manifest = C.base_manifest(NAME, args, [], paper=PAPER, runtime_s=round(time.perf_counter() - t0, 1),
-                               **C.sweep_manifest([NAME], args))
-    C.write_outputs(args.out, NAME, df, plot(df), md, manifest, show=summ)
+    C.write_sweep_outputs(NAME, [NAME], args, df, plot(df), md, t0, show=summ, paper=PAPER)
     return 0
 
 

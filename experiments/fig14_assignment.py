@@ -109,11 +109,8 @@ def main(argv=None) -> int:
         C.markdown_table(piv),
         "## Every run",
         C.markdown_table(d),
-        f"Runtime: {time.perf_counter() - t0:.0f} s.",
     ]
-    manifest = C.base_manifest(NAME, args, [], gains=g, runtime_s=round(time.perf_counter() - t0, 1),
-                               **C.sweep_manifest([NAME], args))
-    C.write_outputs(args.out, NAME, d, plot(d), md, manifest, show=piv)
+    C.write_sweep_outputs(NAME, [NAME], args, d, plot(d), md, t0, show=piv, gains=g)
     return 0
 
 

@@ -106,11 +106,8 @@ def main(argv=None) -> int:
         C.markdown_table(wide),
         "## Every run",
         C.markdown_table(df[[c for c in cols if c in df.columns]]),
-        f"Runtime: {time.perf_counter() - t0:.0f} s.",
     ]
-    manifest = C.base_manifest(NAME, args, [], runtime_s=round(time.perf_counter() - t0, 1),
-                               **C.sweep_manifest(list(SPECS.values()), args))
-    C.write_outputs(args.out, NAME, df, plot(df), md, manifest, show=wide)
+    C.write_sweep_outputs(NAME, list(SPECS.values()), args, df, plot(df), md, t0, show=wide)
     return 0
 
 
