@@ -47,7 +47,9 @@ from dali_sim.workload.profiling import apply_profile, total_sequences  # noqa: 
 from dali_sim.workload.builder import WorkloadConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "experiments" / "results"
+RESULTS = REPO / "experiments" / "results"  # committed: only full runs write here
+RESULTS_QUICK = REPO / "experiments" / "results-quick"  # --quick's default (gitignored)
+SWEEPS = REPO / "experiments" / "sweeps"  # the figures' sweep specs; quick/ holds their --quick versions
 SHARED = REPO.parent / "shared"
 MISTRAL_COUNTS = SHARED / "validation-traces" / "OLMoE" / "routing_counts" / "mistral" / "expert_counts"
 GPT_OSS_TRACE = REPO / "traces" / "gpt-oss-20b.parquet"
@@ -221,12 +223,97 @@ def base_manifest(script: str, args: argparse.Namespace, traces: Iterable[TraceS
     }
 
 
+class ExperimentParser(argparse.ArgumentParser):
+    """The scripts' common options; ``--out`` defaults to experiments/results (full runs) or
+    experiments/results-quick (``--quick``), and a quick run into the committed results is refused."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102
+        ns = super().parse_args(args, namespace)
+        if ns.out is None:
+            ns.out = RESULTS_QUICK if ns.quick else RESULTS
+        elif ns.quick and Path(ns.out).resolve() == RESULTS.resolve():
+            self.error(f"--quick would overwrite the committed full results in {RESULTS}; "
+                       f"give another --out (default {RESULTS_QUICK})")
+        return ns
+
+
 def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    p = ExperimentParser(description=description)
     p.add_argument("--quick", action="store_true", help="tiny run (seconds), for tests and smoke checks")
-    p.add_argument("--out", type=Path, default=RESULTS, help=f"output folder (default {RESULTS})")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"output folder (default {RESULTS}; with --quick {RESULTS_QUICK})")
     p.add_argument("--seed", type=int, default=0, help="trace and simulation seed")
+    p.add_argument("--workers", type=int, default=None,
+                   help="sweep worker processes (default: every usable core; 1 = in this process)")
     return p
+
+
+# ---- sweeps ----------------------------------------------------------------------------------
+def sweep_spec(name: str, quick: bool) -> Path:
+    """The sweep spec of a figure: experiments/sweeps/NAME.toml (or quick/NAME.toml)."""
+    return SWEEPS / "quick" / f"{name}.toml" if quick else SWEEPS / f"{name}.toml"
+
+
+def run_grid(name: str, args: argparse.Namespace) -> pd.DataFrame:
+    """Run (or resume) the sweep ``name`` into ``<out>/sweeps/<name>`` with local workers and return the rows
+    of this spec's configurations (a store keeps rows of configurations a spec no longer names; they are
+    left out here). A failed configuration stops the script with its error."""
+    from dali_sim.sweep.engines import make_engine
+    from dali_sim.sweep.run import run_sweep
+    from dali_sim.sweep.spec import load_spec, plan_runs
+
+    spec_path, store = sweep_spec(name, args.quick), Path(args.out) / "sweeps" / name
+    t0 = time.perf_counter()
+    run_sweep(spec_path, store, lambda: make_engine(args.workers), progress=False, log=progress)
+    hashes = [r.hash for r in plan_runs(load_spec(spec_path), store)]
+    df = pd.read_parquet(store / "results.parquet").set_index("config_hash").loc[hashes].reset_index()
+    bad = df[df.status != "ok"]
+    if len(bad):
+        first = bad.iloc[0]
+        raise SystemExit(f"{spec_path}: {len(bad)} configuration(s) failed, e.g. {first.trace} {first.system} "
+                         f"batch {first.batch_size}: {first.error} (see {store / 'manifests'})")
+    progress(f"{name}: {len(df)} configurations in {store} ({time.perf_counter() - t0:.0f} s)")
+    return df
+
+
+def sweep_manifest(names: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Where a script's numbers come from: each spec (path, text) and its store."""
+    return {"sweeps": {n: {"spec": str(sweep_spec(n, args.quick).relative_to(REPO)),
+                           "spec_text": sweep_spec(n, args.quick).read_text(),
+                           "store": str(Path(args.out) / "sweeps" / n)} for n in names}}
+
+
+def write_sweep_outputs(name: str, specs: Sequence[str], args: argparse.Namespace, df: pd.DataFrame, fig,
+                        md_sections: list[str], t0: float, show: pd.DataFrame | None = None, **extra) -> dict[str, Path]:
+    """:func:`write_outputs` for a script drawn from sweeps: its run time closes the markdown, and the
+    manifest names the specs and stores (:func:`sweep_manifest`)."""
+    runtime = time.perf_counter() - t0
+    md = [*md_sections, f"Runtime of this script (sweeps resumed from their stores where stored): {runtime:.0f} s."]
+    manifest = base_manifest(name, args, [], runtime_s=round(runtime, 1), **extra, **sweep_manifest(specs, args))
+    return write_outputs(args.out, name, df, fig, md, manifest, show=show)
+
+
+def speed_ratio(df: pd.DataFrame, metric: str, ours: str, keys: Sequence[str]) -> np.ndarray:
+    """Per row: ``ours``' metric / the row's metric, matched on ``keys`` (a rate metric: > 1 = ours faster)."""
+    keys = list(keys)
+    mine = df[df.system == ours].set_index(keys)[metric]
+    where = pd.MultiIndex.from_frame(df[keys]) if len(keys) > 1 else pd.Index(df[keys[0]])
+    return mine.reindex(where).to_numpy() / df[metric].to_numpy()
+
+
+def reading(system: str) -> str:
+    """A competitor preset's reading: ``paper`` (NAME) or ``best`` (NAME-best); docs/policies.md."""
+    return "best" if system.endswith("-best") else "paper"
+
+
+def competitor(system: str) -> str:
+    return system.removesuffix("-best")
+
+
+def geomean(v) -> float:
+    v = np.asarray(v, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    return float(np.exp(np.log(v).mean())) if v.size else float("nan")
 
 
 def int_list(s: str) -> list[int]:

@@ -32,7 +32,6 @@ from dali_exec.executor.problem import ReplayOptions  # noqa: E402
 from dali_exec.executor.replay import ExecOptions  # noqa: E402
 from dali_exec.validate import ValidationConfig, validate  # noqa: E402
 from dali_exec.validate.compare import Thresholds  # noqa: E402
-from dali_sim.workload.profiling import total_sequences  # noqa: E402
 
 BATCH = 4
 SYSTEMS = ("cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali")
@@ -57,7 +56,7 @@ def loadavg() -> float:
 
 
 def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool) -> list[dict]:
-    spec = C.TraceSpec(shape.model, sequences=total_sequences(BATCH), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
+    spec = C.TraceSpec(shape.model, sequences=C.sequences_for(BATCH), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
                        seed=0)
     trace = C.get_trace(spec)
     replay = ReplayOptions(model_shape=shape.model, layers=2 if quick else shape.layers, scale=scale,

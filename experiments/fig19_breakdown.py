@@ -9,12 +9,18 @@ cache size, staging and prefetch buffers at every step, so only the policies cha
   ``dali-plus`` with ``cache.u=0`` (worth-prefetch, ours);
 * ``+cache``: the full preset (``dali`` / ``dali-plus``: the workload-aware window cache swaps);
 * ``oracle-heuristic``: the ``oracle-heuristic`` preset (optimal assignment, Belady cache, gated oracle
-  prefetch: it reads the future, but it is a reference point, not a bound; docs/bounds.md).
+  prefetch: it reads the future, but it is a reference point, not a bound; docs/bounds.md), and
+  ``lower-bound``, the time bound;
+* ``greedy+cache (no prefetch)``: the window cache without the prefetcher (the grid's fourth corner).
+
+The runs are the sweep ``experiments/sweeps/fig19_breakdown.toml`` (cache ratio 0.25, 64 + 64 tokens,
+default precision, profiling split 0.25; ``dali:prefetch.policy`` x ``dali:cache.u``, ``dali-plus:cache.u``,
+with each model's own preset u as a trace's grid), run or resumed into ``<out>/sweeps/``.
 
 Each step's speedup is its per-sequence tokens/s over the previous step's (``oracle-heuristic`` over the
 ladder's best step is not computed: it is a reference, shown as its speedup over ``greedy``).
 
-    python experiments/fig19_breakdown.py [--quick] [--out DIR] [--batch-sizes 1,8] [--models ...]
+    python experiments/fig19_breakdown.py [--quick] [--out DIR] [--workers N]
 """
 
 from __future__ import annotations
@@ -33,44 +39,37 @@ import common as C  # noqa: E402
 import style as S  # noqa: E402
 
 NAME = "fig19_breakdown"
-NO_SWAP = {"cache": {"u": 0}}
-GREEDY = {"prefetch": {"policy": "none"}, "cache": {"u": 0}}
-# (ladder, step, preset, overrides); "greedy" is shared by both ladders (run once)
-STEPS = (
-    ("dali", "greedy", "dali", GREEDY),
-    ("dali", "+prefetch", "dali", NO_SWAP),
-    ("dali", "+cache", "dali", None),
-    ("dali-plus", "+prefetch", "dali-plus", NO_SWAP),
-    ("dali-plus", "+cache", "dali-plus", None),
-    ("reference", "oracle-heuristic", "oracle-heuristic", None),
-)
-ORDER = ("greedy", "+prefetch", "+cache")
 
 
-def ov_str(ov: dict | None) -> str:
-    if not ov:
-        return ""
-    return " ".join(f"{sec}.{k}={v}" for sec, kv in ov.items() for k, v in kv.items())
+def step_of(row) -> tuple[str, str]:
+    """(ladder, step) of a run of the sweep (its system and the ``SYSTEM:`` keys it varies)."""
+    if row.system == "dali":
+        prefetch, swaps = row["dali:prefetch.policy"] != "none", row["dali:cache.u"] > 0
+        return {(False, False): ("dali", "greedy"), (True, False): ("dali", "+prefetch"),
+                (True, True): ("dali", "+cache"), (False, True): ("extra", "greedy+cache (no prefetch)")}[(prefetch, swaps)]
+    if row.system == "dali-plus":
+        return ("dali-plus", "+cache" if row["dali-plus:cache.u"] > 0 else "+prefetch")
+    return ("reference", row.system)
 
 
 def run(args) -> pd.DataFrame:
+    sw = C.run_grid(NAME, args)
     rows = []
-    specs = []
-    for model in args.models:
-        for bs in args.batch_sizes:
-            spec = C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, args.gen_len, args.seed)
-            specs.append(spec)
-            trace = C.get_trace(spec, quiet=False)
-            for ladder, step, preset, ov in STEPS:
-                C.progress(f"{model} bs={bs} {ladder} {step}")
-                r = C.run_sim(trace, preset, bs, ov, seed=args.seed)
-                base = {"model": model, "batch_size": bs, "step": step, "preset": preset, "overrides": ov_str(ov), **r}
-                if step == "greedy":  # shared first step of both ladders
-                    rows.append({"ladder": "dali", **base})
-                    rows.append({"ladder": "dali-plus", **base})
-                else:
-                    rows.append({"ladder": ladder, **base})
+    for _, r in sw.iterrows():
+        ladder, step = step_of(r)
+        base = {"model": r.model, "batch_size": r.batch_size, "step": step, "preset": r.system, **r.to_dict()}
+        base["bound"] = bool(r.bounds) and not r.oracles
+        base["oracle"] = bool(r.oracles)
+        if step == "greedy":  # shared first step of both ladders
+            rows.append({"ladder": "dali", **base})
+            rows.append({"ladder": "dali-plus", **base})
+        else:
+            rows.append({"ladder": ladder, **base})
+    order = {("dali", "greedy"): 0, ("dali", "+prefetch"): 1, ("dali", "+cache"): 2, ("dali-plus", "greedy"): 3,
+             ("dali-plus", "+prefetch"): 4, ("dali-plus", "+cache"): 5}
     df = pd.DataFrame(rows)
+    df["_o"] = [order.get((la, st), 9) for la, st in zip(df.ladder, df.step)]
+    df = df.sort_values(["model", "batch_size", "_o"], kind="stable").drop(columns="_o").reset_index(drop=True)
     for phase in ("decode", "prefill"):
         tps = f"{phase}_tokens_per_s"
         prev = np.full(len(df), np.nan)
@@ -81,12 +80,11 @@ def run(args) -> pd.DataFrame:
                 last = None
                 for i, row in gl.iterrows():
                     over_greedy[df.index.get_loc(i)] = row[tps] / greedy
-                    if ladder != "reference" and last is not None:
+                    if ladder in ("dali", "dali-plus") and last is not None:
                         prev[df.index.get_loc(i)] = row[tps] / last
                     last = row[tps]
         df[f"{phase}_speedup_vs_prev"] = prev
         df[f"{phase}_speedup_vs_greedy"] = over_greedy
-    args._specs = specs
     return df
 
 
@@ -131,30 +129,19 @@ def plot(df: pd.DataFrame):
 
 def main(argv=None) -> int:
     p = C.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--models", type=C.str_list, default=list(C.PAPER_MODELS))
-    p.add_argument("--batch-sizes", type=C.int_list, default=[1, 8])
-    p.add_argument("--batches", type=int, default=1, help="full batches per (model, batch size) trace")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--gen-len", type=int, default=16)
     args = p.parse_args(argv)
-    if args.quick:
-        args.models = [m for m in args.models if m == "mixtral-8x7b"] or args.models[:1]
-        args.batch_sizes, args.prompt_len, args.gen_len = [1, 4], 16, 4
-    bad = [m for m in args.models if m not in C.PAPER_MODELS]
-    if bad:
-        p.error(f"synthetic paper models only (prefetch needs lookahead columns); got {bad}")
     t0 = time.perf_counter()
     df = run(args)
     summ = summary_table(df)
     cols = ["model", "batch_size", "ladder", "step", "decode_tokens_per_s", "decode_speedup_vs_prev",
             "decode_speedup_vs_greedy", "prefill_tokens_per_s", "prefill_speedup_vs_prev", "prefill_speedup_vs_greedy",
-            "hit_rate", "gpu_fraction", "prefetch_precision", "swaps", "bound", "oracle"]
+            "hit_rate", "gpu_fraction", "prefetch_precision", "busy_pcie", "bound", "oracle"]
     md = [
         "# Fig. 19: incremental breakdown of DALI (simulated)",
         "**What this shows.** Per-sequence decode and prefill tokens/s as DALI's techniques are added one "
         "at a time, on the rtx3090-epyc7532 profile (the paper's testbed) and the paper's models as "
-        f"synthetic traces ({args.batches} batch(es) of each batch size, prompt {args.prompt_len}, generate "
-        f"{args.gen_len}; predictor recall {C.ACCURACY}). `greedy` = DALI's greedy assignment over a fixed "
+        f"synthetic traces in the paper's setup (spec `experiments/sweeps/fig19_breakdown.toml`: cache ratio 0.25, "
+        f"prompt 64 + 64 generated, default precision, profiling split 0.25; predictor recall {C.ACCURACY}). `greedy` = DALI's greedy assignment over a fixed "
         "random cache (`dali` with `prefetch.policy=none cache.u=0`); `+prefetch` adds the prefetcher "
         "(DALI's residual top-k in the `dali` ladder, our gated worth-prefetch in the `dali-plus` ladder) "
         "with the cache still fixed (`cache.u=0`); `+cache` lets the workload-aware window cache swap "
@@ -169,13 +156,8 @@ def main(argv=None) -> int:
         C.markdown_table(summ),
         "## Every run",
         C.markdown_table(df[cols]),
-        f"Runtime: {time.perf_counter() - t0:.0f} s.",
     ]
-    manifest = C.base_manifest(NAME, args, args._specs,
-                               steps=[{"ladder": la, "step": st, "preset": pr, "overrides": ov}
-                                      for la, st, pr, ov in STEPS],
-                               runtime_s=round(time.perf_counter() - t0, 1))
-    C.write_outputs(args.out, NAME, df, plot(df), md, manifest, show=summ)
+    C.write_sweep_outputs(NAME, [NAME], args, df, plot(df), md, t0, show=summ)
     return 0
 
 

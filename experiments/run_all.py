@@ -1,7 +1,12 @@
-"""Run every experiment script with its defaults (or ``--quick``) into one output folder, then execute
-``notebooks/ablation.ipynb`` on those results and save it with its figures as ``<out>/ablation.ipynb``.
+"""Run every experiment script with its defaults (or ``--quick``) into one output folder, write the headline
+table ``<out>/headline.md``, then execute ``notebooks/ablation.ipynb`` on those results and save it with its
+figures as ``<out>/ablation.ipynb``.
 
-    python experiments/run_all.py [--quick] [--out DIR] [--only fig14_assignment,...] [--no-notebook]
+The paper's figures are sweeps (experiments/sweeps/*.toml) run with local worker processes into
+``<out>/sweeps/`` and resumed: a rerun runs only what is missing. ``--quick`` writes to
+experiments/results-quick/ (never to the committed experiments/results/).
+
+    python experiments/run_all.py [--quick] [--out DIR] [--workers N] [--only fig14_assignment,...] [--no-notebook]
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ sys.path.insert(0, str(HERE))
 
 import common as C  # noqa: E402
 
-SCRIPTS = ("fig12_13_speedups", "fig14_assignment", "table4_greedy_vs_exact", "fig17_18_sensitivity",
+SCRIPTS = ("fig12_13_speedups", "implementation_share", "fig14_assignment", "table4_greedy_vs_exact", "fig17_18_sensitivity",
            "fig19_breakdown", "presets_vs_oracle", "prefetch_accuracy",
            "recorded_trace", "published_validation")
+HEADLINE_INPUTS = ("fig12_13_speedups", "fig14_assignment", "table4_greedy_vs_exact", "fig17_18_sensitivity",
+                   "fig19_breakdown")  # the headline table reads their results
 
 
 def render_notebook(results: Path, timeout: int = 600) -> Path:
@@ -54,8 +61,11 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown scripts {sorted(unknown)}; choose from {', '.join(SCRIPTS)}")
     failed = []
+    t_all = time.perf_counter()
     for name in args.only:
         cmd = [sys.executable, str(HERE / f"{name}.py"), "--out", str(args.out), "--seed", str(args.seed)]
+        if args.workers is not None:
+            cmd += ["--workers", str(args.workers)]
         if args.quick:
             cmd.append("--quick")
         t0 = time.perf_counter()
@@ -64,6 +74,12 @@ def main(argv=None) -> int:
         C.progress(f"== {name}: exit {rc}, {time.perf_counter() - t0:.0f} s")
         if rc:
             failed.append(name)
+    if set(HEADLINE_INPUTS) <= set(args.only) and not failed:
+        from headline import NAME as HEADLINE, headline
+
+        from dali_sim.files import write_text_atomic
+
+        C.progress(f"== headline: {write_text_atomic(Path(args.out) / f'{HEADLINE}.md', headline(Path(args.out)))}")
     if not args.no_notebook:
         try:
             C.progress(f"== notebook: {render_notebook(args.out)} (with its figures)")
@@ -72,6 +88,7 @@ def main(argv=None) -> int:
         except Exception as exc:  # a failing cell: reported, the results stay
             C.progress(f"== notebook failed: {type(exc).__name__}: {exc}")
             failed.append("notebook")
+    C.progress(f"== run_all: {time.perf_counter() - t_all:.0f} s into {args.out}")
     if failed:
         C.progress(f"failed: {', '.join(failed)}")
     return 1 if failed else 0

@@ -23,7 +23,8 @@ EXP = ROOT / "experiments"
 
 def _run(script: str, out: Path, *args: str) -> None:
     env = {**os.environ, "DALI_EXP_CACHE": str(out / "cache"), "MPLBACKEND": "Agg"}
-    res = subprocess.run([sys.executable, str(EXP / f"{script}.py"), "--quick", "--out", str(out), *args],
+    res = subprocess.run([sys.executable, str(EXP / f"{script}.py"), "--quick", "--out", str(out), "--workers", "1",
+                          *args],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -41,30 +42,58 @@ def _outputs(out: Path, name: str) -> pd.DataFrame:
 
 
 def test_fig12_13_speedups(tmp_path):
-    _run("fig12_13_speedups", tmp_path, "--models", "mixtral-8x7b")
+    from dali_sim.sim import simulate
+
+    _run("fig12_13_speedups", tmp_path)
     df = _outputs(tmp_path, "fig12_13_speedups")
-    assert {"model", "batch_size", "system", "prefill_tokens_per_s", "decode_tokens_per_s",
-            "dali_prefill_speedup", "dali_decode_speedup"} <= set(df.columns)
-    assert set(df.system) == {"dali", "dali-plus", "oracle-heuristic", "llamacpp", "ktransformers", "moe-lightning",
-                              "hybrimoe"}
+    assert {"model", "batch_size", "system", "reading", "prefill_tokens_per_s", "decode_tokens_per_s",
+            "dali_prefill_speedup", "dali_decode_speedup", "lower_bound_decode_speedup"} <= set(df.columns)
+    comps = ("llamacpp", "ktransformers", "moe-lightning", "hybrimoe")
+    assert set(df.system) == {"dali", "dali-plus", "lower-bound", *comps, *(f"{c}-best" for c in comps)}
+    assert set(df[df.system.isin(comps)].reading) == {"paper"} and set(df[df.system.str.endswith("-best")].reading) == {"best"}
+    assert (df.precision == "q4_0").all() and set(df.cache_ratio) == {0.5}  # the paper's setup
     self_ = df[df.system == "dali"]
     assert np.allclose(self_.dali_decode_speedup, 1.0) and np.allclose(self_.dali_prefill_speedup, 1.0)
-    plus = df[df.system == "dali-plus"]
-    assert np.allclose(plus.dali_plus_decode_speedup, 1.0)
     for col in ("prefill_tokens_per_s", "decode_tokens_per_s", "dali_prefill_speedup", "dali_decode_speedup"):
         assert (df[col] > 0).all() and np.isfinite(df[col]).all(), col
+    assert (df.lower_bound_decode_speedup >= 1 - 1e-9).all()  # nothing beats the time bound
     assert "7.62" in (tmp_path / "fig12_13_speedups.md").read_text()  # the paper's numbers sit next to ours
+    # a row of the store is the run simulate() gives on the sweep's trace
+    row = df[(df.system == "hybrimoe") & (df.batch_size == 4)].iloc[0]
+    trace = tmp_path / "sweeps" / "fig12_13_speedups" / "traces" / f"{row.trace}.parquet"
+    r = simulate(trace, "hybrimoe", batch_size=4, overrides={"memory": {"cache_ratio": 0.5}})
+    assert np.isclose(r.summary["decode_tokens_per_s"], row.decode_tokens_per_s)
+
+
+def test_implementation_share(tmp_path):
+    _run("implementation_share", tmp_path)
+    df = _outputs(tmp_path, "implementation_share")
+    assert set(zip(df.system, df.implementation)) == {
+        ("dali", "pytorch-eager"), ("dali", "kt-sglang"), ("dali", "bare"), ("llamacpp", "llamacpp"),
+        ("llamacpp", "bare"), ("ktransformers-best", "kt-sglang"), ("ktransformers-best", "bare")}
+    tps = df.set_index("label").decode_tokens_per_s
+    for system, impl in (("dali", "pytorch-eager"), ("llamacpp", "llamacpp"), ("ktransformers-best", "kt-sglang")):
+        assert tps[f"{system} @ bare"] >= tps[f"{system} @ {impl}"] * (1 - 1e-9)  # host costs only add time
 
 
 def test_fig14_assignment(tmp_path):
     _run("fig14_assignment", tmp_path)
     df = _outputs(tmp_path, "fig14_assignment")
-    assert {"model", "batch_size", "phase", "placement", "moe_ms_per_token", "bound"} <= set(df.columns)
-    assert set(df.placement) == {"all-cpu", "hybrimoe", "dali-greedy", "optimal"}
-    assert (df.moe_ms_per_token > 0).all()
-    assert df.loc[df.placement == "optimal", "bound"].all() and not df.loc[df.placement != "optimal", "bound"].any()
-    cpu = df[df.placement == "all-cpu"]
-    assert (cpu.gpu_fraction == 0).all() and np.allclose(cpu.speedup_vs_all_cpu, 1.0)
+    assert {"model", "batch_size", "phase", "placement", "ms_per_token", "bound"} <= set(df.columns)
+    assert set(df.placement) == {"cpu-only", "gpu-only", "hybrimoe", "hybrimoe (as released)", "dali-greedy", "optimal"}
+    assert (df.ms_per_token > 0).all()
+    cpu = df[df.placement == "cpu-only"]
+    assert (cpu.gpu_fraction == 0).all()
+    assert (df[df.placement == "gpu-only"].gpu_fraction == 1).all()
+    # as released = HSS for one-token steps (decode at batch 1), every expert on the GPU otherwise
+    key = ["model", "phase", "batch_size"]
+    rel = df[df.placement == "hybrimoe (as released)"].set_index(key).ms_per_token
+    for placement, pick in (("hybrimoe", lambda i: i[1] == "decode" and i[2] == 1), ("gpu-only", lambda i: not (i[1] == "decode" and i[2] == 1))):
+        src = df[df.placement == placement].set_index(key).ms_per_token
+        for i in rel.index:
+            if pick(i):
+                assert rel[i] == src[i], i
+    assert "+23%" in (tmp_path / "fig14_assignment.md").read_text()
 
 
 def test_table4_greedy_vs_exact(tmp_path):
@@ -75,6 +104,35 @@ def test_table4_greedy_vs_exact(tmp_path):
     assert (df.optimal_ms_per_layer <= df.greedy_ms_per_layer * (1 + 1e-9)).all()
     assert (df.greedy_over_optimal >= 1 - 1e-9).all() and (df.worst_layer_ratio >= 1 - 1e-9).all()
     assert (df.layers > 0).all()
+
+
+def test_quick_never_writes_the_committed_results(tmp_path):
+    """--quick defaults to experiments/results-quick and refuses the committed experiments/results."""
+    C = _common()
+    p = C.parser("x")
+    assert p.parse_args(["--quick"]).out == C.RESULTS_QUICK != C.RESULTS
+    assert p.parse_args([]).out == C.RESULTS
+    for script in ("run_all", "fig12_13_speedups", "table4_greedy_vs_exact"):
+        res = subprocess.run([sys.executable, str(EXP / f"{script}.py"), "--quick", "--out", str(C.RESULTS)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert res.returncode == 2 and "would overwrite the committed full results" in res.stderr, script
+    assert "/experiments/results-quick/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+@pytest.mark.slow
+def test_run_all_quick_resumes_into_its_own_folder(tmp_path):
+    """run_all --quick into a folder: every script's outputs and the headline table; a rerun resumes the
+    sweeps (nothing left to run)."""
+    env = {**os.environ, "DALI_EXP_CACHE": str(tmp_path / "cache"), "MPLBACKEND": "Agg"}
+    cmd = [sys.executable, str(EXP / "run_all.py"), "--quick", "--out", str(tmp_path), "--workers", "1",
+           "--no-notebook", "--only", "fig12_13_speedups,fig14_assignment,table4_greedy_vs_exact,"
+           "fig17_18_sensitivity,fig19_breakdown"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    head = (tmp_path / "headline.md").read_text()
+    assert "| Fig. 12: DALI decode speedup over hybrimoe, bs 4/16/64 | 1.32x |" in head and "+23%" in head
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert again.returncode == 0 and "to run in" not in again.stderr and "already in" in again.stderr
 
 
 def test_run_all_rejects_unknown_script(tmp_path):
@@ -93,61 +151,59 @@ def _common():
     return common
 
 
-def test_fig19_breakdown(tmp_path, monkeypatch):
+def test_fig19_breakdown(tmp_path):
+    from dali_sim.sim import simulate
+
     _run("fig19_breakdown", tmp_path)
     df = _outputs(tmp_path, "fig19_breakdown")
     assert {"model", "batch_size", "ladder", "step", "decode_tokens_per_s", "prefill_tokens_per_s",
             "decode_speedup_vs_prev", "prefill_speedup_vs_prev", "decode_speedup_vs_greedy", "bound"} <= set(df.columns)
     assert set(zip(df.ladder, df.step)) == {("dali", "greedy"), ("dali", "+prefetch"), ("dali", "+cache"),
                                             ("dali-plus", "greedy"), ("dali-plus", "+prefetch"),
-                                            ("dali-plus", "+cache"), ("reference", "oracle-heuristic")}
+                                            ("dali-plus", "+cache"), ("extra", "greedy+cache (no prefetch)"),
+                                            ("reference", "oracle-heuristic"), ("reference", "lower-bound")}
+    assert set(df.cache_ratio) == {0.25}  # the paper's Fig. 19 setup
     for col in ("decode_tokens_per_s", "prefill_tokens_per_s", "decode_speedup_vs_greedy"):
         assert (df[col] > 0).all() and np.isfinite(df[col]).all(), col
-    assert df.loc[df.step == "oracle-heuristic", "oracle"].all() and not df["bound"].any()
+    assert df.loc[df.step == "oracle-heuristic", "oracle"].all() and df.loc[df.step == "lower-bound", "bound"].all()
     greedy = df[df.step == "greedy"]
     assert greedy.decode_speedup_vs_prev.isna().all() and np.allclose(greedy.decode_speedup_vs_greedy, 1.0)
     assert (greedy.prefetch_issued == 0).all() and (greedy.swaps == 0).all()
     # the ladder's steps chain: each step's speedup over the previous multiplies to its speedup over greedy
-    for (_, _, ladder), g in df[df.ladder != "reference"].groupby(["model", "batch_size", "ladder"]):
+    for (_, _, ladder), g in df[df.ladder.isin(["dali", "dali-plus"])].groupby(["model", "batch_size", "ladder"]):
         prod = np.cumprod(g.decode_speedup_vs_prev.fillna(1.0).to_numpy())
         assert np.allclose(prod, g.decode_speedup_vs_greedy.to_numpy()), ladder
     # the last step of each ladder is the full preset: the same numbers as a plain run of that preset
-    man = json.loads((tmp_path / "fig19_breakdown.manifest.json").read_text())
-    C = _common()
-    monkeypatch.setattr(C, "cache_dir", lambda: tmp_path / "cache")
-    t = man["traces"][0]
-    s = t["synth"]
-    spec = C.TraceSpec(t["model"], s["sequences"], s["prompt_len"], s["gen_len"], s["seed"])
-    bs = man["args"]["batch_sizes"][0]
-    trace = C.get_trace(spec)
+    trace = tmp_path / "sweeps" / "fig19_breakdown" / "traces" / "mixtral-b1.parquet"
     for ladder in ("dali", "dali-plus"):
-        r = C.run_sim(trace, ladder, bs, seed=man["args"]["seed"])
-        row = df[(df.model == t["model"]) & (df.batch_size == bs) & (df.ladder == ladder) & (df.step == "+cache")]
+        r = simulate(trace, ladder, batch_size=1, overrides={"memory": {"cache_ratio": 0.25}})
+        row = df[(df.trace == "mixtral-b1") & (df.ladder == ladder) & (df.step == "+cache")]
         assert len(row) == 1
-        assert np.isclose(row.decode_tokens_per_s.iloc[0], r["decode_tokens_per_s"]), ladder
-        assert np.isclose(row.prefill_tokens_per_s.iloc[0], r["prefill_tokens_per_s"]), ladder
+        assert np.isclose(row.decode_tokens_per_s.iloc[0], r.summary["decode_tokens_per_s"]), ladder
+        assert np.isclose(row.prefill_tokens_per_s.iloc[0], r.summary["prefill_tokens_per_s"]), ladder
 
 
 def test_fig17_18_sensitivity(tmp_path):
     _run("fig17_18_sensitivity", tmp_path)
     df = _outputs(tmp_path, "fig17_18_sensitivity")
-    assert {"model", "batch_size", "sweep", "value", "system", "decode_tokens_per_s", "cache_ratio", "k", "w", "u",
-            "decode_rel_first", "note"} <= set(df.columns)
+    assert {"model", "batch_size", "sweep", "value", "system", "decode_tokens_per_s", "cache_ratio", "prefetch.k",
+            "cache.w", "cache.u", "decode_rel_first"} <= set(df.columns)
     assert set(df.sweep) == {"cache_ratio", "k", "window"}
-    assert set(df[df.sweep == "cache_ratio"].system) == {"dali", "dali-plus", "oracle-heuristic"}
+    assert set(df[df.sweep == "cache_ratio"].system) == {"dali", "dali-plus", "lower-bound"}
     assert set(df[df.sweep != "cache_ratio"].system) == {"dali", "dali-plus"}
-    ok = df[df.note.isna() | (df.note == "")]
-    assert len(ok) == len(df)  # the quick run's settings all fit the budget
-    assert (ok.decode_tokens_per_s > 0).all() and np.isfinite(ok.decode_tokens_per_s).all()
-    assert ok.loc[ok.system == "oracle-heuristic", "oracle"].all() and not ok["bound"].any()
+    assert (df.decode_tokens_per_s > 0).all() and np.isfinite(df.decode_tokens_per_s).all()
+    assert df.loc[df.system == "lower-bound", "bound"].all() and not df.loc[df.system != "lower-bound", "bound"].any()
     ks = df[df.sweep == "k"]
-    assert sorted(set(ks.k)) == [1, 4] and set(ks.cache_ratio) == {0.25}
+    assert sorted(set(ks["prefetch.k"])) == [1, 4] and set(ks.cache_ratio) == {0.5}
     win = df[df.sweep == "window"]
-    assert set(zip(win.w, win.u)) == {(2, 1), (4, 4)}
-    # more cache is never less hit rate for the same system
-    cr = df[df.sweep == "cache_ratio"].sort_values("cache_ratio")
+    assert set(zip(win["cache.w"], win["cache.u"])) == {(2, 1), (2, 4), (4, 1), (4, 4)}
+    # more cache is never less hit rate for the same system; the bound is above every system at each ratio
+    cr = df[(df.sweep == "cache_ratio") & (df.system != "lower-bound")].sort_values("cache_ratio")
     for _, g in cr.groupby("system"):
         assert (np.diff(g.hit_rate.to_numpy()) >= -1e-12).all()
+    r = df[df.sweep == "cache_ratio"]
+    bound = r[r.system == "lower-bound"].set_index("cache_ratio").decode_tokens_per_s
+    assert (r.decode_tokens_per_s.to_numpy() <= bound.reindex(r.cache_ratio).to_numpy() * (1 + 1e-9)).all()
 
 
 def test_presets_vs_oracle(tmp_path):

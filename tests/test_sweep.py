@@ -108,6 +108,28 @@ def test_the_spec_expands_in_its_order_with_per_system_keys(tmp_path):
     assert first[2].predictors == ("residual",) and not first[0].predictors
 
 
+def test_a_trace_can_have_its_own_values_of_a_grid_key(tmp_path):
+    """``[traces.NAME] grid = {...}`` replaces a grid key's values for that trace only (each batch size on a
+    trace of its own size; a model's own parameter values); a key absent from [grid] is refused."""
+    body = ('systems = ["gpu-lru"]\n[grid]\nbatch_size = [1, 2]\ncache_ratio = [0.25, 0.5]\n'
+            f'[traces.small]\n{RECIPE}\ngrid = {{ batch_size = [1] }}\n[traces.big]\n{RECIPE}\n')
+    spec = load_spec(write_spec(tmp_path, body))
+    assert [(r.trace, r.batch_size, r.grid["cache_ratio"]) for r in spec.runs] == [
+        ("small", 1, 0.25), ("small", 1, 0.5),
+        ("big", 1, 0.25), ("big", 1, 0.5), ("big", 2, 0.25), ("big", 2, 0.5)]
+    own = body.replace("[grid]\n", '[grid]\n"gpu-lru:cache.policy" = ["lru"]\n').replace(
+        "grid = { batch_size = [1] }", 'grid = { batch_size = [1], "gpu-lru:cache.policy" = ["lfu", "lru"] }')
+    runs = load_spec(write_spec(tmp_path, own, name="own.toml")).runs
+    assert [(r.trace, r.overrides["cache"]["policy"]) for r in runs if r.grid["cache_ratio"] == 0.25] == [
+        ("small", "lfu"), ("small", "lru"), ("big", "lru"), ("big", "lru")]
+    for own, message in (("seed = [1]", r"traces.small.grid.seed: not a key of \[grid\]"),
+                         ('"gpu-lru:cache.policy" = ["lfu"]', r'traces.small.grid."gpu-lru:cache.policy": not a key'),
+                         ("batch_size = [0]", r"traces.small.grid.batch_size: 0: expected an integer >= 1")):
+        bad = write_spec(tmp_path, body.replace("grid = { batch_size = [1] }", f"grid = {{ {own} }}"), name="b.toml")
+        with pytest.raises(ValueError, match=f"^{re.escape(str(bad))}: {message}"):
+            load_spec(bad)
+
+
 def test_the_profiling_split_is_part_of_a_configuration(tmp_path):
     """``profile_share`` splits every trace as `dali sim --profile-share` does: the stored rows are the runs
     simulate() gives with that split, and another share is another configuration (another hash)."""
@@ -245,7 +267,7 @@ def test_sigterm_keeps_what_finished_and_a_rerun_finishes_the_rest(tmp_path):
     """A sweep on worker processes killed mid-way: a complete results file of finished configurations, no
     temporary files, exit code 143; rerun, only the missing configurations run."""
     out = tmp_path / "out"
-    recipe = RECIPE.replace("gen_len = 8", "gen_len = 96")
+    recipe = RECIPE.replace("gen_len = 8", "gen_len = 96").replace("sequences = 4", "sequences = 8")  # 6 evaluated
     spec = write_spec(tmp_path, SMOKE.read_text().replace("batch_size = [1, 2]", "batch_size = [1, 2, 3, 4, 5, 6]")
                       .replace(RECIPE, recipe), "long.toml")
     proc = subprocess.Popen([sys.executable, "-m", "dali_sim", "sweep", str(spec), "-o", str(out), "--workers", "2",

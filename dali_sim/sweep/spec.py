@@ -56,6 +56,7 @@ class TraceSource:
     predictors: frozenset[str]  # its lookahead columns
     path: Path | None = None
     synth: Any = None  # dali_sim.trace.synth.SynthConfig
+    grid: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # this trace's own values of grid keys
 
     def output_path(self, out: Path) -> Path:
         return self.path if self.path is not None else out / "traces" / f"{self.name}.parquet"
@@ -142,13 +143,28 @@ def _local_path(spec_path: Path, text: str) -> Path:
     return p if p.is_absolute() else spec_path.parent / p
 
 
-def _trace_source(path: Path, name: str, entry: Any) -> TraceSource:
+def _trace_source(path: Path, name: str, entry: Any, systems: tuple[str, ...]) -> TraceSource:
     key = f"traces.{name}"
     if not _NAME.match(name):
         raise _err(path, key, "a trace name must be letters, digits, '.', '_' or '-' (it names OUT/traces/NAME.parquet)")
-    if not isinstance(entry, Mapping) or sorted(entry) not in (["path"], ["synth"]):
+    if not isinstance(entry, Mapping) or sorted(set(entry) - {"grid"}) not in (["path"], ["synth"]):
         raise _err(path, key, "give exactly one of path = \"FILE.parquet\" or synth = { model = ..., ... } "
-                              "(the arguments of `dali trace synth`)")
+                              "(the arguments of `dali trace synth`), and optionally grid = { KEY = [values] }")
+    own = _trace_grid(path, key, entry.get("grid", {}), systems)
+    source = _trace_file_or_recipe(path, name, key, entry)
+    return dataclasses.replace(source, grid=own)
+
+
+def _trace_grid(path: Path, key: str, data: Any, systems: tuple[str, ...]) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """A trace's own values of grid keys (checked like the grid's; that the keys are in [grid] is checked
+    by :func:`load_spec`)."""
+    if not isinstance(data, Mapping):
+        raise _err(path, f"{key}.grid", f"expected a table of KEY = [values], got {data!r}")
+    checked = _grid(path, data, systems, table=f"{key}.grid")
+    return tuple(checked.items())
+
+
+def _trace_file_or_recipe(path: Path, name: str, key: str, entry: Mapping[str, Any]) -> TraceSource:
     if "path" in entry:
         from dali_sim.trace.reader import read_meta
 
@@ -189,14 +205,15 @@ def _synth(path: Path, key: str, recipe: Any):
     return config
 
 
-def _grid(path: Path, data: Any, systems: tuple[str, ...]) -> dict[str, tuple[Any, ...]]:
+def _grid(path: Path, data: Any, systems: tuple[str, ...], table: str = "grid") -> dict[str, tuple[Any, ...]]:
+    """The checked grid ``data`` (``table``: how the spec names it, ``grid`` or ``traces.NAME.grid``)."""
     if not isinstance(data, Mapping):
-        raise _err(path, "grid", f"expected a table of KEY = [values], got {data!r}")
+        raise _err(path, table, f"expected a table of KEY = [values], got {data!r}")
     if "cache_ratio" in data and "cache_experts" in data:
-        raise _err(path, "grid", "give cache_ratio or cache_experts, not both")
+        raise _err(path, table, "give cache_ratio or cache_experts, not both")
     grid: dict[str, tuple[Any, ...]] = {}
     for key, values in data.items():
-        where = _grid_key(key)
+        where = _grid_key(key, table)
         if key not in GRID_KEYS:
             name, colon, rest = key.partition(":")
             target = rest if colon else key
@@ -264,13 +281,13 @@ def load_spec(path: str | Path) -> SweepSpec:
     traces_data = data.get("traces")
     if not isinstance(traces_data, Mapping) or not traces_data:
         raise _err(path, "traces", "missing: give at least one [traces.NAME] with path = ... or synth = {...}")
-    traces = tuple(_trace_source(path, name, entry) for name, entry in traces_data.items())
     systems = _string_list(path, data, "systems", None)
     from dali_sim.policies.systems import system_names
 
     for name in systems:
         if name not in system_names():
             raise _err(path, "systems", f"unknown system {name!r}; known: {', '.join(system_names())}")
+    traces = tuple(_trace_source(path, name, entry, systems) for name, entry in traces_data.items())
     hardware = _string_list(path, data, "hardware", (DEFAULT_HARDWARE,))
     for i, h in enumerate(hardware):
         try:
@@ -278,6 +295,11 @@ def load_spec(path: str | Path) -> SweepSpec:
         except (OSError, ValueError) as exc:
             raise _err(path, f"hardware[{i}]", str(exc)) from None
     grid = _grid(path, data.get("grid", {}), systems)
+    for t in traces:
+        for k, _ in t.grid:
+            if k not in grid:
+                raise _err(path, _grid_key(k, f"traces.{t.name}.grid"),
+                           "not a key of [grid]: a trace's grid replaces the values of a grid key for that trace")
     sets = data.get("set", [])
     if isinstance(sets, str):
         sets = [sets]
@@ -317,11 +339,12 @@ def _expand(spec: SweepSpec):
     fixed = system_overrides(list(spec.sets), list(spec.systems))
     index = itertools.count()
     for trace in spec.traces:
+        values_of = spec.grid | dict(trace.grid)  # the trace's own values replace the shared ones
         for hardware in spec.hardware:
-            for values in itertools.product(*(spec.grid[k] for k in shared)):
+            for values in itertools.product(*(values_of[k] for k in shared)):
                 point = dict(zip(shared, values))
                 for system in spec.systems:
-                    for own_values in itertools.product(*(spec.grid[k] for k in own[system])):
+                    for own_values in itertools.product(*(values_of[k] for k in own[system])):
                         grid = {k: None for k in spec.grid} | point | dict(zip(own[system], own_values))
                         yield _resolve(spec, next(index), trace, hardware, system, grid, fixed[system])
 
@@ -384,9 +407,10 @@ def _culprit(system: str, model: ModelSpec, fixed: dict, grid: dict[str, Any]) -
     return "grid"
 
 
-def _grid_key(key: str) -> str:
-    """How the spec names a grid key: ``grid.batch_size``, ``grid."dali:prefetch.k"``."""
-    return f"grid.{key}" if key in GRID_KEYS or "." not in key and ":" not in key else f'grid."{key}"'
+def _grid_key(key: str, table: str = "grid") -> str:
+    """How the spec names a grid key: ``grid.batch_size``, ``grid."dali:prefetch.k"`` (``table`` for a
+    trace's own grid)."""
+    return f"{table}.{key}" if key in GRID_KEYS or "." not in key and ":" not in key else f'{table}."{key}"'
 
 
 
