@@ -15,6 +15,7 @@ from test_sim_overlap import spans, split_system
 
 from dali_sim.hardware import CostModel, load_profile, profile_from_dict
 from dali_sim.hardware.implementation import (
+    EXECUTOR,
     KERNEL_KEYS,
     Implementation,
     get_implementation,
@@ -347,3 +348,26 @@ def _tiny_trace():
                                precision="mxfp4/q8_0"), path)
         _TINY["path"] = path
     return _TINY["path"]
+
+
+@pytest.mark.parametrize("cpu_device", [True, False])
+def test_the_executor_on_the_cpu_device_computes_after_its_copies(tmp_path, cpu_device):
+    """dali's executor without CUDA makes a layer's on-demand copies on the accelerator lane itself, so its
+    computes wait for them (compute_waits_copies); on CUDA (and for every other implementation) the trait is
+    the implementation's own."""
+    import json
+
+    from test_hardware import EXAMPLE
+
+    data = json.loads(EXAMPLE.read_text())
+    data.setdefault("provenance", {})["devices"] = {"gpu": "x", "cpu": "y", "gpu_is_cpu_device": cpu_device}
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(data))
+    profile = load_profile(path)
+    from dali_sim.models import get_model
+
+    m = get_model("mixtral-8x7b", "bf16")
+    executor = CostModel(profile, m, implementation=EXECUTOR).impl
+    assert executor.compute_waits_copies is cpu_device
+    assert executor.gpu_calls == get_implementation(EXECUTOR).gpu_calls  # nothing else changes
+    assert CostModel(profile, m, implementation="bare").impl == get_implementation("bare")

@@ -9,12 +9,13 @@ them millions of times. Zero tokens (or bytes) always cost zero seconds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from dali_sim.hardware.contention import Contention, SharedHostBandwidth
-from dali_sim.hardware.implementation import Implementation, get_implementation
+from dali_sim.hardware.implementation import EXECUTOR, Implementation, get_implementation
 from dali_sim.hardware.measured import TableCosts
 from dali_sim.hardware.profile import DEVICES, DeviceSpec, HardwareProfile, Profile, ProfileError, check_device
 from dali_sim.models.spec import AttentionSpec, ModelSpec
@@ -203,6 +204,18 @@ def _out(result: np.ndarray, scalar: bool):
     return float(result) if scalar else result
 
 
+def executor_on(profile: Profile, impl: Implementation) -> Implementation:
+    """``impl`` as it runs on ``profile``'s machine. dali's executor on the CPU device (no CUDA, a measured
+    profile with ``gpu_is_cpu_device``) makes a layer's on-demand copies on the accelerator lane itself,
+    before its grouped call (dali_exec/executor/copies.py ``CopyEngine.issue_now``: "on the CPU device ...
+    they are done now"): its computes wait for them, as ``compute_waits_copies`` says; on CUDA they run on
+    the copy stream beside the computes."""
+    if (impl.name == EXECUTOR and profile.kind != "analytic"
+            and profile.provenance.get("devices", {}).get("gpu_is_cpu_device")):
+        return dataclasses.replace(impl, compute_waits_copies=True)
+    return impl
+
+
 class CostModel:
     """Seconds for the pieces of an MoE step on one profile's hardware, for one model.
 
@@ -218,7 +231,7 @@ class CostModel:
         self.profile = profile
         self.model = model
         self.kind = profile.kind
-        self.impl = get_implementation(implementation)
+        self.impl = executor_on(profile, get_implementation(implementation))
         self.system = system
         self._costs = RooflineCosts(profile, model, self.impl) if profile.kind == "analytic" else TableCosts(profile, model)
         counts = np.arange(1, lookup_tokens + 1, dtype=float)
