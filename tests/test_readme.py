@@ -112,7 +112,12 @@ def _run_all(repo: Path, cmds: list[str]) -> list[tuple[str, float]]:
             continue
         start = time.perf_counter()
         r = subprocess.run(["bash", "-c", cmd], cwd=repo, env=env, capture_output=True, text=True, timeout=1200)
-        assert r.returncode == 0, f"{cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        # `dali exec validate` exits 1 when its verdict fails (as the README says): a tiny replay on a busy
+        # machine may; it must then have said so and written its report
+        verdict = cmd.startswith("dali exec validate") and r.returncode == 1 and "validation failed" in r.stderr
+        assert r.returncode == 0 or verdict, f"{cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        if verdict:
+            assert "FAIL" in r.stderr and (repo / "out" / "val" / "validation.md").exists()
         times.append((cmd[:80], time.perf_counter() - start))
     return times
 
