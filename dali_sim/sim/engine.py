@@ -229,10 +229,12 @@ class SimEngine:
         return done
 
     # ---- lanes --------------------------------------------------------------------------------
-    def _on_demand(self, plan: LayerPlan, fetches: list, staging: dict[int, object], signal: list):
+    def _on_demand(self, plan: LayerPlan, fetches: list, staging: dict[int, object], signal: list,
+                   unstaged: list[int]):
         """Copies of FETCH experts in touch order, holding the link between consecutive copies (on-demand
         first: a queued prefetch never slips in between); a staged one first takes a staging buffer,
-        and while it waits for one the link is released for background copies."""
+        and while it waits for one the link is released for background copies. ``unstaged[0]``: staged
+        copies that have no buffer yet."""
         link = None
         if self.writeback and plan.evicted:  # evicted experts go back to the host first, on the same link
             link = self.pcie.request(priority=ON_DEMAND)
@@ -241,14 +243,7 @@ class SimEngine:
                 start = self.env.now
                 yield self._copy()
                 self._log_expert("pcie", start, self.env.now, "writeback", plan, e)
-        staged_left = sum(1 for _, staged, _ in fetches if staged)
-
-        def all_can_start():  # every copy left can start without waiting for a staging buffer
-            if not signal[1].triggered and staged_left <= self.staging.capacity - self.staging.count:
-                signal[1].succeed()
-
         for e, staged, done in fetches:
-            all_can_start()
             if staged:
                 if self.staging.count >= self.staging.capacity and link is not None:
                     self.pcie.release(link)
@@ -256,8 +251,7 @@ class SimEngine:
                 req = self.staging.request()
                 yield req
                 staging[e] = req
-                staged_left -= 1
-                all_can_start()
+                unstaged[0] -= 1
             if link is None:
                 link = self.pcie.request(priority=ON_DEMAND)
                 yield link
@@ -354,14 +348,15 @@ class SimEngine:
         for e, _, ev in events:
             ready[e] = ev
         staging: dict[int, object] = {}
-        # signal[0] fires when any of this layer's copies lands (re-armed after each wait); signal[1] once
-        # every copy left can start without waiting for a staging buffer (a lane that waits for them all)
-        signal = [env.event(), env.event()]
-        if sum(1 for _, staged in fetches if staged) <= self.staging.capacity - self.staging.count:
-            signal[1].succeed()  # known now (the copying process starts later)
+        signal = [env.event()]  # fires when any of this layer's copies lands; re-armed after each wait
+        unstaged = [sum(1 for _, staged in fetches if staged)]  # staged copies without a buffer yet
+
+        def all_can_start() -> bool:  # no copy left waits for a staging buffer (only a release changes it)
+            return unstaged[0] <= self.staging.capacity - self.staging.count
+
         copying = None
         if events or (self.writeback and plan.evicted):
-            copying = env.process(self._on_demand(plan, events, staging, signal))
+            copying = env.process(self._on_demand(plan, events, staging, signal, unstaged))
         for d, what in prologue:
             yield from self._compute("gpu", d, what)
         own = {id(ev) for _, _, ev in events}
@@ -369,7 +364,7 @@ class SimEngine:
         waited_all = not self.waits_all
         group_left = 0  # experts left in the current call on what has landed (gpu_calls = landed)
         while remaining:
-            if not waited_all and signal[1].triggered:
+            if not waited_all and all_can_start():
                 # a grouped launch needs every expert's weights: once no copy waits for a staging buffer,
                 # wait for all of them; until then what is present runs, freeing its staging buffer (as
                 # the direct path: _gpu_lane_end)
@@ -398,10 +393,7 @@ class SimEngine:
             remaining.remove(e)
             yield from self._gpu_compute(plan, e, counts[e])
             if e in staging:
-                freed = self.staging.release(staging.pop(e))
-                if not waited_all:  # the copy waiting for this buffer takes it first (signal[1], as the direct path)
-                    yield freed  # its request is granted when the release is processed,
-                    yield env.timeout(0)  # and it resumes before this lane does
+                self.staging.release(staging.pop(e))
         yield from self._compute("gpu", self._gpu_epilogue(plan), Activity("handoff", plan.step, plan.layer))
 
     def _uncontended(self, ready) -> bool:
