@@ -75,7 +75,7 @@ def with_ratio(extra: dict) -> dict:
 
 def trace_for(model: str, batch_size: int, args) -> C.TraceSpec:
     evaluated = max(batch_size, MIN_EVALUATED)
-    return C.TraceSpec(model, C.sequences_for(evaluated), args.prompt_len, args.gen_len, args.seed)
+    return C.TraceSpec(model, C.total_sequences(evaluated), args.prompt_len, args.gen_len, args.seed)
 
 
 def one_run(trace, preset: str, batch_size: int, overrides: dict, seed: int) -> dict:

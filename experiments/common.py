@@ -134,12 +134,6 @@ def next_uses(trace: Trace, system: str, batch_size: int, overrides: dict | None
     return path
 
 
-def sequences_for(evaluated: int) -> int:
-    """Sequences a synthetic trace needs so that ``evaluated`` of them (batch size x batches) remain after
-    the default profiling split (the first 25% profile frequency choices; dali_sim.workload.profiling)."""
-    return total_sequences(evaluated)
-
-
 def batch_fits(trace: Trace, batch_size: int) -> bool:
     """Whether the trace's evaluated sequences (after the default split) fill a batch of ``batch_size``;
     a larger batch is an error (the real GPT-OSS trace has 12 sequences, 9 evaluated)."""

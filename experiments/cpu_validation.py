@@ -56,7 +56,7 @@ def loadavg() -> float:
 
 
 def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool) -> list[dict]:
-    spec = C.TraceSpec(shape.model, sequences=C.sequences_for(BATCH), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
+    spec = C.TraceSpec(shape.model, sequences=C.total_sequences(BATCH), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
                        seed=0)
     trace = C.get_trace(spec)
     replay = ReplayOptions(model_shape=shape.model, layers=2 if quick else shape.layers, scale=scale,

@@ -32,7 +32,7 @@ def run(args) -> pd.DataFrame:
     rows, specs = [], []
     for model in args.models:
         for bs in args.batch_sizes:
-            spec = C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, args.gen_len, args.seed)
+            spec = C.TraceSpec(model, C.total_sequences(bs * args.batches), args.prompt_len, args.gen_len, args.seed)
             specs.append(spec)
             trace = C.get_trace(spec, quiet=False)
             for system in system_names():

@@ -109,7 +109,7 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
     for model in args.models:
         for bs in args.batch_sizes:
             spec = (C.TraceSpec(model, 0, 0, 0) if model == "gpt-oss-20b"
-                    else C.TraceSpec(model, C.sequences_for(bs * args.batches), args.prompt_len, args.gen_len,
+                    else C.TraceSpec(model, C.total_sequences(bs * args.batches), args.prompt_len, args.gen_len,
                                      args.seed))
             specs.append(spec)
             C.progress(f"{model} bs={bs}")
