@@ -33,8 +33,13 @@ from dali_sim.models.spec import ModelSpec
 from dali_sim.sim.engine import Activity
 
 
-#: experts of the grouped call that separates an expert's time from the call's fixed part
-GROUP = 4
+#: group sizes of the grouped calls whose time, fitted as a line, separates an expert's share from the
+#: call's fixed part (capped at the model's experts and ``MicroSettings.max_group``). A share taken from
+#: calls of 1 and 4 experts only measured 47-81 us for a 1 MB expert whose calls of 8-24 experts took
+#: 90-105 us more per expert on the 2-core VM (the first expert of a cold call is dearer than the rest):
+#: larger groups, as a replay's layer computes (8-24 experts), weigh in the fit. A call of one is left
+#: out: it measured slower than a call of two in some calibrations.
+GROUP_SIZES = (2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,8 @@ class MicroSettings:
     repeats: int = 5
     warmup: int = 2
     rotate_bytes: int = 256 << 20  # distinct weight copies cycled through per measurement (>= this many bytes)
-    max_copies: int = 16  # at most this many copies
+    max_copies: int = 16  # at most this many copies (a grouped call of g experts always gets g + 1)
+    max_group: int = 16  # largest grouped call of the expert tables (GROUP_SIZES)
     seed: int = 0
     cold: bool = True  # flush the caches before each timed run, as a replay's other experts do
     contention_tokens: int = 1  # expert workload of the contention measurements (decode-like)
@@ -146,7 +152,7 @@ class Microbench:
         if lane not in self._weights:
             lay = self.layout
             nbytes = lay.numel * torch.empty((), dtype=self.dev.dtype).element_size()
-            k = max(self._copies(nbytes), GROUP + 1)  # a grouped call reads GROUP distinct experts
+            k = max(self._copies(nbytes), max(self.group_sizes()) + 1)  # a grouped call reads distinct experts
             w = (torch.randn((k, lay.numel), generator=self.gen) * 0.02).to(device=self.dev.of(lane), dtype=self.dev.dtype)
             self._weights[lane] = (w, k)
         return self._weights[lane]
@@ -178,19 +184,33 @@ class Microbench:
             return out.index_copy_(0, pos, y) if lane == "gpu" else y
         return op
 
+    def group_sizes(self) -> tuple[int, ...]:
+        """The grouped calls' sizes of :meth:`expert_seconds`: :data:`GROUP_SIZES` up to the model's routed
+        experts and ``max_group`` (calls of 1 and 2 where fewer than two sizes remain)."""
+        cap = min(self.model.num_experts, self.s.max_group)
+        sizes = tuple(g for g in GROUP_SIZES if g <= cap)
+        return sizes if len(sizes) >= 2 else (1, 2)
+
     def expert_seconds(self, lane: str, tokens: list[int]) -> tuple[list[float], float]:
         """Per ``n`` of ``tokens``: the seconds one more routed expert with ``n`` tokens adds to a lane's
         grouped call on ``lane`` (gpu | cpu), and the call's fixed seconds (the median over ``n``).
 
-        A group of one and a group of :data:`GROUP` experts are timed: the difference over ``GROUP - 1`` is
-        an expert's share, the rest of the single call the fixed part (index handling, gather, scatter) that
-        a lane pays once per layer it computes in (``MeasuredProfile.lanes``)."""
-        one = [self._timed(lane, self.expert_op(lane, n, 1)) for n in tokens]
-        many = [self._timed(lane, self.expert_op(lane, n, GROUP)) for n in tokens]
-        # a group no slower than one expert (noise at tiny sizes): its mean per expert
-        per = [(g - s) / (GROUP - 1) if g > s else g / GROUP for s, g in zip(one, many)]
-        fixed = float(np.median([max(s - e, 0.0) for s, e in zip(one, per)]))
-        return per, fixed
+        Calls of every size of :meth:`group_sizes` are timed; per ``n`` a least-squares line through
+        (experts, seconds) gives an expert's share (its slope) and the fixed part (its intercept: index
+        handling, gather, scatter) that a lane pays once per layer it computes in
+        (``MeasuredProfile.lanes``). A slope below zero (noise at tiny sizes) falls back to the largest
+        call's mean per expert, a negative intercept to zero."""
+        sizes = self.group_sizes()
+        g = np.asarray(sizes, float)
+        per, fixed = [], []
+        for n in tokens:
+            t = np.asarray([self._timed(lane, self.expert_op(lane, n, size)) for size in sizes])
+            slope, intercept = np.polyfit(g, t, 1)
+            if slope <= 0:
+                slope, intercept = t[-1] / g[-1], 0.0
+            per.append(float(slope))
+            fixed.append(max(float(intercept), 0.0))
+        return per, float(np.median(fixed))
 
     def transfer_seconds(self, sizes: list[int]) -> list[float]:
         """Host-to-accelerator copies of ``b`` bytes through the executor's copy lane (pinned on CUDA)."""

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from dali_exec.calibrate.host import HostSettings, measure_host_costs
-from dali_exec.calibrate.micro import GROUP, Microbench, MicroSettings
+from dali_exec.calibrate.micro import Microbench, MicroSettings
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices, cpu_name, host_memory_bytes, lane_threads
 from dali_exec.executor.problem import DTYPE_PRECISION, scale_model
@@ -129,8 +129,9 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "devices": {"gpu": accel, "cpu": cpu_name(), "gpu_is_cpu_device": not cuda},
         "model_shape": cfg.model_shape, "scale": cfg.scale, "dtype": cfg.dtype,
         "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads},
-        "experts": f"each expert's share of a grouped call of {GROUP} (its time minus a call of one, over "
-                   f"{GROUP - 1}); the rest of a call of one is the lane's fixed part per layer (lanes)",
+        "experts": f"each expert's share of a grouped call: the slope of a least-squares line through calls of "
+                   f"{', '.join(map(str, bench.group_sizes()))} experts; its intercept is the lane's fixed part "
+                   "per layer (lanes)",
         "statistic": f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs"
                      + (", caches flushed before each run" if cfg.settings.cold else ""),
         "contention": (f"each lane with a {cfg.settings.contention_tokens}-token expert (copy lane: one expert's "
