@@ -87,6 +87,17 @@ class HFExpertLayout:
             activation = f"{type(act).__name__ if act is not None else '?'}(gate) * up"
         return cls(hidden, inter, transposed, bias, gate, activation, name)
 
+    def __post_init__(self) -> None:
+        # (start, end, shape) of each tensor in the flat vector: sliced per call, computed once
+        spans, o = [], 0
+        for s in self.shapes:
+            n = 1
+            for d in s:
+                n *= d
+            spans.append((o, o + n, s))
+            o += n
+        object.__setattr__(self, "_spans", tuple(spans))
+
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         h, i = self.hidden, self.inter
@@ -95,34 +106,16 @@ class HFExpertLayout:
 
     @property
     def numel(self) -> int:
-        n = 0
-        for s in self.shapes:
-            m = 1
-            for d in s:
-                m *= d
-            n += m
-        return n
+        return self._spans[-1][1]
 
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(gate_up, down, gate_up_bias or None, down_bias or None) as views into ``flat``."""
-        out, o = [], 0
-        for s in self.shapes:
-            n = 1
-            for d in s:
-                n *= d
-            out.append(flat[o:o + n].view(*s))
-            o += n
+        out = [flat[a:b].view(s) for a, b, s in self._spans]
         return (out[0], out[1], out[2], out[3]) if self.bias else (out[0], out[1], None, None)
 
     def table_views(self, table: torch.Tensor):
         """:meth:`views` of every row of a table of flat experts ((R, numel), rows may be padded)."""
-        out, o = [], 0
-        for s in self.shapes:
-            n = 1
-            for d in s:
-                n *= d
-            out.append(table[:, o:o + n].view(-1, *s))
-            o += n
+        out = [table[:, a:b].view(-1, *s) for a, b, s in self._spans]
         return (out[0], out[1], out[2], out[3]) if self.bias else (out[0], out[1], None, None)
 
     def forward_grouped(self, table: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, counts,
@@ -152,8 +145,21 @@ class HFExpertLayout:
         return _hf_grouped_linear(y, w2, offs, bias=b2, is_transposed=self.transposed)
 
     def forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The expert on tokens ``x`` (n x H), weights in ``flat`` (on ``x``'s device)."""
+        """The expert on tokens ``x`` (n x H), weights in ``flat`` (on ``x``'s device).
+
+        On the CPU the grouped product computes each group as one matrix product
+        (``at::mm_out(out[rows], x[rows], weight[g])``, and transformers' own fallback likewise), so one
+        expert is one ``torch.mm`` with the same operands: the same bits, without the grouped call's
+        dispatch (a staging turn computes one expert; this is its cost on the CPU device). Elsewhere
+        (CUDA's grouped kernels) the grouped call for a group of one."""
         w1, w2, b1, b2 = self.views(flat)
+        if x.device.type == "cpu":
+            y = torch.mm(x.to(w1.dtype), w1 if self.transposed else w1.t())
+            if b1 is not None:
+                y.add_(b1)
+            y = self.gate(y)
+            y = torch.mm(y.to(w2.dtype), w2 if self.transposed else w2.t())
+            return y if b2 is None else y.add_(b2)
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # no host-to-device copy
         y = _grouped_linear(x, w1.unsqueeze(0), offs, b1, self.transposed)
         y = self.gate(y)
