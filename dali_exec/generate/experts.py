@@ -29,6 +29,18 @@ try:  # the function transformers' grouped_mm experts implementation calls (same
 except ImportError:  # pragma: no cover - another transformers version: the plain equivalent
     _hf_grouped_linear = None
 
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+#: transformers' grouped linear on the CPU with torch >= 2.11 always ends in ``F.grouped_mm(x.to(w.dtype), w,
+#: offs=offs)`` (its alignment condition is for older torch): the experts call that directly on the CPU, the
+#: same product without transformers' per-call dispatch checks (the CPU device's main cost per call here)
+_CPU_GROUPED_MM = (getattr(torch.nn.functional, "grouped_mm", None)
+                   if _hf_grouped_linear is not None and _torch_version() >= (2, 11) else None)
+
 logger = logging.getLogger(__name__)
 #: (device type, dtype) where transformers' grouped linear refused the slot table: the loop is used there
 _HF_UNSUPPORTED: set[tuple[str, torch.dtype]] = set()
@@ -127,6 +139,11 @@ class HFExpertLayout:
         w1, w2, b1, b2 = self.table_views(table)
         if b1 is not None:
             b1, b2 = b1.index_select(0, pair_rows), b2.index_select(0, pair_rows)
+        if _CPU_GROUPED_MM is not None and x.device.type == "cpu":
+            y = _CPU_GROUPED_MM(x.to(w1.dtype), w1 if self.transposed else w1.transpose(-2, -1), offs=offs)
+            y = self.gate(y if b1 is None else y.add_(b1))
+            y = _CPU_GROUPED_MM(y.to(w2.dtype), w2 if self.transposed else w2.transpose(-2, -1), offs=offs)
+            return y if b2 is None else y.add_(b2)
         if _hf_grouped_linear is None or (x.device.type, table.dtype) in _HF_UNSUPPORTED:
             w1, w2 = (w if self.transposed else w.transpose(-2, -1) for w in (w1, w2))
             y = grouped_mm(x, w1, offs, counts)
