@@ -109,6 +109,12 @@ class HFExpertLayout:
             spans.append((o, o + n, s))
             o += n
         object.__setattr__(self, "_spans", tuple(spans))
+        # the two matrices as right operands of a product (in, out): (shape, strides, start) in the flat
+        # vector (a transposed view where the layout is (out, in)), for one as_strided per matrix per call
+        ops = []
+        for a, _, (r, c) in spans[:2]:
+            ops.append(((r, c), (c, 1), a) if self.transposed else ((c, r), (1, c), a))
+        object.__setattr__(self, "_operands", tuple(ops))
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -130,20 +136,44 @@ class HFExpertLayout:
         out = [table[:, a:b].view(-1, *s) for a, b, s in self._spans]
         return (out[0], out[1], out[2], out[3]) if self.bias else (out[0], out[1], None, None)
 
+    def operands(self, flat: torch.Tensor):
+        """(gate_up, down) as right operands of a product ((H, 2I), (I, H): the layout's matrices, transposed
+        where it stores them (out, in)), then the biases or None: views into ``flat`` (contiguous)."""
+        base = flat.storage_offset()
+        (s1, t1, a1), (s2, t2, a2) = self._operands
+        w1, w2 = flat.as_strided(s1, t1, base + a1), flat.as_strided(s2, t2, base + a2)
+        if not self.bias:
+            return w1, w2, None, None
+        (a3, b3, _), (a4, b4, _) = self._spans[2:]
+        return w1, w2, flat[a3:b3], flat[a4:b4]
+
+    def table_operands(self, table: torch.Tensor):
+        """:meth:`operands` of every row of a table of flat experts ((R, numel), rows contiguous, may be
+        padded): (R, H, 2I) and (R, I, H), then the biases' (R, 2I) and (R, H) or None."""
+        base, rs, R = table.storage_offset(), table.stride(0), table.shape[0]
+        (s1, t1, a1), (s2, t2, a2) = self._operands
+        w1 = table.as_strided((R, *s1), (rs, *t1), base + a1)
+        w2 = table.as_strided((R, *s2), (rs, *t2), base + a2)
+        if not self.bias:
+            return w1, w2, None, None
+        (a3, b3, _), (a4, b4, _) = self._spans[2:]
+        return w1, w2, table[:, a3:b3], table[:, a4:b4]
+
     def forward_grouped(self, table: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, counts,
                         pair_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Many experts at once (``dali_exec.executor.grouped``), with transformers' own grouped linear and
         the model's gate, as its ``grouped_mm`` experts implementation computes them: ``x`` sorted by table
         row, ``offs`` the rows' cumulative token counts (int32, on ``x``'s device), ``pair_rows`` the table
         row of each token row (biases only). ``counts`` (host) serve the fallback without transformers."""
+        if _CPU_GROUPED_MM is not None and x.device.type == "cpu" and table.stride(-1) == 1:
+            w1, w2, b1, b2 = self.table_operands(table)
+            y = _CPU_GROUPED_MM(x.to(w1.dtype), w1, offs=offs)
+            y = self.gate(y if b1 is None else y.add_(b1.index_select(0, pair_rows)))
+            y = _CPU_GROUPED_MM(y.to(w2.dtype), w2, offs=offs)
+            return y if b2 is None else y.add_(b2.index_select(0, pair_rows))
         w1, w2, b1, b2 = self.table_views(table)
         if b1 is not None:
             b1, b2 = b1.index_select(0, pair_rows), b2.index_select(0, pair_rows)
-        if _CPU_GROUPED_MM is not None and x.device.type == "cpu":
-            y = _CPU_GROUPED_MM(x.to(w1.dtype), w1 if self.transposed else w1.transpose(-2, -1), offs=offs)
-            y = self.gate(y if b1 is None else y.add_(b1))
-            y = _CPU_GROUPED_MM(y.to(w2.dtype), w2 if self.transposed else w2.transpose(-2, -1), offs=offs)
-            return y if b2 is None else y.add_(b2)
         if _hf_grouped_linear is None or (x.device.type, table.dtype) in _HF_UNSUPPORTED:
             w1, w2 = (w if self.transposed else w.transpose(-2, -1) for w in (w1, w2))
             y = grouped_mm(x, w1, offs, counts)
@@ -169,14 +199,13 @@ class HFExpertLayout:
         expert is one ``torch.mm`` with the same operands: the same bits, without the grouped call's
         dispatch (a staging turn computes one expert; this is its cost on the CPU device). Elsewhere
         (CUDA's grouped kernels) the grouped call for a group of one."""
-        w1, w2, b1, b2 = self.views(flat)
-        if x.device.type == "cpu":
-            y = torch.mm(x.to(w1.dtype), w1 if self.transposed else w1.t())
-            if b1 is not None:
-                y.add_(b1)
-            y = self.gate(y)
-            y = torch.mm(y.to(w2.dtype), w2 if self.transposed else w2.t())
+        if x.device.type == "cpu" and flat.stride(-1) == 1:
+            w1, w2, b1, b2 = self.operands(flat)
+            y = torch.mm(x.to(w1.dtype), w1)
+            y = self.gate(y if b1 is None else y.add_(b1))
+            y = torch.mm(y.to(w2.dtype), w2)
             return y if b2 is None else y.add_(b2)
+        w1, w2, b1, b2 = self.views(flat)
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # no host-to-device copy
         y = _grouped_linear(x, w1.unsqueeze(0), offs, b1, self.transposed)
         y = self.gate(y)
