@@ -115,6 +115,7 @@ class OffloadSession:
         self._moved_from: torch.device | None = None
         self._stream = runtime.compute_stream if (devices.is_cuda and dense_track == "gpu") else None
         self._predictions = self._prediction_plan()
+        self._plain_select = type(adapter).select is MoEAdapter.select  # rank_order(rule.select(...))
 
     # ---- installing ---------------------------------------------------------------------------
     def install(self) -> "OffloadSession":
@@ -258,10 +259,17 @@ class OffloadSession:
         """What each predictor the policies read predicts from this gate input (rows: the real tokens)."""
         out: dict[str, np.ndarray] = {}
         adapter = self.adapter
+        # on the CPU the top-k's rank order by the compiled kernel (the stable sort of MoEAdapter.select's
+        # rank_order: the same ids), on views of the top-k, without three more tensor operations
+        rank = _kernels.compiled("rank_order") if self._plain_select and x.device.type == "cpu" else None
         for name, target, residual in self._predictions[ordinal]:
             inp = x if residual is None else (x.float() + residual).to(x.dtype)
-            pred, _ = adapter.select(target, adapter.router_logits(target, inp))
-            out[name] = pred.cpu().numpy()
+            logits = adapter.router_logits(target, inp)
+            if rank is not None:
+                ids, w = adapter.rule.select(target.router, logits)
+                out[name] = rank(ids.numpy(), w.float().numpy(), _ALL_ROWS)
+            else:
+                out[name] = adapter.select(target, logits)[0].cpu().numpy()
         return out
 
     def _prediction_plan(self) -> list[tuple[tuple[str, MoEBlock, torch.Tensor | None], ...]]:
