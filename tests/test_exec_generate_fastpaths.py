@@ -22,15 +22,9 @@ from dali_exec.generate.session import OffloadSession  # noqa: E402
 from dali_exec.models import get_adapter  # noqa: E402
 from dali_exec.models.tiny import tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "olmoe")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _store(family: str, dtype: torch.dtype):
