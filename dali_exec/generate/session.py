@@ -267,7 +267,7 @@ class OffloadSession:
             logits = adapter.router_logits(target, inp)
             if rank is not None:
                 ids, w = adapter.rule.select(target.router, logits)
-                out[name] = rank(ids.numpy(), w.float().numpy(), _ALL_ROWS)
+                out[name] = rank(ids.numpy(), w.detach().float().numpy(), _ALL_ROWS)
             else:
                 out[name] = adapter.select(target, logits)[0].cpu().numpy()
         return out
