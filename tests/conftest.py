@@ -177,3 +177,13 @@ def write_hand_trace(path: Path, model: ModelSpec, rows, lookahead=None, predict
 def demand_rows(demand):
     """One sequence, one token per step (pos 0 prefill, then decode), one MoE layer, top-1."""
     return [(0, pos, "prefill" if pos == 0 else "decode", [[e]]) for pos, e in enumerate(demand)]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny matrices: one torch thread is fastest on a busy machine (the count is restored after the test)."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

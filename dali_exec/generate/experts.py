@@ -29,6 +29,18 @@ try:  # the function transformers' grouped_mm experts implementation calls (same
 except ImportError:  # pragma: no cover - another transformers version: the plain equivalent
     _hf_grouped_linear = None
 
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+#: transformers' grouped linear on the CPU with torch >= 2.11 always ends in ``F.grouped_mm(x.to(w.dtype), w,
+#: offs=offs)`` (its alignment condition is for older torch): the experts call that directly on the CPU, the
+#: same product without transformers' per-call dispatch checks (the CPU device's main cost per call here)
+_CPU_GROUPED_MM = (getattr(torch.nn.functional, "grouped_mm", None)
+                   if _hf_grouped_linear is not None and _torch_version() >= (2, 11) else None)
+
 logger = logging.getLogger(__name__)
 #: (device type, dtype) where transformers' grouped linear refused the slot table: the loop is used there
 _HF_UNSUPPORTED: set[tuple[str, torch.dtype]] = set()
@@ -87,6 +99,23 @@ class HFExpertLayout:
             activation = f"{type(act).__name__ if act is not None else '?'}(gate) * up"
         return cls(hidden, inter, transposed, bias, gate, activation, name)
 
+    def __post_init__(self) -> None:
+        # (start, end, shape) of each tensor in the flat vector: sliced per call, computed once
+        spans, o = [], 0
+        for s in self.shapes:
+            n = 1
+            for d in s:
+                n *= d
+            spans.append((o, o + n, s))
+            o += n
+        object.__setattr__(self, "_spans", tuple(spans))
+        # the two matrices as right operands of a product (in, out): (shape, strides, start) in the flat
+        # vector (a transposed view where the layout is (out, in)), for one as_strided per matrix per call
+        ops = []
+        for a, _, (r, c) in spans[:2]:
+            ops.append(((r, c), (c, 1), a) if self.transposed else ((c, r), (1, c), a))
+        object.__setattr__(self, "_operands", tuple(ops))
+
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         h, i = self.hidden, self.inter
@@ -95,35 +124,40 @@ class HFExpertLayout:
 
     @property
     def numel(self) -> int:
-        n = 0
-        for s in self.shapes:
-            m = 1
-            for d in s:
-                m *= d
-            n += m
-        return n
+        return self._spans[-1][1]
 
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(gate_up, down, gate_up_bias or None, down_bias or None) as views into ``flat``."""
-        out, o = [], 0
-        for s in self.shapes:
-            n = 1
-            for d in s:
-                n *= d
-            out.append(flat[o:o + n].view(*s))
-            o += n
+        out = [flat[a:b].view(s) for a, b, s in self._spans]
         return (out[0], out[1], out[2], out[3]) if self.bias else (out[0], out[1], None, None)
 
     def table_views(self, table: torch.Tensor):
         """:meth:`views` of every row of a table of flat experts ((R, numel), rows may be padded)."""
-        out, o = [], 0
-        for s in self.shapes:
-            n = 1
-            for d in s:
-                n *= d
-            out.append(table[:, o:o + n].view(-1, *s))
-            o += n
+        out = [table[:, a:b].view(-1, *s) for a, b, s in self._spans]
         return (out[0], out[1], out[2], out[3]) if self.bias else (out[0], out[1], None, None)
+
+    def operands(self, flat: torch.Tensor):
+        """(gate_up, down) as right operands of a product ((H, 2I), (I, H): the layout's matrices, transposed
+        where it stores them (out, in)), then the biases or None: views into ``flat`` (contiguous)."""
+        base = flat.storage_offset()
+        (s1, t1, a1), (s2, t2, a2) = self._operands
+        w1, w2 = flat.as_strided(s1, t1, base + a1), flat.as_strided(s2, t2, base + a2)
+        if not self.bias:
+            return w1, w2, None, None
+        (a3, b3, _), (a4, b4, _) = self._spans[2:]
+        return w1, w2, flat[a3:b3], flat[a4:b4]
+
+    def table_operands(self, table: torch.Tensor):
+        """:meth:`operands` of every row of a table of flat experts ((R, numel), rows contiguous, may be
+        padded): (R, H, 2I) and (R, I, H), then the biases' (R, 2I) and (R, H) or None."""
+        base, rs, R = table.storage_offset(), table.stride(0), table.shape[0]
+        (s1, t1, a1), (s2, t2, a2) = self._operands
+        w1 = table.as_strided((R, *s1), (rs, *t1), base + a1)
+        w2 = table.as_strided((R, *s2), (rs, *t2), base + a2)
+        if not self.bias:
+            return w1, w2, None, None
+        (a3, b3, _), (a4, b4, _) = self._spans[2:]
+        return w1, w2, table[:, a3:b3], table[:, a4:b4]
 
     def forward_grouped(self, table: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, counts,
                         pair_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,6 +165,12 @@ class HFExpertLayout:
         the model's gate, as its ``grouped_mm`` experts implementation computes them: ``x`` sorted by table
         row, ``offs`` the rows' cumulative token counts (int32, on ``x``'s device), ``pair_rows`` the table
         row of each token row (biases only). ``counts`` (host) serve the fallback without transformers."""
+        if _CPU_GROUPED_MM is not None and x.device.type == "cpu" and table.stride(-1) == 1:
+            w1, w2, b1, b2 = self.table_operands(table)
+            y = _CPU_GROUPED_MM(x.to(w1.dtype), w1, offs=offs)
+            y = self.gate(y if b1 is None else y.add_(b1.index_select(0, pair_rows)))
+            y = _CPU_GROUPED_MM(y.to(w2.dtype), w2, offs=offs)
+            return y if b2 is None else y.add_(b2.index_select(0, pair_rows))
         w1, w2, b1, b2 = self.table_views(table)
         if b1 is not None:
             b1, b2 = b1.index_select(0, pair_rows), b2.index_select(0, pair_rows)
@@ -152,7 +192,19 @@ class HFExpertLayout:
         return _hf_grouped_linear(y, w2, offs, bias=b2, is_transposed=self.transposed)
 
     def forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The expert on tokens ``x`` (n x H), weights in ``flat`` (on ``x``'s device)."""
+        """The expert on tokens ``x`` (n x H), weights in ``flat`` (on ``x``'s device).
+
+        On the CPU the grouped product computes each group as one matrix product
+        (``at::mm_out(out[rows], x[rows], weight[g])``, and transformers' own fallback likewise), so one
+        expert is one ``torch.mm`` with the same operands: the same bits, without the grouped call's
+        dispatch (a staging turn computes one expert; this is its cost on the CPU device). Elsewhere
+        (CUDA's grouped kernels) the grouped call for a group of one."""
+        if x.device.type == "cpu" and flat.stride(-1) == 1:
+            w1, w2, b1, b2 = self.operands(flat)
+            y = torch.mm(x.to(w1.dtype), w1)
+            y = self.gate(y if b1 is None else y.add_(b1))
+            y = torch.mm(y.to(w2.dtype), w2)
+            return y if b2 is None else y.add_(b2)
         w1, w2, b1, b2 = self.views(flat)
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # no host-to-device copy
         y = _grouped_linear(x, w1.unsqueeze(0), offs, b1, self.transposed)

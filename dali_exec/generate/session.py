@@ -114,6 +114,8 @@ class OffloadSession:
         self._hooks: list[Any] = []
         self._moved_from: torch.device | None = None
         self._stream = runtime.compute_stream if (devices.is_cuda and dense_track == "gpu") else None
+        self._predictions = self._prediction_plan()
+        self._plain_select = type(adapter).select is MoEAdapter.select  # rank_order(rule.select(...))
 
     # ---- installing ---------------------------------------------------------------------------
     def install(self) -> "OffloadSession":
@@ -201,11 +203,14 @@ class OffloadSession:
             self._dense_start = None
         sw = Stopwatch().start()
         idx, rows = self.index, self._real_rows
-        _, perm = torch.sort(ids.reshape(-1))  # transformers' grouped_mm order of the (token, k) pairs
-        # the routing to the host: the layer's one wait for the device (two copies: ids with the order, weights)
-        both = torch.cat([ids.reshape(-1), perm]).cpu().numpy()
-        n = ids.numel()
-        ids_np, perm, w_np = both[:n].reshape(ids.shape), both[n:], weights.float().cpu().numpy()
+        flat = ids.reshape(-1)
+        perm = torch.sort(flat)[1]  # transformers' grouped_mm order of the (token, k) pairs
+        if flat.device.type == "cpu":  # views, no copies
+            ids_np, perm, w_np = ids.numpy(), perm.numpy(), weights.float().numpy()
+        else:  # the routing to the host: the layer's one wait for the device (two copies: ids with the order, weights)
+            both = torch.cat([flat, perm]).cpu().numpy()
+            n = flat.numel()
+            ids_np, perm, w_np = both[:n].reshape(ids.shape), both[n:], weights.float().cpu().numpy()
         ids_real = ids_np if rows is None else ids_np[rows]
         w_real = w_np if rows is None else w_np[rows]
         # rank order: descending weight, ties keep their column (as rank_order's stable sort)
@@ -253,19 +258,38 @@ class OffloadSession:
     def _lookahead(self, ordinal: int, x: torch.Tensor) -> dict[str, np.ndarray]:
         """What each predictor the policies read predicts from this gate input (rows: the real tokens)."""
         out: dict[str, np.ndarray] = {}
-        L = len(self.blocks)
-        for name, offset in self.w.predictor_offsets.items():
-            target = ordinal + offset
-            if target >= L:
-                continue
-            nxt = self.blocks[target]
-            inp = x
-            if name == "residual":
-                inp = (x.float() + self.residuals[self.blocks[ordinal].layer]).to(x.dtype)
-            logits = self.adapter.router_logits(nxt, inp)
-            pred, _ = self.adapter.select(nxt, logits)
-            out[name] = pred.cpu().numpy()
+        adapter = self.adapter
+        # on the CPU the top-k's rank order by the compiled kernel (the stable sort of MoEAdapter.select's
+        # rank_order: the same ids), on views of the top-k, without three more tensor operations
+        rank = _kernels.compiled("rank_order") if self._plain_select and x.device.type == "cpu" else None
+        for name, target, residual in self._predictions[ordinal]:
+            inp = x if residual is None else (x.float() + residual).to(x.dtype)
+            logits = adapter.router_logits(target, inp)
+            if rank is not None:
+                ids, w = adapter.rule.select(target.router, logits)
+                out[name] = rank(ids.numpy(), w.detach().float().numpy(), _ALL_ROWS)
+            else:
+                out[name] = adapter.select(target, logits)[0].cpu().numpy()
         return out
+
+    def _prediction_plan(self) -> list[tuple[tuple[str, MoEBlock, torch.Tensor | None], ...]]:
+        """Per MoE layer ordinal: (predictor, the block it predicts, the residual vector added or None) for
+        each predictor whose target layer exists (fixed for the run: made once)."""
+        L = len(self.blocks)
+        plan = []
+        for ordinal, block in enumerate(self.blocks):
+            items = []
+            for name, offset in self.w.predictor_offsets.items():
+                if ordinal + offset >= L:
+                    continue
+                residual = None
+                if name == "residual":
+                    residual = self.residuals.get(block.layer)
+                    if residual is None:
+                        raise ValueError(f"the residual predictor needs a residual vector for MoE block {block.layer}")
+                items.append((name, self.blocks[ordinal + offset], residual))
+            plan.append(tuple(items))
+        return plan
 
 
 __all__ = ["PADDING", "LayerTimes", "OffloadSession", "OffloadedExperts"]
