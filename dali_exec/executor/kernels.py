@@ -140,6 +140,41 @@ def _group_index(ptr, positions, weights, experts, seg, rows, k, layer, hold_lay
     return pairs, w, rows_s, experts_s, counts, lo, table_counts, offs, tok, pair_rows, ready
 
 
+def _evict(row_of, experts, hold_layer, hold_expert):
+    """``SlotPool.evict_many`` of one layer (``row_of``: its row of the table) in one loop: each expert's cache
+    row is freed (it holds nothing); returns (the index of the first expert that is not cached or -1, the
+    rows). Nothing changes unless every expert is cached."""
+    m = experts.shape[0]
+    rows = np.empty(m, np.int64)
+    width = row_of.shape[0]
+    for i in range(m):
+        e = experts[i]
+        r = row_of[e] if 0 <= e < width else -1
+        if r < 0:
+            return i, rows
+        rows[i] = r
+    for i in range(m):
+        row_of[experts[i]] = -1
+        hold_layer[rows[i]] = -1
+        hold_expert[rows[i]] = -1
+    return -1, rows
+
+
+def _admit(row_of, experts, rows, layer, hold_layer, hold_expert):
+    """``SlotPool.admit_many`` of one layer in one loop: ``experts`` take the free cache ``rows``; returns the
+    index of the first expert that is already cached or -1 (then nothing changes). ``row_of`` must be wide
+    enough for every expert."""
+    m = experts.shape[0]
+    for i in range(m):
+        if row_of[experts[i]] >= 0:
+            return i
+    for i in range(m):
+        row_of[experts[i]] = rows[i]
+        hold_layer[rows[i]] = layer
+        hold_expert[rows[i]] = experts[i]
+    return -1
+
+
 def _matches(have_experts, have_counts, experts, counts):
     """``LayerRouting.matches``: ``experts`` / ``counts`` (any order, counts > 0) are exactly the entries of
     ``have_experts`` (ascending, unique) with a nonzero ``have_counts``, with those counts."""
@@ -292,13 +327,14 @@ def _rank_order(ids, weights, rows):
 _rows_ready_fn = _rows_ready  # what _group_index calls: the compiled _rows_ready once compiled
 
 _KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
-            "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready}
+            "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready, "evict": _evict,
+            "admit": _admit}
 _compiled: dict[str, object] = {}
 
 
 def compiled(name: str):
     """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
-    ``rank_order``, ``rows_ready``), or None without numba."""
+    ``rank_order``, ``rows_ready``, ``evict``, ``admit``), or None without numba."""
     global _rows_ready_fn
     if name not in _compiled:
         if name == "group_index":  # it calls rows_ready: that one compiled first

@@ -368,51 +368,61 @@ class OffloadRuntime:
     def _single_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
                       per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
                       out_buf: torch.Tensor, sw: Stopwatch) -> None:
-        """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts), in one loop over
-        lists made up front: per turn the slot table is checked and updated, and the device work (the
-        compute from the buffer, then the copy of turn t + ``halves`` into it) is issued with nothing
-        else in between; stamps are recorded after the loop."""
+        """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts). The slot table
+        is checked and settled in array operations around one loop that issues nothing but the device work
+        (per turn: the compute from buffer ``t % halves``, then the copy of turn t + ``halves`` into it) and
+        keeps its stamps; the stopwatch is stopped across that loop and the intervals are recorded as one
+        series per track (:meth:`Timer.add_series`)."""
         pool, layer, step, cuda = self.pool, plan.layer, plan.step, self.dev.is_cuda
         idx = lanes.staged
         n = len(idx)
         sg = lanes.seg[idx]
         E = lanes.experts[idx].tolist()
-        A, B = routing.ptr[sg].tolist(), routing.ptr[sg + 1].tolist()
+        lo, hi = routing.ptr[sg], routing.ptr[sg + 1]
+        A, B, tokens = lo.tolist(), hi.tolist(), (hi - lo).tolist()
         R = stage_rows[:halves]  # turn t's buffer: R[t % halves]
-        data = {r: pool.slots[r].data for r in R}
+        # the first turns' buffers hold their experts, copied by _copy_now with no copy in flight; the later
+        # turns' copies are this loop's own (no background copy writes a staging buffer)
+        head = min(n, halves)
+        hold_l, hold_e, inflight = pool.hold_layer, pool.hold_expert, pool.inflight
+        for j in range(head):
+            r = R[j]
+            if hold_l[r] != layer or hold_e[r] != E[j] or inflight[r]:
+                pool.check_rows(np.array([r]), layer, np.array([E[j]]))  # raises, naming what is wrong
+        bufs = [pool.slots[r].data for r in R]
         src = self.store.weights[layer]
         pos_d, tok_d, w_d = self._droute(routing)
-        events = list(first_events[int(i)] for i in np.searchsorted(first, idx[:halves])) if cuda else None
-        hold_e, hold_l = pool.hold_expert, pool.hold_layer
+        events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if cuda else None
         stream, mark, forward, copy_one = self.compute_stream, self.timer.mark, self.layout.forward, self.copies.copy_one
-        groups, copies = [], []
+        starts, ends, c0s, c1s = [], [], [], []
+        sw.stop()  # the device work of every turn
         for t in range(n):
-            row, e = R[t % halves], E[t]
-            if hold_e[row] != e or hold_l[row] != layer or pool.inflight[row]:
-                pool.check_rows(np.array([row]), layer, np.array([e]))  # raises, naming what is wrong
-            a, b = A[t], B[t]
-            nxt = t + halves
-            sw.stop()  # the device work of the turn
+            buf, a, b = bufs[t % halves], A[t], B[t]
             if cuda:
                 stream.wait_event(events[t])
-            start = mark(stream)
-            y = forward(data[row], x.index_select(0, tok_d[a:b]))
+            starts.append(mark(stream))
+            y = forward(buf, x.index_select(0, tok_d[a:b]))
             out_buf.index_copy_(0, pos_d[a:b], y * w_d[a:b])
             end = mark(stream)
-            if nxt < n:
-                c0, c1 = copy_one(data[row], src[E[nxt]], end)
-            sw.start()
-            groups.append(("gpu", (step, layer, (e,), (b - a,)), start, end))
-            if nxt < n:
-                hold_e[row] = E[nxt]
-                copies.append(("pcie", ("fetch", step, layer, (E[nxt],)), c0, c1))
+            ends.append(end)
+            if t + halves < n:
+                c0, c1 = copy_one(buf, src[E[t + halves]], end)
+                c0s.append(c0)
+                c1s.append(c1)
                 if cuda:
                     events.append(c1)
-                else:
-                    self._wait[layer] += c1 - c0  # the lane waits while the host copies
+        sw.start()
+        for j, r in enumerate(R[:head]):  # each buffer holds the expert of its last turn
+            last = j + (n - 1 - j) // halves * halves
+            hold_e[r] = E[last]
             if cuda:
-                pool.last_use[row] = end
-        self.timer.add_raw(groups + copies)
+                pool.last_use[r] = ends[last]
+        timer = self.timer
+        timer.add_series("gpu", "expert", step, layer, E, tokens, starts, ends)
+        if c0s:
+            timer.add_series("pcie", "fetch", step, layer, E[halves:], None, c0s, c1s)
+            if not cuda:  # the lane waited while the host copied
+                self._wait[layer] += sum(b - a for a, b in zip(c0s, c1s))
         self.groups["gpu"] += n
         self.grouped_experts["gpu"] += n
 
@@ -467,10 +477,10 @@ class OffloadRuntime:
             dev = self.dev
             pos = routing.positions
             ints = torch.from_numpy(np.concatenate([pos, pos // routing.top_k]))
-            w = torch.from_numpy(routing.weights)
+            w = torch.from_numpy(routing.weights[:, None])
             if dev.is_cuda:
                 ints, w = (t.pin_memory().to(dev.accel, non_blocking=True) for t in (ints, w))
-            self._droute_list = [ints[:len(pos)], ints[len(pos):], w.to(dev.dtype).unsqueeze(1)]
+            self._droute_list = [ints[:len(pos)], ints[len(pos):], _as_dtype(w, dev.dtype)]
             self._droute_of = routing
         return self._droute_list
 
@@ -588,14 +598,19 @@ def _device_indices(gi: GroupIndex, r: LayerRouting, device: torch.device, dtype
     pair within the group's span (biases only) and gate weights (n x 1, ``dtype``). On CUDA one packed
     copy from pinned memory (and one for the weights), without a wait."""
     pos = gi.pairs
-    w = torch.from_numpy(gi.weights)
+    w = torch.from_numpy(gi.weights[:, None])
     if device.type != "cuda":
         rows = torch.from_numpy(gi.row_of_pairs()) if bias else None
         return (torch.from_numpy(pos), torch.from_numpy(gi.token_rows(r.top_k)), torch.from_numpy(gi.offs), rows,
-                w.to(dtype).unsqueeze(1))
+                _as_dtype(w, dtype))
     ints = [pos, gi.token_rows(r.top_k), gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
     packed = torch.from_numpy(np.concatenate(ints)).pin_memory().to(device, non_blocking=True)
     w = w.pin_memory().to(device, non_blocking=True)
     n, m = len(pos), len(gi.offs)
     pair_rows = packed[2 * n + m:] if bias else None
-    return packed[:n], packed[n:2 * n], packed[2 * n:2 * n + m].to(torch.int32), pair_rows, w.to(dtype).unsqueeze(1)
+    return packed[:n], packed[n:2 * n], packed[2 * n:2 * n + m].to(torch.int32), pair_rows, _as_dtype(w, dtype)
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the call when it is that already (fp32 gate weights on the CPU device)."""
+    return t if t.dtype == dtype else t.to(dtype)

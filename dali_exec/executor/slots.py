@@ -170,17 +170,32 @@ class SlotPool:
         if not m:
             return experts
         self._width(int(experts.max()))
-        if (self.row_of[layer, experts] >= 0).any():
-            e = int(experts[np.argmax(self.row_of[layer, experts] >= 0)])
-            raise AssertionError(f"layer {layer} expert {e} is already cached")
         free = self.cache_free[layer]
-        if len(free) < m:
-            raise AssertionError(f"layer {layer}: all {self.capacities[layer]} cache slots are taken")
-        rows = np.array([free.popleft() for _ in range(m)], np.int64)
-        self.row_of[layer, experts] = rows
-        self._hold(rows, layer, experts)
+        kernel = _kernels.compiled("admit")
+        if kernel is None:
+            if (self.row_of[layer, experts] >= 0).any():
+                self._already_cached(layer, experts[np.argmax(self.row_of[layer, experts] >= 0)])
+            self._enough_free(layer, m)
+            rows = np.array([free.popleft() for _ in range(m)], np.int64)
+            self.row_of[layer, experts] = rows
+            self._hold(rows, layer, experts)
+        else:  # the check and the table in one compiled loop
+            self._enough_free(layer, m)
+            rows = np.array([free[i] for i in range(m)], np.int64)
+            bad = kernel(self.row_of[layer], experts, rows, layer, self.hold_layer, self.hold_expert)
+            if bad >= 0:
+                self._already_cached(layer, experts[bad])
+            for _ in range(m):
+                free.popleft()
         self.n_cached[layer] += m
         return rows
+
+    def _already_cached(self, layer: int, expert) -> None:
+        raise AssertionError(f"layer {layer} expert {int(expert)} is already cached")
+
+    def _enough_free(self, layer: int, m: int) -> None:
+        if len(self.cache_free[layer]) < m:
+            raise AssertionError(f"layer {layer}: all {self.capacities[layer]} cache slots are taken")
 
     def evict(self, layer: int, expert: int) -> None:
         self.evict_many(layer, np.array([expert]))
@@ -189,9 +204,15 @@ class SlotPool:
         experts = np.asarray(experts, np.int64)
         if not len(experts):
             return
-        rows = self.cached_rows(layer, experts)
-        self.row_of[layer, experts] = -1
-        self._release(rows)
+        kernel = _kernels.compiled("evict")
+        if kernel is None:
+            rows = self.cached_rows(layer, experts)
+            self.row_of[layer, experts] = -1
+            self._release(rows)
+        else:  # the check and the table in one compiled loop
+            bad, rows = kernel(self.row_of[layer], experts, self.hold_layer, self.hold_expert)
+            if bad >= 0:
+                raise AssertionError(f"layer {layer} expert {int(experts[bad])} is not in the slot table's cache")
         self.cache_free[layer].extend(rows.tolist())
         self.n_cached[layer] -= len(rows)
 
