@@ -70,7 +70,10 @@ def _group_routing(flat, order_in, weights, counted, k):
     for j in range(n):
         w[j] = weights[order[j]]
     if counted.shape[0] == 0:
-        return OK, order, ptr[:m + 1], experts[:m], w, np.zeros(0, np.bool_), np.zeros(0, np.int64)
+        per = np.empty(m, np.int64)
+        for g in range(m):
+            per[g] = ptr[g + 1] - ptr[g]
+        return OK, order, ptr[:m + 1], experts[:m], w, np.zeros(0, np.bool_), per
     c = np.empty(n, np.bool_)
     per = np.zeros(m, np.int64)
     g = 0

@@ -65,8 +65,7 @@ class LayerRouting:
                 raise ValueError("order must sort the flat positions by expert id")
             if status == _kernels.NEGATIVE:
                 raise ValueError("expert ids must be >= 0")
-            return cls(T, k, experts, ptr, order, w, None if counted is None else c,
-                       None if counted is None else per)
+            return cls(T, k, experts, ptr, order, w, None if counted is None else c, per)
         return cls._group_numpy(T, k, flat, weights, counted, order)
 
     @classmethod

@@ -55,6 +55,7 @@ class OffloadRuntime:
                  staging_slots: int, *, cpu_threads: int, timer: Timer | None = None, copy_delay_s: float = 0.0,
                  cpu_inline: bool = False):
         self.store, self.dev = store, devices
+        self._host_layers = list(store.weights.unbind(0))  # each layer's host weights (E x numel), made once
         #: run the CPU lane in the calling thread (when it has the lane's thread count) instead of the worker:
         #: for an accelerator that is the CPU device and shares its threads, where the lanes cannot overlap
         self.cpu_inline = cpu_inline
@@ -164,12 +165,12 @@ class OffloadRuntime:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing)
         x_acc = x if (x.device == dev.accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         out_buf = torch.zeros((T * k, H), dtype=dev.dtype, device=dev.accel)
-        sw.start()
 
         cpu_out: list = []
         if lanes.n:
+            sw.start()
             self._accelerator_lane(plan, lanes, routing, x_acc, out_buf, sw, inline, cpu_out)
-        sw.stop()
+            sw.stop()
         if inline:
             cpu_out.append(inline.pop()())
         if cpu_job is not None:
@@ -316,10 +317,12 @@ class OffloadRuntime:
         if not len(idx):
             return None if not self.dev.is_cuda else []
         pool, layer = self.pool, plan.layer
-        r, e = rows[idx].tolist(), experts[idx].tolist()
-        pool.hold_rows(r, layer, e)
+        ri, ei = rows[idx], experts[idx]
+        pool.hold_rows(ri, layer, ei)
+        r, e = ri.tolist(), ei.tolist()
         tickets = pool.tickets
-        previous = [] if staging else [t for i in r if (t := tickets[i]) is not None and not t.done]
+        held = [] if staging else [i for i in r if tickets[i] is not None]  # rows a background copy wrote
+        previous = [t for i in held if not (t := tickets[i]).done]
         if self.dev.is_cuda and after is None:
             after = [pool.last_use[i] for i in r]
         w0 = time.perf_counter()
@@ -327,9 +330,8 @@ class OffloadRuntime:
                                      previous=previous, pause=sw)
         if ends is None:  # the CPU device: the lane waited for its copies while they were made
             self._wait[layer] += time.perf_counter() - w0
-        if previous or not staging:
-            for i in r:
-                tickets[i] = None
+        for i in held:
+            tickets[i] = None
         return ends
 
     def _wait_events(self, events, issued: np.ndarray, idx: np.ndarray) -> None:
@@ -390,7 +392,7 @@ class OffloadRuntime:
             if hold_l[r] != layer or hold_e[r] != E[j] or inflight[r]:
                 pool.check_rows(np.array([r]), layer, np.array([E[j]]))  # raises, naming what is wrong
         bufs = [pool.slots[r].data for r in R]
-        src = self.store.weights[layer]
+        src = self._host_layers[layer]
         pos_d, tok_d, w_d = self._droute(routing)
         events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if cuda else None
         stream, mark, forward, copy_one = self.compute_stream, self.timer.mark, self.layout.forward, self.copies.copy_one
@@ -476,11 +478,14 @@ class OffloadRuntime:
         if self._droute_of is not routing:
             dev = self.dev
             pos = routing.positions
-            ints = torch.from_numpy(np.concatenate([pos, pos // routing.top_k]))
             w = torch.from_numpy(routing.weights[:, None])
-            if dev.is_cuda:
+            if dev.is_cuda:  # one packed copy
+                ints = torch.from_numpy(np.concatenate([pos, pos // routing.top_k]))
                 ints, w = (t.pin_memory().to(dev.accel, non_blocking=True) for t in (ints, w))
-            self._droute_list = [ints[:len(pos)], ints[len(pos):], _as_dtype(w, dev.dtype)]
+                self._droute_list = [ints[:len(pos)], ints[len(pos):], _as_dtype(w, dev.dtype)]
+            else:
+                self._droute_list = [torch.from_numpy(pos), torch.from_numpy(pos // routing.top_k),
+                                     _as_dtype(w, dev.dtype)]
             self._droute_of = routing
         return self._droute_list
 
@@ -524,7 +529,7 @@ class OffloadRuntime:
         gi = GroupIndex.whole(r) if len(seg) == len(r.experts) else GroupIndex.build(r, seg, r.experts[seg])
         pos, tok, offs, pair_rows, w = _device_indices(gi, r, self.dev.host, self.dev.dtype, self.layout.bias)
         start = self.timer.mark()
-        y = self.layout.forward_grouped(gi.span(self.store.weights[layer]), x.index_select(0, tok), offs,
+        y = self.layout.forward_grouped(gi.span(self._host_layers[layer]), x.index_select(0, tok), offs,
                                         gi.table_counts, pair_rows) * w
         end = self.timer.mark()
         self.timer.add_group("cpu", step, layer, gi.experts, gi.counts, start, end)

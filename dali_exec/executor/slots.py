@@ -283,7 +283,7 @@ class SlotPool:
             self._release(rows)
             self.staging_free.extend(rows)
 
-    def hold_rows(self, rows: list[int], layer: int, experts: list[int]) -> None:
+    def hold_rows(self, rows, layer: int, experts) -> None:
         """The rows now hold these experts of ``layer`` (a copy into them is being issued)."""
         if len(rows) == 1:
             self.hold_layer[rows[0]] = layer
