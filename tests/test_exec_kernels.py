@@ -197,3 +197,57 @@ def test_a_replay_without_numba_computes_and_counts_the_same(system, tmp_path, m
     plain, out_p = replay()
     assert {k: compiled.summary[k] for k in COUNTERS} == {k: plain.summary[k] for k in COUNTERS}
     assert len(out_c) == len(out_p) and all(torch.equal(a, b) for a, b in zip(out_c, out_p))
+
+
+def _pool_state(pool):
+    return (pool.row_of.copy(), pool.hold_layer.copy(), pool.hold_expert.copy(), pool.n_cached.copy(),
+            [list(f) for f in pool.cache_free])
+
+
+def test_evictions_and_admissions_in_one_loop_leave_the_table_as_the_array_code(monkeypatch):
+    """``SlotPool.admit_many`` / ``evict_many`` (compiled loops) against their NumPy code, on random sequences of
+    admissions and evictions (including experts beyond the table's width), and the same refusals."""
+    import torch
+
+    from dali_exec.executor.slots import SlotPool
+
+    def pools():
+        return [SlotPool(np.array([6, 4]), 1, 1, 4, torch.float32, torch.device("cpu"), num_experts=8)
+                for _ in range(2)]
+
+    rng = np.random.default_rng(3)
+    compiled_fn = K.compiled
+    for trial in range(40):
+        fast, plain = pools()
+        for _ in range(12):
+            layer = int(rng.integers(0, 2))
+            cached = np.flatnonzero(fast.row_of[layer] >= 0)
+            if len(cached) and rng.random() < 0.5:
+                op, experts = "evict_many", rng.choice(cached, int(rng.integers(1, len(cached) + 1)), replace=False)
+            else:
+                free = len(fast.cache_free[layer])
+                pool_ids = np.setdiff1d(np.arange(12), cached)  # ids up to 11: beyond the initial width 8
+                if not free:
+                    continue
+                op, experts = "admit_many", rng.choice(pool_ids, int(rng.integers(1, free + 1)), replace=False)
+            got = getattr(fast, op)(layer, experts)
+            monkeypatch.setattr(K, "compiled", lambda name: None)
+            want = getattr(plain, op)(layer, experts)
+            monkeypatch.setattr(K, "compiled", compiled_fn)
+            if op == "admit_many":
+                _same(got, want)
+            for a, b in zip(_pool_state(fast), _pool_state(plain)):
+                assert (a == b) if isinstance(a, list) else np.array_equal(a, b)
+    for use_kernel in (True, False):
+        monkeypatch.setattr(K, "compiled", compiled_fn if use_kernel else (lambda name: None))
+        pool = pools()[0]
+        pool.admit_many(0, np.array([2, 5]))
+        before = _pool_state(pool)
+        with pytest.raises(AssertionError, match="layer 0 expert 5 is already cached"):
+            pool.admit_many(0, np.array([1, 5]))
+        with pytest.raises(AssertionError, match="layer 0 expert 3 is not in the slot table's cache"):
+            pool.evict_many(0, np.array([2, 3]))
+        with pytest.raises(AssertionError, match="all 4 cache slots are taken"):
+            pool.admit_many(1, np.arange(5))
+        for a, b in zip(_pool_state(pool), before):  # a refused change changes nothing
+            assert (a == b) if isinstance(a, list) else np.array_equal(a, b)

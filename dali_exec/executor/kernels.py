@@ -16,6 +16,7 @@ import numpy as np
 from dali_sim.policies import kernels as _policy_kernels
 
 OK, NOT_PERMUTATION, NOT_SORTED, NEGATIVE = 0, 1, 2, 3
+TOO_WIDE = -2  # _admit: an expert id beyond the slot table's width
 
 
 def _group_routing(flat, order_in, weights, counted, k):
@@ -164,10 +165,14 @@ def _evict(row_of, experts, hold_layer, hold_expert):
 
 
 def _admit(row_of, experts, rows, layer, hold_layer, hold_expert):
-    """``SlotPool.admit_many`` of one layer in one loop: ``experts`` take the free cache ``rows``; returns the
-    index of the first expert that is already cached or -1 (then nothing changes). ``row_of`` must be wide
-    enough for every expert."""
+    """``SlotPool.admit_many`` of one layer in one loop: ``experts`` take the free cache ``rows``; returns -1,
+    else (nothing changed) the index of the first expert that is already cached, or :data:`TOO_WIDE` when an
+    expert lies beyond ``row_of`` (the caller widens the table and calls again)."""
     m = experts.shape[0]
+    width = row_of.shape[0]
+    for i in range(m):
+        if experts[i] >= width:
+            return TOO_WIDE
     for i in range(m):
         if row_of[experts[i]] >= 0:
             return i
@@ -347,4 +352,4 @@ def compiled(name: str):
 
 
 __all__ = ["FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY", "STAGED",
-           "compiled"]
+           "TOO_WIDE", "compiled"]

@@ -424,7 +424,7 @@ class OffloadRuntime:
         if c0s:
             timer.add_series("pcie", "fetch", step, layer, E[halves:], None, c0s, c1s)
             if not cuda:  # the lane waited while the host copied
-                self._wait[layer] += sum(b - a for a, b in zip(c0s, c1s))
+                self._wait[layer] += sum(c1s) - sum(c0s)
         self.groups["gpu"] += n
         self.grouped_experts["gpu"] += n
 

@@ -22,6 +22,7 @@ and its copies have landed.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import numpy as np
@@ -169,24 +170,27 @@ class SlotPool:
         m = len(experts)
         if not m:
             return experts
-        self._width(int(experts.max()))
         free = self.cache_free[layer]
         kernel = _kernels.compiled("admit")
-        if kernel is None:
+        if kernel is not None:  # the checks and the table in one compiled loop
+            self._enough_free(layer, m)
+            rows = np.fromiter(itertools.islice(free, m), np.int64, m)
+            bad = kernel(self.row_of[layer], experts, rows, layer, self.hold_layer, self.hold_expert)
+            if bad == _kernels.TOO_WIDE:
+                self._width(int(experts.max()))
+                bad = kernel(self.row_of[layer], experts, rows, layer, self.hold_layer, self.hold_expert)
+            if bad >= 0:
+                self._already_cached(layer, experts[bad])
+            for _ in range(m):
+                free.popleft()
+        else:
+            self._width(int(experts.max()))
             if (self.row_of[layer, experts] >= 0).any():
                 self._already_cached(layer, experts[np.argmax(self.row_of[layer, experts] >= 0)])
             self._enough_free(layer, m)
             rows = np.array([free.popleft() for _ in range(m)], np.int64)
             self.row_of[layer, experts] = rows
             self._hold(rows, layer, experts)
-        else:  # the check and the table in one compiled loop
-            self._enough_free(layer, m)
-            rows = np.array([free[i] for i in range(m)], np.int64)
-            bad = kernel(self.row_of[layer], experts, rows, layer, self.hold_layer, self.hold_expert)
-            if bad >= 0:
-                self._already_cached(layer, experts[bad])
-            for _ in range(m):
-                free.popleft()
         self.n_cached[layer] += m
         return rows
 
@@ -279,9 +283,9 @@ class SlotPool:
         return [free.popleft() for _ in range(n)]
 
     def release_staging_rows(self, rows: list[int]) -> None:
-        if rows:
-            self._release(rows)
-            self.staging_free.extend(rows)
+        for r in rows:  # (a few)
+            self.hold_layer[r] = self.hold_expert[r] = -1
+        self.staging_free.extend(rows)
 
     def hold_rows(self, rows, layer: int, experts) -> None:
         """The rows now hold these experts of ``layer`` (a copy into them is being issued)."""
