@@ -38,6 +38,7 @@ def test_routing_grouped_by_the_kernel_equals_the_numpy_code():
     rng = np.random.default_rng(0)
     for trial in range(RNG_TRIALS):
         ids, w, mask, perm = _layer(rng, counted=trial % 2 == 1, order=trial % 3 == 0)
+        ids = ids.astype((np.int64, np.int16, np.int32, np.int16)[trial % 4])  # the ids as a trace (int16) or a model gives them
         a = LayerRouting.group(ids, w, counted=mask, order=perm)
         b = LayerRouting._group_numpy(*ids.shape, ids.reshape(-1).astype(np.int64), w, mask, perm)
         for field in ("experts", "ptr", "positions", "weights"):
@@ -110,12 +111,20 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(K, "compiled", lambda name: None)
             want = OffloadRuntime._partition(runtime, plan, r, flag)
-        _same(got[0], want[0])
-        for a, b in zip(got[1], want[1]):
-            if isinstance(a, np.ndarray):
-                _same(a, b)
-            else:
-                assert a == b
+        splits = [(got, want)]
+        if mask is None and not flag:  # the replay's call: grouped and split in one compiled call
+            routed, *fused = OffloadRuntime._route(runtime, plan, ids, w)
+            for field in ("experts", "ptr", "positions", "weights"):
+                _same(getattr(routed, field), getattr(r, field))
+            _same(routed.counts(), r.counts())
+            splits.append((tuple(fused), want))
+        for got, want in splits:
+            _same(got[0], want[0])
+            for a, b in zip(got[1], want[1]):
+                if isinstance(a, np.ndarray):
+                    _same(a, b)
+                else:
+                    assert a == b
 
 
 def test_rank_order_is_the_stable_descending_sort():
@@ -251,3 +260,38 @@ def test_evictions_and_admissions_in_one_loop_leave_the_table_as_the_array_code(
             pool.admit_many(1, np.arange(5))
         for a, b in zip(_pool_state(pool), before):  # a refused change changes nothing
             assert (a == b) if isinstance(a, list) else np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("numba_on", [True, False])
+def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from dali_exec.executor.runtime import OffloadRuntime
+    from dali_exec.executor.slots import SlotPool
+    from dali_sim.runtime.controller import CPU, HIT
+
+    if not numba_on:
+        monkeypatch.setattr(K, "compiled", lambda name: None)
+    ids, w = np.array([[1, 4], [4, 2]]), np.full((2, 2), 0.5, np.float32)
+    runtime = SimpleNamespace(pool=SlotPool(np.array([4]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=8))
+    runtime._partition = lambda *args: OffloadRuntime._partition(runtime, *args)
+
+    def plan(experts, counts, source):
+        return SimpleNamespace(layer=0, step=3, experts=np.array(experts, np.int16), counts=np.array(counts, np.int32),
+                               source=np.array(source, np.int8), admitted=np.zeros(len(experts), bool))
+
+    ok = plan([4, 1, 2], [2, 1, 1], [CPU] * 3)
+    routed, cpu_seg, _ = OffloadRuntime._route(runtime, ok, ids, w)
+    assert routed.experts.tolist() == [1, 2, 4] and cpu_seg.tolist() == [0, 1, 2]
+    for bad in (plan([4, 1, 2], [1, 1, 1], [CPU] * 3), plan([4, 1], [2, 1], [CPU] * 2)):
+        with pytest.raises(ValueError, match=r"step 3 layer 0: the routing's experts \[1, 2, 4\] with \[1, 1, 2\] "
+                                             "tokens differ from the plan's"):
+            OffloadRuntime._route(runtime, bad, ids, w)
+        with pytest.raises(ValueError, match="differ from the plan's"):
+            OffloadRuntime._partition(runtime, bad, LayerRouting.group(ids, w), False)
+    with pytest.raises(AssertionError, match="layer 0 expert 4 is not in the slot table's cache"):
+        OffloadRuntime._route(runtime, plan([4, 1, 2], [2, 1, 1], [HIT, CPU, CPU]), ids, w)
+    with pytest.raises(ValueError, match="expert ids must be >= 0"):
+        OffloadRuntime._route(runtime, ok, np.array([[1, -4], [4, 2]]), w)

@@ -332,21 +332,39 @@ def _rank_order(ids, weights, rows):
     return out
 
 
+def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of, codes):
+    """:func:`_group_routing` (no given order, every token counted) and :func:`_partition` of the result in one
+    call (the replay's layer: the routing from the trace, checked against the plan and split between the
+    lanes): (grouping status, order, ptr, experts, sorted weights, pairs per expert, then what
+    :func:`_partition` returns)."""
+    status, order, ptr, experts, w, c, per = _group_routing_fn(flat, np.zeros(0, np.int64), weights,
+                                                               np.zeros(0, np.bool_), k)
+    if status != OK:
+        empty = np.zeros(0, np.int64)
+        return status, order, ptr, experts, w, per, 1, empty, np.zeros((5, 0), np.int64), empty, 0, 0, 0
+    p = _partition_fn(experts, per, p_experts, p_counts, source, admitted, row_of, codes, False)
+    return status, order, ptr, experts, w, per, p[0], p[1], p[2], p[3], p[4], p[5], p[6]
+
+
 _rows_ready_fn = _rows_ready  # what _group_index calls: the compiled _rows_ready once compiled
+_group_routing_fn, _partition_fn = _group_routing, _partition  # what _route_partition calls (compiled first)
 
 _KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
             "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready, "evict": _evict,
-            "admit": _admit}
+            "admit": _admit, "route_partition": _route_partition}
 _compiled: dict[str, object] = {}
 
 
 def compiled(name: str):
     """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
-    ``rank_order``, ``rows_ready``, ``evict``, ``admit``), or None without numba."""
-    global _rows_ready_fn
+    ``rank_order``, ``rows_ready``, ``evict``, ``admit``, ``route_partition``), or None without numba."""
+    global _rows_ready_fn, _group_routing_fn, _partition_fn
     if name not in _compiled:
         if name == "group_index":  # it calls rows_ready: that one compiled first
             _rows_ready_fn = compiled("rows_ready") or _rows_ready
+        if name == "route_partition":  # it calls these two
+            _group_routing_fn = compiled("group_routing") or _group_routing
+            _partition_fn = compiled("partition") or _partition
         _compiled[name] = _policy_kernels.jit(_KERNELS[name])
     return _compiled[name]
 

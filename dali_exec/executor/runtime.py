@@ -134,10 +134,12 @@ class OffloadRuntime:
         """(L,) thread-CPU seconds of the runtime's own host work."""
         return np.array(self._bookkeeping.cpu)
 
-    def run_experts(self, plan: LayerPlan, x: torch.Tensor, routing: LayerRouting, *,
+    def run_experts(self, plan: LayerPlan, x: torch.Tensor, routing: LayerRouting | tuple, *,
                     uncounted_on_cpu: bool = False) -> torch.Tensor:
         """The layer's routed experts on ``x`` (T x H, the gate input, on the dense device): the
-        combined output sum_r w[t, r] * expert(x[t]) (T x H, on ``x``'s device).
+        combined output sum_r w[t, r] * expert(x[t]) (T x H, on ``x``'s device). ``routing``: grouped
+        (:meth:`LayerRouting.group`), or the router's (T, k) ids and weights (or None), which are grouped and
+        checked against the plan in one compiled call (every token counted).
 
         Tokens the routing does not count (``LayerRouting.group(counted=...)``: e.g. padding a real model
         computes anyway) ride along with the plan's experts; experts that only such tokens use are not part
@@ -145,10 +147,13 @@ class OffloadRuntime:
         sw = Stopwatch().start()  # stopped around computes, activation transfers and waits
         layer, step = plan.layer, plan.step
         dev, pool = self.dev, self.pool
-        T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
         if len(plan.evicted):
             pool.evict_many(layer, np.asarray(plan.evicted))
-        cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
+        if isinstance(routing, LayerRouting):
+            cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
+        else:
+            routing, cpu_seg, split = self._route(plan, *routing)
+        T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
         lanes = _AccelLane.of(plan, pool, *split)
         self._issue_deferred()  # adoptions may have freed prefetch buffers
 
@@ -193,6 +198,23 @@ class OffloadRuntime:
         self._book(layer, sw)
         return out
 
+    def _route(self, plan: LayerPlan, ids: np.ndarray, weights: np.ndarray | None):
+        """(The routing grouped, :meth:`_partition` of it), from the router's ids and weights in one compiled
+        call (or, without numba, :meth:`LayerRouting.group` then :meth:`_partition`)."""
+        kernel = _kernels.compiled("route_partition")
+        if kernel is None:
+            routing = LayerRouting.group(ids, weights)
+            return (routing, *self._partition(plan, routing, False))
+        ids, weights = LayerRouting.checked(ids, weights)
+        T, k = ids.shape
+        status, order, ptr, experts, w, per, *split = kernel(
+            ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
+            self.pool.row_of[plan.layer], _CODES)
+        if status == _kernels.NEGATIVE:
+            raise ValueError("expert ids must be >= 0")
+        routing = LayerRouting(T, k, experts, ptr, order, w, None, per)
+        return (routing, *_checked_split(plan, routing, *split))
+
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
         indices into ``routing.experts``, the accelerator lane's split: see ``kernels._partition``)."""
@@ -200,33 +222,28 @@ class OffloadRuntime:
         kernel = _kernels.compiled("partition")
         flag = uncounted_on_cpu and routing.counted is not None
         if kernel is not None:
-            status, cpu_seg, lane, order, hits, ready, fetched = kernel(
+            return _checked_split(plan, routing, *kernel(
                 routing.experts, routing.counts(), plan.experts, plan.counts, plan.source, plan.admitted,
-                self.pool.row_of[layer], _CODES, flag)
-            if status == 2:
-                raise AssertionError(f"layer {layer} expert {int(lane[3, 0])} is not in the slot table's cache")
-        else:
-            status = 0 if routing.matches(plan.experts, plan.counts) else 1
-        if status == 1:
-            raise ValueError(f"step {plan.step} layer {layer}: the routing's experts {routing.experts.tolist()} with "
-                             f"{routing.counts().tolist()} tokens differ from the plan's {plan.experts.tolist()}")
-        if kernel is None:  # the same in array operations
-            gpu = np.flatnonzero(plan.source != CPU)
-            src, experts = plan.source[gpu], plan.experts[gpu].astype(np.int64)
-            hit = src == HIT
-            kind = np.select([hit, src == PREFETCHED, plan.admitted[gpu]],
-                             [_kernels.READY, _kernels.PREFETCHED_KIND, _kernels.FETCHED], _kernels.STAGED)
-            rows = np.full(len(gpu), -1, np.int64)
-            rows[hit] = self.pool.cached_rows(layer, experts[hit])
-            lane = np.stack([gpu, np.searchsorted(routing.experts, experts), rows, experts, kind]).astype(np.int64)
-            groups = [np.flatnonzero(kind <= _kernels.PREFETCHED_KIND), np.flatnonzero(kind == _kernels.FETCHED),
-                      np.flatnonzero(kind == _kernels.STAGED)]
-            order = np.concatenate(groups).astype(np.int64)
-            hits, ready, fetched = int(np.count_nonzero(hit)), len(groups[0]), len(groups[1])
-            cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
-            if flag:
-                cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
-            cpu_seg.sort()
+                self.pool.row_of[layer], _CODES, flag))
+        if not routing.matches(plan.experts, plan.counts):
+            _routing_differs(plan, routing)
+        # the same in array operations
+        gpu = np.flatnonzero(plan.source != CPU)
+        src, experts = plan.source[gpu], plan.experts[gpu].astype(np.int64)
+        hit = src == HIT
+        kind = np.select([hit, src == PREFETCHED, plan.admitted[gpu]],
+                         [_kernels.READY, _kernels.PREFETCHED_KIND, _kernels.FETCHED], _kernels.STAGED)
+        rows = np.full(len(gpu), -1, np.int64)
+        rows[hit] = self.pool.cached_rows(layer, experts[hit])
+        lane = np.stack([gpu, np.searchsorted(routing.experts, experts), rows, experts, kind]).astype(np.int64)
+        groups = [np.flatnonzero(kind <= _kernels.PREFETCHED_KIND), np.flatnonzero(kind == _kernels.FETCHED),
+                  np.flatnonzero(kind == _kernels.STAGED)]
+        order = np.concatenate(groups).astype(np.int64)
+        hits, ready, fetched = int(np.count_nonzero(hit)), len(groups[0]), len(groups[1])
+        cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
+        if flag:
+            cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
+        cpu_seg.sort()
         return cpu_seg, (lane, order, hits, ready, fetched)
 
     def _accelerator_lane(self, plan: LayerPlan, lanes: "_AccelLane", routing: LayerRouting, x: torch.Tensor,
@@ -596,6 +613,20 @@ class _AccelLane:
         if fetched:
             rows[lane.fetched] = pool.admit_many(layer, lane.experts[lane.fetched])
         return lane
+
+
+def _checked_split(plan: LayerPlan, routing: LayerRouting, status: int, cpu_seg, lane, order, hits, ready, fetched):
+    """What the compiled ``kernels._partition`` returned (as ``OffloadRuntime._partition``), its refusals raised."""
+    if status == 2:
+        raise AssertionError(f"layer {plan.layer} expert {int(lane[3, 0])} is not in the slot table's cache")
+    if status == 1:
+        _routing_differs(plan, routing)
+    return cpu_seg, (lane, order, hits, ready, fetched)
+
+
+def _routing_differs(plan: LayerPlan, routing: LayerRouting) -> None:
+    raise ValueError(f"step {plan.step} layer {plan.layer}: the routing's experts {routing.experts.tolist()} with "
+                     f"{routing.counts().tolist()} tokens differ from the plan's {plan.experts.tolist()}")
 
 
 def _device_indices(gi: GroupIndex, r: LayerRouting, device: torch.device, dtype: torch.dtype, bias: bool):
