@@ -213,9 +213,9 @@ def _pool_state(pool):
             [list(f) for f in pool.cache_free])
 
 
-def test_evictions_and_admissions_in_one_loop_leave_the_table_as_the_array_code(monkeypatch):
-    """``SlotPool.admit_many`` / ``evict_many`` (compiled loops) against their NumPy code, on random sequences of
-    admissions and evictions (including experts beyond the table's width), and the same refusals."""
+def test_evictions_admissions_and_swaps_in_one_loop_leave_the_table_as_the_array_code(monkeypatch):
+    """``SlotPool.admit_many`` / ``evict_many`` / ``swap_many`` (compiled loops) against their NumPy code, on
+    random sequences of them (including experts beyond the table's width), and the same refusals."""
     import torch
 
     from dali_exec.executor.slots import SlotPool
@@ -231,8 +231,19 @@ def test_evictions_and_admissions_in_one_loop_leave_the_table_as_the_array_code(
         for _ in range(12):
             layer = int(rng.integers(0, 2))
             cached = np.flatnonzero(fast.row_of[layer] >= 0)
-            if len(cached) and rng.random() < 0.5:
+            if len(cached) and rng.random() < 0.3:
                 op, experts = "evict_many", rng.choice(cached, int(rng.integers(1, len(cached) + 1)), replace=False)
+            elif len(cached) and rng.random() < 0.4:
+                m = int(rng.integers(1, len(cached) + 1))
+                outs = rng.choice(cached, m, replace=False).tolist()
+                ins = rng.choice(np.setdiff1d(np.arange(12), cached), m, replace=False).tolist()
+                got = fast.swap_many(layer, ins, outs)
+                monkeypatch.setattr(K, "compiled", lambda name: None)
+                _same(got, plain.swap_many(layer, ins, outs))
+                monkeypatch.setattr(K, "compiled", compiled_fn)
+                for a, b in zip(_pool_state(fast), _pool_state(plain)):
+                    assert (a == b) if isinstance(a, list) else np.array_equal(a, b)
+                continue
             else:
                 free = len(fast.cache_free[layer])
                 pool_ids = np.setdiff1d(np.arange(12), cached)  # ids up to 11: beyond the initial width 8
@@ -258,6 +269,10 @@ def test_evictions_and_admissions_in_one_loop_leave_the_table_as_the_array_code(
             pool.evict_many(0, np.array([2, 3]))
         with pytest.raises(AssertionError, match="all 4 cache slots are taken"):
             pool.admit_many(1, np.arange(5))
+        with pytest.raises(AssertionError, match="layer 0 expert 3 is not in the slot table's cache"):
+            pool.swap_many(0, [7], [3])
+        with pytest.raises(AssertionError, match="layer 0 expert 2 is already cached"):
+            pool.swap_many(0, [2], [5])
         for a, b in zip(_pool_state(pool), before):  # a refused change changes nothing
             assert (a == b) if isinstance(a, list) else np.array_equal(a, b)
 

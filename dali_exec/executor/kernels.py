@@ -183,6 +183,26 @@ def _admit(row_of, experts, rows, layer, hold_layer, hold_expert):
     return -1
 
 
+def _swap(row_of, ins, outs, layer, hold_layer, hold_expert):
+    """``SlotPool.swap`` of each pair in turn (one layer, ``row_of`` wide enough for every id): ``ins[i]`` takes
+    ``outs[i]``'s cache row. Returns (the rows, -1 or the index of the pair that failed, 1: its ``out`` is not
+    cached / 2: its ``in`` is); the pairs before a failed one stay done, as a loop of ``swap`` calls leaves them."""
+    m = ins.shape[0]
+    rows = np.empty(m, np.int64)
+    for i in range(m):
+        r = row_of[outs[i]]
+        if r < 0:
+            return rows, i, 1
+        if row_of[ins[i]] >= 0:
+            return rows, i, 2
+        row_of[outs[i]] = -1
+        row_of[ins[i]] = r
+        hold_layer[r] = layer
+        hold_expert[r] = ins[i]
+        rows[i] = r
+    return rows, -1, 0
+
+
 def _matches(have_experts, have_counts, experts, counts):
     """``LayerRouting.matches``: ``experts`` / ``counts`` (any order, counts > 0) are exactly the entries of
     ``have_experts`` (ascending, unique) with a nonzero ``have_counts``, with those counts."""
@@ -351,13 +371,13 @@ _group_routing_fn, _partition_fn = _group_routing, _partition  # what _route_par
 
 _KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
             "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready, "evict": _evict,
-            "admit": _admit, "route_partition": _route_partition}
+            "admit": _admit, "swap": _swap, "route_partition": _route_partition}
 _compiled: dict[str, object] = {}
 
 
 def compiled(name: str):
     """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
-    ``rank_order``, ``rows_ready``, ``evict``, ``admit``, ``route_partition``), or None without numba."""
+    ``rank_order``, ``rows_ready``, ``evict``, ``admit``, ``swap``, ``route_partition``), or None without numba."""
     global _rows_ready_fn, _group_routing_fn, _partition_fn
     if name not in _compiled:
         if name == "group_index":  # it calls rows_ready: that one compiled first

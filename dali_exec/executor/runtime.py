@@ -188,7 +188,7 @@ class OffloadRuntime:
 
         if plan.swaps:
             ins, outs = [a for a, _ in plan.swaps], [b for _, b in plan.swaps]
-            rows = np.array([pool.swap(layer, a, b).index for a, b in plan.swaps], np.int64)
+            rows = pool.swap_many(layer, ins, outs)
             self.swaps_landing[layer] = [self._copy_many(rows, [layer] * len(ins), ins, BACKGROUND, ("swap", step),
                                                          outs)]
         pool.check_layer(layer, lanes.staging_used)

@@ -181,8 +181,11 @@ class SlotPool:
                 bad = kernel(self.row_of[layer], experts, rows, layer, self.hold_layer, self.hold_expert)
             if bad >= 0:
                 self._already_cached(layer, experts[bad])
-            for _ in range(m):
-                free.popleft()
+            if m == len(free):
+                free.clear()
+            else:
+                for _ in range(m):
+                    free.popleft()
         else:
             self._width(int(experts.max()))
             if (self.row_of[layer, experts] >= 0).any():
@@ -230,6 +233,20 @@ class SlotPool:
         self.row_of[layer, expert_in] = row
         self._hold(row, layer, expert_in)
         return self.slots[row]
+
+    def swap_many(self, layer: int, ins: list[int], outs: list[int]) -> np.ndarray:
+        """:meth:`swap` of each pair in turn (one compiled loop); returns the rows the ``ins`` now hold."""
+        kernel = _kernels.compiled("swap")
+        if kernel is None or max(outs) >= self.row_of.shape[1]:
+            return np.array([self.swap(layer, a, b).index for a, b in zip(ins, outs)], np.int64)
+        self._width(max(ins))
+        rows, bad, why = kernel(self.row_of[layer], np.array(ins, np.int64), np.array(outs, np.int64), layer,
+                                self.hold_layer, self.hold_expert)
+        if why == 1:
+            raise AssertionError(f"layer {layer} expert {outs[bad]} is not in the slot table's cache")
+        if why == 2:
+            raise AssertionError(f"layer {layer} expert {ins[bad]} is already cached")
+        return rows
 
     # ---- prefetch buffers ---------------------------------------------------------------------
     def take_prefetch(self, layer: int, expert: int) -> Slot:

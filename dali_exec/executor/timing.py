@@ -66,12 +66,6 @@ class Timer:
         with self._lock:
             self._raw.append(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]))
 
-    def add_raw(self, entries: list[tuple]) -> None:
-        """Entries as :meth:`add_group` and :meth:`add_copies` store them: (track, what, start, end) with
-        what = (step, layer, experts, tokens) or (kind, step, layer, experts); for loops that record many."""
-        with self._lock:
-            self._raw.extend(entries)
-
     def add_copies(self, kind: str, step: int, layer: int, experts: list[int], start, end) -> None:
         """Copies of ``experts`` (of ``layer``) made by one call between two stamps (the CPU device's batched
         on-demand copies): one ``pcie`` interval each, the span divided equally (an attribution)."""
