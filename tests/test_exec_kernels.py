@@ -112,12 +112,36 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
             m.setattr(K, "compiled", lambda name: None)
             want = OffloadRuntime._partition(runtime, plan, r, flag)
         splits = [(got, want)]
-        if mask is None and not flag:  # the replay's call: grouped and split in one compiled call
-            routed, *fused = OffloadRuntime._route(runtime, plan, ids, w)
+        if mask is None and not flag:  # the replay's call: evictions, grouping, split and admissions in one call
+            plan.evicted = rng.choice(np.setdiff1d(np.arange(30), experts), 3, replace=False).tolist()
+            twin = SlotPool(np.array([30]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=30)
+            twin.admit_many(0, experts[source == HIT].astype(np.int64))
+            pool.admit_many(0, np.array(plan.evicted, np.int64))
+            twin.admit_many(0, np.array(plan.evicted, np.int64))
+            routed, cpu_seg, split, admitted = OffloadRuntime._route(runtime, plan, ids, w)
             for field in ("experts", "ptr", "positions", "weights"):
                 _same(getattr(routed, field), getattr(r, field))
             _same(routed.counts(), r.counts())
-            splits.append((tuple(fused), want))
+            # the same table as evict_many, the prefetched adoptions (the first free rows) and admit_many
+            twin.evict_many(0, np.array(plan.evicted, np.int64))
+            lane, order, hits, ready, fetched = split
+            adopted = sum(bool(plan.admitted[lane[0, g]]) for g in order[:ready] if lane[4, g] == K.PREFETCHED_KIND)
+            for _ in range(adopted):
+                twin.cache_free[0].popleft()
+            fetched_pos = order[ready:ready + fetched]
+            rows = twin.admit_many(0, lane[3, fetched_pos])
+            assert admitted  # (room for all)
+            pool.took_free(0, adopted + fetched)  # what the adoptions and _AccelLane.of leave to the pool
+            twin.n_cached[0] += adopted  # (adopt counts them)
+            if fetched:
+                _same(lane[2, fetched_pos], rows)
+                lane = lane.copy()
+                lane[2, fetched_pos] = -1  # as _partition leaves them
+            for a, b in ((pool.row_of, twin.row_of), (pool.hold_layer, twin.hold_layer),
+                         (pool.hold_expert, twin.hold_expert), (pool.n_cached, twin.n_cached)):
+                _same(a, b)
+            assert list(pool.cache_free[0]) == list(twin.cache_free[0])
+            splits.append(((cpu_seg, (lane, order, hits, ready, fetched)), want))
         for got, want in splits:
             _same(got[0], want[0])
             for a, b in zip(got[1], want[1]):
@@ -283,9 +307,9 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
 
     import torch
 
-    from dali_exec.executor.runtime import OffloadRuntime
+    from dali_exec.executor.runtime import OffloadRuntime, _AccelLane
     from dali_exec.executor.slots import SlotPool
-    from dali_sim.runtime.controller import CPU, HIT
+    from dali_sim.runtime.controller import CPU, FETCH, HIT
 
     if not numba_on:
         monkeypatch.setattr(K, "compiled", lambda name: None)
@@ -295,10 +319,10 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
 
     def plan(experts, counts, source):
         return SimpleNamespace(layer=0, step=3, experts=np.array(experts, np.int16), counts=np.array(counts, np.int32),
-                               source=np.array(source, np.int8), admitted=np.zeros(len(experts), bool))
+                               source=np.array(source, np.int8), admitted=np.zeros(len(experts), bool), evicted=[])
 
     ok = plan([4, 1, 2], [2, 1, 1], [CPU] * 3)
-    routed, cpu_seg, _ = OffloadRuntime._route(runtime, ok, ids, w)
+    routed, cpu_seg, _, _ = OffloadRuntime._route(runtime, ok, ids, w)
     assert routed.experts.tolist() == [1, 2, 4] and cpu_seg.tolist() == [0, 1, 2]
     for bad in (plan([4, 1, 2], [1, 1, 1], [CPU] * 3), plan([4, 1], [2, 1], [CPU] * 2)):
         with pytest.raises(ValueError, match=r"step 3 layer 0: the routing's experts \[1, 2, 4\] with \[1, 1, 2\] "
@@ -310,3 +334,15 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
         OffloadRuntime._route(runtime, plan([4, 1, 2], [2, 1, 1], [HIT, CPU, CPU]), ids, w)
     with pytest.raises(ValueError, match="expert ids must be >= 0"):
         OffloadRuntime._route(runtime, ok, np.array([[1, -4], [4, 2]]), w)
+    gone = plan([4, 1, 2], [2, 1, 1], [CPU] * 3)
+    gone.evicted = [6]
+    with pytest.raises(AssertionError, match="layer 0 expert 6 is not in the slot table's cache"):
+        OffloadRuntime._route(runtime, gone, ids, w)
+    # admissions the compiled call cannot make are left to SlotPool.admit_many, which refuses them
+    five = plan([4, 1, 2], [2, 1, 1], [FETCH] * 3)
+    five.admitted[:] = True
+    runtime.pool.admit_many(0, np.array([5, 6]))
+    _, _, split, admitted = OffloadRuntime._route(runtime, five, ids, w)
+    assert not admitted and (runtime.pool.row_of[0] >= 0).sum() == 2
+    with pytest.raises(AssertionError, match="layer 0: all 4 cache slots are taken"):
+        _AccelLane.of(five, runtime.pool, *split)

@@ -352,22 +352,60 @@ def _rank_order(ids, weights, rows):
     return out
 
 
-def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of, codes):
-    """:func:`_group_routing` (no given order, every token counted) and :func:`_partition` of the result in one
-    call (the replay's layer: the routing from the trace, checked against the plan and split between the
-    lanes): (grouping status, order, ptr, experts, sorted weights, pairs per expert, then what
-    :func:`_partition` returns)."""
-    status, order, ptr, experts, w, c, per = _group_routing_fn(flat, np.zeros(0, np.int64), weights,
-                                                               np.zeros(0, np.bool_), k)
+def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of, codes, evicted, free, layer,
+                     hold_layer, hold_expert):
+    """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of`` is the layer's row of
+    the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
+    :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
+    rows ``free`` (the layer's free list, then the rows just evicted) after the first ones, which go to
+    the admitted prefetched experts (``SlotPool.adopt``, the caller's, in lane order). Returns (index of
+    an evicted expert that is not cached or -1, the evicted rows, grouping status, order, ptr, experts,
+    sorted weights, pairs per expert, what :func:`_partition` returns, admission status: ``OK`` (the
+    fetched experts' rows are in the lane's row 2 and the table), else :data:`TOO_WIDE` / 1 (an expert
+    already cached) / 2 (not enough free rows), nothing admitted: the caller's ``SlotPool.admit_many``
+    refuses as it does)."""
+    empty = np.zeros(0, np.int64)
+    no_lane = np.zeros((5, 0), np.int64)
+    bad, ev_rows = _evict_fn(row_of, evicted, hold_layer, hold_expert)
+    if bad >= 0:
+        return bad, ev_rows, OK, empty, empty, empty, weights, empty, 1, empty, no_lane, empty, 0, 0, 0, 1
+    status, order, ptr, experts, w, c, per = _group_routing_fn(flat, empty, weights, np.zeros(0, np.bool_), k)
     if status != OK:
-        empty = np.zeros(0, np.int64)
-        return status, order, ptr, experts, w, per, 1, empty, np.zeros((5, 0), np.int64), empty, 0, 0, 0
+        return -1, ev_rows, status, order, ptr, experts, w, per, 1, empty, no_lane, empty, 0, 0, 0, 1
     p = _partition_fn(experts, per, p_experts, p_counts, source, admitted, row_of, codes, False)
-    return status, order, ptr, experts, w, per, p[0], p[1], p[2], p[3], p[4], p[5], p[6]
+    pstatus, lane, lorder, hits, ready, fetched = p[0], p[2], p[3], p[4], p[5], p[6]
+    adm = OK
+    if pstatus == 0 and fetched:
+        n_adopt = 0
+        for i in range(ready):  # the prefetched ones the cache admits adopt the first free rows
+            g = lorder[i]
+            if lane[4, g] == PREFETCHED_KIND and admitted[lane[0, g]]:
+                n_adopt += 1
+        width = row_of.shape[0]
+        m_free = free.shape[0]
+        for i in range(ready, ready + fetched):
+            e = lane[3, lorder[i]]
+            if e >= width:
+                adm = TOO_WIDE
+            elif row_of[e] >= 0 and adm == OK:
+                adm = 1
+        if adm == OK and n_adopt + fetched > m_free + ev_rows.shape[0]:
+            adm = 2
+        if adm == OK:
+            for j in range(fetched):
+                g = lorder[ready + j]
+                f = n_adopt + j
+                row = free[f] if f < m_free else ev_rows[f - m_free]
+                e = lane[3, g]
+                row_of[e] = row
+                hold_layer[row] = layer
+                hold_expert[row] = e
+                lane[2, g] = row
+    return -1, ev_rows, status, order, ptr, experts, w, per, pstatus, p[1], lane, lorder, hits, ready, fetched, adm
 
 
 _rows_ready_fn = _rows_ready  # what _group_index calls: the compiled _rows_ready once compiled
-_group_routing_fn, _partition_fn = _group_routing, _partition  # what _route_partition calls (compiled first)
+_group_routing_fn, _partition_fn, _evict_fn = _group_routing, _partition, _evict  # what _route_partition calls
 
 _KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
             "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready, "evict": _evict,
@@ -378,13 +416,14 @@ _compiled: dict[str, object] = {}
 def compiled(name: str):
     """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
     ``rank_order``, ``rows_ready``, ``evict``, ``admit``, ``swap``, ``route_partition``), or None without numba."""
-    global _rows_ready_fn, _group_routing_fn, _partition_fn
+    global _rows_ready_fn, _group_routing_fn, _partition_fn, _evict_fn
     if name not in _compiled:
         if name == "group_index":  # it calls rows_ready: that one compiled first
             _rows_ready_fn = compiled("rows_ready") or _rows_ready
-        if name == "route_partition":  # it calls these two
+        if name == "route_partition":  # it calls these, compiled first
             _group_routing_fn = compiled("group_routing") or _group_routing
             _partition_fn = compiled("partition") or _partition
+            _evict_fn = compiled("evict") or _evict
         _compiled[name] = _policy_kernels.jit(_KERNELS[name])
     return _compiled[name]
 

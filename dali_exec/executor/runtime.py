@@ -147,14 +147,15 @@ class OffloadRuntime:
         sw = Stopwatch().start()  # stopped around computes, activation transfers and waits
         layer, step = plan.layer, plan.step
         dev, pool = self.dev, self.pool
-        if len(plan.evicted):
-            pool.evict_many(layer, np.asarray(plan.evicted))
         if isinstance(routing, LayerRouting):
+            if len(plan.evicted):
+                pool.evict_many(layer, np.asarray(plan.evicted))
             cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
-        else:
-            routing, cpu_seg, split = self._route(plan, *routing)
+            admitted = False
+        else:  # (with the evictions and, where it can, the admissions)
+            routing, cpu_seg, split, admitted = self._route(plan, *routing)
         T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
-        lanes = _AccelLane.of(plan, pool, *split)
+        lanes = _AccelLane.of(plan, pool, *split, admitted=admitted)
         self._issue_deferred()  # adoptions may have freed prefetch buffers
 
         # the CPU lane starts first and runs while the accelerator lane works; inline (same thread and
@@ -199,21 +200,34 @@ class OffloadRuntime:
         return out
 
     def _route(self, plan: LayerPlan, ids: np.ndarray, weights: np.ndarray | None):
-        """(The routing grouped, :meth:`_partition` of it), from the router's ids and weights in one compiled
-        call (or, without numba, :meth:`LayerRouting.group` then :meth:`_partition`)."""
+        """The plan's evictions, then (the routing grouped, :meth:`_partition` of it, whether the fetched experts
+        are admitted already), from the router's ids and weights in one compiled call
+        (``kernels._route_partition``; without numba :meth:`SlotPool.evict_many`, :meth:`LayerRouting.group`
+        and :meth:`_partition`)."""
+        pool, layer = self.pool, plan.layer
         kernel = _kernels.compiled("route_partition")
         if kernel is None:
+            if len(plan.evicted):
+                pool.evict_many(layer, np.asarray(plan.evicted))
             routing = LayerRouting.group(ids, weights)
-            return (routing, *self._partition(plan, routing, False))
+            return (routing, *self._partition(plan, routing, False), False)
         ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
-        status, order, ptr, experts, w, per, *split = kernel(
+        evicted = np.asarray(plan.evicted, np.int64)
+        free = pool.cache_free[layer]
+        bad, ev_rows, status, order, ptr, experts, w, per, *split, adm = kernel(
             ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
-            self.pool.row_of[plan.layer], _CODES)
+            pool.row_of[layer], _CODES, evicted, np.fromiter(free, np.int64, len(free)), layer, pool.hold_layer,
+            pool.hold_expert)
+        if bad >= 0:
+            raise AssertionError(f"layer {layer} expert {int(evicted[bad])} is not in the slot table's cache")
+        if len(ev_rows):
+            free.extend(ev_rows.tolist())
+            pool.n_cached[layer] -= len(ev_rows)
         if status == _kernels.NEGATIVE:
             raise ValueError("expert ids must be >= 0")
         routing = LayerRouting(T, k, experts, ptr, order, w, None, per)
-        return (routing, *_checked_split(plan, routing, *split))
+        return (routing, *_checked_split(plan, routing, *split), adm == _kernels.OK)
 
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
@@ -583,8 +597,10 @@ class _AccelLane:
 
     @classmethod
     def of(cls, plan: LayerPlan, pool: SlotPool, split: np.ndarray, order: np.ndarray, hits: int, ready: int,
-           fetched: int) -> "_AccelLane":
-        """``split``, ``order`` and the counts: the lane split of ``kernels._partition``."""
+           fetched: int, *, admitted: bool = False) -> "_AccelLane":
+        """``split``, ``order`` and the counts: the lane split of ``kernels._partition``. ``admitted``: the
+        fetched experts hold their cache rows already (``split[2]``, the table set; ``kernels._route_partition``):
+        only the free list and the count are left, after the prefetched experts' adoptions."""
         lane = cls()
         lane.staging_used = 0
         lane.prefetched_in_flight = False
@@ -610,7 +626,9 @@ class _AccelLane:
                     lane.freed.append(i)
                 rows[i] = slot.index
                 lane.prefetched_in_flight |= bool(pool.inflight[slot.index])
-        if fetched:
+        if fetched and admitted:
+            pool.took_free(layer, fetched)
+        elif fetched:
             rows[lane.fetched] = pool.admit_many(layer, lane.experts[lane.fetched])
         return lane
 

@@ -181,11 +181,8 @@ class SlotPool:
                 bad = kernel(self.row_of[layer], experts, rows, layer, self.hold_layer, self.hold_expert)
             if bad >= 0:
                 self._already_cached(layer, experts[bad])
-            if m == len(free):
-                free.clear()
-            else:
-                for _ in range(m):
-                    free.popleft()
+            self.took_free(layer, m)
+            return rows
         else:
             self._width(int(experts.max()))
             if (self.row_of[layer, experts] >= 0).any():
@@ -196,6 +193,16 @@ class SlotPool:
             self._hold(rows, layer, experts)
         self.n_cached[layer] += m
         return rows
+
+    def took_free(self, layer: int, m: int) -> None:
+        """The first ``m`` free cache rows of ``layer`` now hold experts (the table set by a compiled loop)."""
+        free = self.cache_free[layer]
+        if m == len(free):
+            free.clear()
+        else:
+            for _ in range(m):
+                free.popleft()
+        self.n_cached[layer] += m
 
     def _already_cached(self, layer: int, expert) -> None:
         raise AssertionError(f"layer {layer} expert {int(expert)} is already cached")
