@@ -293,7 +293,8 @@ class OffloadRuntime:
         # t * per_turn ..), in touch order
         head = staged[:per_turn * halves]
         rows[head] = stage_rows[:len(head)]
-        first = np.sort(np.concatenate([lanes.fetched, head])) if n_staged else lanes.fetched
+        nf = len(lanes.fetched)  # (fetched and staged are consecutive in the lane order)
+        first = np.sort(lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)]) if n_staged else lanes.fetched
         fetched_events = self._copy_now(plan, first, experts, rows, sw)
         # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
         ready = lanes.ready
@@ -305,7 +306,8 @@ class OffloadRuntime:
                 ready, waiting = ready[landed], ready[~landed]
         after = lanes.fetched
         if fetched_events is None and len(after):
-            ready, after = np.concatenate([ready, after]), after[:0]
+            ready = np.concatenate([ready, after]) if len(waiting) else lanes.order[:len(ready) + len(after)]
+            after = after[:0]
         if len(ready):
             self._compute(plan, routing, seg[ready], rows[ready], x, out_buf, sw)
         if len(after):
@@ -352,7 +354,7 @@ class OffloadRuntime:
         pool.hold_rows(ri, layer, ei)
         r, e = ri.tolist(), ei.tolist()
         tickets = pool.tickets
-        held = [] if staging else [i for i in r if tickets[i] is not None]  # rows a background copy wrote
+        held = () if staging else pool.ticketed.intersection(r)  # rows a background copy wrote
         previous = [t for i in held if not (t := tickets[i]).done]
         if self.dev.is_cuda and after is None:
             after = [pool.last_use[i] for i in r]
@@ -363,6 +365,7 @@ class OffloadRuntime:
             self._wait[layer] += time.perf_counter() - w0
         for i in held:
             tickets[i] = None
+        pool.ticketed.difference_update(held)
         return ends
 
     def _wait_events(self, events, issued: np.ndarray, idx: np.ndarray) -> None:
@@ -539,6 +542,7 @@ class OffloadRuntime:
                                          rows=rows, inflight=pool.inflight)
         for i in r:
             tickets[i] = ticket
+        pool.ticketed.update(r)
         return ticket
 
     def _free_prefetch(self, slot: Slot) -> None:
@@ -589,11 +593,11 @@ class _AccelLane:
     routing's experts (``seg``) and slot rows (``rows``; -1 = a staged expert, given a staging buffer by its
     turn); positions (into ``experts``) of the experts whose weights are there or coming by a prefetch
     (``ready``), of the admitted on-demand ones (``fetched``) and of the staged ones (``staged``, touch
-    order); ``freed``: positions whose prefetch buffer is freed after their compute (the cache declined
+    order), which follow each other in ``order``; ``freed``: positions whose prefetch buffer is freed after their compute (the cache declined
     them)."""
 
-    __slots__ = ("n", "experts", "seg", "rows", "ready", "fetched", "staged", "freed", "prefetched_in_flight",
-                 "staging_used", "all_cached")
+    __slots__ = ("n", "experts", "seg", "rows", "order", "ready", "fetched", "staged", "freed",
+                 "prefetched_in_flight", "staging_used", "all_cached")
 
     @classmethod
     def of(cls, plan: LayerPlan, pool: SlotPool, split: np.ndarray, order: np.ndarray, hits: int, ready: int,
@@ -606,7 +610,7 @@ class _AccelLane:
         lane.prefetched_in_flight = False
         lane.freed = []
         lane.n = n = split.shape[1]
-        lane.seg, lane.rows, lane.experts = split[1], split[2], split[3]
+        lane.seg, lane.rows, lane.experts, lane.order = split[1], split[2], split[3], order
         lane.all_cached = n > 0 and hits == n
         if lane.all_cached or not n:  # (every one cached: one group, nothing to copy or free)
             lane.ready, lane.fetched, lane.staged = order, _EMPTY, _EMPTY

@@ -59,6 +59,7 @@ class Slot:
     @ticket.setter
     def ticket(self, t: CopyTicket | None) -> None:
         self.pool.tickets[self.index] = t
+        (self.pool.ticketed.discard if t is None else self.pool.ticketed.add)(self.index)
 
     @property
     def last_use(self):
@@ -109,6 +110,7 @@ class SlotPool:
         self.hold_expert = np.full(n, -1, np.int64)
         self.inflight = np.zeros(n, np.int64)  # copies into each row not yet landed
         self.tickets: list[CopyTicket | None] = [None] * n
+        self.ticketed: set[int] = set()  # the rows whose ticket is not None
         self.last_use: list = [None] * n
         L, E = len(caps), int(num_experts or 1)
         self.row_of = np.full((L, E), -1, np.int64)  # cache row of (layer, expert), -1: not cached
