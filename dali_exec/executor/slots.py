@@ -185,14 +185,13 @@ class SlotPool:
                 self._already_cached(layer, experts[bad])
             self.took_free(layer, m)
             return rows
-        else:
-            self._width(int(experts.max()))
-            if (self.row_of[layer, experts] >= 0).any():
-                self._already_cached(layer, experts[np.argmax(self.row_of[layer, experts] >= 0)])
-            self._enough_free(layer, m)
-            rows = np.array([free.popleft() for _ in range(m)], np.int64)
-            self.row_of[layer, experts] = rows
-            self._hold(rows, layer, experts)
+        self._width(int(experts.max()))
+        if (self.row_of[layer, experts] >= 0).any():
+            self._already_cached(layer, experts[np.argmax(self.row_of[layer, experts] >= 0)])
+        self._enough_free(layer, m)
+        rows = np.array([free.popleft() for _ in range(m)], np.int64)
+        self.row_of[layer, experts] = rows
+        self._hold(rows, layer, experts)
         self.n_cached[layer] += m
         return rows
 
