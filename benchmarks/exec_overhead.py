@@ -10,10 +10,11 @@ Per system, ``dali_exec.executor.execute`` replays the same reduced trace ``--re
 warm-up run) and reports, per column, the median over those runs of the per-visit means:
 
 * ``decision``: ``Controller.plan`` (the policies, shared with the simulator) and ``PlanCounters.add``;
-* ``bookkeeping``: the executor's host work around the computes: grouping the routing by expert,
-  index tensors, the slot table, issuing copies, choosing the next expert, freeing buffers (not the
-  computes, activation transfers or waits for copies; the stopwatch itself costs about 3 us per GPU
-  expert and is included);
+* ``bookkeeping``: the executor's host work around the computes: grouping the routing by expert and
+  checking it against the plan, index tensors, the slot table, issuing copies, choosing the next expert,
+  freeing buffers (not the computes, activation transfers or waits for copies, nor the lookup of the
+  step's routing in the trace, the replay's stand-in for the router; the stopwatch itself, about 1 us
+  per segment, is included: a few segments per layer and one per group, none per staging turn);
 * ``layer``: wall time of the MoE layer (dense part + both lanes + combine, the device synchronised).
 
 Both are given as wall clock and as thread CPU time (``*_cpu``): on a busy machine the wall clock also

@@ -38,6 +38,7 @@ def test_routing_grouped_by_the_kernel_equals_the_numpy_code():
     rng = np.random.default_rng(0)
     for trial in range(RNG_TRIALS):
         ids, w, mask, perm = _layer(rng, counted=trial % 2 == 1, order=trial % 3 == 0)
+        ids = ids.astype((np.int64, np.int16, np.int32, np.int16)[trial % 4])  # the ids as a trace (int16) or a model gives them
         a = LayerRouting.group(ids, w, counted=mask, order=perm)
         b = LayerRouting._group_numpy(*ids.shape, ids.reshape(-1).astype(np.int64), w, mask, perm)
         for field in ("experts", "ptr", "positions", "weights"):
@@ -110,12 +111,44 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(K, "compiled", lambda name: None)
             want = OffloadRuntime._partition(runtime, plan, r, flag)
-        _same(got[0], want[0])
-        for a, b in zip(got[1], want[1]):
-            if isinstance(a, np.ndarray):
+        splits = [(got, want)]
+        if mask is None and not flag:  # the replay's call: evictions, grouping, split and admissions in one call
+            plan.evicted = rng.choice(np.setdiff1d(np.arange(30), experts), 3, replace=False).tolist()
+            twin = SlotPool(np.array([30]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=30)
+            twin.admit_many(0, experts[source == HIT].astype(np.int64))
+            pool.admit_many(0, np.array(plan.evicted, np.int64))
+            twin.admit_many(0, np.array(plan.evicted, np.int64))
+            routed, cpu_seg, split, admitted = OffloadRuntime._route(runtime, plan, ids, w)
+            for field in ("experts", "ptr", "positions", "weights"):
+                _same(getattr(routed, field), getattr(r, field))
+            _same(routed.counts(), r.counts())
+            # the same table as evict_many, the prefetched adoptions (the first free rows) and admit_many
+            twin.evict_many(0, np.array(plan.evicted, np.int64))
+            lane, order, hits, ready, fetched = split
+            adopted = sum(bool(plan.admitted[lane[0, g]]) for g in order[:ready] if lane[4, g] == K.PREFETCHED_KIND)
+            for _ in range(adopted):
+                twin.cache_free[0].popleft()
+            fetched_pos = order[ready:ready + fetched]
+            rows = twin.admit_many(0, lane[3, fetched_pos])
+            assert admitted  # (room for all)
+            pool.took_free(0, adopted + fetched)  # what the adoptions and _AccelLane.of leave to the pool
+            twin.n_cached[0] += adopted  # (adopt counts them)
+            if fetched:
+                _same(lane[2, fetched_pos], rows)
+                lane = lane.copy()
+                lane[2, fetched_pos] = -1  # as _partition leaves them
+            for a, b in ((pool.row_of, twin.row_of), (pool.hold_layer, twin.hold_layer),
+                         (pool.hold_expert, twin.hold_expert), (pool.n_cached, twin.n_cached)):
                 _same(a, b)
-            else:
-                assert a == b
+            assert list(pool.cache_free[0]) == list(twin.cache_free[0])
+            splits.append(((cpu_seg, (lane, order, hits, ready, fetched)), want))
+        for got, want in splits:
+            _same(got[0], want[0])
+            for a, b in zip(got[1], want[1]):
+                if isinstance(a, np.ndarray):
+                    _same(a, b)
+                else:
+                    assert a == b
 
 
 def test_rank_order_is_the_stable_descending_sort():
@@ -197,3 +230,119 @@ def test_a_replay_without_numba_computes_and_counts_the_same(system, tmp_path, m
     plain, out_p = replay()
     assert {k: compiled.summary[k] for k in COUNTERS} == {k: plain.summary[k] for k in COUNTERS}
     assert len(out_c) == len(out_p) and all(torch.equal(a, b) for a, b in zip(out_c, out_p))
+
+
+def _pool_state(pool):
+    return (pool.row_of.copy(), pool.hold_layer.copy(), pool.hold_expert.copy(), pool.n_cached.copy(),
+            [list(f) for f in pool.cache_free])
+
+
+def test_evictions_admissions_and_swaps_in_one_loop_leave_the_table_as_the_array_code(monkeypatch):
+    """``SlotPool.admit_many`` / ``evict_many`` / ``swap_many`` (compiled loops) against their NumPy code, on
+    random sequences of them (including experts beyond the table's width), and the same refusals."""
+    import torch
+
+    from dali_exec.executor.slots import SlotPool
+
+    def pools():
+        return [SlotPool(np.array([6, 4]), 1, 1, 4, torch.float32, torch.device("cpu"), num_experts=8)
+                for _ in range(2)]
+
+    rng = np.random.default_rng(3)
+    compiled_fn = K.compiled
+    for trial in range(40):
+        fast, plain = pools()
+        for _ in range(12):
+            layer = int(rng.integers(0, 2))
+            cached = np.flatnonzero(fast.row_of[layer] >= 0)
+            if len(cached) and rng.random() < 0.3:
+                op, experts = "evict_many", rng.choice(cached, int(rng.integers(1, len(cached) + 1)), replace=False)
+            elif len(cached) and rng.random() < 0.4:
+                m = int(rng.integers(1, len(cached) + 1))
+                outs = rng.choice(cached, m, replace=False).tolist()
+                ins = rng.choice(np.setdiff1d(np.arange(12), cached), m, replace=False).tolist()
+                got = fast.swap_many(layer, ins, outs)
+                monkeypatch.setattr(K, "compiled", lambda name: None)
+                _same(got, plain.swap_many(layer, ins, outs))
+                monkeypatch.setattr(K, "compiled", compiled_fn)
+                for a, b in zip(_pool_state(fast), _pool_state(plain)):
+                    assert (a == b) if isinstance(a, list) else np.array_equal(a, b)
+                continue
+            else:
+                free = len(fast.cache_free[layer])
+                pool_ids = np.setdiff1d(np.arange(12), cached)  # ids up to 11: beyond the initial width 8
+                if not free:
+                    continue
+                op, experts = "admit_many", rng.choice(pool_ids, int(rng.integers(1, free + 1)), replace=False)
+            got = getattr(fast, op)(layer, experts)
+            monkeypatch.setattr(K, "compiled", lambda name: None)
+            want = getattr(plain, op)(layer, experts)
+            monkeypatch.setattr(K, "compiled", compiled_fn)
+            if op == "admit_many":
+                _same(got, want)
+            for a, b in zip(_pool_state(fast), _pool_state(plain)):
+                assert (a == b) if isinstance(a, list) else np.array_equal(a, b)
+    for use_kernel in (True, False):
+        monkeypatch.setattr(K, "compiled", compiled_fn if use_kernel else (lambda name: None))
+        pool = pools()[0]
+        pool.admit_many(0, np.array([2, 5]))
+        before = _pool_state(pool)
+        with pytest.raises(AssertionError, match="layer 0 expert 5 is already cached"):
+            pool.admit_many(0, np.array([1, 5]))
+        with pytest.raises(AssertionError, match="layer 0 expert 3 is not in the slot table's cache"):
+            pool.evict_many(0, np.array([2, 3]))
+        with pytest.raises(AssertionError, match="all 4 cache slots are taken"):
+            pool.admit_many(1, np.arange(5))
+        with pytest.raises(AssertionError, match="layer 0 expert 3 is not in the slot table's cache"):
+            pool.swap_many(0, [7], [3])
+        with pytest.raises(AssertionError, match="layer 0 expert 2 is already cached"):
+            pool.swap_many(0, [2], [5])
+        for a, b in zip(_pool_state(pool), before):  # a refused change changes nothing
+            assert (a == b) if isinstance(a, list) else np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("numba_on", [True, False])
+def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from dali_exec.executor.runtime import OffloadRuntime, _AccelLane
+    from dali_exec.executor.slots import SlotPool
+    from dali_sim.runtime.controller import CPU, FETCH, HIT
+
+    if not numba_on:
+        monkeypatch.setattr(K, "compiled", lambda name: None)
+    ids, w = np.array([[1, 4], [4, 2]]), np.full((2, 2), 0.5, np.float32)
+    runtime = SimpleNamespace(pool=SlotPool(np.array([4]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=8))
+    runtime._partition = lambda *args: OffloadRuntime._partition(runtime, *args)
+
+    def plan(experts, counts, source):
+        return SimpleNamespace(layer=0, step=3, experts=np.array(experts, np.int16), counts=np.array(counts, np.int32),
+                               source=np.array(source, np.int8), admitted=np.zeros(len(experts), bool), evicted=[])
+
+    ok = plan([4, 1, 2], [2, 1, 1], [CPU] * 3)
+    routed, cpu_seg, _, _ = OffloadRuntime._route(runtime, ok, ids, w)
+    assert routed.experts.tolist() == [1, 2, 4] and cpu_seg.tolist() == [0, 1, 2]
+    for bad in (plan([4, 1, 2], [1, 1, 1], [CPU] * 3), plan([4, 1], [2, 1], [CPU] * 2)):
+        with pytest.raises(ValueError, match=r"step 3 layer 0: the routing's experts \[1, 2, 4\] with \[1, 1, 2\] "
+                                             "tokens differ from the plan's"):
+            OffloadRuntime._route(runtime, bad, ids, w)
+        with pytest.raises(ValueError, match="differ from the plan's"):
+            OffloadRuntime._partition(runtime, bad, LayerRouting.group(ids, w), False)
+    with pytest.raises(AssertionError, match="layer 0 expert 4 is not in the slot table's cache"):
+        OffloadRuntime._route(runtime, plan([4, 1, 2], [2, 1, 1], [HIT, CPU, CPU]), ids, w)
+    with pytest.raises(ValueError, match="expert ids must be >= 0"):
+        OffloadRuntime._route(runtime, ok, np.array([[1, -4], [4, 2]]), w)
+    gone = plan([4, 1, 2], [2, 1, 1], [CPU] * 3)
+    gone.evicted = [6]
+    with pytest.raises(AssertionError, match="layer 0 expert 6 is not in the slot table's cache"):
+        OffloadRuntime._route(runtime, gone, ids, w)
+    # admissions the compiled call cannot make are left to SlotPool.admit_many, which refuses them
+    five = plan([4, 1, 2], [2, 1, 1], [FETCH] * 3)
+    five.admitted[:] = True
+    runtime.pool.admit_many(0, np.array([5, 6]))
+    _, _, split, admitted = OffloadRuntime._route(runtime, five, ids, w)
+    assert not admitted and (runtime.pool.row_of[0] >= 0).sum() == 2
+    with pytest.raises(AssertionError, match="layer 0: all 4 cache slots are taken"):
+        _AccelLane.of(five, runtime.pool, *split)

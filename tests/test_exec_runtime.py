@@ -134,12 +134,21 @@ def test_timer_summary_equals_the_resolved_intervals():
     timer.add_copies("fetch", 0, 1, [3, 5, 6], a, a + 0.003)
     timer.add_activity("host", "host", 0, 1, a, a + 0.001)
     timer.add("cpu", Activity("expert", 0, 1, 2, tokens=1), a + 0.001, a + 0.002)
+    # a loop of staging turns: one series per track, one interval per turn
+    timer.add_series("gpu", "expert", 0, 1, [7, 9], [4, 1], [a + 0.005, a + 0.007], [a + 0.006, a + 0.008])
+    timer.add_series("pcie", "fetch", 0, 1, [9], None, [a + 0.0055], [a + 0.0065])
     busy, count, lazy = timer.summary()
     resolved = timer.intervals()
-    assert count == len(resolved) == 7 and list(lazy) == resolved and len(lazy) == 7
+    assert count == len(resolved) == 10 and list(lazy) == resolved and len(lazy) == 10
     for track in ("gpu", "pcie", "host", "cpu"):
         assert busy[track] == pytest.approx(sum(iv.end - iv.start for iv in resolved if iv.track == track))
-    assert [iv.args["tokens"] for iv in resolved if iv.track == "gpu"] == [2, 6]
+    assert [iv.args["tokens"] for iv in resolved if iv.track == "gpu"] == [2, 6, 4, 1]
+    t = a - timer.t0  # the stamps in seconds since the timer's start
+    turns = [(iv.name, iv.start, iv.end) for iv in resolved if iv.track == "gpu" and iv.args["group"] == 1]
+    assert turns == [("L1 E7", pytest.approx(t + 0.005), pytest.approx(t + 0.006)),
+                     ("L1 E9", pytest.approx(t + 0.007), pytest.approx(t + 0.008))]
+    fetches = [(iv.name, iv.args["batch"], iv.start) for iv in resolved if iv.track == "pcie" and iv.start > t + 0.005]
+    assert fetches == [("fetch L1 E9", 1, pytest.approx(t + 0.0055))]
 
 
 def test_copy_errors_reach_the_waiter():

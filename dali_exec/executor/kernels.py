@@ -16,6 +16,7 @@ import numpy as np
 from dali_sim.policies import kernels as _policy_kernels
 
 OK, NOT_PERMUTATION, NOT_SORTED, NEGATIVE = 0, 1, 2, 3
+TOO_WIDE = -2  # _admit: an expert id beyond the slot table's width
 
 
 def _group_routing(flat, order_in, weights, counted, k):
@@ -70,7 +71,10 @@ def _group_routing(flat, order_in, weights, counted, k):
     for j in range(n):
         w[j] = weights[order[j]]
     if counted.shape[0] == 0:
-        return OK, order, ptr[:m + 1], experts[:m], w, np.zeros(0, np.bool_), np.zeros(0, np.int64)
+        per = np.empty(m, np.int64)
+        for g in range(m):
+            per[g] = ptr[g + 1] - ptr[g]
+        return OK, order, ptr[:m + 1], experts[:m], w, np.zeros(0, np.bool_), per
     c = np.empty(n, np.bool_)
     per = np.zeros(m, np.int64)
     g = 0
@@ -138,6 +142,65 @@ def _group_index(ptr, positions, weights, experts, seg, rows, k, layer, hold_lay
     if hold_layer.shape[0]:
         ready = _rows_ready_fn(rows_s, experts_s, layer, hold_layer, hold_expert, inflight)
     return pairs, w, rows_s, experts_s, counts, lo, table_counts, offs, tok, pair_rows, ready
+
+
+def _evict(row_of, experts, hold_layer, hold_expert):
+    """``SlotPool.evict_many`` of one layer (``row_of``: its row of the table) in one loop: each expert's cache
+    row is freed (it holds nothing); returns (the index of the first expert that is not cached or -1, the
+    rows). Nothing changes unless every expert is cached."""
+    m = experts.shape[0]
+    rows = np.empty(m, np.int64)
+    width = row_of.shape[0]
+    for i in range(m):
+        e = experts[i]
+        r = row_of[e] if 0 <= e < width else -1
+        if r < 0:
+            return i, rows
+        rows[i] = r
+    for i in range(m):
+        row_of[experts[i]] = -1
+        hold_layer[rows[i]] = -1
+        hold_expert[rows[i]] = -1
+    return -1, rows
+
+
+def _admit(row_of, experts, rows, layer, hold_layer, hold_expert):
+    """``SlotPool.admit_many`` of one layer in one loop: ``experts`` take the free cache ``rows``; returns -1,
+    else (nothing changed) the index of the first expert that is already cached, or :data:`TOO_WIDE` when an
+    expert lies beyond ``row_of`` (the caller widens the table and calls again)."""
+    m = experts.shape[0]
+    width = row_of.shape[0]
+    for i in range(m):
+        if experts[i] >= width:
+            return TOO_WIDE
+    for i in range(m):
+        if row_of[experts[i]] >= 0:
+            return i
+    for i in range(m):
+        row_of[experts[i]] = rows[i]
+        hold_layer[rows[i]] = layer
+        hold_expert[rows[i]] = experts[i]
+    return -1
+
+
+def _swap(row_of, ins, outs, layer, hold_layer, hold_expert):
+    """``SlotPool.swap`` of each pair in turn (one layer, ``row_of`` wide enough for every id): ``ins[i]`` takes
+    ``outs[i]``'s cache row. Returns (the rows, -1 or the index of the pair that failed, 1: its ``out`` is not
+    cached / 2: its ``in`` is); the pairs before a failed one stay done, as a loop of ``swap`` calls leaves them."""
+    m = ins.shape[0]
+    rows = np.empty(m, np.int64)
+    for i in range(m):
+        r = row_of[outs[i]]
+        if r < 0:
+            return rows, i, 1
+        if row_of[ins[i]] >= 0:
+            return rows, i, 2
+        row_of[outs[i]] = -1
+        row_of[ins[i]] = r
+        hold_layer[r] = layer
+        hold_expert[r] = ins[i]
+        rows[i] = r
+    return rows, -1, 0
 
 
 def _matches(have_experts, have_counts, experts, counts):
@@ -289,23 +352,81 @@ def _rank_order(ids, weights, rows):
     return out
 
 
+def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of, codes, evicted, free, layer,
+                     hold_layer, hold_expert):
+    """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of`` is the layer's row of
+    the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
+    :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
+    rows ``free`` (the layer's free list, then the rows just evicted) after the first ones, which go to
+    the admitted prefetched experts (``SlotPool.adopt``, the caller's, in lane order). Returns (index of
+    an evicted expert that is not cached or -1, the evicted rows, grouping status, order, ptr, experts,
+    sorted weights, pairs per expert, what :func:`_partition` returns, admission status: ``OK`` (the
+    fetched experts' rows are in the lane's row 2 and the table), else :data:`TOO_WIDE` / 1 (an expert
+    already cached) / 2 (not enough free rows), nothing admitted: the caller's ``SlotPool.admit_many``
+    refuses as it does)."""
+    empty = np.zeros(0, np.int64)
+    no_lane = np.zeros((5, 0), np.int64)
+    bad, ev_rows = _evict_fn(row_of, evicted, hold_layer, hold_expert)
+    if bad >= 0:
+        return bad, ev_rows, OK, empty, empty, empty, weights, empty, 1, empty, no_lane, empty, 0, 0, 0, 1
+    status, order, ptr, experts, w, c, per = _group_routing_fn(flat, empty, weights, np.zeros(0, np.bool_), k)
+    if status != OK:
+        return -1, ev_rows, status, order, ptr, experts, w, per, 1, empty, no_lane, empty, 0, 0, 0, 1
+    p = _partition_fn(experts, per, p_experts, p_counts, source, admitted, row_of, codes, False)
+    pstatus, lane, lorder, hits, ready, fetched = p[0], p[2], p[3], p[4], p[5], p[6]
+    adm = OK
+    if pstatus == 0 and fetched:
+        n_adopt = 0
+        for i in range(ready):  # the prefetched ones the cache admits adopt the first free rows
+            g = lorder[i]
+            if lane[4, g] == PREFETCHED_KIND and admitted[lane[0, g]]:
+                n_adopt += 1
+        width = row_of.shape[0]
+        m_free = free.shape[0]
+        for i in range(ready, ready + fetched):
+            e = lane[3, lorder[i]]
+            if e >= width:
+                adm = TOO_WIDE
+            elif row_of[e] >= 0 and adm == OK:
+                adm = 1
+        if adm == OK and n_adopt + fetched > m_free + ev_rows.shape[0]:
+            adm = 2
+        if adm == OK:
+            for j in range(fetched):
+                g = lorder[ready + j]
+                f = n_adopt + j
+                row = free[f] if f < m_free else ev_rows[f - m_free]
+                e = lane[3, g]
+                row_of[e] = row
+                hold_layer[row] = layer
+                hold_expert[row] = e
+                lane[2, g] = row
+    return -1, ev_rows, status, order, ptr, experts, w, per, pstatus, p[1], lane, lorder, hits, ready, fetched, adm
+
+
 _rows_ready_fn = _rows_ready  # what _group_index calls: the compiled _rows_ready once compiled
+_group_routing_fn, _partition_fn, _evict_fn = _group_routing, _partition, _evict  # what _route_partition calls
 
 _KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
-            "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready}
+            "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready, "evict": _evict,
+            "admit": _admit, "swap": _swap, "route_partition": _route_partition}
 _compiled: dict[str, object] = {}
 
 
 def compiled(name: str):
     """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
-    ``rank_order``, ``rows_ready``), or None without numba."""
-    global _rows_ready_fn
+    ``rank_order``, ``rows_ready``, ``evict``, ``admit``, ``swap``, ``route_partition``), or None without numba."""
+    global _rows_ready_fn, _group_routing_fn, _partition_fn, _evict_fn
     if name not in _compiled:
         if name == "group_index":  # it calls rows_ready: that one compiled first
             _rows_ready_fn = compiled("rows_ready") or _rows_ready
+        if name == "route_partition":  # it calls these, compiled first
+            _group_routing_fn = compiled("group_routing") or _group_routing
+            _partition_fn = compiled("partition") or _partition
+            _evict_fn = compiled("evict") or _evict
         _compiled[name] = _policy_kernels.jit(_KERNELS[name])
     return _compiled[name]
 
 
 __all__ = ["FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY", "STAGED",
-           "compiled"]
+           "TOO_WIDE", "compiled"]

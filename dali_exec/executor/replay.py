@@ -22,7 +22,6 @@ from dali_exec.executor.dense import DenseBlock, KVCache, StepAttention
 from dali_exec.executor.devices import Devices, lane_threads
 from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_replay
 from dali_exec.executor.result import assemble_result
-from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.runtime import OffloadRuntime
 from dali_exec.executor.store import STEP_INPUT, HostExpertStore, derive_seed
 from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer, paused_gc
@@ -134,7 +133,7 @@ class Replay:
         setup, w, dev = self.setup, self.setup.workload, self.dev
         L = w.num_layers
         counters = PlanCounters(L)
-        decision, routing_s = LayerSeconds(L), LayerSeconds(L)  # wall, thread CPU
+        decision = LayerSeconds(L)  # wall, thread CPU
         layer_time = np.zeros(L)
         starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
         prev_threads = torch.get_num_threads()
@@ -166,12 +165,9 @@ class Replay:
                         decision.add(layer, sw)
                         self.runtime.start_layer(plan)
                         residual, gate_input = self._dense(block, x, attn, Activity("dense", step, layer))
-                        sw = Stopwatch().start()
-                        ids, weights = w.routing(step, layer)
-                        routing = LayerRouting.group(ids, weights)
-                        sw.stop()
-                        routing_s.add(layer, sw)
-                        x = residual + self.runtime.run_experts(plan, gate_input, routing)
+                        ids, weights = w.routing(step, layer)  # the trace's stand-in for the router's output
+                        # (grouped by expert and checked against the plan in the runtime's bookkeeping)
+                        x = residual + self.runtime.run_experts(plan, gate_input, (ids, weights))
                         dev.synchronize()
                         layer_time[layer] += self.timer.now() - t0
                         if on_layer is not None:
@@ -199,7 +195,7 @@ class Replay:
             "gate_weights": "trace" if setup.trace.meta.has_weights else "1/top_k (the trace has none)",
         }
         rt = self.runtime
-        bookkeeping = routing_s.array() + np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
+        bookkeeping = np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
         return assemble_result(setup, self.controller, counters, out, decision_s=decision.array(),
                                bookkeeping_s=bookkeeping,
                                batch_size=w.config.batch_size, prefill_chunk=w.config.prefill_chunk,

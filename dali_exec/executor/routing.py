@@ -42,20 +42,15 @@ class LayerRouting:
         """``counted``: (T,) bool, the tokens that count in the workload (default: all). ``order``: a
         permutation of the flat positions that sorts them by expert id (default: the stable sort, i.e.
         token order within each expert)."""
-        ids = np.asarray(ids)
+        ids, weights = cls.checked(ids, weights)
         T, k = ids.shape
-        if weights is None:
-            weights = np.full((T, k), 1.0 / k, np.float32)
-        weights = np.asarray(weights, np.float32)
-        if weights.shape != ids.shape:
-            raise ValueError(f"routing weights {weights.shape} do not match expert ids {ids.shape}")
         if counted is not None:
             counted = np.asarray(counted, bool)
             if counted.shape != (T,):
                 raise ValueError(f"counted must be a ({T},) bool mask, got shape {counted.shape}")
-        flat = ids.reshape(-1).astype(np.int64)
         kernel = _kernels.compiled("group_routing")
-        if kernel is not None:  # one compiled loop; the same result as the NumPy code below
+        if kernel is not None:  # one compiled loop (on the ids' own integer type); the same result as the NumPy code
+            flat = ids.reshape(-1)
             status, order, ptr, experts, w, c, per = kernel(
                 flat, _NO_ORDER if order is None else np.asarray(order, np.int64), weights.reshape(-1),
                 _NO_COUNTED if counted is None else counted, k)
@@ -65,9 +60,20 @@ class LayerRouting:
                 raise ValueError("order must sort the flat positions by expert id")
             if status == _kernels.NEGATIVE:
                 raise ValueError("expert ids must be >= 0")
-            return cls(T, k, experts, ptr, order, w, None if counted is None else c,
-                       None if counted is None else per)
-        return cls._group_numpy(T, k, flat, weights, counted, order)
+            return cls(T, k, experts, ptr, order, w, None if counted is None else c, per)
+        return cls._group_numpy(T, k, ids.reshape(-1).astype(np.int64), weights, counted, order)
+
+    @staticmethod
+    def checked(ids: np.ndarray, weights: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """(T, k) expert ids and float32 gate weights (default 1 / k), checked to match."""
+        ids = np.asarray(ids)
+        T, k = ids.shape
+        if weights is None:
+            weights = np.full((T, k), 1.0 / k, np.float32)
+        weights = np.asarray(weights, np.float32)
+        if weights.shape != ids.shape:
+            raise ValueError(f"routing weights {weights.shape} do not match expert ids {ids.shape}")
+        return ids, weights
 
     @classmethod
     def _group_numpy(cls, T: int, k: int, flat: np.ndarray, weights: np.ndarray, counted: np.ndarray | None,

@@ -55,6 +55,7 @@ class OffloadRuntime:
                  staging_slots: int, *, cpu_threads: int, timer: Timer | None = None, copy_delay_s: float = 0.0,
                  cpu_inline: bool = False):
         self.store, self.dev = store, devices
+        self._host_layers = list(store.weights.unbind(0))  # each layer's host weights (E x numel), made once
         #: run the CPU lane in the calling thread (when it has the lane's thread count) instead of the worker:
         #: for an accelerator that is the CPU device and shares its threads, where the lanes cannot overlap
         self.cpu_inline = cpu_inline
@@ -133,10 +134,12 @@ class OffloadRuntime:
         """(L,) thread-CPU seconds of the runtime's own host work."""
         return np.array(self._bookkeeping.cpu)
 
-    def run_experts(self, plan: LayerPlan, x: torch.Tensor, routing: LayerRouting, *,
+    def run_experts(self, plan: LayerPlan, x: torch.Tensor, routing: LayerRouting | tuple, *,
                     uncounted_on_cpu: bool = False) -> torch.Tensor:
         """The layer's routed experts on ``x`` (T x H, the gate input, on the dense device): the
-        combined output sum_r w[t, r] * expert(x[t]) (T x H, on ``x``'s device).
+        combined output sum_r w[t, r] * expert(x[t]) (T x H, on ``x``'s device). ``routing``: grouped
+        (:meth:`LayerRouting.group`), or the router's (T, k) ids and weights (or None), which are grouped and
+        checked against the plan in one compiled call (every token counted).
 
         Tokens the routing does not count (``LayerRouting.group(counted=...)``: e.g. padding a real model
         computes anyway) ride along with the plan's experts; experts that only such tokens use are not part
@@ -144,11 +147,15 @@ class OffloadRuntime:
         sw = Stopwatch().start()  # stopped around computes, activation transfers and waits
         layer, step = plan.layer, plan.step
         dev, pool = self.dev, self.pool
+        if isinstance(routing, LayerRouting):
+            if len(plan.evicted):
+                pool.evict_many(layer, np.asarray(plan.evicted))
+            cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
+            admitted = False
+        else:  # (with the evictions and, where it can, the admissions)
+            routing, cpu_seg, split, admitted = self._route(plan, *routing)
         T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
-        if len(plan.evicted):
-            pool.evict_many(layer, np.asarray(plan.evicted))
-        cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
-        lanes = _AccelLane.of(plan, pool, *split)
+        lanes = _AccelLane.of(plan, pool, *split, admitted=admitted)
         self._issue_deferred()  # adoptions may have freed prefetch buffers
 
         # the CPU lane starts first and runs while the accelerator lane works; inline (same thread and
@@ -164,12 +171,12 @@ class OffloadRuntime:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing)
         x_acc = x if (x.device == dev.accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         out_buf = torch.zeros((T * k, H), dtype=dev.dtype, device=dev.accel)
-        sw.start()
 
         cpu_out: list = []
         if lanes.n:
+            sw.start()
             self._accelerator_lane(plan, lanes, routing, x_acc, out_buf, sw, inline, cpu_out)
-        sw.stop()
+            sw.stop()
         if inline:
             cpu_out.append(inline.pop()())
         if cpu_job is not None:
@@ -182,7 +189,7 @@ class OffloadRuntime:
 
         if plan.swaps:
             ins, outs = [a for a, _ in plan.swaps], [b for _, b in plan.swaps]
-            rows = np.array([pool.swap(layer, a, b).index for a, b in plan.swaps], np.int64)
+            rows = pool.swap_many(layer, ins, outs)
             self.swaps_landing[layer] = [self._copy_many(rows, [layer] * len(ins), ins, BACKGROUND, ("swap", step),
                                                          outs)]
         pool.check_layer(layer, lanes.staging_used)
@@ -192,6 +199,36 @@ class OffloadRuntime:
         self._book(layer, sw)
         return out
 
+    def _route(self, plan: LayerPlan, ids: np.ndarray, weights: np.ndarray | None):
+        """The plan's evictions, then (the routing grouped, :meth:`_partition` of it, whether the fetched experts
+        are admitted already), from the router's ids and weights in one compiled call
+        (``kernels._route_partition``; without numba :meth:`SlotPool.evict_many`, :meth:`LayerRouting.group`
+        and :meth:`_partition`)."""
+        pool, layer = self.pool, plan.layer
+        kernel = _kernels.compiled("route_partition")
+        if kernel is None:
+            if len(plan.evicted):
+                pool.evict_many(layer, np.asarray(plan.evicted))
+            routing = LayerRouting.group(ids, weights)
+            return (routing, *self._partition(plan, routing, False), False)
+        ids, weights = LayerRouting.checked(ids, weights)
+        T, k = ids.shape
+        evicted = np.asarray(plan.evicted, np.int64)
+        free = pool.cache_free[layer]
+        bad, ev_rows, status, order, ptr, experts, w, per, *split, adm = kernel(
+            ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
+            pool.row_of[layer], _CODES, evicted, np.fromiter(free, np.int64, len(free)), layer, pool.hold_layer,
+            pool.hold_expert)
+        if bad >= 0:
+            raise AssertionError(f"layer {layer} expert {int(evicted[bad])} is not in the slot table's cache")
+        if len(ev_rows):
+            free.extend(ev_rows.tolist())
+            pool.n_cached[layer] -= len(ev_rows)
+        if status == _kernels.NEGATIVE:
+            raise ValueError("expert ids must be >= 0")
+        routing = LayerRouting(T, k, experts, ptr, order, w, None, per)
+        return (routing, *_checked_split(plan, routing, *split), adm == _kernels.OK)
+
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
         indices into ``routing.experts``, the accelerator lane's split: see ``kernels._partition``)."""
@@ -199,33 +236,28 @@ class OffloadRuntime:
         kernel = _kernels.compiled("partition")
         flag = uncounted_on_cpu and routing.counted is not None
         if kernel is not None:
-            status, cpu_seg, lane, order, hits, ready, fetched = kernel(
+            return _checked_split(plan, routing, *kernel(
                 routing.experts, routing.counts(), plan.experts, plan.counts, plan.source, plan.admitted,
-                self.pool.row_of[layer], _CODES, flag)
-            if status == 2:
-                raise AssertionError(f"layer {layer} expert {int(lane[3, 0])} is not in the slot table's cache")
-        else:
-            status = 0 if routing.matches(plan.experts, plan.counts) else 1
-        if status == 1:
-            raise ValueError(f"step {plan.step} layer {layer}: the routing's experts {routing.experts.tolist()} with "
-                             f"{routing.counts().tolist()} tokens differ from the plan's {plan.experts.tolist()}")
-        if kernel is None:  # the same in array operations
-            gpu = np.flatnonzero(plan.source != CPU)
-            src, experts = plan.source[gpu], plan.experts[gpu].astype(np.int64)
-            hit = src == HIT
-            kind = np.select([hit, src == PREFETCHED, plan.admitted[gpu]],
-                             [_kernels.READY, _kernels.PREFETCHED_KIND, _kernels.FETCHED], _kernels.STAGED)
-            rows = np.full(len(gpu), -1, np.int64)
-            rows[hit] = self.pool.cached_rows(layer, experts[hit])
-            lane = np.stack([gpu, np.searchsorted(routing.experts, experts), rows, experts, kind]).astype(np.int64)
-            groups = [np.flatnonzero(kind <= _kernels.PREFETCHED_KIND), np.flatnonzero(kind == _kernels.FETCHED),
-                      np.flatnonzero(kind == _kernels.STAGED)]
-            order = np.concatenate(groups).astype(np.int64)
-            hits, ready, fetched = int(np.count_nonzero(hit)), len(groups[0]), len(groups[1])
-            cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
-            if flag:
-                cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
-            cpu_seg.sort()
+                self.pool.row_of[layer], _CODES, flag))
+        if not routing.matches(plan.experts, plan.counts):
+            _routing_differs(plan, routing)
+        # the same in array operations
+        gpu = np.flatnonzero(plan.source != CPU)
+        src, experts = plan.source[gpu], plan.experts[gpu].astype(np.int64)
+        hit = src == HIT
+        kind = np.select([hit, src == PREFETCHED, plan.admitted[gpu]],
+                         [_kernels.READY, _kernels.PREFETCHED_KIND, _kernels.FETCHED], _kernels.STAGED)
+        rows = np.full(len(gpu), -1, np.int64)
+        rows[hit] = self.pool.cached_rows(layer, experts[hit])
+        lane = np.stack([gpu, np.searchsorted(routing.experts, experts), rows, experts, kind]).astype(np.int64)
+        groups = [np.flatnonzero(kind <= _kernels.PREFETCHED_KIND), np.flatnonzero(kind == _kernels.FETCHED),
+                  np.flatnonzero(kind == _kernels.STAGED)]
+        order = np.concatenate(groups).astype(np.int64)
+        hits, ready, fetched = int(np.count_nonzero(hit)), len(groups[0]), len(groups[1])
+        cpu_seg = np.searchsorted(routing.experts, plan.experts[plan.source == CPU])
+        if flag:
+            cpu_seg = np.concatenate([cpu_seg, np.flatnonzero(routing.counts() == 0)])
+        cpu_seg.sort()
         return cpu_seg, (lane, order, hits, ready, fetched)
 
     def _accelerator_lane(self, plan: LayerPlan, lanes: "_AccelLane", routing: LayerRouting, x: torch.Tensor,
@@ -261,7 +293,8 @@ class OffloadRuntime:
         # t * per_turn ..), in touch order
         head = staged[:per_turn * halves]
         rows[head] = stage_rows[:len(head)]
-        first = np.sort(np.concatenate([lanes.fetched, head])) if n_staged else lanes.fetched
+        nf = len(lanes.fetched)  # (fetched and staged are consecutive in the lane order)
+        first = np.sort(lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)]) if n_staged else lanes.fetched
         fetched_events = self._copy_now(plan, first, experts, rows, sw)
         # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
         ready = lanes.ready
@@ -273,7 +306,8 @@ class OffloadRuntime:
                 ready, waiting = ready[landed], ready[~landed]
         after = lanes.fetched
         if fetched_events is None and len(after):
-            ready, after = np.concatenate([ready, after]), after[:0]
+            ready = np.concatenate([ready, after]) if len(waiting) else lanes.order[:len(ready) + len(after)]
+            after = after[:0]
         if len(ready):
             self._compute(plan, routing, seg[ready], rows[ready], x, out_buf, sw)
         if len(after):
@@ -316,10 +350,12 @@ class OffloadRuntime:
         if not len(idx):
             return None if not self.dev.is_cuda else []
         pool, layer = self.pool, plan.layer
-        r, e = rows[idx].tolist(), experts[idx].tolist()
-        pool.hold_rows(r, layer, e)
+        ri, ei = rows[idx], experts[idx]
+        pool.hold_rows(ri, layer, ei)
+        r, e = ri.tolist(), ei.tolist()
         tickets = pool.tickets
-        previous = [] if staging else [t for i in r if (t := tickets[i]) is not None and not t.done]
+        held = () if staging else pool.ticketed.intersection(r)  # rows a background copy wrote
+        previous = [t for i in held if not (t := tickets[i]).done]
         if self.dev.is_cuda and after is None:
             after = [pool.last_use[i] for i in r]
         w0 = time.perf_counter()
@@ -327,9 +363,9 @@ class OffloadRuntime:
                                      previous=previous, pause=sw)
         if ends is None:  # the CPU device: the lane waited for its copies while they were made
             self._wait[layer] += time.perf_counter() - w0
-        if previous or not staging:
-            for i in r:
-                tickets[i] = None
+        for i in held:
+            tickets[i] = None
+        pool.ticketed.difference_update(held)
         return ends
 
     def _wait_events(self, events, issued: np.ndarray, idx: np.ndarray) -> None:
@@ -368,51 +404,61 @@ class OffloadRuntime:
     def _single_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
                       per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
                       out_buf: torch.Tensor, sw: Stopwatch) -> None:
-        """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts), in one loop over
-        lists made up front: per turn the slot table is checked and updated, and the device work (the
-        compute from the buffer, then the copy of turn t + ``halves`` into it) is issued with nothing
-        else in between; stamps are recorded after the loop."""
+        """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts). The slot table
+        is checked and settled in array operations around one loop that issues nothing but the device work
+        (per turn: the compute from buffer ``t % halves``, then the copy of turn t + ``halves`` into it) and
+        keeps its stamps; the stopwatch is stopped across that loop and the intervals are recorded as one
+        series per track (:meth:`Timer.add_series`)."""
         pool, layer, step, cuda = self.pool, plan.layer, plan.step, self.dev.is_cuda
         idx = lanes.staged
         n = len(idx)
         sg = lanes.seg[idx]
         E = lanes.experts[idx].tolist()
-        A, B = routing.ptr[sg].tolist(), routing.ptr[sg + 1].tolist()
+        lo, hi = routing.ptr[sg], routing.ptr[sg + 1]
+        A, B, tokens = lo.tolist(), hi.tolist(), (hi - lo).tolist()
         R = stage_rows[:halves]  # turn t's buffer: R[t % halves]
-        data = {r: pool.slots[r].data for r in R}
-        src = self.store.weights[layer]
+        # the first turns' buffers hold their experts, copied by _copy_now with no copy in flight; the later
+        # turns' copies are this loop's own (no background copy writes a staging buffer)
+        head = min(n, halves)
+        hold_l, hold_e, inflight = pool.hold_layer, pool.hold_expert, pool.inflight
+        for j in range(head):
+            r = R[j]
+            if hold_l[r] != layer or hold_e[r] != E[j] or inflight[r]:
+                pool.check_rows(np.array([r]), layer, np.array([E[j]]))  # raises, naming what is wrong
+        bufs = [pool.slots[r].data for r in R]
+        src = self._host_layers[layer]
         pos_d, tok_d, w_d = self._droute(routing)
-        events = list(first_events[int(i)] for i in np.searchsorted(first, idx[:halves])) if cuda else None
-        hold_e, hold_l = pool.hold_expert, pool.hold_layer
+        events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if cuda else None
         stream, mark, forward, copy_one = self.compute_stream, self.timer.mark, self.layout.forward, self.copies.copy_one
-        groups, copies = [], []
+        starts, ends, c0s, c1s = [], [], [], []
+        sw.stop()  # the device work of every turn
         for t in range(n):
-            row, e = R[t % halves], E[t]
-            if hold_e[row] != e or hold_l[row] != layer or pool.inflight[row]:
-                pool.check_rows(np.array([row]), layer, np.array([e]))  # raises, naming what is wrong
-            a, b = A[t], B[t]
-            nxt = t + halves
-            sw.stop()  # the device work of the turn
+            buf, a, b = bufs[t % halves], A[t], B[t]
             if cuda:
                 stream.wait_event(events[t])
-            start = mark(stream)
-            y = forward(data[row], x.index_select(0, tok_d[a:b]))
+            starts.append(mark(stream))
+            y = forward(buf, x.index_select(0, tok_d[a:b]))
             out_buf.index_copy_(0, pos_d[a:b], y * w_d[a:b])
             end = mark(stream)
-            if nxt < n:
-                c0, c1 = copy_one(data[row], src[E[nxt]], end)
-            sw.start()
-            groups.append(("gpu", (step, layer, (e,), (b - a,)), start, end))
-            if nxt < n:
-                hold_e[row] = E[nxt]
-                copies.append(("pcie", ("fetch", step, layer, (E[nxt],)), c0, c1))
+            ends.append(end)
+            if t + halves < n:
+                c0, c1 = copy_one(buf, src[E[t + halves]], end)
+                c0s.append(c0)
+                c1s.append(c1)
                 if cuda:
                     events.append(c1)
-                else:
-                    self._wait[layer] += c1 - c0  # the lane waits while the host copies
+        sw.start()
+        for j, r in enumerate(R[:head]):  # each buffer holds the expert of its last turn
+            last = j + (n - 1 - j) // halves * halves
+            hold_e[r] = E[last]
             if cuda:
-                pool.last_use[row] = end
-        self.timer.add_raw(groups + copies)
+                pool.last_use[r] = ends[last]
+        timer = self.timer
+        timer.add_series("gpu", "expert", step, layer, E, tokens, starts, ends)
+        if c0s:
+            timer.add_series("pcie", "fetch", step, layer, E[halves:], None, c0s, c1s)
+            if not cuda:  # the lane waited while the host copied
+                self._wait[layer] += sum(c1s) - sum(c0s)
         self.groups["gpu"] += n
         self.grouped_experts["gpu"] += n
 
@@ -466,11 +512,14 @@ class OffloadRuntime:
         if self._droute_of is not routing:
             dev = self.dev
             pos = routing.positions
-            ints = torch.from_numpy(np.concatenate([pos, pos // routing.top_k]))
-            w = torch.from_numpy(routing.weights)
-            if dev.is_cuda:
+            w = torch.from_numpy(routing.weights[:, None])
+            if dev.is_cuda:  # one packed copy
+                ints = torch.from_numpy(np.concatenate([pos, pos // routing.top_k]))
                 ints, w = (t.pin_memory().to(dev.accel, non_blocking=True) for t in (ints, w))
-            self._droute_list = [ints[:len(pos)], ints[len(pos):], w.to(dev.dtype).unsqueeze(1)]
+                self._droute_list = [ints[:len(pos)], ints[len(pos):], _as_dtype(w, dev.dtype)]
+            else:
+                self._droute_list = [torch.from_numpy(pos), torch.from_numpy(pos // routing.top_k),
+                                     _as_dtype(w, dev.dtype)]
             self._droute_of = routing
         return self._droute_list
 
@@ -493,6 +542,7 @@ class OffloadRuntime:
                                          rows=rows, inflight=pool.inflight)
         for i in r:
             tickets[i] = ticket
+        pool.ticketed.update(r)
         return ticket
 
     def _free_prefetch(self, slot: Slot) -> None:
@@ -514,7 +564,7 @@ class OffloadRuntime:
         gi = GroupIndex.whole(r) if len(seg) == len(r.experts) else GroupIndex.build(r, seg, r.experts[seg])
         pos, tok, offs, pair_rows, w = _device_indices(gi, r, self.dev.host, self.dev.dtype, self.layout.bias)
         start = self.timer.mark()
-        y = self.layout.forward_grouped(gi.span(self.store.weights[layer]), x.index_select(0, tok), offs,
+        y = self.layout.forward_grouped(gi.span(self._host_layers[layer]), x.index_select(0, tok), offs,
                                         gi.table_counts, pair_rows) * w
         end = self.timer.mark()
         self.timer.add_group("cpu", step, layer, gi.experts, gi.counts, start, end)
@@ -543,22 +593,24 @@ class _AccelLane:
     routing's experts (``seg``) and slot rows (``rows``; -1 = a staged expert, given a staging buffer by its
     turn); positions (into ``experts``) of the experts whose weights are there or coming by a prefetch
     (``ready``), of the admitted on-demand ones (``fetched``) and of the staged ones (``staged``, touch
-    order); ``freed``: positions whose prefetch buffer is freed after their compute (the cache declined
+    order), which follow each other in ``order``; ``freed``: positions whose prefetch buffer is freed after their compute (the cache declined
     them)."""
 
-    __slots__ = ("n", "experts", "seg", "rows", "ready", "fetched", "staged", "freed", "prefetched_in_flight",
-                 "staging_used", "all_cached")
+    __slots__ = ("n", "experts", "seg", "rows", "order", "ready", "fetched", "staged", "freed",
+                 "prefetched_in_flight", "staging_used", "all_cached")
 
     @classmethod
     def of(cls, plan: LayerPlan, pool: SlotPool, split: np.ndarray, order: np.ndarray, hits: int, ready: int,
-           fetched: int) -> "_AccelLane":
-        """``split``, ``order`` and the counts: the lane split of ``kernels._partition``."""
+           fetched: int, *, admitted: bool = False) -> "_AccelLane":
+        """``split``, ``order`` and the counts: the lane split of ``kernels._partition``. ``admitted``: the
+        fetched experts hold their cache rows already (``split[2]``, the table set; ``kernels._route_partition``):
+        only the free list and the count are left, after the prefetched experts' adoptions."""
         lane = cls()
         lane.staging_used = 0
         lane.prefetched_in_flight = False
         lane.freed = []
         lane.n = n = split.shape[1]
-        lane.seg, lane.rows, lane.experts = split[1], split[2], split[3]
+        lane.seg, lane.rows, lane.experts, lane.order = split[1], split[2], split[3], order
         lane.all_cached = n > 0 and hits == n
         if lane.all_cached or not n:  # (every one cached: one group, nothing to copy or free)
             lane.ready, lane.fetched, lane.staged = order, _EMPTY, _EMPTY
@@ -578,9 +630,25 @@ class _AccelLane:
                     lane.freed.append(i)
                 rows[i] = slot.index
                 lane.prefetched_in_flight |= bool(pool.inflight[slot.index])
-        if fetched:
+        if fetched and admitted:
+            pool.took_free(layer, fetched)
+        elif fetched:
             rows[lane.fetched] = pool.admit_many(layer, lane.experts[lane.fetched])
         return lane
+
+
+def _checked_split(plan: LayerPlan, routing: LayerRouting, status: int, cpu_seg, lane, order, hits, ready, fetched):
+    """What the compiled ``kernels._partition`` returned (as ``OffloadRuntime._partition``), its refusals raised."""
+    if status == 2:
+        raise AssertionError(f"layer {plan.layer} expert {int(lane[3, 0])} is not in the slot table's cache")
+    if status == 1:
+        _routing_differs(plan, routing)
+    return cpu_seg, (lane, order, hits, ready, fetched)
+
+
+def _routing_differs(plan: LayerPlan, routing: LayerRouting) -> None:
+    raise ValueError(f"step {plan.step} layer {plan.layer}: the routing's experts {routing.experts.tolist()} with "
+                     f"{routing.counts().tolist()} tokens differ from the plan's {plan.experts.tolist()}")
 
 
 def _device_indices(gi: GroupIndex, r: LayerRouting, device: torch.device, dtype: torch.dtype, bias: bool):
@@ -588,14 +656,19 @@ def _device_indices(gi: GroupIndex, r: LayerRouting, device: torch.device, dtype
     pair within the group's span (biases only) and gate weights (n x 1, ``dtype``). On CUDA one packed
     copy from pinned memory (and one for the weights), without a wait."""
     pos = gi.pairs
-    w = torch.from_numpy(gi.weights)
+    w = torch.from_numpy(gi.weights[:, None])
     if device.type != "cuda":
         rows = torch.from_numpy(gi.row_of_pairs()) if bias else None
         return (torch.from_numpy(pos), torch.from_numpy(gi.token_rows(r.top_k)), torch.from_numpy(gi.offs), rows,
-                w.to(dtype).unsqueeze(1))
+                _as_dtype(w, dtype))
     ints = [pos, gi.token_rows(r.top_k), gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
     packed = torch.from_numpy(np.concatenate(ints)).pin_memory().to(device, non_blocking=True)
     w = w.pin_memory().to(device, non_blocking=True)
     n, m = len(pos), len(gi.offs)
     pair_rows = packed[2 * n + m:] if bias else None
-    return packed[:n], packed[n:2 * n], packed[2 * n:2 * n + m].to(torch.int32), pair_rows, w.to(dtype).unsqueeze(1)
+    return packed[:n], packed[n:2 * n], packed[2 * n:2 * n + m].to(torch.int32), pair_rows, _as_dtype(w, dtype)
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the call when it is that already (fp32 gate weights on the CPU device)."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -22,6 +22,7 @@ and its copies have landed.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import numpy as np
@@ -58,6 +59,7 @@ class Slot:
     @ticket.setter
     def ticket(self, t: CopyTicket | None) -> None:
         self.pool.tickets[self.index] = t
+        (self.pool.ticketed.discard if t is None else self.pool.ticketed.add)(self.index)
 
     @property
     def last_use(self):
@@ -108,6 +110,7 @@ class SlotPool:
         self.hold_expert = np.full(n, -1, np.int64)
         self.inflight = np.zeros(n, np.int64)  # copies into each row not yet landed
         self.tickets: list[CopyTicket | None] = [None] * n
+        self.ticketed: set[int] = set()  # the rows whose ticket is not None
         self.last_use: list = [None] * n
         L, E = len(caps), int(num_experts or 1)
         self.row_of = np.full((L, E), -1, np.int64)  # cache row of (layer, expert), -1: not cached
@@ -169,18 +172,45 @@ class SlotPool:
         m = len(experts)
         if not m:
             return experts
+        free = self.cache_free[layer]
+        kernel = _kernels.compiled("admit")
+        if kernel is not None:  # the checks and the table in one compiled loop
+            self._enough_free(layer, m)
+            rows = np.fromiter(itertools.islice(free, m), np.int64, m)
+            bad = kernel(self.row_of[layer], experts, rows, layer, self.hold_layer, self.hold_expert)
+            if bad == _kernels.TOO_WIDE:
+                self._width(int(experts.max()))
+                bad = kernel(self.row_of[layer], experts, rows, layer, self.hold_layer, self.hold_expert)
+            if bad >= 0:
+                self._already_cached(layer, experts[bad])
+            self.took_free(layer, m)
+            return rows
         self._width(int(experts.max()))
         if (self.row_of[layer, experts] >= 0).any():
-            e = int(experts[np.argmax(self.row_of[layer, experts] >= 0)])
-            raise AssertionError(f"layer {layer} expert {e} is already cached")
-        free = self.cache_free[layer]
-        if len(free) < m:
-            raise AssertionError(f"layer {layer}: all {self.capacities[layer]} cache slots are taken")
+            self._already_cached(layer, experts[np.argmax(self.row_of[layer, experts] >= 0)])
+        self._enough_free(layer, m)
         rows = np.array([free.popleft() for _ in range(m)], np.int64)
         self.row_of[layer, experts] = rows
         self._hold(rows, layer, experts)
         self.n_cached[layer] += m
         return rows
+
+    def took_free(self, layer: int, m: int) -> None:
+        """The first ``m`` free cache rows of ``layer`` now hold experts (the table set by a compiled loop)."""
+        free = self.cache_free[layer]
+        if m == len(free):
+            free.clear()
+        else:
+            for _ in range(m):
+                free.popleft()
+        self.n_cached[layer] += m
+
+    def _already_cached(self, layer: int, expert) -> None:
+        raise AssertionError(f"layer {layer} expert {int(expert)} is already cached")
+
+    def _enough_free(self, layer: int, m: int) -> None:
+        if len(self.cache_free[layer]) < m:
+            raise AssertionError(f"layer {layer}: all {self.capacities[layer]} cache slots are taken")
 
     def evict(self, layer: int, expert: int) -> None:
         self.evict_many(layer, np.array([expert]))
@@ -189,9 +219,15 @@ class SlotPool:
         experts = np.asarray(experts, np.int64)
         if not len(experts):
             return
-        rows = self.cached_rows(layer, experts)
-        self.row_of[layer, experts] = -1
-        self._release(rows)
+        kernel = _kernels.compiled("evict")
+        if kernel is None:
+            rows = self.cached_rows(layer, experts)
+            self.row_of[layer, experts] = -1
+            self._release(rows)
+        else:  # the check and the table in one compiled loop
+            bad, rows = kernel(self.row_of[layer], experts, self.hold_layer, self.hold_expert)
+            if bad >= 0:
+                raise AssertionError(f"layer {layer} expert {int(experts[bad])} is not in the slot table's cache")
         self.cache_free[layer].extend(rows.tolist())
         self.n_cached[layer] -= len(rows)
 
@@ -205,6 +241,20 @@ class SlotPool:
         self.row_of[layer, expert_in] = row
         self._hold(row, layer, expert_in)
         return self.slots[row]
+
+    def swap_many(self, layer: int, ins: list[int], outs: list[int]) -> np.ndarray:
+        """:meth:`swap` of each pair in turn (one compiled loop); returns the rows the ``ins`` now hold."""
+        kernel = _kernels.compiled("swap")
+        if kernel is None or max(outs) >= self.row_of.shape[1]:
+            return np.array([self.swap(layer, a, b).index for a, b in zip(ins, outs)], np.int64)
+        self._width(max(ins))
+        rows, bad, why = kernel(self.row_of[layer], np.array(ins, np.int64), np.array(outs, np.int64), layer,
+                                self.hold_layer, self.hold_expert)
+        if why == 1:
+            raise AssertionError(f"layer {layer} expert {outs[bad]} is not in the slot table's cache")
+        if why == 2:
+            raise AssertionError(f"layer {layer} expert {ins[bad]} is already cached")
+        return rows
 
     # ---- prefetch buffers ---------------------------------------------------------------------
     def take_prefetch(self, layer: int, expert: int) -> Slot:
@@ -258,11 +308,11 @@ class SlotPool:
         return [free.popleft() for _ in range(n)]
 
     def release_staging_rows(self, rows: list[int]) -> None:
-        if rows:
-            self._release(rows)
-            self.staging_free.extend(rows)
+        for r in rows:  # (a few)
+            self.hold_layer[r] = self.hold_expert[r] = -1
+        self.staging_free.extend(rows)
 
-    def hold_rows(self, rows: list[int], layer: int, experts: list[int]) -> None:
+    def hold_rows(self, rows, layer: int, experts) -> None:
         """The rows now hold these experts of ``layer`` (a copy into them is being issued)."""
         if len(rows) == 1:
             self.hold_layer[rows[0]] = layer

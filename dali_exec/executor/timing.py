@@ -66,17 +66,21 @@ class Timer:
         with self._lock:
             self._raw.append(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]))
 
-    def add_raw(self, entries: list[tuple]) -> None:
-        """Entries as :meth:`add_group` and :meth:`add_copies` store them: (track, what, start, end) with
-        what = (step, layer, experts, tokens) or (kind, step, layer, experts); for loops that record many."""
-        with self._lock:
-            self._raw.extend(entries)
-
     def add_copies(self, kind: str, step: int, layer: int, experts: list[int], start, end) -> None:
         """Copies of ``experts`` (of ``layer``) made by one call between two stamps (the CPU device's batched
         on-demand copies): one ``pcie`` interval each, the span divided equally (an attribution)."""
         with self._lock:
             self._raw.append(("pcie", (kind, step, layer, experts), start, end))
+
+    def add_series(self, track: str, kind: str, step: int, layer: int, experts: list[int], tokens: list[int] | None,
+                   starts: list, ends: list) -> None:
+        """Intervals of one loop (a layer's staging turns), ``starts[i]`` .. ``ends[i]`` for ``experts[i]``: with
+        ``tokens``, each a grouped call of that one expert (``kind`` "expert", as :meth:`add_group` records it);
+        without, each one copy of ``kind`` (as :meth:`add_copies` records a single copy). One entry for all."""
+        if track not in TRACKS:
+            raise ValueError(f"unknown track {track!r}")
+        with self._lock:
+            self._raw.append((track, _Series(kind, step, layer, experts, tokens, starts, ends), None, None))
 
     def add_group(self, track: str, step: int, layer: int, experts: np.ndarray, tokens: np.ndarray, start,
                   end) -> None:
@@ -112,6 +116,10 @@ class Timer:
         count = 0
         seconds = self.seconds
         for track, what, a, b in raw:
+            if type(what) is _Series:
+                busy[track] += sum(seconds(e) - seconds(s) for s, e in zip(what.starts, what.ends))
+                count += len(what.experts)
+                continue
             busy[track] += seconds(b) - seconds(a)  # a group's or a batch's intervals split its span exactly
             count += 1 if isinstance(what, Activity) or len(what) < 4 else len(what[-1] if isinstance(what[0], str)
                                                                             else what[2])
@@ -121,6 +129,9 @@ class Timer:
         out = []
         seconds = self.seconds
         for track, what, a, b in raw:
+            if type(what) is _Series:
+                out += what.intervals(track, lambda stamp: seconds(stamp, origin))
+                continue
             a, b = seconds(a, origin), seconds(b, origin)
             if isinstance(what, Activity):
                 out.append(Interval(track, what.name(), a, b, what.args()))
@@ -149,6 +160,28 @@ class Timer:
                 act = Activity("expert", step, layer, e, tokens=n)
                 out.append(Interval(track, act.name(), lo, hi, act.args() | {"group": len(experts)}))
         out.sort(key=lambda iv: (iv.start, iv.track))
+        return out
+
+
+class _Series:
+    """What :meth:`Timer.add_series` records: one loop's intervals, resolved when they are read."""
+
+    __slots__ = ("kind", "step", "layer", "experts", "tokens", "starts", "ends")
+
+    def __init__(self, kind, step, layer, experts, tokens, starts, ends):
+        self.kind, self.step, self.layer, self.experts, self.tokens = kind, step, layer, experts, tokens
+        self.starts, self.ends = starts, ends
+
+    def intervals(self, track: str, seconds) -> list[Interval]:
+        out = []
+        for i, e in enumerate(self.experts):
+            a, b = seconds(self.starts[i]), seconds(self.ends[i])
+            if self.tokens is None:
+                act = Activity(self.kind, self.step, self.layer, int(e))
+                out.append(Interval(track, act.name(), a, b, act.args() | {"batch": 1}))
+            else:
+                act = Activity(self.kind, self.step, self.layer, int(e), tokens=int(self.tokens[i]))
+                out.append(Interval(track, act.name(), a, b, act.args() | {"group": 1}))
         return out
 
 
