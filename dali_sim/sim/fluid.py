@@ -29,7 +29,14 @@ class _Job:
 
 
 class FluidLanes:
-    """Activities on the lanes ``gpu``, ``cpu`` and ``h2d`` of one engine."""
+    """Activities on the lanes ``gpu``, ``cpu`` and ``h2d`` of one engine.
+
+    The scheduler is a chain of SimPy events with callbacks, not a process: each round arms a timer (the
+    next activity to finish at the current rates) and a *hop* event that the first of the timer and the
+    wake-up (an activity starting) to be processed schedules; the round's work runs when the hop is
+    processed. These are the events a process waiting on ``timer | wake`` would schedule, in the same
+    order, so every other event keeps its place in SimPy's queue (same times, same ties), without the
+    cost of a process and a condition per round."""
 
     def __init__(self, env: simpy.Environment, contention: Contention | None):
         self.env = env
@@ -37,7 +44,12 @@ class FluidLanes:
         self.jobs: dict[str, _Job] = {}
         self._t = 0.0
         self._wake = env.event()
+        self._wake_hooked = False  # the current wake-up has the scheduler's callback
+        self._timer: simpy.Event | None = None
+        self._hop: simpy.Event | None = None
+        self._first: _Job | None = None
         self._running = False
+        self._rates: dict[tuple, dict[str, float]] = {}  # contention rates by the busy lanes' (lane, demand)
         self.slowed_s = dict.fromkeys(_LANE_ORDER, 0.0)  # extra seconds activities took because of contention
 
     def run(self, lane: str, work: float, demand: float = 0.0) -> simpy.Event:
@@ -53,7 +65,10 @@ class FluidLanes:
         self._rerate()
         if not self._running:
             self._running = True
-            self.env.process(self._loop())
+            start = simpy.Event(self.env)  # as a process's start: urgent, at once
+            start._ok, start._value = True, None
+            start.callbacks.append(self._round)
+            self.env.schedule(start, simpy.events.URGENT)
         elif not self._wake.triggered:
             self._wake.succeed()
         return job.done
@@ -80,26 +95,58 @@ class FluidLanes:
         self._t = self.env.now
 
     def _rerate(self) -> None:
-        rates = self.contention.rates({j.lane: j.demand for j in self.jobs.values()})
+        key = tuple((j.lane, j.demand) for j in self.jobs.values())
+        rates = self._rates.get(key)
+        if rates is None:
+            rates = self._rates[key] = self.contention.rates({j.lane: j.demand for j in self.jobs.values()})
         for j in self.jobs.values():
             j.rate = rates[j.lane]
 
-    def _loop(self):
+    def _fire(self, event: simpy.Event) -> None:
+        """The timer or the wake-up of the current round was processed: the round's hop is scheduled
+        (once; a stale timer or wake-up of an earlier round does nothing)."""
+        if (event is self._timer or event is self._wake) and not self._hop.triggered:
+            self._hop.succeed()
+
+    def _arm(self) -> None:
+        """Wait for the next activity to finish at the current rates, or for a new one to start."""
         env = self.env
-        while self.jobs:
-            first = min(self.jobs.values(), key=lambda j: (j.left / j.rate, _LANE_ORDER[j.lane]))
-            timer = env.timeout(max(0.0, first.left / first.rate))
-            yield timer | self._wake
+        first = None
+        for j in self.jobs.values():  # the earliest end; ties to the lane order
+            if first is None or (j.left / j.rate, _LANE_ORDER[j.lane]) < (first.left / first.rate,
+                                                                          _LANE_ORDER[first.lane]):
+                first = j
+        self._first = first
+        self._timer = timer = env.timeout(max(0.0, first.left / first.rate))
+        self._hop = hop = simpy.Event(env)
+        hop.callbacks.append(self._round)
+        timer.callbacks.append(self._fire)
+        if self._wake.callbacks is None:
+            self._fire(self._wake)
+        elif not self._wake_hooked:
+            self._wake.callbacks.append(self._fire)
+            self._wake_hooked = True
+
+    def _round(self, _event: simpy.Event) -> None:
+        """One round of the scheduler: activities that finished end (in lane order), rates are set anew
+        and the next round is armed."""
+        if self._timer is not None:  # not the first round
             if self._wake.triggered:
-                self._wake = env.event()
+                self._wake = self.env.event()
+                self._wake_hooked = False
             self._sync()
-            done = [j for j in self.jobs.values() if j.left <= _EPS * j.work or (j is first and timer.processed)]
+            first, timer_done = self._first, self._timer.callbacks is None
+            done = [j for j in self.jobs.values() if j.left <= _EPS * j.work or (j is first and timer_done)]
             for j in sorted(done, key=lambda j: _LANE_ORDER[j.lane]):
                 del self.jobs[j.lane]
                 j.done.succeed()
             if done and self.jobs:
                 self._rerate()
-        self._running = False
+        if self.jobs:
+            self._arm()
+        else:
+            self._running = False
+            self._timer = None
 
 
 __all__ = ["FluidLanes"]
