@@ -22,33 +22,30 @@ _EPS = 1e-12  # relative work left below which an activity counts as finished (r
 
 
 class _Job:
-    __slots__ = ("lane", "work", "left", "demand", "rate", "done")
+    __slots__ = ("lane", "order", "work", "left", "demand", "rate", "done")
 
     def __init__(self, lane: str, work: float, demand: float, done: simpy.Event):
         self.lane, self.work, self.left, self.demand, self.rate, self.done = lane, work, work, demand, 1.0, done
+        self.order = _LANE_ORDER[lane]
 
 
 class FluidLanes:
     """Activities on the lanes ``gpu``, ``cpu`` and ``h2d`` of one engine.
 
-    The scheduler is a chain of SimPy events with callbacks, not a process: each round arms a timer (the
-    next activity to finish at the current rates) and a *hop* event that the first of the timer and the
-    wake-up (an activity starting) to be processed schedules; the round's work runs when the hop is
-    processed. These are the events a process waiting on ``timer | wake`` would schedule, in the same
-    order, so every other event keeps its place in SimPy's queue (same times, same ties), without the
-    cost of a process and a condition per round."""
+    Scheduling: one live timer, at the earliest end of a running activity at the current rates. Starting
+    an activity brings every activity's work left up to now, sets the rates anew and re-arms the timer
+    (the timer it replaces fires later and is ignored); the timer's callback ends what has finished (in
+    lane order), sets the rates anew and arms the next one. No process, no wake-up event: two SimPy events
+    per activity (its timer, its end)."""
 
     def __init__(self, env: simpy.Environment, contention: Contention | None):
         self.env = env
         self.contention = contention
         self.jobs: dict[str, _Job] = {}
         self._t = 0.0
-        self._wake = env.event()
-        self._wake_hooked = False  # the current wake-up has the scheduler's callback
-        self._timer: simpy.Event | None = None
-        self._hop: simpy.Event | None = None
-        self._first: _Job | None = None
-        self._running = False
+        self._timer: simpy.Event | None = None  # the live timer
+        self._timer_at = 0.0  # when it fires
+        self._first: _Job | None = None  # the activity it is for
         self._rates: dict[tuple, dict[str, float]] = {}  # contention rates by the busy lanes' (lane, demand)
         self.slowed_s = dict.fromkeys(_LANE_ORDER, 0.0)  # extra seconds activities took because of contention
 
@@ -63,14 +60,7 @@ class FluidLanes:
         job = _Job(lane, work, demand, self.env.event())
         self.jobs[lane] = job
         self._rerate()
-        if not self._running:
-            self._running = True
-            start = simpy.Event(self.env)  # as a process's start: urgent, at once
-            start._ok, start._value = True, None
-            start.callbacks.append(self._round)
-            self.env.schedule(start, simpy.events.URGENT)
-        elif not self._wake.triggered:
-            self._wake.succeed()
+        self._arm()
         return job.done
 
     def would_interfere(self, busy: Mapping[str, float]) -> bool:
@@ -87,66 +77,60 @@ class FluidLanes:
         return not self.jobs
 
     def _sync(self) -> None:
-        dt = self.env.now - self._t
+        now = self.env.now
+        dt = now - self._t
         if dt > 0:
+            slowed = self.slowed_s
             for j in self.jobs.values():
                 j.left -= dt * j.rate
-                self.slowed_s[j.lane] += dt * (1.0 - j.rate)
-        self._t = self.env.now
+                slowed[j.lane] += dt * (1.0 - j.rate)
+        self._t = now
 
     def _rerate(self) -> None:
-        key = tuple((j.lane, j.demand) for j in self.jobs.values())
+        jobs = self.jobs.values()
+        key = tuple([(j.lane, j.demand) for j in jobs])
         rates = self._rates.get(key)
         if rates is None:
-            rates = self._rates[key] = self.contention.rates({j.lane: j.demand for j in self.jobs.values()})
-        for j in self.jobs.values():
+            rates = self._rates[key] = self.contention.rates({j.lane: j.demand for j in jobs})
+        for j in jobs:
             j.rate = rates[j.lane]
 
-    def _fire(self, event: simpy.Event) -> None:
-        """The timer or the wake-up of the current round was processed: the round's hop is scheduled
-        (once; a stale timer or wake-up of an earlier round does nothing)."""
-        if (event is self._timer or event is self._wake) and not self._hop.triggered:
-            self._hop.succeed()
-
     def _arm(self) -> None:
-        """Wait for the next activity to finish at the current rates, or for a new one to start."""
+        """The live timer: the earliest end at the current rates (ties to the lane order). A timer already
+        armed for the same activity at the same time stays (nothing else is scheduled ahead of now while
+        activities run, so which of two equal timers fires makes no difference)."""
+        first, first_end = None, 0.0
+        for j in self.jobs.values():
+            end = j.left / j.rate
+            if first is None or end < first_end or (end == first_end and j.order < first.order):
+                first, first_end = j, end
+        delay = max(0.0, first_end)
         env = self.env
-        first = None
-        for j in self.jobs.values():  # the earliest end; ties to the lane order
-            if first is None or (j.left / j.rate, _LANE_ORDER[j.lane]) < (first.left / first.rate,
-                                                                          _LANE_ORDER[first.lane]):
-                first = j
-        self._first = first
-        self._timer = timer = env.timeout(max(0.0, first.left / first.rate))
-        self._hop = hop = simpy.Event(env)
-        hop.callbacks.append(self._round)
-        timer.callbacks.append(self._fire)
-        if self._wake.callbacks is None:
-            self._fire(self._wake)
-        elif not self._wake_hooked:
-            self._wake.callbacks.append(self._fire)
-            self._wake_hooked = True
+        at = env.now + delay
+        if first is self._first and self._timer is not None and at == self._timer_at:
+            return
+        self._first, self._timer_at = first, at
+        self._timer = timer = env.timeout(delay)
+        timer.callbacks.append(self._round)
 
-    def _round(self, _event: simpy.Event) -> None:
-        """One round of the scheduler: activities that finished end (in lane order), rates are set anew
-        and the next round is armed."""
-        if self._timer is not None:  # not the first round
-            if self._wake.triggered:
-                self._wake = self.env.event()
-                self._wake_hooked = False
-            self._sync()
-            first, timer_done = self._first, self._timer.callbacks is None
-            done = [j for j in self.jobs.values() if j.left <= _EPS * j.work or (j is first and timer_done)]
-            for j in sorted(done, key=lambda j: _LANE_ORDER[j.lane]):
-                del self.jobs[j.lane]
-                j.done.succeed()
-            if done and self.jobs:
-                self._rerate()
-        if self.jobs:
+    def _round(self, timer: simpy.Event) -> None:
+        """The live timer fired: what has finished ends (in lane order), rates are set anew, the next
+        timer is armed. A replaced timer does nothing."""
+        if timer is not self._timer:
+            return
+        self._sync()
+        first = self._first
+        jobs = self.jobs
+        done = [j for j in jobs.values() if j is first or j.left <= _EPS * j.work]
+        if len(done) > 1:
+            done.sort(key=lambda j: j.order)
+        for j in done:
+            del jobs[j.lane]
+            j.done.succeed()
+        self._timer = None
+        if jobs:
+            self._rerate()
             self._arm()
-        else:
-            self._running = False
-            self._timer = None
 
 
 __all__ = ["FluidLanes"]
