@@ -1,0 +1,168 @@
+"""FluidLanes against the scheduler it replaced: the same finish times, slowdowns and order of events.
+
+:class:`ReferenceLanes` is the earlier scheduler, kept here as the reference: a SimPy process that
+waits on ``timer | wake`` (a wake-up event per activity start, a condition and a hop per round).
+:class:`~dali_sim.sim.fluid.FluidLanes` computes the same thing with one live timer re-armed when an
+activity starts, two events per activity. Both run on random activity sets (ties in start times and
+work included) under both contention models, and inside the engine on synthetic traces whose cache ratios
+send most layers down the event-by-event path (``dali``, ``hybrimoe``): every result must be equal,
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import simpy
+from conftest import round_number_profile
+
+from dali_sim.hardware.profile import DEFAULT_HARDWARE
+from dali_sim.hardware.contention import MeasuredSlowdowns, SharedHostBandwidth
+from dali_sim.sim import engine as engine_module
+from dali_sim.sim.fluid import _EPS, _LANE_ORDER, FluidLanes, _Job
+from dali_sim.sim.simulate import simulate
+from dali_sim.trace.reader import read_meta
+from dali_sim.trace.synth import SynthConfig, synthesize
+from dali_sim.workload.profiling import ProfileSpec
+
+
+class ReferenceLanes(FluidLanes):
+    """The process-based scheduler (``FluidLanes`` before the single-timer rewrite), verbatim in its
+    rules; ``slowest`` records the lowest rate any activity ran at (to check contention was exercised)."""
+
+    slowest: list[float] = []
+
+    def __init__(self, env, contention):
+        self.env, self.contention = env, contention
+        self.jobs: dict[str, _Job] = {}
+        self._t = 0.0
+        self._wake = env.event()
+        self._running = False
+        self.slowed_s = dict.fromkeys(_LANE_ORDER, 0.0)
+
+    def run(self, lane, work, demand=0.0):
+        if lane in self.jobs:
+            raise AssertionError(f"lane {lane} already runs an activity")
+        if self.contention is None or work <= 0:
+            return self.env.timeout(max(work, 0.0))
+        self._sync()
+        job = _Job(lane, work, demand, self.env.event())
+        self.jobs[lane] = job
+        self._rerate()
+        if not self._running:
+            self._running = True
+            self.env.process(self._loop())
+        elif not self._wake.triggered:
+            self._wake.succeed()
+        return job.done
+
+    def _rerate(self):
+        rates = self.contention.rates({j.lane: j.demand for j in self.jobs.values()})
+        for j in self.jobs.values():
+            j.rate = rates[j.lane]
+        ReferenceLanes.slowest.append(min(rates.values()))
+
+    def _loop(self):
+        env = self.env
+        while self.jobs:
+            first = min(self.jobs.values(), key=lambda j: (j.left / j.rate, _LANE_ORDER[j.lane]))
+            timer = env.timeout(max(0.0, first.left / first.rate))
+            yield timer | self._wake
+            if self._wake.triggered:
+                self._wake = env.event()
+            self._sync()
+            done = [j for j in self.jobs.values() if j.left <= _EPS * j.work or (j is first and timer.processed)]
+            for j in sorted(done, key=lambda j: _LANE_ORDER[j.lane]):
+                del self.jobs[j.lane]
+                j.done.succeed()
+            if done and self.jobs:
+                self._rerate()
+        self._running = False
+
+
+CONTENTION = {
+    "bandwidth": SharedHostBandwidth(10.0),
+    "measured": MeasuredSlowdowns({"cpu+h2d": {"cpu": 2.0, "h2d": 1.25}, "gpu+h2d": {"gpu": 1.0, "h2d": 1.5},
+                                   "cpu+gpu": {"cpu": 1.1, "gpu": 1.3},
+                                   "cpu+gpu+h2d": {"cpu": 2.5, "gpu": 1.2, "h2d": 1.75}}),
+}
+
+
+def _activity_log(lanes_class, contention, seed: int):
+    """Three processes, one per lane, each running 30 activities with pauses between them (start times
+    and works on a coarse grid, so ties happen); returns every (time, lane, index) in the order the
+    processes saw their activities end, and the lanes' slowed seconds."""
+    rng = np.random.default_rng(seed)
+    env = simpy.Environment()
+    lanes = lanes_class(env, contention)
+    log = []
+
+    def worker(lane):
+        for i in range(30):
+            yield env.timeout(float(rng.choice([0.0, 0.0, 0.25, 0.5, 1.0 / 3.0])))
+            work = float(rng.choice([0.1, 0.25, 0.5, 1.0, 0.7, 1e-3]))
+            yield lanes.run(lane, work, float(rng.choice([0.0, 4.0, 8.0])))
+            log.append((env.now, lane, i))
+
+    for lane in ("gpu", "cpu", "h2d"):
+        env.process(worker(lane))
+    env.run()
+    return log, lanes.slowed_s
+
+
+@pytest.mark.parametrize("model", sorted(CONTENTION))
+@pytest.mark.parametrize("seed", range(6))
+def test_same_activities_as_the_process_scheduler(model, seed):
+    ReferenceLanes.slowest = []
+    want, want_slowed = _activity_log(ReferenceLanes, CONTENTION[model], seed)
+    got, got_slowed = _activity_log(FluidLanes, CONTENTION[model], seed)
+    assert got == want
+    assert got_slowed == want_slowed
+    assert min(ReferenceLanes.slowest) < 1.0  # the lanes did slow each other
+
+
+@pytest.fixture(scope="module")
+def olmoe_trace(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fluid") / "olmoe.parquet"
+    synthesize(SynthConfig(model="olmoe-1b-7b", sequences=8, prompt_len=4, gen_len=4, seed=5,
+                           lookahead=("residual=0.9", "next-gate=0.75", "gate2=0.6@2", "gate3=0.5@3")),
+               path, progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hardware(olmoe_trace, tmp_path_factory):
+    """The default profile (shared host bandwidth: here never exceeded, every rate 1) and a measured one of
+    round numbers (many activities end at the same time) whose copies and CPU experts slow each other."""
+    slow = {"cpu+h2d": {"cpu": 2.0, "h2d": 1.5}, "cpu+gpu+h2d": {"cpu": 2.0, "gpu": 1.25, "h2d": 1.5}}
+    path = tmp_path_factory.mktemp("hw") / "contended.json"
+    return {"default": DEFAULT_HARDWARE,
+            "contended": round_number_profile(path, read_meta(olmoe_trace).model, contention=slow)}
+
+
+def _run(trace, system, ratio, timeline, hardware):
+    return simulate(trace, system, batch_size=4, profiling=ProfileSpec(share=0.0), timeline=timeline,
+                    hardware=hardware, overrides={"memory": {"cache_ratio": ratio}})
+
+
+@pytest.mark.parametrize("profile", ["default", "contended"])
+@pytest.mark.parametrize(("system", "ratio", "timeline"), [("dali", "0.2", True), ("dali", "0.4", False),
+                                                           ("hybrimoe", "0.2", False), ("hybrimoe", "0.4", True)])
+def test_engine_results_equal_the_process_scheduler(monkeypatch, olmoe_trace, hardware, profile, system, ratio,
+                                                    timeline):
+    """At cache ratios 0.2 and 0.4 the layers' copies meet prefetches and CPU experts (the event-by-event
+    path): summaries, per-layer, per-step and per-sequence tables and the timeline equal those of the
+    process scheduler."""
+    got = _run(olmoe_trace, system, ratio, timeline, hardware[profile])
+    ReferenceLanes.slowest = []
+    monkeypatch.setattr(engine_module, "FluidLanes", ReferenceLanes)
+    want = _run(olmoe_trace, system, ratio, timeline, hardware[profile])
+    assert len(ReferenceLanes.slowest) > 100  # many activities on the event-by-event path
+    if profile == "contended" and system == "dali":  # (hybrimoe's copies do not meet CPU experts here)
+        assert min(ReferenceLanes.slowest) < 1.0
+    assert got.summary == want.summary
+    for table in ("per_layer", "per_step", "per_sequence"):
+        pd.testing.assert_frame_equal(getattr(got, table), getattr(want, table), check_exact=True)
+    assert [(i.track, i.name, i.start, i.end) for i in got.intervals] == \
+        [(i.track, i.name, i.start, i.end) for i in want.intervals]
