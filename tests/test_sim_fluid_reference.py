@@ -33,7 +33,7 @@ class ReferenceLanes(FluidLanes):
 
     slowest: list[float] = []
 
-    def __init__(self, env, contention):
+    def __init__(self, env, contention, max_demand=None):  # (always the full rate arithmetic)
         self.env, self.contention = env, contention
         self.jobs: dict[str, _Job] = {}
         self._t = 0.0
@@ -89,37 +89,63 @@ CONTENTION = {
 }
 
 
-def _activity_log(lanes_class, contention, seed: int):
-    """Three processes, one per lane, each running 30 activities with pauses between them (start times
-    and works on a coarse grid, so ties happen); returns every (time, lane, index) in the order the
-    processes saw their activities end, and the lanes' slowed seconds."""
+def _activity_log(lanes_class, contention, seed: int, max_demand=None):
+    """Three processes, one per lane, each running 30 activities (works on a coarse grid, zero ones too);
+    before one, a process may wait for another lane's running activity to end, so activities start when
+    others end (ties). As in the engine, nothing is scheduled ahead of now but the lanes' own timers
+    (the scheduler relies on it). Returns every (time, lane, index) in the order the processes saw
+    their activities end, the lanes' slowed seconds and the lanes."""
     rng = np.random.default_rng(seed)
     env = simpy.Environment()
-    lanes = lanes_class(env, contention)
+    lanes = lanes_class(env, contention, max_demand)
     log = []
+    latest: dict[str, simpy.Event] = {}
+    names = ("gpu", "cpu", "h2d")
 
     def worker(lane):
         for i in range(30):
-            yield env.timeout(float(rng.choice([0.0, 0.0, 0.25, 0.5, 1.0 / 3.0])))
-            work = float(rng.choice([0.1, 0.25, 0.5, 1.0, 0.7, 1e-3]))
-            yield lanes.run(lane, work, float(rng.choice([0.0, 4.0, 8.0])))
+            other = names[int(rng.integers(3))]
+            if other != lane and other in latest and rng.random() < 0.6:
+                yield latest[other]
+            if rng.random() < 0.2:
+                yield env.timeout(0)
+            work = float(rng.choice([0.1, 0.25, 0.5, 1.0, 0.7, 1e-3, 0.0]))
+            latest[lane] = done = lanes.run(lane, work, float(rng.choice([0.0, 4.0, 8.0])))
+            yield done
             log.append((env.now, lane, i))
 
-    for lane in ("gpu", "cpu", "h2d"):
+    for lane in names:
         env.process(worker(lane))
     env.run()
-    return log, lanes.slowed_s
+    return log, lanes.slowed_s, lanes
 
 
 @pytest.mark.parametrize("model", sorted(CONTENTION))
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_same_activities_as_the_process_scheduler(model, seed):
     ReferenceLanes.slowest = []
-    want, want_slowed = _activity_log(ReferenceLanes, CONTENTION[model], seed)
-    got, got_slowed = _activity_log(FluidLanes, CONTENTION[model], seed)
+    want, want_slowed, _ = _activity_log(ReferenceLanes, CONTENTION[model], seed)
+    got, got_slowed, lanes = _activity_log(FluidLanes, CONTENTION[model], seed)
+    assert not lanes.unit
     assert got == want
     assert got_slowed == want_slowed
     assert min(ReferenceLanes.slowest) < 1.0  # the lanes did slow each other
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_unit_rates_when_the_model_cannot_slow_these_demands(seed):
+    """Demands of at most 8 B/s on three lanes never exceed 30 B/s: the lanes skip the rates, with the same
+    times as the full arithmetic; an activity drawing more than announced is an error."""
+    roomy, bound = SharedHostBandwidth(30.0), {"gpu": 8.0, "cpu": 8.0, "h2d": 8.0}
+    ReferenceLanes.slowest = []
+    want, want_slowed, _ = _activity_log(ReferenceLanes, roomy, seed)
+    got, got_slowed, lanes = _activity_log(FluidLanes, roomy, seed, bound)
+    assert lanes.unit and max(ReferenceLanes.slowest) == 1.0
+    assert got == want
+    assert got_slowed == want_slowed
+    assert not FluidLanes(simpy.Environment(), SharedHostBandwidth(20.0), bound).unit  # 24 B/s could exceed 20
+    with pytest.raises(AssertionError, match="above"):
+        FluidLanes(simpy.Environment(), roomy, bound).run("cpu", 1.0, 9.0)
 
 
 @pytest.fixture(scope="module")

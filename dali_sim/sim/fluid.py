@@ -36,11 +36,26 @@ class FluidLanes:
     an activity brings every activity's work left up to now, sets the rates anew and re-arms the timer
     (the timer it replaces fires later and is ignored); the timer's callback ends what has finished (in
     lane order), sets the rates anew and arms the next one. No process, no wake-up event: two SimPy events
-    per activity (its timer, its end)."""
+    per activity (its timer, its end).
 
-    def __init__(self, env: simpy.Environment, contention: Contention | None):
+    This gives the times and the order of events of a scheduler process waiting on ``timer | wake-up``
+    (the form before; tests/test_sim_fluid_reference.py keeps it as the reference) provided nothing but
+    the lanes' own timers is scheduled ahead of now while activities run, as in the engine: its layers
+    wait only for activities, resources and each other, and a layer computed directly (one timeout)
+    runs only while the lanes are idle. The timer's end then comes first at its time, so ending
+    activities in its callback instead of a round later puts nothing else in between."""
+
+    def __init__(self, env: simpy.Environment, contention: Contention | None,
+                 max_demand: Mapping[str, float] | None = None):
+        """``max_demand``: the largest demand any activity on each lane will draw, if known. When the model
+        cannot slow lanes busy with these demands, every rate is 1 for the whole run: the lanes then skip
+        the rates (the same arithmetic: ``x * 1.0`` and ``x / 1.0`` are ``x``); an activity drawing more
+        is an error."""
         self.env = env
         self.contention = contention
+        self.max_demand = dict(max_demand) if max_demand is not None else None
+        #: every rate is 1 whatever runs (the model cannot slow these lanes)
+        self.unit = contention is not None and max_demand is not None and not contention.interferes(max_demand)
         self.jobs: dict[str, _Job] = {}
         self._t = 0.0
         self._timer: simpy.Event | None = None  # the live timer
@@ -56,10 +71,17 @@ class FluidLanes:
             raise AssertionError(f"lane {lane} already runs an activity")
         if self.contention is None or work <= 0:
             return self.env.timeout(max(work, 0.0))
-        self._sync()
         job = _Job(lane, work, demand, self.env.event())
-        self.jobs[lane] = job
-        self._rerate()
+        if self.unit:
+            if demand > self.max_demand.get(lane, 0.0):
+                raise AssertionError(f"lane {lane}: an activity draws {demand} B/s, above the {self.max_demand} "
+                                     "the lanes were set up for")
+            self._sync_unit()
+            self.jobs[lane] = job
+        else:
+            self._sync()
+            self.jobs[lane] = job
+            self._rerate()
         self._arm()
         return job.done
 
@@ -84,6 +106,15 @@ class FluidLanes:
             for j in self.jobs.values():
                 j.left -= dt * j.rate
                 slowed[j.lane] += dt * (1.0 - j.rate)
+        self._t = now
+
+    def _sync_unit(self) -> None:
+        """:meth:`_sync` with every rate 1 (nothing is slowed)."""
+        now = self.env.now
+        dt = now - self._t
+        if dt > 0:
+            for j in self.jobs.values():
+                j.left -= dt
         self._t = now
 
     def _rerate(self) -> None:
@@ -118,7 +149,11 @@ class FluidLanes:
         timer is armed. A replaced timer does nothing."""
         if timer is not self._timer:
             return
-        self._sync()
+        unit = self.unit
+        if unit:
+            self._sync_unit()
+        else:
+            self._sync()
         first = self._first
         jobs = self.jobs
         done = [j for j in jobs.values() if j is first or j.left <= _EPS * j.work]
@@ -129,7 +164,8 @@ class FluidLanes:
             j.done.succeed()
         self._timer = None
         if jobs:
-            self._rerate()
+            if not unit:
+                self._rerate()
             self._arm()
 
 
