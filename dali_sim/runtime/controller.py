@@ -274,7 +274,8 @@ class Controller:
                     evictable = np.flatnonzero(evictable_mask)
                     if len(evictable):
                         victims = np.asarray(cache.victim_order(layer, view, readonly(evictable)))[:rest]
-                        self._check_victims(view.step, layer, victims, evictable_mask)
+                        if len(victims):
+                            self._check_victims(view.step, layer, victims, evictable_mask)
             admitted[cand[:take + len(victims)]] = True
             if len(victims):
                 resident[victims] = False
