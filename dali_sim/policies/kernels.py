@@ -94,23 +94,27 @@ def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
     n = len(by_load)
     order = np.zeros(n, np.int64)
     mask = np.zeros(n, np.bool_)
+    n_cached = 0
     for i in range(n):
         mask[i] = cached[i]
+        if cached[i]:
+            n_cached += 1
     best_gain = 0.0
     best_j = 0
     base = 0.0
     for j in range(len(cand) + 1):
-        if j > 0:
+        if j > 0 and not mask[cand[j - 1]]:
             mask[cand[j - 1]] = True
-        k = 0
+            n_cached += 1
+        k = 0  # one pass: the cached ones from 0, the others from n_cached, each in by_load order
+        u = n_cached
         for i in by_load:
             if mask[i]:
                 order[k] = i
                 k += 1
-        for i in by_load:
-            if not mask[i]:
-                order[k] = i
-                k += 1
+            else:
+                order[u] = i
+                u += 1
         _, _, g, c = _hss_fn(order, mask, t_gpu, t_cpu, xfer)
         if j == 0:
             base = max(g, c)
