@@ -173,12 +173,14 @@ class SimEngine:
         self.swaps_landing: dict[int, list[simpy.Event]] = {}
         self.background_open = 0  # background copies issued and not yet landed (started or not)
 
-    def _max_demands(self) -> dict[str, float]:
+    def _max_demands(self) -> dict[str, float] | None:
         """The largest host-memory demand any activity of this run draws on each lane: the dense parts on the
         dense device's lane, CPU experts (at most a step's tokens each) on the CPU lane, copies on the link;
-        everything else draws none."""
+        everything else draws none. None (not worked out) for steps beyond the cost model's lookup table."""
         w = self.w
         tokens = int(w.step_tokens.max()) if w.num_steps else 0
+        if tokens > self.costs.lookup_tokens:
+            return None
         cpu = max(self.costs.host_demand("cpu", n) for n in range(tokens + 1))
         dense = float(self.dense_demand.max()) if self.dense_demand.size else 0.0
         out = {"gpu": 0.0, "cpu": float(cpu), "h2d": float(self.copy_demand)}
