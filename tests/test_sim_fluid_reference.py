@@ -192,3 +192,37 @@ def test_engine_results_equal_the_process_scheduler(monkeypatch, olmoe_trace, ha
         pd.testing.assert_frame_equal(getattr(got, table), getattr(want, table), check_exact=True)
     assert [(i.track, i.name, i.start, i.end) for i in got.intervals] == \
         [(i.track, i.name, i.start, i.end) for i in want.intervals]
+
+
+@pytest.mark.parametrize("profile", ["default", "contended"])
+@pytest.mark.parametrize("system", ["dali", "hybrimoe", "gpu-lru", "ktransformers"])
+def test_engine_schedules_nothing_but_lane_timers_ahead_while_activities_run(monkeypatch, olmoe_trace, hardware,
+                                                                             profile, system):
+    """The scheduler's precondition (FluidLanes' docstring), checked on every event the engine schedules."""
+    lanes_of_run: list[FluidLanes] = []
+    arming = [False]
+    seen = {"future": 0, "other": 0}
+    original_init, original_arm, original_schedule = FluidLanes.__init__, FluidLanes._arm, simpy.Environment.schedule
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        lanes_of_run.append(self)
+
+    def arm(self):
+        arming[0] = True
+        try:
+            original_arm(self)
+        finally:
+            arming[0] = False
+
+    def schedule(self, event, priority=simpy.events.NORMAL, delay=0):
+        if delay > 0 and lanes_of_run and lanes_of_run[-1].jobs:
+            seen["future"] += 1
+            seen["other"] += not arming[0]
+        return original_schedule(self, event, priority, delay)
+
+    monkeypatch.setattr(FluidLanes, "__init__", init)
+    monkeypatch.setattr(FluidLanes, "_arm", arm)
+    monkeypatch.setattr(simpy.Environment, "schedule", schedule)
+    _run(olmoe_trace, system, "0.2", False, hardware[profile])
+    assert seen["future"] > 0 and seen["other"] == 0
