@@ -194,11 +194,13 @@ def test_engine_results_equal_the_process_scheduler(monkeypatch, olmoe_trace, ha
         [(i.track, i.name, i.start, i.end) for i in want.intervals]
 
 
-@pytest.mark.parametrize("profile", ["default", "contended"])
-@pytest.mark.parametrize("system", ["dali", "hybrimoe", "gpu-lru", "ktransformers"])
+@pytest.mark.parametrize(("system", "profile"), [("dali", "default"), ("dali", "contended"), ("hybrimoe", "default"),
+                                               ("hybrimoe", "contended"), ("gpu-lru", "default"),
+                                               ("ktransformers", "default")])
 def test_engine_schedules_nothing_but_lane_timers_ahead_while_activities_run(monkeypatch, olmoe_trace, hardware,
                                                                              profile, system):
-    """The scheduler's precondition (FluidLanes' docstring), checked on every event the engine schedules."""
+    """The scheduler's precondition (FluidLanes' docstring), checked on every event the engine schedules
+    (cases whose layers take the event-by-event path)."""
     lanes_of_run: list[FluidLanes] = []
     arming = [False]
     seen = {"future": 0, "other": 0}
