@@ -317,8 +317,9 @@ def impact_prefix(pred: np.ndarray, cached: np.ndarray, costs, mode: str = "hss"
     """
     pred = np.asarray(pred)
     fused = kernels.fused("impact_prefix") if mode == "hss" else None
-    if fused is not None and pred.ndim == 1:
-        gpu, cpu = costs.expert_time_table("gpu"), costs.expert_time_table("cpu")
+    table = getattr(costs, "expert_time_table", None)
+    if fused is not None and table is not None and pred.ndim == 1:
+        gpu, cpu = table("gpu"), table("cpu")
         if pred.size and pred.max() < min(len(gpu), len(cpu)):  # every time a table lookup
             best_gain, best_j, order = fused(pred.astype(np.float64, copy=False), np.asarray(cached, dtype=bool),
                                              gpu, cpu, float(costs.expert_transfer_time()))
