@@ -3,10 +3,11 @@
 An activity has *work*: the seconds it takes alone. While it runs, it progresses at the rate the
 :class:`~dali_sim.hardware.contention.Contention` model gives its lane for the current set of busy
 lanes; rates are constant between events (an activity starting or ending), so the simulation stays
-coarse: one event per activity start and end, plus one wake-up of the scheduler per change.
+coarse: a timer and an end event per activity (:class:`FluidLanes`).
 
-Without contention (``contention=None`` or a model that never interferes for the lanes at hand) an
-activity is a plain ``env.timeout(work)``, so results are bit-for-bit those of the model without it.
+Without contention (``contention=None``) an activity is a plain ``env.timeout(work)``. With a model that
+cannot slow the lanes at the largest demands the engine announces, every rate stays 1 and the lanes skip
+the rates (*unit rates*, the same arithmetic).
 """
 
 from __future__ import annotations
