@@ -3,10 +3,11 @@
 :class:`ReferenceLanes` is the earlier scheduler, kept here as the reference: a SimPy process that
 waits on ``timer | wake`` (a wake-up event per activity start, a condition and a hop per round).
 :class:`~dali_sim.sim.fluid.FluidLanes` computes the same thing with one live timer re-armed when an
-activity starts, two events per activity. Both run on random activity sets (ties in start times and
-work included) under both contention models, and inside the engine on synthetic traces whose cache ratios
-send most layers down the event-by-event path (``dali``, ``hybrimoe``): every result must be equal,
-bit for bit.
+activity starts, two events per activity. Both run on random activity sets (activities that start
+when others end, ties, zero works) under both contention models and with unit rates, and inside the
+engine on synthetic traces whose cache ratios send most layers down the event-by-event path (``dali``,
+``hybrimoe``): every result must be equal, bit for bit. The last test checks the new scheduler's
+precondition on every event the engine schedules.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import pytest
 import simpy
 from conftest import round_number_profile
 
-from dali_sim.hardware.profile import DEFAULT_HARDWARE
 from dali_sim.hardware.contention import MeasuredSlowdowns, SharedHostBandwidth
+from dali_sim.hardware.profile import DEFAULT_HARDWARE
 from dali_sim.sim import engine as engine_module
 from dali_sim.sim.fluid import _EPS, _LANE_ORDER, FluidLanes, _Job
 from dali_sim.sim.simulate import simulate
