@@ -92,6 +92,9 @@ class _Costs:
     def expert_time(self, device, n):
         return (self.gpu if device == "gpu" else self.cpu)[np.asarray(n)]
 
+    def expert_time_table(self, device):
+        return (self.gpu if device == "gpu" else self.cpu).astype(float)
+
     def expert_transfer_time(self):
         return self.xfer
 
@@ -123,6 +126,27 @@ def test_impact_prefix_equals_the_prefix_by_prefix_definition(pred, cached, gpu,
             best_gain, best_j = g, j
     want = ([int(e) for e in experts[cand[:best_j]]], best_gain / best_j) if best_j else ([], 0.0)
     assert (chosen, gain) == want
+
+
+@SETTINGS
+@given(pred=st.lists(st.one_of(st.integers(0, 6).map(float), st.floats(0, 6.9)), min_size=1, max_size=40),
+       cached=st.lists(st.booleans(), min_size=40, max_size=40), gpu=st.lists(TIMES, min_size=7, max_size=7),
+       cpu=st.lists(TIMES, min_size=7, max_size=7), xfer=TIMES)
+def test_impact_prefix_compiled_in_one_call_equals_the_numpy_path(pred, cached, gpu, cpu, xfer):
+    """The fused kernel (sorts, times and the prefix loop in one compiled call) against the NumPy path on
+    fractional predicted workloads (truncated for times, sorted as they are) with ties."""
+    pred = np.array(pred, dtype=float)
+    cached = np.array(cached[: len(pred)], dtype=bool)
+    costs = _Costs(gpu, cpu, xfer)
+    got = impact_prefix(pred, cached, costs, "hss")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "fused", lambda name: None)
+        want = impact_prefix(pred, cached, costs, "hss")
+    assert got == want
+
+
+def test_impact_prefix_is_compiled_with_numba():
+    assert (kernels.fused("impact_prefix") is None) == (kernels.backend() == "python")
 
 
 def _plain(out):

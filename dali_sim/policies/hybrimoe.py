@@ -316,6 +316,14 @@ def impact_prefix(pred: np.ndarray, cached: np.ndarray, costs, mode: str = "hss"
     long) while both together do.
     """
     pred = np.asarray(pred)
+    fused = kernels.fused("impact_prefix") if mode == "hss" else None
+    table = getattr(costs, "expert_time_table", None)
+    if fused is not None and table is not None and pred.ndim == 1:
+        gpu, cpu = table("gpu"), table("cpu")
+        if pred.size and pred.max() < min(len(gpu), len(cpu)):  # every time a table lookup
+            best_gain, best_j, order = fused(pred.astype(np.float64, copy=False), np.asarray(cached, dtype=bool),
+                                             gpu, cpu, float(costs.expert_transfer_time()))
+            return (order[:best_j].tolist(), float(best_gain) / best_j) if best_j else ([], 0.0)
     experts = np.flatnonzero(pred > 0)
     if experts.size == 0:
         return [], 0.0

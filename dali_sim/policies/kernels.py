@@ -94,23 +94,27 @@ def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
     n = len(by_load)
     order = np.zeros(n, np.int64)
     mask = np.zeros(n, np.bool_)
+    n_cached = 0
     for i in range(n):
         mask[i] = cached[i]
+        if cached[i]:
+            n_cached += 1
     best_gain = 0.0
     best_j = 0
     base = 0.0
     for j in range(len(cand) + 1):
-        if j > 0:
+        if j > 0 and not mask[cand[j - 1]]:
             mask[cand[j - 1]] = True
-        k = 0
+            n_cached += 1
+        k = 0  # one pass: the cached ones from 0, the others from n_cached, each in by_load order
+        u = n_cached
         for i in by_load:
             if mask[i]:
                 order[k] = i
                 k += 1
-        for i in by_load:
-            if not mask[i]:
-                order[k] = i
-                k += 1
+            else:
+                order[u] = i
+                u += 1
         _, _, g, c = _hss_fn(order, mask, t_gpu, t_cpu, xfer)
         if j == 0:
             base = max(g, c)
@@ -120,9 +124,34 @@ def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
     return best_gain, best_j
 
 
+def _impact_prefix(pred, cached, gpu_table, cpu_table, xfer):
+    """``hybrimoe.impact_prefix`` under HSS in one call (compiled only; callers keep the NumPy path):
+    ``pred`` (E,) float64 predicted workloads, every one below the tables' length, ``cached`` (E,) bool;
+    the same selection, sorts (stable: ties to the lower id) and times as the NumPy path. Returns
+    (the largest gain, its prefix length j, the predicted uncached experts in fetch order)."""
+    experts = np.flatnonzero(pred > 0)
+    counts = pred[experts]
+    n = experts.shape[0]
+    c = np.zeros(n, np.bool_)
+    t_gpu = np.empty(n)
+    t_cpu = np.empty(n)
+    for i in range(n):
+        c[i] = cached[experts[i]]
+        k = np.int64(counts[i])  # predicted counts come as floats: truncated, as astype(int64)
+        t_gpu[i] = gpu_table[k]
+        t_cpu[i] = cpu_table[k]
+    by_load = np.argsort(-counts, kind="mergesort")  # descending load, ties: lower index
+    unc = np.flatnonzero(~c)
+    cand = unc[np.argsort(-counts[unc], kind="mergesort")]
+    gain, j = _impact_fn(by_load, c, t_gpu, t_cpu, xfer, cand)
+    return gain, j, experts[cand]
+
+
 _PYTHON = {"greedy": _greedy, "hss": _hss, "impact": _impact}
 _hss_fn = _hss  # what _impact calls: replaced by the compiled _hss before _impact is compiled
+_impact_fn = _impact  # what _impact_prefix calls: the compiled _impact
 _impls: dict[str, Callable] | None = None
+_fused: dict[str, Callable] = {}  # kernels with no Python fallback (callers keep a NumPy path)
 
 
 def _on_lists(fn: Callable) -> Callable:
@@ -130,16 +159,26 @@ def _on_lists(fn: Callable) -> Callable:
 
 
 def _load() -> dict[str, Callable]:
-    global _impls, _hss_fn
+    global _impls, _hss_fn, _impact_fn
     nb = _numba()
+    _fused.clear()
     if nb is None:
-        _hss_fn = _hss
+        _hss_fn, _impact_fn = _hss, _impact
         _impls = {name: _on_lists(fn) for name, fn in _PYTHON.items()}
     else:
         jit = nb.njit(cache=True, nogil=True)
         _hss_fn = jit(_hss)
-        _impls = {"greedy": jit(_greedy), "hss": _hss_fn, "impact": jit(_impact)}
+        _impact_fn = jit(_impact)
+        _impls = {"greedy": jit(_greedy), "hss": _hss_fn, "impact": _impact_fn}
+        _fused["impact_prefix"] = jit(_impact_prefix)
     return _impls
+
+
+def fused(name: str) -> Callable | None:
+    """A compiled kernel without a Python fallback (``impact_prefix``), or None without numba."""
+    if _impls is None:
+        _load()
+    return _fused.get(name)
 
 
 def jit(fn: Callable) -> Callable | None:
@@ -160,4 +199,4 @@ def python(name: str) -> Callable:
     return _PYTHON[name]
 
 
-__all__ = ["backend", "jit", "python", "run"]
+__all__ = ["backend", "fused", "jit", "python", "run"]

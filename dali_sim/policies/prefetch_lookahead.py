@@ -64,9 +64,9 @@ def top_predicted(counts: np.ndarray, k: int, rank: np.ndarray | None = None) ->
     """Experts by descending predicted count (ties: best predicted rank when ``rank`` is given, then
     lower id), those with count 0 left out, at most ``k`` (0 = all)."""
     counts = np.asarray(counts)
-    ids = np.arange(counts.shape[0])
-    order = np.lexsort((ids, rank, -counts)) if rank is not None else np.lexsort((ids, -counts))
-    order = order[counts[order] > 0]
+    ids = np.flatnonzero(counts > 0)  # (sorted after the filter: the same order as filtering the sort)
+    c = counts[ids]
+    order = ids[np.lexsort((ids, np.asarray(rank)[ids], -c)) if rank is not None else np.lexsort((ids, -c))]
     return order[:k] if k > 0 else order
 
 

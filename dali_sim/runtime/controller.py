@@ -274,7 +274,8 @@ class Controller:
                     evictable = np.flatnonzero(evictable_mask)
                     if len(evictable):
                         victims = np.asarray(cache.victim_order(layer, view, readonly(evictable)))[:rest]
-                        self._check_victims(view.step, layer, victims, evictable_mask)
+                        if len(victims):
+                            self._check_victims(view.step, layer, victims, evictable_mask)
             admitted[cand[:take + len(victims)]] = True
             if len(victims):
                 resident[victims] = False
@@ -340,8 +341,10 @@ class Controller:
             if (t, x) in seen:
                 continue  # the first request of each (layer, expert) counts
             seen.add((t, x))
-            if len(issued) < free and not resident[t, x] and not pending[t, x]:
+            if not resident[t, x] and not pending[t, x]:
                 issued.append((t, x))
+                if len(issued) == free:
+                    break  # the buffers ran out: later requests change nothing (nor are they checked)
         for t, x in issued:
             pending[t, x] = True
             self.n_pending[t] += 1

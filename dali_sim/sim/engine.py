@@ -121,7 +121,6 @@ class SimEngine:
         self.dense_device = dense_device
         self.record = record
         self.env = simpy.Environment()
-        self.lanes = FluidLanes(self.env, costs.contention)
         self.pcie = simpy.PriorityResource(self.env, 1)
         self.staging = simpy.Resource(self.env, max(1, staging_slots))
         impl = costs.impl
@@ -143,6 +142,7 @@ class SimEngine:
             self.shared = np.where(shared_lane, np.asarray(costs.shared_expert_time("gpu", workload.step_tokens)), 0.0)
         self.dense_block = (np.asarray(costs.dense_block_time(dense_device, *args), dtype=float)
                             if workload.model.num_dense_layers else None)
+        self.lanes = FluidLanes(self.env, costs.contention, self._max_demands())
         self.lm_head = None
         if impl.lm_head != "none":
             logits = workload.step_tokens if impl.lm_head == "all" else workload.step_logit_tokens
@@ -172,6 +172,20 @@ class SimEngine:
         self.arrivals: dict[tuple[int, int], simpy.Event] = {}
         self.swaps_landing: dict[int, list[simpy.Event]] = {}
         self.background_open = 0  # background copies issued and not yet landed (started or not)
+
+    def _max_demands(self) -> dict[str, float] | None:
+        """The largest host-memory demand any activity of this run draws on each lane: the dense parts on the
+        dense device's lane, CPU experts (at most a step's tokens each) on the CPU lane, copies on the link;
+        everything else draws none. None (not worked out) for steps beyond the cost model's lookup table."""
+        w = self.w
+        tokens = int(w.step_tokens.max()) if w.num_steps else 0
+        if tokens > self.costs.lookup_tokens:
+            return None
+        cpu = max(self.costs.host_demand("cpu", n) for n in range(tokens + 1))
+        dense = float(self.dense_demand.max()) if self.dense_demand.size else 0.0
+        out = {"gpu": 0.0, "cpu": float(cpu), "h2d": float(self.copy_demand)}
+        out[self.dense_device] = max(out[self.dense_device], dense)
+        return out
 
     # ---- primitives ---------------------------------------------------------------------------
     def _log(self, track: str, start: float, end: float, what: Activity) -> None:
