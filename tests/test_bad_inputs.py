@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -169,7 +170,8 @@ def test_unreadable_pickle_weight_file_gives_one_line(tmp_path, prompts):
     folder.mkdir()
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(MODEL / f, folder / f)
-    (folder / "pytorch_model.bin").write_bytes(os.urandom(4096))
+    # fixed bytes (a seeded draw): random ones could by chance start like a zip archive or a valid pickle
+    (folder / "pytorch_model.bin").write_bytes(random.Random(0).randbytes(4096))
     one_line(dali("trace", "record", "--model", folder, "--prompts", prompts, "-q", "-o", tmp_path / "t.parquet"),
              folder, "pickle")
 
