@@ -287,9 +287,8 @@ class CopyEngine:
                 batch = t.priority == ON_DEMAND  # issued back to back; background copies one at a time
                 first = t.next
                 if self._copy_at_once(t, first, n):
-                    t.next = n
-                else:
-                    self._copy_each(t, first, n, batch)
+                    continue  # landed and done
+                self._copy_each(t, first, n, batch)
                 if t.next < n:
                     continue  # preempted: resumed later
                 self.copies += n
@@ -297,14 +296,19 @@ class CopyEngine:
                 t.error = exc
                 self.error = self.error or exc
             with self._cond:
-                t.done = True
-                self._open -= 1
-                self._cond.notify_all()
+                self._done(t)
+
+    def _done(self, t: CopyTicket) -> None:
+        """``t`` is done (under ``_cond``)."""
+        t.done = True
+        self._open -= 1
+        self._cond.notify_all()
 
     def _copy_at_once(self, t: CopyTicket, first: int, n: int) -> bool:
         """The CPU device: the rest of a background request whose copies all come from one layer of the host
-        store, copied back to back (:func:`copy_rows`) and landed together, unless an on-demand request waits (then copy by
-        copy, as on CUDA) or copies are delayed (tests)."""
+        store, copied back to back (:func:`copy_rows`), landed together and the request done (one hand-over
+        to the waiters), unless an on-demand request waits (then copy by copy, as on CUDA) or copies are
+        delayed (tests)."""
         if self.stream is not None or self.delay_s or t.src_table is None or n - first < 2:
             return False
         layers, experts = t.srcs
@@ -320,13 +324,14 @@ class CopyEngine:
         end = self.timer.mark()
         t.starts.extend([start] * (n - first))
         t.ends.extend([end] * (n - first))
-        for i in range(first, n):
-            self.timer.add_copy(t, i)
+        t.next = n
+        self.timer.add_copy_range(t, first, n)
+        self.copies += n
         with self._cond:
             if t.inflight is not None:
                 np.subtract.at(t.inflight, t.rows[first:n], 1)
             t.landed += n - first
-            self._cond.notify_all()
+            self._done(t)
         return True
 
     def _copy_each(self, t: CopyTicket, first: int, n: int, batch: bool) -> None:

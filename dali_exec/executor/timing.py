@@ -66,6 +66,11 @@ class Timer:
         with self._lock:
             self._raw.append(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]))
 
+    def add_copy_range(self, ticket, first: int, n: int) -> None:
+        """:meth:`add_copy` of copies ``first`` .. ``n - 1`` of a request, under one lock."""
+        with self._lock:
+            self._raw.extend(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]) for i in range(first, n))
+
     def add_copies(self, kind: str, step: int, layer: int, experts: list[int], start, end) -> None:
         """Copies of ``experts`` (of ``layer``) made by one call between two stamps (the CPU device's batched
         on-demand copies): one ``pcie`` interval each, the span divided equally (an attribution)."""
