@@ -37,13 +37,24 @@ ON_DEMAND, BACKGROUND = 0, 1  # lower first, as in the simulator's PCIe resource
 
 
 
+#: one call for a list of copies (one dispatch, the GIL released once), where torch has it
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
+
+
 def copy_rows(dst_table: torch.Tensor, src_table: torch.Tensor, layer: int, rows, experts) -> None:
     """``dst_table[rows[i]].copy_(src_table[layer, experts[i]])`` for every i, on the CPU device: row by row,
-    straight from the host store. A gather (``index_select``) and scatter (``index_copy_``) would first fill
-    a temporary of all the rows: measured 2-6x slower for four 22 MB experts on the 2-core development VM
-    (docs/executor.md, "Copies on the CPU device")."""
+    straight from the host store, in one ``torch._foreach_copy_`` where torch has it (one dispatch that
+    releases the GIL once: the copy thread then hands the GIL back and forth with the computing thread once
+    per request, not once per expert). A gather (``index_select``) and scatter (``index_copy_``) would
+    first fill a temporary of all the rows: measured 2-6x slower for four 22 MB experts on the 2-core
+    development VM (docs/executor.md, "Copies on the CPU device")."""
+    src = src_table[layer]
+    if _FOREACH_COPY is not None and len(rows) > 1:
+        _FOREACH_COPY([dst_table[r] for r in rows], [src[e] for e in experts])
+        return
     for row, expert in zip(rows, experts):
-        dst_table[row].copy_(src_table[layer, expert])
+        dst_table[row].copy_(src[expert])
+
 
 class CopyTicket:
     """One request: one copy, or several copies issued back to back at one priority (a layer's on-demand
