@@ -177,7 +177,9 @@ class OffloadRuntime:
             else:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing)
         x_acc = x if (x.device == dev.accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
-        out_buf = torch.zeros((T * k, H), dtype=dev.dtype, device=dev.accel)
+        # every pair is computed by one lane unless uncounted tokens' own experts are left out: then those stay 0
+        every_pair = uncounted_on_cpu or routing.counted is None
+        out_buf = (torch.empty if every_pair else torch.zeros)((T * k, H), dtype=dev.dtype, device=dev.accel)
 
         cpu_out: list = []
         if lanes.n:
