@@ -191,7 +191,9 @@ class OffloadRuntime:
         if cpu_job is not None:
             cpu_out.append(cpu_job.result())
         for pos, vals in cpu_out:
-            out_buf.index_copy_(0, pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True))
+            if vals.device != out_buf.device:
+                pos, vals = pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True)
+            out_buf.index_copy_(0, pos, vals)
         out = out_buf.view(T, k, H).sum(dim=1)
         out = out if out.device == x.device else out.to(x.device)
         sw.start()
