@@ -35,8 +35,6 @@ from dali_sim.sim.engine import Activity
 
 ON_DEMAND, BACKGROUND = 0, 1  # lower first, as in the simulator's PCIe resource
 
-
-
 #: one call for a list of copies (one dispatch, the GIL released once), where torch has it
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 

@@ -149,7 +149,7 @@ class OffloadRuntime:
         Tokens the routing does not count (``LayerRouting.group(counted=...)``: e.g. padding a real model
         computes anyway) ride along with the plan's experts; experts that only such tokens use are not part
         of the plan: their pairs stay 0, or, with ``uncounted_on_cpu``, the CPU lane computes them too.
-        ``handoff``: the caller's running stopwatch, stopped as this call's starts (one clock reading)."""
+        ``handoff``: the caller's running stopwatch, stopped as this call starts (one clock reading)."""
         # stopped around computes, activation transfers and waits
         sw = handoff.hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
         layer, step = plan.layer, plan.step
