@@ -555,3 +555,47 @@ def test_routing_counted_rows_and_order():
         LayerRouting.group(ids, w, order=np.array([0, 0, 2, 3, 4, 5]))
     with pytest.raises(ValueError, match="counted"):
         LayerRouting.group(ids, w, counted=np.array([True]))
+
+
+def test_uncounted_experts_left_out_contribute_zero_and_on_cpu_are_computed():
+    """run_experts with uncounted rows: an expert only they use is not in the plan; its pairs stay 0 (the output
+    buffer is zeroed only then), or, with ``uncounted_on_cpu``, the CPU lane computes it (every pair written)."""
+    from dali_exec.executor.devices import Devices
+    from dali_exec.executor.routing import LayerRouting
+    from dali_exec.executor.runtime import OffloadRuntime
+    from dali_exec.generate.experts import pack_experts
+    from dali_sim.runtime.controller import CPU, HIT, LayerPlan
+
+    model = tiny_model("qwen3_moe", seed=4)
+    blocks = get_adapter(model).blocks(model)
+    store = pack_experts([b.experts for b in blocks], torch.float32)
+    L = len(blocks)
+    rt = OffloadRuntime(store, Devices.create("cpu", "fp32"), np.full(L, 2), 0, 1, cpu_threads=1,
+                        cpu_inline=True)
+    try:
+        resident = np.zeros((L, blocks[0].num_experts), bool)
+        resident[0, 1] = True
+        rt.load(resident)
+        ids = np.array([[1, 0], [0, 1], [3, 2]])  # the last row is padding: experts 3 and 2 only it uses
+        w = np.array([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]], np.float32)
+        counted = np.array([True, True, False])
+        x = torch.randn(3, blocks[0].hidden_size, generator=torch.Generator().manual_seed(1))
+        plan = LayerPlan(step=0, layer=0, phase=1, tokens=2, experts=np.array([0, 1]), counts=np.array([2, 2]),
+                         on_gpu=np.array([False, True]), source=np.array([CPU, HIT], np.int8),
+                         hit=np.array([False, True]), admitted=np.zeros(2, bool), staged=np.zeros(2, bool))
+
+        def expert(e, rows):
+            return store.layout.forward(store.host(0, e), x[rows])
+
+        with torch.no_grad():
+            left_out = rt.run_experts(plan, x, LayerRouting.group(ids, w, counted=counted))
+            on_cpu = rt.run_experts(plan, x, LayerRouting.group(ids, w, counted=counted), uncounted_on_cpu=True)
+            want = torch.zeros_like(x)
+            for t in range(3):
+                for r in range(2):
+                    want[t] += float(w[t, r]) * expert(int(ids[t, r]), [t])[0]
+        assert torch.allclose(on_cpu, want, atol=1e-6)
+        assert torch.equal(left_out[2], torch.zeros(x.shape[1]))  # the padding row's experts: not computed
+        assert torch.equal(left_out[:2], on_cpu[:2])
+    finally:
+        rt.close()

@@ -214,3 +214,23 @@ def test_online_segment_is_the_trace_workloads_rule(data, n, k, E):
     sc = _sparse_counts(zeros, zeros, ids.reshape(-1), np.tile(np.arange(k, dtype=np.int8), n), 1, 1, E)
     for a, b in zip(got, (sc.expert, sc.count, sc.rank)):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(-3, 40)), min_size=1, max_size=30))
+def test_begin_step_context_kv_and_sequences_follow_the_array_rule(tokens):
+    """begin_step's one pass over the tokens: the mean context, the KV tokens (per sequence its last position,
+    at least -1, plus one) and the per-sequence counts of the array operations it replaces."""
+    model = tiny_model(num_layers=1, moe_layers=(0,), num_experts=4, top_k=2)
+    w = OnlineWorkload(model)
+    seq = np.array([s for s, _ in tokens], np.int64)
+    pos = np.array([p for _, p in tokens], np.int64)
+    w.begin_step("prefill", len(tokens), batch=2, seq_ids=seq, positions=pos)
+    sids, inverse, per_seq = np.unique(seq, return_inverse=True, return_counts=True)
+    last = np.full(len(sids), -1, np.int64)
+    np.maximum.at(last, inverse, pos)
+    assert w.step_context[0] == float((pos + 1).mean())
+    assert w.step_kv[0] == int(last.sum()) + len(sids)
+    seqs = w.sequences
+    assert seqs["seq_id"].tolist() == sids.tolist()
+    assert seqs["prompt_tokens_traced"].tolist() == per_seq.tolist() and (seqs["batch"] == 2).all()

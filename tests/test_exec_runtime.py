@@ -210,3 +210,29 @@ def test_expert_layout_matches_the_spec_and_computes_the_ffn(family, ffn, expect
         h = torch.relu(h)
     want = h @ w_down.T + (b_down if b_down is not None else 0)
     torch.testing.assert_close(lay.forward(flat, x), want)
+
+
+def test_stopwatch_hand_to_splits_one_span_at_one_reading(monkeypatch):
+    """Adjacent segments share their boundary: the parts add up to the whole, each clock read once per boundary."""
+    import dali_exec.executor.timing as timing
+    from dali_exec.executor.timing import Stopwatch
+
+    reads = {"wall": 0, "cpu": 0}
+
+    class Clocks:  # each reading advances by 1 (wall) / 2 (cpu) seconds
+        def perf_counter(self):
+            reads["wall"] += 1
+            return float(reads["wall"])
+
+        def thread_time(self):
+            reads["cpu"] += 1
+            return 2.0 * reads["cpu"]
+
+    monkeypatch.setattr(timing, "time", Clocks())
+    a = Stopwatch().start()
+    b = a.hand_to(Stopwatch())
+    c = b.hand_to(Stopwatch())
+    c.hand_to(a)
+    a.stop()
+    assert reads == {"wall": 5, "cpu": 5}  # start, three hand-overs, stop
+    assert (a.wall, b.wall, c.wall) == (2.0, 1.0, 1.0) and (a.cpu, b.cpu, c.cpu) == (4.0, 2.0, 2.0)

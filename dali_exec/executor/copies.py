@@ -35,15 +35,24 @@ from dali_sim.sim.engine import Activity
 
 ON_DEMAND, BACKGROUND = 0, 1  # lower first, as in the simulator's PCIe resource
 
+#: one call for a list of copies (one dispatch, the GIL released once), where torch has it
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def copy_rows(dst_table: torch.Tensor, src_table: torch.Tensor, layer: int, rows, experts) -> None:
     """``dst_table[rows[i]].copy_(src_table[layer, experts[i]])`` for every i, on the CPU device: row by row,
-    straight from the host store. A gather (``index_select``) and scatter (``index_copy_``) would first fill
-    a temporary of all the rows: measured 2-6x slower for four 22 MB experts on the 2-core development VM
-    (docs/executor.md, "Copies on the CPU device")."""
+    straight from the host store, in one ``torch._foreach_copy_`` where torch has it (one dispatch that
+    releases the GIL once: the copy thread then hands the GIL back and forth with the computing thread once
+    per request, not once per expert). A gather (``index_select``) and scatter (``index_copy_``) would
+    first fill a temporary of all the rows: measured 2-6x slower for four 22 MB experts on the 2-core
+    development VM (docs/executor.md, "Copies on the CPU device")."""
+    src = src_table[layer]
+    if _FOREACH_COPY is not None and len(rows) > 1:
+        _FOREACH_COPY([dst_table[r] for r in rows], [src[e] for e in experts])
+        return
     for row, expert in zip(rows, experts):
-        dst_table[row].copy_(src_table[layer, expert])
+        dst_table[row].copy_(src[expert])
+
 
 class CopyTicket:
     """One request: one copy, or several copies issued back to back at one priority (a layer's on-demand
@@ -287,9 +296,8 @@ class CopyEngine:
                 batch = t.priority == ON_DEMAND  # issued back to back; background copies one at a time
                 first = t.next
                 if self._copy_at_once(t, first, n):
-                    t.next = n
-                else:
-                    self._copy_each(t, first, n, batch)
+                    continue  # landed and done
+                self._copy_each(t, first, n, batch)
                 if t.next < n:
                     continue  # preempted: resumed later
                 self.copies += n
@@ -297,19 +305,24 @@ class CopyEngine:
                 t.error = exc
                 self.error = self.error or exc
             with self._cond:
-                t.done = True
-                self._open -= 1
-                self._cond.notify_all()
+                self._done(t)
+
+    def _done(self, t: CopyTicket) -> None:
+        """``t`` is done (under ``_cond``)."""
+        t.done = True
+        self._open -= 1
+        self._cond.notify_all()
 
     def _copy_at_once(self, t: CopyTicket, first: int, n: int) -> bool:
         """The CPU device: the rest of a background request whose copies all come from one layer of the host
-        store, copied back to back (:func:`copy_rows`) and landed together, unless an on-demand request waits (then copy by
-        copy, as on CUDA) or copies are delayed (tests)."""
+        store, copied back to back (:func:`copy_rows`), landed together and the request done (one hand-over
+        to the waiters), unless an on-demand request waits (then copy by copy, as on CUDA) or copies are
+        delayed (tests)."""
         if self.stream is not None or self.delay_s or t.src_table is None or n - first < 2:
             return False
         layers, experts = t.srcs
         layer = layers[first]
-        if any(x != layer for x in layers[first:n]):
+        if layers.count(layer) != len(layers) and any(x != layer for x in layers[first:n]):
             return False
         with self._cond:
             if self._heap and self._heap[0][0] < t.priority:
@@ -320,13 +333,14 @@ class CopyEngine:
         end = self.timer.mark()
         t.starts.extend([start] * (n - first))
         t.ends.extend([end] * (n - first))
-        for i in range(first, n):
-            self.timer.add_copy(t, i)
+        t.next = n
+        self.timer.add_copy_range(t, first, n)
+        self.copies += n
         with self._cond:
             if t.inflight is not None:
                 np.subtract.at(t.inflight, t.rows[first:n], 1)
             t.landed += n - first
-            self._cond.notify_all()
+            self._done(t)
         return True
 
     def _copy_each(self, t: CopyTicket, first: int, n: int, batch: bool) -> None:

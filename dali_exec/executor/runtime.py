@@ -96,10 +96,12 @@ class OffloadRuntime:
         return self.pool.nbytes
 
     # ---- per layer ----------------------------------------------------------------------------
-    def start_layer(self, plan: LayerPlan) -> None:
-        """Steps before the dense part: swaps of the last visit land, prefetch buffers freed and issued."""
+    def start_layer(self, plan: LayerPlan, handoff: tuple[Stopwatch, Stopwatch] | None = None) -> None:
+        """Steps before the dense part: swaps of the last visit land, prefetch buffers freed and issued.
+        ``handoff``: (the caller's running stopwatch, the one to start when this returns), handed over at
+        this call's start and end (:meth:`Stopwatch.hand_to`: the boundaries share their clock readings)."""
         layer = plan.layer
-        sw = Stopwatch().start()
+        sw = handoff[0].hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
         for ticket in self.swaps_landing.pop(layer, []):
             if not ticket.is_done():
                 sw.stop()
@@ -113,7 +115,10 @@ class OffloadRuntime:
         for target, e in plan.prefetches:
             self.deferred.append((target, e, plan.step))
         self._issue_deferred()
-        sw.stop()
+        if handoff is not None:
+            sw.hand_to(handoff[1])
+        else:
+            sw.stop()
         self._book(layer, sw)
 
     def _book(self, layer: int, sw: Stopwatch) -> None:
@@ -135,7 +140,7 @@ class OffloadRuntime:
         return np.array(self._bookkeeping.cpu)
 
     def run_experts(self, plan: LayerPlan, x: torch.Tensor, routing: LayerRouting | tuple, *,
-                    uncounted_on_cpu: bool = False) -> torch.Tensor:
+                    uncounted_on_cpu: bool = False, handoff: Stopwatch | None = None) -> torch.Tensor:
         """The layer's routed experts on ``x`` (T x H, the gate input, on the dense device): the
         combined output sum_r w[t, r] * expert(x[t]) (T x H, on ``x``'s device). ``routing``: grouped
         (:meth:`LayerRouting.group`), or the router's (T, k) ids and weights (or None), which are grouped and
@@ -143,8 +148,10 @@ class OffloadRuntime:
 
         Tokens the routing does not count (``LayerRouting.group(counted=...)``: e.g. padding a real model
         computes anyway) ride along with the plan's experts; experts that only such tokens use are not part
-        of the plan: their pairs stay 0, or, with ``uncounted_on_cpu``, the CPU lane computes them too."""
-        sw = Stopwatch().start()  # stopped around computes, activation transfers and waits
+        of the plan: their pairs stay 0, or, with ``uncounted_on_cpu``, the CPU lane computes them too.
+        ``handoff``: the caller's running stopwatch, stopped as this call starts (one clock reading)."""
+        # stopped around computes, activation transfers and waits
+        sw = handoff.hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
         layer, step = plan.layer, plan.step
         dev, pool = self.dev, self.pool
         if isinstance(routing, LayerRouting):
@@ -160,7 +167,11 @@ class OffloadRuntime:
 
         # the CPU lane starts first and runs while the accelerator lane works; inline (same thread and
         # threads) it runs when the accelerator lane would first wait for a copy, or after it
-        sw.stop()
+        # activation transfers are not bookkeeping: with one to make the stopwatch stops here; without (the CPU
+        # device) it runs on through the lanes' set-up (the output buffer, the CPU lane's job): two readings less
+        moves = bool(cpu_seg.size and x.device.type != "cpu") or bool(lanes.n and x.device != dev.accel)
+        if moves:
+            sw.stop()
         cpu_job = None
         inline: list = []
         if cpu_seg.size:
@@ -170,19 +181,26 @@ class OffloadRuntime:
             else:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing)
         x_acc = x if (x.device == dev.accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
-        out_buf = torch.zeros((T * k, H), dtype=dev.dtype, device=dev.accel)
+        # every pair is computed by one lane unless uncounted tokens' own experts are left out: then those stay 0
+        every_pair = uncounted_on_cpu or routing.counted is None
+        out_buf = (torch.empty if every_pair else torch.zeros)((T * k, H), dtype=dev.dtype, device=dev.accel)
 
         cpu_out: list = []
         if lanes.n:
-            sw.start()
+            if moves:
+                sw.start()
             self._accelerator_lane(plan, lanes, routing, x_acc, out_buf, sw, inline, cpu_out)
+            sw.stop()
+        elif not moves:
             sw.stop()
         if inline:
             cpu_out.append(inline.pop()())
         if cpu_job is not None:
             cpu_out.append(cpu_job.result())
         for pos, vals in cpu_out:
-            out_buf.index_copy_(0, pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True))
+            if vals.device != out_buf.device:
+                pos, vals = pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True)
+            out_buf.index_copy_(0, pos, vals)
         out = out_buf.view(T, k, H).sum(dim=1)
         out = out if out.device == x.device else out.to(x.device)
         sw.start()

@@ -66,6 +66,11 @@ class Timer:
         with self._lock:
             self._raw.append(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]))
 
+    def add_copy_range(self, ticket, first: int, n: int) -> None:
+        """:meth:`add_copy` of copies ``first`` .. ``n - 1`` of a request, under one lock."""
+        with self._lock:
+            self._raw.extend(("pcie", (ticket, i), ticket.starts[i], ticket.ends[i]) for i in range(first, n))
+
     def add_copies(self, kind: str, step: int, layer: int, experts: list[int], start, end) -> None:
         """Copies of ``experts`` (of ``layer``) made by one call between two stamps (the CPU device's batched
         on-demand copies): one ``pcie`` interval each, the span divided equally (an attribution)."""
@@ -271,3 +276,12 @@ class Stopwatch:
     def stop(self) -> None:
         self.wall += time.perf_counter() - self._wall0
         self.cpu += time.thread_time() - self._cpu0
+
+    def hand_to(self, other: "Stopwatch") -> "Stopwatch":
+        """Stop this one and start ``other`` at the same instant, from one reading of each clock (the thread-CPU
+        clock is a system call: adjacent segments share their boundary). Returns ``other``."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        self.wall += wall - self._wall0
+        self.cpu += cpu - self._cpu0
+        other._wall0, other._cpu0 = wall, cpu
+        return other

@@ -167,9 +167,9 @@ class HFExpertLayout:
         row of each token row (biases only). ``counts`` (host) serve the fallback without transformers."""
         if _CPU_GROUPED_MM is not None and x.device.type == "cpu" and table.stride(-1) == 1:
             w1, w2, b1, b2 = self.table_operands(table)
-            y = _CPU_GROUPED_MM(x.to(w1.dtype), w1, offs=offs)
+            y = _CPU_GROUPED_MM(x if x.dtype == w1.dtype else x.to(w1.dtype), w1, offs=offs)
             y = self.gate(y if b1 is None else y.add_(b1.index_select(0, pair_rows)))
-            y = _CPU_GROUPED_MM(y.to(w2.dtype), w2, offs=offs)
+            y = _CPU_GROUPED_MM(y if y.dtype == w2.dtype else y.to(w2.dtype), w2, offs=offs)
             return y if b2 is None else y.add_(b2.index_select(0, pair_rows))
         w1, w2, b1, b2 = self.table_views(table)
         if b1 is not None:
@@ -201,9 +201,9 @@ class HFExpertLayout:
         (CUDA's grouped kernels) the grouped call for a group of one."""
         if x.device.type == "cpu" and flat.stride(-1) == 1:
             w1, w2, b1, b2 = self.operands(flat)
-            y = torch.mm(x.to(w1.dtype), w1)
+            y = torch.mm(x if x.dtype == w1.dtype else x.to(w1.dtype), w1)
             y = self.gate(y if b1 is None else y.add_(b1))
-            y = torch.mm(y.to(w2.dtype), w2)
+            y = torch.mm(y if y.dtype == w2.dtype else y.to(w2.dtype), w2)
             return y if b2 is None else y.add_(b2)
         w1, w2, b1, b2 = self.views(flat)
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # no host-to-device copy

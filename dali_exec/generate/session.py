@@ -219,24 +219,20 @@ class OffloadSession:
             ranked = rank(ids_np, w_np, _ALL_ROWS if rows is None else rows)
         else:
             ranked = np.take_along_axis(ids_real, np.argsort(-w_real, axis=1, kind="stable"), 1)
-        sw.stop()
+        # adjacent segments hand over at a shared clock reading (Stopwatch.hand_to)
         if self.w.predictor_offsets:
-            look = Stopwatch().start()
+            look = sw.hand_to(Stopwatch())
             predicted = self._lookahead(ordinal, x if idx is None else x.index_select(0, idx))
-            look.stop()
+            look.hand_to(sw)
             t.lookahead.add(ordinal, look)
         else:
             predicted = None
-        sw.start()
         self.w.set_layer(ordinal, ranked, predicted)
-        sw.stop()
-        dec = Stopwatch().start()
+        dec = sw.hand_to(Stopwatch())
         plan = self.controller.plan(step, ordinal)
         self.counters.add(plan)
-        dec.stop()
+        self.runtime.start_layer(plan, handoff=(dec, sw))
         t.decision.add(ordinal, dec)
-        self.runtime.start_layer(plan)
-        sw.start()
         skip = self.padding == "skip" and idx is not None
         counted = None
         if skip:  # only the real rows reach the experts; the others get no routed output
@@ -246,13 +242,14 @@ class OffloadSession:
             counted = np.zeros(ids_np.shape[0], bool)
             counted[rows] = True
         routing = LayerRouting.group(ids_np, w_np, counted=counted, order=perm)
-        sw.stop()
-        t.bookkeeping.add(ordinal, sw)
         if skip:
+            sw.stop()
+            t.bookkeeping.add(ordinal, sw)
             out = torch.zeros_like(x)
             out.index_copy_(0, idx, self.runtime.run_experts(plan, x.index_select(0, idx), routing).to(x.dtype))
             return out
-        out = self.runtime.run_experts(plan, x, routing, uncounted_on_cpu=True)
+        out = self.runtime.run_experts(plan, x, routing, uncounted_on_cpu=True, handoff=sw)
+        t.bookkeeping.add(ordinal, sw)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def _lookahead(self, ordinal: int, x: torch.Tensor) -> dict[str, np.ndarray]:

@@ -130,6 +130,12 @@ def _segment_rule(ids, num_experts):
 _SEGMENT: list = []
 
 
+def _where(where) -> str:
+    """An error message's prefix: a string, or (format, args...) formatted now (set_layer builds its
+    prefixes only when it raises)."""
+    return where if isinstance(where, str) else where[0].format(*where[1:])
+
+
 def _segment_kernel():
     """The compiled :func:`_segment_rule`, or None without numba."""
     if not _SEGMENT:
@@ -226,12 +232,21 @@ class OnlineWorkload:
             positions = np.asarray(positions, np.int64)
             if seq_ids.shape != (tokens,) or positions.shape != (tokens,):
                 raise ValueError(f"seq_ids and positions must have one value per token ({tokens})")
-            context = float((positions + 1).mean())
-            sids, inverse, per_seq = np.unique(seq_ids, return_inverse=True, return_counts=True)
-            last = np.full(len(sids), -1, np.int64)
-            np.maximum.at(last, inverse, positions)
-            kv = int(last.sum()) + len(sids)
-            for sid, n in zip(sids.tolist(), per_seq.tolist()):
+            # one pass over the tokens in Python (a step has a few: the array operations cost more); the
+            # integer sum is exact, so the mean is float((positions + 1).mean())'s
+            sids, pos = seq_ids.tolist(), positions.tolist()
+            context = (sum(pos) + tokens) / tokens
+            last: dict[int, int] = {}  # per sequence: its last position (at least -1), its tokens in the step
+            per_seq: dict[int, int] = {}
+            for sid, p in zip(sids, pos):
+                if last.get(sid, -1) < p:
+                    last[sid] = p
+                else:
+                    last.setdefault(sid, -1)
+                per_seq[sid] = per_seq.get(sid, 0) + 1
+            kv = sum(last.values()) + len(last)
+            for sid in sorted(per_seq):
+                n = per_seq[sid]
                 rec = self._seqs.setdefault(sid, [batch, 0, 0, -1, -1, -1, -1])
                 if ph == PREFILL:
                     rec[1] += n
@@ -263,22 +278,23 @@ class OnlineWorkload:
         if layer != self._next_layer:
             raise ValueError(f"online workload: step {self._step} expects MoE layer {self._next_layer}, got {layer}")
         T, k, E = int(self._tokens.view[-1]), self.top_k, self.num_experts
-        where = f"step {self._step} layer {layer}: routing"
+        where = ("step {} layer {}: routing", self._step, layer)  # formatted only for an error
         kernel = _segment_kernel()
         if kernel is not None:  # the checks, the counts and the segment in one compiled loop
             ids = self._ids_shape(ids, T, where)
             ok, experts, cnt, best, counts, _ = kernel(ids, E)
             if not ok:
-                raise ValueError(f"{where}: expert ids must lie in 0..{E - 1}")
+                raise ValueError(f"{_where(where)}: expert ids must lie in 0..{E - 1}")
             self._act.append((experts, cnt, best))
         else:
             ids = self._ids(ids, T, where)
             counts = np.bincount(ids.reshape(-1), minlength=E)
             self._act.append(self._segment(ids, counts))
         self._observed[layer] += counts
-        predicted = dict(predicted or {})
-        unknown = sorted(set(predicted) - set(self.predictor_offsets))
+        predicted = predicted or {}
+        unknown = [name for name in predicted if name not in self.predictor_offsets]
         if unknown:
+            unknown = sorted(unknown)
             raise ValueError(f"online workload: predictors {unknown} were not declared; "
                              f"declared: {sorted(self.predictor_offsets) or 'none'}")
         for name, off in self.predictor_offsets.items():
@@ -292,16 +308,16 @@ class OnlineWorkload:
                 raise ValueError(f"online workload: step {self._step} layer {layer} lacks the {name!r} prediction "
                                  f"of layer {target}")
             arr = np.asarray(predicted[name])
-            if np.issubdtype(arr.dtype, np.floating):
+            if arr.dtype.kind == "f":
                 if arr.shape != (T, E):
                     raise ValueError(f"{name!r} logits must be ({T}, {E}), got {arr.shape}")
                 keep = ~np.isnan(arr).all(axis=1)
                 arr = predicted_top_k(arr[keep], k)
-            where = f"step {self._step} layer {layer}: {name!r} prediction"
+            where = ("step {} layer {}: {!r} prediction", self._step, layer, name)
             if kernel is not None:
                 ok, experts, _, _, pcounts, ranks = kernel(self._ids_shape(arr, None, where), E)
                 if not ok:
-                    raise ValueError(f"{where}: expert ids must lie in 0..{E - 1}")
+                    raise ValueError(f"{_where(where)}: expert ids must lie in 0..{E - 1}")
                 self._pred[(name, target)] = (pcounts.astype(np.float64), ranks)
                 continue
             pred = self._ids(arr, None, where)
@@ -313,21 +329,23 @@ class OnlineWorkload:
             self._pred[(name, target)] = (counts, ranks)
         self._next_layer += 1
 
-    def _ids_shape(self, ids: np.ndarray, tokens: int | None, where: str) -> np.ndarray:
-        """``ids`` as a (tokens, top_k) int64 array (the range is the caller's check)."""
+    def _ids_shape(self, ids: np.ndarray, tokens: int | None, where) -> np.ndarray:
+        """``ids`` as a (tokens, top_k) int64 array (the range is the caller's check). ``where``: the error's
+        prefix, or (format, args...) to format for an error (:func:`_where`)."""
         ids = np.asarray(ids)
         k = self.top_k
-        if ids.ndim != 2 or ids.shape[1] != k or (tokens is not None and ids.shape[0] != tokens):
+        shape = ids.shape
+        if len(shape) != 2 or shape[1] != k or (tokens is not None and shape[0] != tokens):
             want = f"({tokens}, {k})" if tokens is not None else f"(tokens, {k})"
-            raise ValueError(f"{where}: expected {want} expert ids, got shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"{where}: expert ids must be integers, got {ids.dtype}")
-        return np.ascontiguousarray(ids, dtype=np.int64)
+            raise ValueError(f"{_where(where)}: expected {want} expert ids, got shape {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"{_where(where)}: expert ids must be integers, got {ids.dtype}")
+        return ids if ids.dtype == np.int64 and ids.flags.c_contiguous else np.ascontiguousarray(ids, dtype=np.int64)
 
-    def _ids(self, ids: np.ndarray, tokens: int | None, where: str) -> np.ndarray:
+    def _ids(self, ids: np.ndarray, tokens: int | None, where) -> np.ndarray:
         ids = self._ids_shape(ids, tokens, where)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
-            raise ValueError(f"{where}: expert ids must lie in 0..{self.num_experts - 1}")
+            raise ValueError(f"{_where(where)}: expert ids must lie in 0..{self.num_experts - 1}")
         return ids
 
     def _segment(self, ids: np.ndarray, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
