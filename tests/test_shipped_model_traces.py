@@ -24,13 +24,7 @@ def invoke(*args):
     return r.output
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    torch = pytest.importorskip("torch")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def test_record_on_the_shipped_model_then_simulate(tmp_path):
