@@ -322,7 +322,7 @@ class CopyEngine:
             return False
         layers, experts = t.srcs
         layer = layers[first]
-        if layers.count(layer) != len(layers) and any(x != layer for x in layers[first:n]):
+        if layers[first:n].count(layer) != n - first:  # copies from another layer too
             return False
         with self._cond:
             if self._heap and self._heap[0][0] < t.priority:

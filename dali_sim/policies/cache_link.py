@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dali_sim.policies.base import CACHES, CachePolicy, LayerView, PolicyConfig, SetupContext, registered
-from dali_sim.policies.hybrimoe import hybrid_schedule
+from dali_sim.policies.hybrimoe import expert_times, hybrid_schedule
 
 
 ADMIT = ("better", "always")
@@ -83,9 +83,8 @@ def expected_saving(share: np.ndarray, tokens: int, costs) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         n = np.where(p > 0, mean / np.where(p > 0, p, 1.0), 0.0)
     n = np.clip(np.rint(n), 1, None).astype(np.int64)
-    gpu = np.asarray(costs.expert_time("gpu", n), dtype=float).reshape(n.shape)
-    cpu = np.asarray(costs.expert_time("cpu", n), dtype=float).reshape(n.shape)
-    worst = np.minimum(cpu, float(costs.expert_transfer_time()) + gpu)
+    gpu, cpu, xfer = expert_times(costs, n)
+    worst = np.minimum(cpu, xfer + gpu)
     return p * np.maximum(worst - gpu, 0.0)
 
 
@@ -100,9 +99,8 @@ def layer_estimate(view: LayerView) -> tuple[float, int]:
         return dense, 0
     experts = np.asarray(view.experts)
     cached = np.asarray(view.resident, dtype=bool)[experts] | np.asarray(view.pending, dtype=bool)[experts]
-    t_gpu = np.asarray(costs.expert_time("gpu", counts), dtype=float).reshape(counts.shape)
-    t_cpu = np.asarray(costs.expert_time("cpu", counts), dtype=float).reshape(counts.shape)
-    plan = hybrid_schedule(counts, cached, t_gpu, t_cpu, float(costs.expert_transfer_time()), "hss")
+    t_gpu, t_cpu, xfer = expert_times(costs, counts)
+    plan = hybrid_schedule(counts, cached, t_gpu, t_cpu, xfer, "hss")
     return dense + plan.makespan, int(np.count_nonzero(plan.fetched))
 
 

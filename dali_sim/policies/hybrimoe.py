@@ -147,7 +147,8 @@ def hybrid_schedule(counts, cached, t_gpu, t_cpu, xfer: float, mode: str = "hss"
                     gpu_end=float(gpu_end[m]), cpu_end=float(cpu_end[m]), makespans=makespans)
 
 
-def _times(costs, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+def expert_times(costs, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Per expert with ``counts`` tokens: its seconds on the GPU and on the CPU, and one expert's copy."""
     c = np.asarray(counts).astype(np.int64)  # predicted counts come as floats
     t_gpu = np.asarray(costs.expert_time("gpu", c), dtype=float).reshape(c.shape)
     t_cpu = np.asarray(costs.expert_time("cpu", c), dtype=float).reshape(c.shape)
@@ -185,7 +186,7 @@ class HybriMoEPlacement(PlacementPolicy[HybriMoEPlacementConfig]):
     Config = HybriMoEPlacementConfig
 
     def schedule(self, view: LayerView) -> Schedule:
-        t_gpu, t_cpu, xfer = _times(view.costs, view.counts)
+        t_gpu, t_cpu, xfer = expert_times(view.costs, view.counts)
         return hybrid_schedule(view.counts, self._cached(view), t_gpu, t_cpu, xfer, self.config.mode)
 
     def place(self, view: LayerView) -> np.ndarray:
@@ -193,7 +194,7 @@ class HybriMoEPlacement(PlacementPolicy[HybriMoEPlacementConfig]):
             return np.ones(len(view.experts), dtype=bool)  # the code's all-GPU path (calc_experts, not generate)
         if self.config.mode != "hss":
             return self.schedule(view).on_gpu
-        t_gpu, t_cpu, xfer = _times(view.costs, view.counts)  # HSS alone: no prefix model needed
+        t_gpu, t_cpu, xfer = expert_times(view.costs, view.counts)  # HSS alone: no prefix model needed
         return _hss(np.asarray(view.counts), self._cached(view), t_gpu, t_cpu, xfer)[0]
 
     def _cached(self, view: LayerView) -> np.ndarray:
@@ -329,7 +330,7 @@ def impact_prefix(pred: np.ndarray, cached: np.ndarray, costs, mode: str = "hss"
         return [], 0.0
     counts = pred[experts]
     c = np.asarray(cached, dtype=bool)[experts].copy()
-    t_gpu, t_cpu, xfer = _times(costs, counts)
+    t_gpu, t_cpu, xfer = expert_times(costs, counts)
     cand = np.flatnonzero(~c)
     cand = cand[np.lexsort((experts[cand], -counts[cand]))]
     if mode == "hss":  # the default: every prefix's schedule in one compiled loop
