@@ -99,7 +99,7 @@ def test_sim_run_accepts_the_calibrated_profile(profile, tmp_path):
 def test_calibrate_measures_non_moe_blocks_when_the_model_has_them():
     cfg = CalibrationConfig("deepseek-v2-lite", scale=1 / 16, dtype="fp32", device="cpu", cpu_threads=1,
                             accel_threads=1, expert_tokens=(1, 2), dense_tokens=(1, 2), context_lens=(4,),
-                            settings=MicroSettings(repeats=1, warmup=0))
+                            settings=MicroSettings(repeats=1, warmup=0, table_rounds=1))
     p = calibrate(cfg)
     assert p.gpu_dense_block is not None and p.cpu_dense_block is not None
     model = cfg.model()
@@ -164,21 +164,50 @@ def test_expert_share_and_fixed_part_of_a_grouped_call(monkeypatch):
     worker = CpuWorker(1)
     try:
         bench = micro.Microbench(model, Devices.create("cpu", "fp32"), worker, MicroSettings(repeats=1, warmup=0))
-        assert bench.group_sizes() == (2, 4, 8)  # capped at the model's 8 experts
+        assert bench.group_sizes() == (1, 2, 4, 8)  # capped at the model's 8 experts
         y1, y8 = bench.expert_op("cpu", 3, 1)(0), bench.expert_op("cpu", 3, 8)(0)
         assert y1.shape == (3, 64) and y8.shape == (3 * 8, 64)
         monkeypatch.setattr(micro.Microbench, "expert_op", lambda self, lane, n, group=1: (n, group))
         monkeypatch.setattr(micro.Microbench, "_timed", lambda self, lane, op: 7e-5 + op[1] * 1e-5 * op[0])
         per, fixed = bench.expert_seconds("cpu", [1, 4, 16])
-        # one noisy call (a group of 4 taking 3e-6 s too long) moves the line a little: the share stays within
-        # 10% where the difference of two calls (4 minus 2, over 2) would be 15% off
+        # one noisy call (a group of 8 taking 10% more per expert) leaves the share and the fixed part where the
+        # other calls put them; a least-squares line would give a share 10% high and a negative intercept
         monkeypatch.setattr(micro.Microbench, "_timed",
-                            lambda self, lane, op: 7e-5 + op[1] * 1e-5 + (3e-6 if op[1] == 4 else 0.0))
-        noisy, _ = bench.expert_seconds("cpu", [1])
+                            lambda self, lane, op: 7e-5 + op[1] * 1e-5 + (8e-6 if op[1] == 8 else 0.0))
+        noisy, noisy_fixed = bench.expert_seconds("cpu", [1])
+        g = np.array([1.0, 2, 4, 8])
+        lsq_slope = np.polyfit(g, 7e-5 + g * 1e-5 + np.where(g == 8, 8e-6, 0.0), 1)[0]
     finally:
         worker.close()
     assert per == pytest.approx([1e-5, 4e-5, 16e-5]) and fixed == pytest.approx(7e-5)
-    assert noisy[0] == pytest.approx(1e-5, rel=0.1)
+    assert noisy[0] == pytest.approx(1e-5, rel=0.02) and noisy_fixed == pytest.approx(7e-5, rel=0.05)
+    assert lsq_slope > 1.08e-5  # (what the old fit made of it)
+
+
+def test_tables_are_measured_in_rounds_and_each_point_keeps_its_median(monkeypatch):
+    """Every table is measured once per round, round after round; a point slowed in one round of three (a
+    spike of the shared machine) keeps the other rounds' value."""
+    from dali_exec.calibrate import micro, profile
+
+    assert profile.median_of_rounds([([1.0, 2.0], 0.1), ([9.0, 2.2], 0.3), ([1.2, 2.1], 0.2)]) == (
+        pytest.approx([1.2, 2.1]), pytest.approx(0.2))
+    assert profile.median_of_rounds([[[1.0, 5.0]], [[1.1, 50.0]], [[0.9, 5.5]]]) == [pytest.approx([1.0, 5.5])]
+    calls = []
+
+    def expert_seconds(self, lane, tokens):
+        calls.append(lane)
+        spike = 4.0 if (lane == "cpu" and calls.count("cpu") == 2) else 1.0
+        return [1e-4 * n * spike for n in tokens], 1e-5
+
+    monkeypatch.setattr(micro.Microbench, "expert_seconds", expert_seconds)
+    cfg = CalibrationConfig("mixtral-8x7b", scale=1 / 64, dtype="fp32", device="cpu", cpu_threads=1,
+                            accel_threads=1, expert_tokens=(1, 2), dense_tokens=(1, 2), context_lens=(4,),
+                            settings=MicroSettings(repeats=1, warmup=0, table_rounds=3), contention=False, host=None)
+    p = calibrate(cfg)
+    assert calls == ["gpu", "cpu"] * 3  # round by round, not one table three times in a row
+    assert p.cpu_expert.seconds == pytest.approx((1e-4, 2e-4))
+    with pytest.raises(ValueError, match="table_rounds must be >= 1"):
+        MicroSettings(table_rounds=0)
 
 
 def test_host_fit_rows_count_every_on_demand_copy():

@@ -39,7 +39,7 @@ from dali_sim.trace.synth import SynthConfig, synthesize  # noqa: E402
 TINY = ReplayOptions(layers=2, scale=1 / 64, dtype="fp32")  # Mixtral shape: hidden 64, 8 experts, top-2
 CPU_RUN = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1)
 SYSTEMS = ("cpu-only", "gpu-lru", "dali")
-QUICK_CAL = MicroSettings(repeats=1, warmup=0)
+QUICK_CAL = MicroSettings(repeats=1, warmup=0, table_rounds=1)
 
 
 @pytest.fixture(scope="module")

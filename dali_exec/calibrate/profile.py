@@ -12,6 +12,7 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -68,6 +69,15 @@ class CalibrationConfig:
         return scale_model(self.full_model(), self.scale, None, DTYPE_PRECISION[self.dtype])
 
 
+def median_of_rounds(rounds: list):
+    """Point by point, the median of one table's rounds (lists of seconds, nested lists, or a tuple of such
+    parts, e.g. an expert table's (shares, fixed part))."""
+    if isinstance(rounds[0], tuple):
+        return tuple(median_of_rounds([r[i] for r in rounds]) for i in range(len(rounds[0])))
+    m = np.median(np.asarray(rounds, dtype=float), axis=0)
+    return m.tolist() if m.ndim else float(m)
+
+
 def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress: bool = False) -> MeasuredProfile:
     """Measure every table for ``cfg.model_shape`` (scaled) on this machine."""
     model = cfg.model()
@@ -82,17 +92,19 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     elem = torch.empty((), dtype=devices.dtype).element_size()
     sizes = sorted({max(elem, int(f * xb) // elem * elem) for f in cfg.transfer_sizes})
     toks, dtoks, ctxs = list(cfg.expert_tokens), list(cfg.dense_tokens), list(cfg.context_lens)
-    jobs = [("gpu_expert", lambda: bench.expert_seconds("gpu", toks)),
-            ("cpu_expert", lambda: bench.expert_seconds("cpu", toks)),
-            ("h2d", lambda: bench.transfer_seconds(sizes)),
-            ("gpu_dense", lambda: bench.dense_seconds("gpu", dtoks, ctxs)),
-            ("cpu_dense", lambda: bench.dense_seconds("cpu", dtoks, ctxs))]
+    tables = [("gpu_expert", lambda: bench.expert_seconds("gpu", toks)),
+              ("cpu_expert", lambda: bench.expert_seconds("cpu", toks)),
+              ("h2d", lambda: bench.transfer_seconds(sizes)),
+              ("gpu_dense", lambda: bench.dense_seconds("gpu", dtoks, ctxs)),
+              ("cpu_dense", lambda: bench.dense_seconds("cpu", dtoks, ctxs))]
     if model.num_dense_layers:
-        jobs += [("gpu_dense_block", lambda: bench.dense_seconds("gpu", dtoks, ctxs, moe=False)),
-                 ("cpu_dense_block", lambda: bench.dense_seconds("cpu", dtoks, ctxs, moe=False))]
+        tables += [("gpu_dense_block", lambda: bench.dense_seconds("gpu", dtoks, ctxs, moe=False)),
+                   ("cpu_dense_block", lambda: bench.dense_seconds("cpu", dtoks, ctxs, moe=False))]
     act_sizes = sorted({max(elem, n * model.hidden_size * elem) for n in (1, *dtoks)})
     if devices.is_cuda:
-        jobs.append(("d2h", lambda: bench.d2h_seconds(act_sizes)))
+        tables.append(("d2h", lambda: bench.d2h_seconds(act_sizes)))
+    rounds = cfg.settings.table_rounds
+    jobs = [(f"{key}#{r}", job) for r in range(rounds) for key, job in tables]  # round by round
     if cfg.contention:
         jobs.append(("contention", bench.contention))
     if cfg.host is not None:
@@ -105,6 +117,8 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     finally:
         torch.set_num_threads(prev)
         worker.close()
+    for key, _ in tables:
+        results[key] = median_of_rounds([results.pop(f"{key}#{r}") for r in range(rounds)])
     (gpu_expert, gpu_fixed), (cpu_expert, cpu_fixed) = results["gpu_expert"], results["cpu_expert"]
     tables = {
         "gpu_expert": CurveTable(tuple(map(float, toks)), tuple(gpu_expert)),
@@ -129,10 +143,11 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "devices": {"gpu": accel, "cpu": cpu_name(), "gpu_is_cpu_device": not cuda},
         "model_shape": cfg.model_shape, "scale": cfg.scale, "dtype": cfg.dtype,
         "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads},
-        "experts": f"each expert's share of a grouped call: the slope of a least-squares line through calls of "
+        "experts": f"each expert's share of a grouped call: the slope of a repeated-medians (Siegel) line through calls of "
                    f"{', '.join(map(str, bench.group_sizes()))} experts; its intercept is the lane's fixed part "
                    "per layer (lanes)",
-        "statistic": f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs"
+        "statistic": f"per point the median over {cfg.settings.table_rounds} rounds (every table in turn) of the "
+                     f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs"
                      + (", caches flushed before each run" if cfg.settings.cold else ""),
         "contention": (f"each lane with a {cfg.settings.contention_tokens}-token expert (copy lane: one expert's "
                        "copy) while the other lanes of each combination loop theirs") if cfg.contention else "not measured",

@@ -26,6 +26,16 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     return values
 
 
+def _micro(**settings):
+    """The calibration's :class:`MicroSettings`, a bad value as a one-line usage error."""
+    from dali_exec.calibrate import MicroSettings
+
+    try:
+        return MicroSettings(**settings)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 #: what to replay and on what: shared by `run` and `validate` (read with :func:`replay_config`)
 replay_options = option_group(
     click.option("--model-shape", help="Model shape preset to build (default: the trace's model); must match the trace."),
@@ -144,20 +154,22 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
 @click.option("--context-lens", default="1,256,1024", show_default=True, help="Cached tokens per query of the dense tables.")
 @click.option("--repeats", default=5, show_default=True, type=int, help="Timed runs per point (the median is kept).")
 @click.option("--warmup", default=2, show_default=True, type=int, help="Untimed runs before each point.")
+@click.option("--rounds", default=3, show_default=True, type=int,
+              help="Rounds of the tables (every table in turn); each point keeps its median over the rounds.")
 @click.option("--name", help="Profile name (default: measured-MODEL-DEVICE).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Profile JSON to write.")
 def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, expert_tokens, dense_tokens,
-                  context_lens, repeats, warmup, name, output) -> None:
+                  context_lens, repeats, warmup, rounds, name, output) -> None:
     """Measure expert, transfer and dense times and write a measured hardware profile (docs/hardware.md)."""
     check_outputs({"profile": output}, [])
     _exec_module()
-    from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate_to
+    from dali_exec.calibrate import CalibrationConfig, calibrate_to
 
     cfg = CalibrationConfig(model_shape, scale=scale, dtype=dtype, device=device, cpu_threads=cpu_threads,
                             accel_threads=accel_threads, expert_tokens=_ints(expert_tokens, "--expert-tokens"),
                             dense_tokens=_ints(dense_tokens, "--dense-tokens"),
                             context_lens=_ints(context_lens, "--context-lens"),
-                            settings=MicroSettings(repeats=repeats, warmup=warmup), name=name)
+                            settings=_micro(repeats=repeats, warmup=warmup, table_rounds=rounds), name=name)
     path = calibrate_to(output, cfg, command=command_line(), progress=True)
     from dali_sim.hardware.profile import load_profile
 
@@ -187,6 +199,8 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default as `dali exec run`).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
 @click.option("--repeats", default=3, show_default=True, type=int, help="Calibration: timed runs per point.")
+@click.option("--rounds", default=3, show_default=True, type=int,
+              help="Calibration: rounds of the tables; each point keeps its median over the rounds.")
 @click.option("--no-warmup", is_flag=True, help="No untimed warm-up replay before each system.")
 @click.option("--time-budget", type=float, help="Seconds: start no further system once the budget would likely be exceeded.")
 @click.option("--no-timelines", is_flag=True, help="Do not write the Perfetto timelines.")
@@ -200,13 +214,12 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
                    "round by the simulator.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of the markdown table.")
 def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, scale, sequences, max_tokens, device,
-                 dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, no_warmup,
+                 dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, rounds, no_warmup,
                  time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
     profiling = profile_spec(kw)
     check_output(out_dir, [trace_path, profile, kw["profile_trace"]], "report folder", folder=True)
     ex = _exec_module()
-    from dali_exec.calibrate import MicroSettings
     from dali_exec.validate import ValidationConfig, validate
     from dali_exec.validate.compare import Thresholds
     from dali_exec.validate.report import JSON, MARKDOWN
@@ -218,7 +231,8 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
                                 max_tokens=max_tokens, precision=precision, dtype=dtype),
         run=ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads),
         batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, names),
-        warmup=not no_warmup, calibration=MicroSettings(repeats=repeats, warmup=1), time_budget_s=time_budget,
+        warmup=not no_warmup, calibration=_micro(repeats=repeats, warmup=1, table_rounds=rounds),
+        time_budget_s=time_budget,
         timelines=not no_timelines, plot=not no_plot,
         thresholds=Thresholds(total=max_total_error, step_p90=max_step_p90, order_margin=order_margin),
         profiling=profiling)
