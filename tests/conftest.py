@@ -91,12 +91,13 @@ def random_rows(model: ModelSpec, seqs: int, tokens: int, seed: int = 0):
 
 def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), xfer=2.0, dense=0.5, d2h=0.0,
                          contention: dict | None = None, host: dict | None = None,
-                         lanes: dict | None = None) -> Path:
+                         lanes: dict | None = None, lane_wake: dict | None = None) -> Path:
     """A measured profile of round numbers for ``model``'s shape (all exact in binary floating point):
     GPU expert = 1 s per token (table 1 s at 1 token, 2 s at 2, extended linearly), CPU expert = 3 s
     per token, one expert's copy = ``xfer`` s, dense part of a layer = ``dense`` s at any size, an
     activation hand-over ``d2h`` s; ``contention`` (slowdowns, default none) and ``host`` (the executor's
-    host costs, default none) replace the neutral tables; ``lanes``: a grouped call's fixed part per lane."""
+    host costs, default none) replace the neutral tables; ``lanes``: a grouped call's fixed part per lane;
+    ``lane_wake``: what a lane's call costs more after its thread slept."""
     shape = ModelShape.of(model)
     data = {
         "kind": "measured", "format_version": 2, "name": "simple-numbers",
@@ -120,6 +121,8 @@ def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), x
     }
     if lanes is not None:
         data["lanes"] = {"gpu": 0.0, "cpu": 0.0, **lanes}
+    if lane_wake is not None:
+        data["lane_wake"] = dict(lane_wake)
     path.write_text(json.dumps(data))
     return path
 

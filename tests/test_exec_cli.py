@@ -210,6 +210,40 @@ def test_tables_are_measured_in_rounds_and_each_point_keeps_its_median(monkeypat
         MicroSettings(table_rounds=0)
 
 
+def test_wake_up_cost_is_the_call_after_a_sleep_minus_the_call_straight_after_another(monkeypatch):
+    """Microbench.wake_seconds: each round times the lane's call after ``wake_gap_s`` of sleep and straight
+    (caches flushed both times) and keeps the median difference, never below 0."""
+    from dali_exec.calibrate import micro
+    from dali_exec.executor.cpu_worker import CpuWorker
+    from dali_exec.executor.devices import Devices
+
+    slept = []
+    monkeypatch.setattr(micro.time, "sleep", lambda s: slept.append(s))
+
+    def fake_time_call(after_sleep: float):
+        def timed(fn, *, cuda, repeats, warmup, prepare=None):
+            before = len(slept)
+            if prepare is not None:
+                prepare()
+            return after_sleep if len(slept) > before else 1e-3
+        return timed
+
+    monkeypatch.setattr(micro, "time_call", fake_time_call(1.3e-3))
+    model = scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32")
+    worker = CpuWorker(1)
+    try:
+        bench = micro.Microbench(model, Devices.create("cpu", "fp32"), worker,
+                                 MicroSettings(repeats=1, warmup=0, contention_rounds=3, wake_gap_s=0.004))
+        assert bench.wake_seconds("cpu") == pytest.approx(3e-4)
+        assert slept == [0.004] * 3
+        monkeypatch.setattr(micro, "time_call", fake_time_call(0.9e-3))
+        assert bench.wake_seconds("cpu") == 0.0  # (a faster call after the sleep is noise: clipped)
+    finally:
+        worker.close()
+    with pytest.raises(ValueError, match="wake_gap_s"):
+        MicroSettings(wake_gap_s=-1.0)
+
+
 def test_host_fit_rows_count_every_on_demand_copy():
     """The host-cost replays: cpu-only rows count CPU experts, gpu-static rows GPU experts, and the
     serial gpu-lru rows (no cache, one staging buffer) count each GPU expert as one on-demand copy too,

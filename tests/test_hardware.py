@@ -421,7 +421,7 @@ def test_measured_format_2_round_trip_with_contention_host_and_d2h(tmp_path):
     table = {k: {lane: 1.0 + 0.25 * i for i, lane in enumerate(k.split("+"))} for k in lane_combinations()}
     host = HostCosts(layer_s=4e-4, gpu_expert_s=3e-5, cpu_expert_s=1e-4, copy_s=5e-6, decision_s={"dali": 6e-5})
     v2 = dataclasses.replace(p, contention=table, host=host, d2h=CurveTable((1024.0, 65536.0), (1e-5, 3e-5)),
-                             lanes={"gpu": 2e-5, "cpu": 5e-5})
+                             lanes={"gpu": 2e-5, "cpu": 5e-5}, lane_wake={"cpu": 3e-4})
     out = write_measured_profile(tmp_path / "v2.json", v2)
     data = json.loads(out.read_text())
     assert data["format_version"] == 2 and set(data["contention"]) == set(lane_combinations())
@@ -437,6 +437,8 @@ def test_measured_format_2_round_trip_with_contention_host_and_d2h(tmp_path):
                           (lambda d: d["contention"]["cpu+gpu"].update(cpu=0.9), "contention.cpu+gpu.cpu: must be >= 1"),
                           (lambda d: d["host"].pop("copy_s"), "host.copy_s: missing"),
                           (lambda d: d["lanes"].update(cpu=-1e-6), "lanes.cpu: must be >= 0"),
+                          (lambda d: d["lane_wake"].update(cpu=-1e-6), "lane_wake.cpu: must be >= 0"),
+                          (lambda d: d["lane_wake"].update(disk=1.0), "lane_wake: unknown"),
                           (lambda d: d["host"]["decision_s"].update(dali=-1.0), "host.decision_s.dali: must be >= 0")):
         bad = json.loads(out.read_text())
         mutate(bad)

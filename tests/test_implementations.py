@@ -10,6 +10,7 @@ from importlib import resources
 import numpy as np
 import pytest
 from conftest import OVERLAP_MODEL, WHOLE, round_number_profile
+from test_hardware import EXAMPLE as EXAMPLE_MEASURED
 from test_hardware import TOY_PARAMS, toy_model, toy_profile_dict
 from test_sim_overlap import spans, split_system
 
@@ -217,6 +218,40 @@ def test_calls_on_what_has_landed_pay_the_fixed_part_each(tmp_path, overlap_trac
     gpu = [s for s in _spans(out) if s[0] == "gpu" and s[2] < 7.5 and not s[1].startswith("dense")]
     assert gpu == [("gpu", "L0 E0", 2.5, 4.5), ("gpu", "L0 E1", 4.5, 5.5), ("gpu", "L0 E2", 6.5, 7.5),
                    ("gpu", "overhead L0", 0.5, 0.75)]
+
+
+@pytest.mark.parametrize("wakes, cpu_experts, start", [("never", [0], 0.5), ("always", [0], 0.75),
+                                                       ("beside-gpu", [0], 0.75), ("always", [0, 1, 2], 0.75),
+                                                       ("beside-gpu", [0, 1, 2], 0.5)])
+def test_a_sleeping_cpu_lane_pays_its_wake_up(tmp_path, overlap_trace, wakes, cpu_experts, start):
+    """A profile whose CPU lane's call costs 0.25 s more after its thread slept: step 0 layer 0's CPU lane
+    (E0, 2 tokens: 6 s) starts after the 0.5 s dense part, at 0.5 without the trait, at 0.75 when every CPU
+    call pays it, and with "beside-gpu" only when the layer also has GPU experts (E1 on the GPU; with every
+    expert on the CPU the executor runs the lane inline, nothing sleeps)."""
+    prof = round_number_profile(tmp_path / "wake.json", OVERLAP_MODEL, lane_wake={"cpu": 0.25})
+    impl = dataclasses.replace(get_implementation("bare"), name="wake", cpu_lane_wakes=wakes)
+    out = _engine(overlap_trace, split_system(cpu_experts), prof, impl)
+    e0 = [s for s in _spans(out) if s[:2] == ("cpu", "L0 E0")][0]
+    assert e0[2:] == (start, start + 6.0)
+    assert CostModel(load_profile(prof), OVERLAP_MODEL).lane_wake("cpu") == 0.25
+    assert CostModel(load_profile(prof), OVERLAP_MODEL).lane_wake("gpu") == 0.0  # not measured: none
+    with pytest.raises(ValueError, match="cpu_lane_wakes must be one of never, always, beside-gpu"):
+        dataclasses.replace(impl, cpu_lane_wakes="sometimes")
+
+
+def test_the_executor_on_the_cpu_device_wakes_its_cpu_lane_beside_accelerator_experts_only():
+    """dali's executor submits the CPU lane to its sleeping worker; on the CPU device with equal lane
+    threads a layer without accelerator experts runs it inline (runtime.py run_experts)."""
+    from dali_sim.hardware.cost import executor_on
+
+    impl = get_implementation("dali-executor")
+    assert impl.cpu_lane_wakes == "always"
+    base = load_profile(EXAMPLE_MEASURED)
+    for threads, devices, want in (({"cpu_lane": 1, "accelerator_lane": 1}, {"gpu_is_cpu_device": True}, "beside-gpu"),
+                                   ({"cpu_lane": 1, "accelerator_lane": 2}, {"gpu_is_cpu_device": True}, "always"),
+                                   ({"cpu_lane": 7, "accelerator_lane": None}, {"gpu_is_cpu_device": False}, "always")):
+        prof = dataclasses.replace(base, provenance={**base.provenance, "threads": threads, "devices": devices})
+        assert executor_on(prof, impl).cpu_lane_wakes == want
 
 
 def test_activation_handovers_frame_the_cpu_lane(tmp_path, overlap_trace):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,9 @@ class MicroSettings:
     # its median over the rounds, so a slowdown of a shared machine spoils one round of a point, not the point
     # (one cell of a DeepSeek-V2-Lite dense table measured 2.7x its neighbours in one round on the 2-core VM)
     table_rounds: int = 3
+    # the sleep before a call in the wake-up measurement (Microbench.wake_seconds): longer than a kernel's
+    # idle polling (KVM polls a halted vCPU for 0.2 ms by default), as short as the dense part of a layer
+    wake_gap_s: float = 0.002
 
     def __post_init__(self) -> None:
         for name in ("repeats", "contention_rounds", "table_rounds"):
@@ -68,6 +72,8 @@ class MicroSettings:
                 raise ValueError(f"calibration {name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"calibration warmup must be >= 0, got {self.warmup}")
+        if not 0 <= self.wake_gap_s < 1:
+            raise ValueError(f"calibration wake_gap_s must be in [0, 1) seconds, got {self.wake_gap_s}")
 
 
 def llc_bytes() -> int:
@@ -236,6 +242,31 @@ class Microbench:
             per.append(float(slope))
             fixed.append(max(float(intercept), 0.0))
         return per, float(np.median(fixed))
+
+    def wake_seconds(self, lane: str) -> float:
+        """What a call of 2 one-token experts on ``lane`` costs more when the lane's thread slept
+        ``wake_gap_s`` before it than when it runs straight after the previous one: the median over
+        ``contention_rounds`` rounds of the difference, >= 0. The executor's CPU-lane worker sleeps on its
+        queue between layers; on the 2-core VM (quiet, 6 rounds) a Mixtral expert's call (scale 1/4) took
+        1.65 ms straight and 1.94 ms after 5 ms of sleep, a DeepSeek-V2-Lite call of 4 experts 0.59 and
+        0.76 ms (a halted vCPU comes back on a cold, possibly slowed core; on bare metal C-states and
+        frequency ramps do the same)."""
+        op = self.expert_op(lane, 1, min(2, self.model.num_experts))
+        flush = self._flush.get(lane)
+        gap = self.s.wake_gap_s
+
+        def slept() -> None:
+            if flush is not None:
+                flush()
+            time.sleep(gap)
+        kw = dict(repeats=self.s.repeats, warmup=self.s.warmup)
+
+        def timed(prepare) -> float:
+            if lane == "gpu":
+                return time_call(op, cuda=self.cuda, prepare=prepare, **kw)
+            return self.worker.run(time_call, op, cuda=None, prepare=prepare, **kw)
+        diffs = [timed(slept) - timed(flush) for _ in range(max(1, self.s.contention_rounds))]
+        return max(0.0, float(np.median(diffs)))
 
     def transfer_seconds(self, sizes: list[int]) -> list[float]:
         """Host-to-accelerator copies of ``b`` bytes through the executor's copy lane (pinned on CUDA)."""

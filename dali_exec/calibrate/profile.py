@@ -107,6 +107,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     jobs = [(f"{key}#{r}", job) for r in range(rounds) for key, job in tables]  # round by round
     if cfg.contention:
         jobs.append(("contention", bench.contention))
+        jobs.append(("lane_wake", lambda: {"cpu": bench.wake_seconds("cpu")}))
     if cfg.host is not None:
         run = ExecOptions(device=str(devices.accel), cpu_threads=cpu_threads, accel_threads=accel_threads)
         jobs.append(("host", lambda: measure_host_costs(cfg.full_model(), cfg.scale, cfg.dtype, devices, run, cfg.host)))
@@ -154,6 +155,9 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "host": "dali_exec/calibrate/host.py (replays of cpu-only and all-resident gpu-static on a random workload; "
                 "Controller.plan per preset)" if cfg.host is not None else "not measured",
         "dense_part": "dali_exec.executor.dense.DenseBlock (docs/executor.md), decode layout",
+        "lane_wake": (f"a call of 2 one-token experts on the CPU lane after {cfg.settings.wake_gap_s * 1e3:g} ms of "
+                      "sleep minus the same call straight after the previous one, the median over "
+                      f"{cfg.settings.contention_rounds} rounds") if cfg.contention else "not measured",
     }
     gpu_name = accel if cuda else f"{accel} (measured as the executor's accelerator)"
     return MeasuredProfile(
@@ -162,7 +166,8 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         gpu=MeasuredDevice(gpu_name, devices.accel_memory_bytes() / GIB),
         cpu=MeasuredDevice(f"{cpu_name()}, {cpu_threads} threads", host_memory_bytes() / GIB),
         link_name=link, model=ModelShape.of(model), provenance=provenance, contention=results.get("contention"),
-        host=results.get("host"), lanes={"gpu": gpu_fixed, "cpu": cpu_fixed}, **tables,
+        host=results.get("host"), lanes={"gpu": gpu_fixed, "cpu": cpu_fixed},
+        lane_wake=results.get("lane_wake"), **tables,
     )
 
 

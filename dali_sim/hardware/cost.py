@@ -176,6 +176,9 @@ class RooflineCosts:
     def lane(self, device: str) -> float:
         return self._fixed[(device, "lane")]
 
+    def wake(self, device: str) -> float:
+        return 0.0  # (a measured effect of the executor's sleeping worker thread; no analytic counterpart)
+
     def dense_block(self, device: str, n: np.ndarray, ctx: np.ndarray, kv: np.ndarray) -> np.ndarray:
         if not self._has_blocks:
             raise ValueError(f"model {self._model_name!r} has no dense (non-MoE) blocks")
@@ -209,10 +212,15 @@ def executor_on(profile: Profile, impl: Implementation) -> Implementation:
     profile with ``gpu_is_cpu_device``) makes a layer's on-demand copies on the accelerator lane itself,
     before its grouped call (dali_exec/executor/copies.py ``CopyEngine.issue_now``: "on the CPU device ...
     they are done now"): its computes wait for them, as ``compute_waits_copies`` says; on CUDA they run on
-    the copy stream beside the computes."""
+    the copy stream beside the computes. With equal lane thread counts there (the default) a layer without
+    accelerator experts runs its CPU lane in the calling thread (runtime.py ``run_experts``), so only a CPU
+    call beside accelerator experts wakes the worker (``cpu_lane_wakes = "beside-gpu"``)."""
     if (impl.name == EXECUTOR and profile.kind != "analytic"
             and profile.provenance.get("devices", {}).get("gpu_is_cpu_device")):
-        return dataclasses.replace(impl, compute_waits_copies=True)
+        threads = profile.provenance.get("threads", {})
+        same = threads.get("cpu_lane") is not None and threads.get("cpu_lane") == threads.get("accelerator_lane")
+        wakes = "beside-gpu" if same and impl.cpu_lane_wakes == "always" else impl.cpu_lane_wakes
+        return dataclasses.replace(impl, compute_waits_copies=True, cpu_lane_wakes=wakes)
     return impl
 
 
@@ -342,6 +350,13 @@ class CostModel:
         of the executor's grouped call, ``MeasuredProfile.lanes``)."""
         check_device(device)
         return float(self._costs.lane(device))
+
+    def lane_wake(self, device: str) -> float:
+        """Seconds a lane's call costs more when its thread slept before it (measured profiles:
+        ``MeasuredProfile.lane_wake``; 0 on analytic ones). Charged by the engine on the CPU-lane calls the
+        implementation's ``cpu_lane_wakes`` names."""
+        check_device(device)
+        return float(self._costs.wake(device))
 
     def _need(self, ok: bool, what: str) -> None:
         if not ok:

@@ -31,6 +31,9 @@ GPU_KERNELS = ("per-expert", "grouped")
 CUDA_GRAPHS = ("none", "full-gpu", "decode")
 OVERLAP = ("always", "decode", "never")  # when two things may run at the same time: in every step, decode only, never
 LM_HEAD = ("none", "last", "all")
+#: when the CPU lane's call pays the profile's lane_wake: never, every call (a worker thread that sleeps
+#: between layers), or only beside GPU experts (a layer without them runs the CPU lane inline)
+CPU_LANE_WAKES = ("never", "always", "beside-gpu")
 GPU_CALLS = ("layer", "landed")  # the GPU lane's fixed part: once per layer, or again after each wait for a copy  # logits for no token, every decode token and a prompt's last, or every token
 #: kernel counts an implementation declares (``kernels``), each per MoE layer unless said otherwise
 KERNEL_KEYS = {
@@ -70,6 +73,7 @@ class Implementation:
     compute_waits_copies: bool = False  # a layer's GPU experts start only when all its on-demand copies have landed
     gpu_calls: str = "layer"  # the GPU lane's fixed part (lane overhead) once per layer, or per call on what has landed
     evict_writeback: bool = False  # an eviction copies the evicted expert back to the host (one more copy on the link)
+    cpu_lane_wakes: str = "never"  # CPU_LANE_WAKES: which CPU-lane calls pay the profile's lane_wake (a sleeping worker)
     cuda_graphs: str = "none"  # steps replayed from a captured graph: none | full-gpu (1-token steps, all on GPU) | decode
     host_op_us: float = 0.0  # framework host time per GPU kernel beyond the profile's launch_us (e.g. Python)
     kernels: Mapping[str, int] = field(default_factory=dict)  # kernel counts (KERNEL_KEYS); missing = 0
@@ -79,7 +83,8 @@ class Implementation:
         where = f"implementation {self.name!r}"
         for key, allowed in (("copy_from", COPY_FROM), ("host", HOST_MODELS), ("gpu_experts", GPU_KERNELS),
                              ("cuda_graphs", CUDA_GRAPHS), ("lanes_overlap", OVERLAP), ("shared_overlap", OVERLAP),
-                             ("lm_head", LM_HEAD), ("gpu_calls", GPU_CALLS)):
+                             ("lm_head", LM_HEAD), ("gpu_calls", GPU_CALLS),
+                             ("cpu_lane_wakes", CPU_LANE_WAKES)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{where}: {key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         for f in fields(self):
@@ -157,5 +162,5 @@ def get_implementation(name: str | Implementation) -> Implementation:
     return impls[name]
 
 
-__all__ = ["ANY", "COPY_FROM", "CUDA_GRAPHS", "EXECUTOR", "GPU_CALLS", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "LM_HEAD", "OVERLAP", "Implementation", "get_implementation",
+__all__ = ["ANY", "COPY_FROM", "CPU_LANE_WAKES", "CUDA_GRAPHS", "EXECUTOR", "GPU_CALLS", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "LM_HEAD", "OVERLAP", "Implementation", "get_implementation",
            "implementation_from_dict", "implementation_names"]

@@ -121,6 +121,10 @@ class MeasuredProfile:
     # of the executor's grouped call (index building, gather, scatter); None = 0 (profiles measured with a
     # call per expert, whose expert tables include it)
     lanes: Mapping[str, float] | None = None
+    # seconds a lane's call costs more when its thread slept before it (the executor's CPU-lane worker waits
+    # on its queue between layers; the machine then runs its next call on a cold, possibly slowed core);
+    # None = 0
+    lane_wake: Mapping[str, float] | None = None
     path: str = field(default="", compare=False)
 
     kind = "measured"
@@ -164,6 +168,8 @@ class MeasuredProfile:
             extra["host"] = self.host.to_dict()
         if self.lanes is not None:
             extra["lanes"] = dict(self.lanes)
+        if self.lane_wake is not None:
+            extra["lane_wake"] = dict(self.lane_wake)
         return {
             "kind": self.kind,
             "format_version": FORMAT_VERSION,
@@ -229,7 +235,7 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
     if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise top.error("format_version", f"must be one of {list(READABLE_VERSIONS)}, got {version!r}")
     allowed = {"kind", "format_version", "name", "description", "gpu", "cpu", "link", "model", "tables", "provenance"}
-    top.reject_unknown(allowed | ({"contention", "host", "lanes"} if version >= 2 else set()))
+    top.reject_unknown(allowed | ({"contention", "host", "lanes", "lane_wake"} if version >= 2 else set()))
 
     devices = {}
     for dev in ("gpu", "cpu"):
@@ -268,11 +274,16 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
         lr2 = top.table("lanes")
         lr2.reject_unknown({"gpu", "cpu"})
         lanes = {d: lr2.number(d, strict=False) for d in ("gpu", "cpu")}
+    lane_wake = None
+    if top.has("lane_wake"):
+        wr = top.table("lane_wake")
+        wr.reject_unknown({"gpu", "cpu"})
+        lane_wake = {d: wr.number(d, strict=False) for d in ("gpu", "cpu") if wr.has(d)}
     return MeasuredProfile(
         name=top.string("name"), description=top.string("description", default="", nonempty=False),
         gpu=devices["gpu"], cpu=devices["cpu"], link_name=lr.string("name"), model=shape,
         provenance=dict(pr.data), path=source if source != "<dict>" else "", contention=contention, host=host,
-        lanes=lanes, **curves, **dense,
+        lanes=lanes, lane_wake=lane_wake, **curves, **dense,
     )
 
 
@@ -365,6 +376,11 @@ class TableCosts:
     def lane(self, device: str) -> float:
         """A lane's fixed seconds per layer it computes in (``MeasuredProfile.lanes``; 0 when not measured)."""
         return float((self.profile.lanes or {}).get(device, 0.0))
+
+    def wake(self, device: str) -> float:
+        """What a lane's call costs more after its thread slept (``MeasuredProfile.lane_wake``; 0 when not
+        measured)."""
+        return float((self.profile.lane_wake or {}).get(device, 0.0))
 
     def transfer(self, n_bytes: np.ndarray) -> np.ndarray:
         return interp_extrap(n_bytes, *self._curves["h2d"])

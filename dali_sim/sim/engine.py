@@ -148,6 +148,9 @@ class SimEngine:
             logits = workload.step_tokens if impl.lm_head == "all" else workload.step_logit_tokens
             self.lm_head = np.asarray(costs.lm_head_time(dense_device, logits), dtype=float)
         self.lane_overhead = {d: costs.lane_overhead(d) for d in ("gpu", "cpu")}
+        #: what the CPU lane's call costs more when its worker slept, and whether only beside GPU experts
+        self.cpu_wake = costs.lane_wake("cpu") if impl.cpu_lane_wakes != "never" else 0.0
+        self.cpu_wake_beside_gpu = impl.cpu_lane_wakes == "beside-gpu"
         self.waits_all = impl.compute_waits_copies
         # calls on what has landed: the GPU lane's fixed part per group of experts present when one starts
         self.per_group = self.lane_overhead["gpu"] if impl.gpu_calls == "landed" else 0.0
@@ -286,7 +289,9 @@ class SimEngine:
         experts = list(zip(plan.experts[on_cpu].tolist(), counts.tolist()))
         off_dense = self.dense_device != "cpu"  # the lane's activations live on the dense device
         pairs = int(counts.sum())
-        return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, self.lane_overhead["cpu"],
+        wakes = self.cpu_wake and (not self.cpu_wake_beside_gpu or plan.on_gpu.any())
+        overhead = self.lane_overhead["cpu"] + (self.cpu_wake if wakes else 0.0)
+        return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, overhead,
                         experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
 
     def _gpu_prologue(self, plan: LayerPlan, n_gpu: int) -> list[tuple[float, Activity]]:
