@@ -17,6 +17,7 @@ measured times are not the machine's, and the table says so.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -56,6 +57,42 @@ def loadavg() -> float:
     return os.getloadavg()[0]
 
 
+class SpeedProbe:
+    """The machine's speed right now, to tell model error from a machine that changed speed: the median
+    seconds of the calibration's own grouped call of one-token experts (``Microbench.expert_op``, caches
+    flushed; 2 experts, or as many as make 32 MiB of weights, at most 16) on each lane, summed, the
+    median of 3 rounds. A diagnostic only: no simulated time is scaled by it."""
+
+    def __init__(self, shape: Shape, scale: float, layers: int):
+        import torch
+
+        from dali_exec.calibrate.micro import Microbench, MicroSettings
+        from dali_exec.executor.cpu_worker import CpuWorker
+        from dali_exec.executor.devices import Devices
+        from dali_exec.executor.problem import scale_model
+        from dali_sim.models.presets import get_model
+
+        self._torch = torch
+        self.worker = CpuWorker(1)
+        model = scale_model(get_model(shape.model), scale, layers, "bf16")
+        self.bench = Microbench(model, Devices.create("cpu", "bf16"), self.worker, MicroSettings(repeats=15, warmup=2))
+        group = int(min(16, model.num_experts, max(2, math.ceil((32 << 20) / model.expert_bytes))))
+        self.ops = {lane: self.bench.expert_op(lane, 1, group) for lane in ("gpu", "cpu")}
+        self.seconds()  # (the process's first calls are slower: not a reading)
+
+    def seconds(self) -> float:
+        prev = self._torch.get_num_threads()
+        self._torch.set_num_threads(1)
+        try:
+            return float(np.median([sum(self.bench._timed(lane, op) for lane, op in self.ops.items())
+                                    for _ in range(3)]))
+        finally:
+            self._torch.set_num_threads(prev)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
 def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, calibrate_each: bool) -> list[dict]:
     spec = C.TraceSpec(shape.model, sequences=C.total_sequences(BATCH), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
                        seed=0)
@@ -63,9 +100,14 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
     replay = ReplayOptions(model_shape=shape.model, layers=2 if quick else shape.layers, scale=scale,
                            dtype="bf16")
     rows, profile = [], None
+    probe = SpeedProbe(shape, scale, replay.layers)
+    reference = None  # the probe when the profile in use was calibrated
     for rep in range(repeats):
         folder = out / f"{shape.model}-r{rep}"
         before = loadavg()
+        probe_before = probe.seconds()
+        if reference is None or calibrate_each:
+            reference = probe_before
         cfg = ValidationConfig(systems=SYSTEMS, replay=replay, run=ExecOptions(device="cpu"), profile=profile,
                                batch_size=BATCH, gpu_memory_gib=shape.gpu_memory_gib, timelines=False, plot=False,
                                thresholds=THRESHOLDS)
@@ -73,13 +115,17 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
                           log=C.progress)
         profile = None if calibrate_each else profile or report.settings["profile"]
         after = loadavg()
+        probe_after = probe.seconds()
         for r in report.rows:
             rows.append({"shape": shape.model, "repeat": rep, "system": r["system"], "exec_s": r["exec_s"],
                          "sim_s": r["sim_s"], "total_err": r["total_rel_err"],
                          "step_err_median": r["step_abs_err_median"], "step_err_p90": r["step_abs_err_p90"],
                          "counters_exact": r["exact"], "load_before": before, "load_after": after,
+                         "probe_before_ms": 1e3 * probe_before, "probe_after_ms": 1e3 * probe_after,
+                         "machine_drift": probe_after / reference - 1,
                          "calibrated": calibrate_each or rep == 0, "verdict_ok": report.ok,
                          "failures": "; ".join(report.verdict.get("failures", []))})
+    probe.close()
     return rows
 
 
@@ -130,12 +176,16 @@ def main(argv=None) -> int:
                + ", ".join(f"{r.shape} {100 * r.max_abs_total:.1f}%" for r in worst.itertuples())
                + f"; load average up to {df['load_after'].max():.1f} on {os.cpu_count()} cores.")
     show = df[["shape", "repeat", "system", "exec_s", "sim_s", "total_err", "step_err_p90", "load_before",
-               "load_after"]]
+               "load_after", "machine_drift"]]
     md = ["# The executor against the simulator on this machine (CPU device)", summary,
           "Each repeat runs every system once on the executor and once in the simulator; "
           + ("every repeat calibrates the machine first. " if args.calibrate_each else
              "the first repeat calibrates the machine and the others reuse its profile. ")
-          + "total_err = simulated / measured - 1; step_err = the per-step |relative error|.", C.markdown_table(df.drop(columns=["failures"])),
+          + "total_err = simulated / measured - 1; step_err = the per-step |relative error|. probe_*_ms: the "
+          "calibration's call of 2 one-token experts on each lane, summed, before and after the repeat; "
+          "machine_drift = the probe after the repeat over the probe when its profile was calibrated, - 1 "
+          "(a diagnostic: > 0 means the machine ran slower than when it was calibrated, and simulated times "
+          "then come out fast).", C.markdown_table(df.drop(columns=["failures"])),
           "Failures:\n\n" + ("\n".join(f"- {s} r{r}: {f}" for s, r, f in
                                         df[df.failures != ""][["shape", "repeat", "failures"]]
                                         .drop_duplicates().itertuples(index=False)) or "none")]
