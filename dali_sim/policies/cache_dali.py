@@ -80,6 +80,7 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
     def setup(self, ctx: SetupContext) -> None:
         self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=np.int64)  # the current window's sums
         self.visits = np.zeros(ctx.num_layers, dtype=np.int64)  # visits of each layer in the current window
+        self._no_key = np.zeros(ctx.num_experts, np.int64)
 
     def observe(self, view: LayerView) -> None:
         self.score[view.layer, view.experts] += view.counts
@@ -93,6 +94,9 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
 
     def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
         return evictable[:0]
+
+    def keyed_form(self, layer: int, view: LayerView):
+        return True, False, self._no_key, self._no_key, None  # free slots take fetched experts; no evictions
 
     def window_end(self, layer: int) -> bool:
         """Whether the layer's current visit closes its window (call after ``observe``)."""

@@ -255,6 +255,10 @@ class MRSCache(LRU):
         # lowest score; ties: least recently used, then lower id (scores change in observe only)
         return evictable[np.lexsort((evictable, self.stamp[layer, evictable], self.score[layer, evictable]))]
 
+    def keyed_form(self, layer: int, view: LayerView):
+        evicts = view.phase != PREFILL or self.config.prefill_evicts
+        return True, evicts, self.score[layer], self.stamp[layer], self._clock
+
 
 # ---- prefetch -------------------------------------------------------------------------------------
 @dataclass(frozen=True)

@@ -21,7 +21,9 @@ from dali_sim.policies.base import (
     SetupContext,
     readonly,
 )
+from dali_sim.runtime import plan_kernel
 from dali_sim.runtime.future import FutureDemand
+from dali_sim.runtime.plan_kernel import TALLY_PREFETCHES, TALLY_STAGED, TALLY_SWAPS
 from dali_sim.workload.builder import Workload
 
 # where the weights of an activated expert come from
@@ -52,6 +54,8 @@ class LayerPlan:
     prefetch_used: list[int] = field(default_factory=list)  # experts prefetched for this layer and used on the GPU
     prefetch_wasted: list[int] = field(default_factory=list)  # prefetched for this layer, not used
     swaps: list[tuple[int, int]] = field(default_factory=list)  # cache-initiated (in, out) transfers
+    #: the plan's row of counters (``PlanCounters``), when the controller's compiled path counted them
+    tally: tuple[int, ...] | None = None
 
 
 class Controller:
@@ -60,9 +64,10 @@ class Controller:
     def __init__(self, workload: Workload, costs: CostModel, placement: PlacementPolicy, cache: CachePolicy,
                  prefetch: PrefetchPolicy, capacities: np.ndarray, *, cache_init: str = "empty",
                  prefetch_slots: int = 0, staging_slots: int = 1, seed: int = 0,
-                 future: FutureDemand | None = None, frequencies: np.ndarray | None = None):
+                 future: FutureDemand | None = None, frequencies: np.ndarray | None = None, fast: bool = True):
         """``frequencies``: (L, E) per-expert workloads of the profiling input, for frequency-based choices
-        (``dali_sim.workload.profiling``); None = the workload's own (hindsight), as ``frequency-hindsight``."""
+        (``dali_sim.workload.profiling``); None = the workload's own (hindsight), as ``frequency-hindsight``.
+        ``fast=False``: every plan by :meth:`plan_reference` (the same plans; for tests and comparisons)."""
         self.w = workload
         self.costs = costs
         self.placement, self.cache, self.prefetcher = placement, cache, prefetch
@@ -107,6 +112,10 @@ class Controller:
         # (asked once: a policy's class does not change during a run)
         self._prefetching = self.prefetch_slots > 0
         self._swapping = type(cache).rebalance is not CachePolicy.rebalance
+        self._observes = type(cache).observe is not CachePolicy.observe
+        #: the compiled bookkeeping of :meth:`plan` (None: every plan takes :meth:`plan_reference`)
+        self._kernel = plan_kernel.compiled() if cache.keyed and fast else None
+        self._no_clock = np.zeros(1, np.int64)
 
     def _lookahead(self, step: int, layer: int, what: str = "counts"):
         def get(name: str, target: int) -> np.ndarray:
@@ -155,14 +164,59 @@ class Controller:
         return dataclasses.replace(view, true_counts=self._true_counts(view.step, view.layer))
 
     def plan(self, step: int, layer: int) -> LayerPlan:
+        """The plan of (step, layer); layers must be planned in order (:meth:`plans`).
+
+        With a cache policy that has a keyed form and numba installed, everything after the placement but
+        the prefetches and swaps runs as one compiled call (``dali_sim.runtime.plan_kernel``), which also
+        counts the plan; otherwise (and as the reference) :meth:`plan_reference`: the same plans."""
+        kernel = self._kernel
+        if kernel is None:
+            return self.plan_reference(step, layer)
+        view = self.view(step, layer)
+        cache = self.cache
+        if self._observes:
+            cache.observe(view)
+        experts = view.experts
+        on_gpu = self._place(view)
+        accepts, evicts, primary, stamp, clock = cache.keyed_form(layer, view)
+        source, hit, admitted, staged, victims, used, wasted, first_fetch, tally = kernel(
+            experts, view.counts, on_gpu, self.resident[layer], self.pending[layer], layer,
+            int(self.capacities[layer]), self.n_resident, self.n_pending, bool(accepts), bool(evicts), primary, stamp,
+            self._no_clock if clock is None else clock, clock is not None)
+        if first_fetch >= 0 and not self.placement.may_fetch:
+            self._never_fetches(layer, int(experts[first_fetch]))
+        if self.staging_slots < 1 and tally[TALLY_STAGED]:
+            raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
+        prefetches = self._issue_prefetches(view) if self._prefetching else []
+        swaps = self._apply_swaps(view, layer) if self._swapping else []
+        tally[TALLY_PREFETCHES] = len(prefetches)
+        tally[TALLY_SWAPS] = len(swaps)
+        return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, hit,
+                         admitted, staged, victims.tolist(), prefetches, used.tolist(), wasted.tolist(), swaps,
+                         tuple(tally.tolist()))
+
+    def _place(self, view: LayerView) -> np.ndarray:
+        """The placement's (n,) bool mask, checked."""
+        on_gpu = np.asarray(self.placement.place(self._view_for(self.placement, view)), dtype=bool)
+        n = len(view.experts)
+        if on_gpu.shape != (n,):
+            raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
+        return on_gpu
+
+    def _never_fetches(self, layer: int, expert: int):
+        raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {expert} of layer "
+                         f"{layer} on the GPU while it is not resident: the cache must hold every expert this "
+                         "placement runs on the GPU (check memory.layout and memory.cache_init)")
+
+    def plan_reference(self, step: int, layer: int) -> LayerPlan:
+        """:meth:`plan` in NumPy and the policies' batch or per-expert hooks: the reference of the compiled
+        path, and the path of every cache policy without a keyed form."""
         view = self.view(step, layer)
         cache = self.cache
         cache.observe(view)
         experts = view.experts
         n = len(experts)
-        on_gpu = np.asarray(self.placement.place(self._view_for(self.placement, view)), dtype=bool)
-        if on_gpu.shape != (n,):
-            raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
+        on_gpu = self._place(view)
         resident = self.resident[layer]
         pending = self.pending[layer]
         n_pending = self.n_pending[layer]
@@ -185,11 +239,8 @@ class Controller:
                 code |= pending[experts].view(np.uint8)
             source = _SOURCE_OF[code]
             fetch = source == FETCH
-            if not self.placement.may_fetch and nz(fetch):  # noqa: SIM102 (the message needs the expert)
-                e = int(experts[fetch][0])
-                raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {e} of layer "
-                                 f"{layer} on the GPU while it is not resident: the cache must hold every expert this "
-                                 "placement runs on the GPU (check memory.layout and memory.cache_init)")
+            if not self.placement.may_fetch and nz(fetch):
+                self._never_fetches(layer, int(experts[fetch][0]))
             if cache.batched:
                 admitted, evicted = self._admit_batched(view, layer, experts, hit, miss)
             else:

@@ -1,0 +1,182 @@
+"""The controller's per-layer bookkeeping as one compiled loop (numba): the fast path of ``Controller.plan``.
+
+After the placement has decided, a plan needs a dozen small steps: the experts' hits and sources, the
+batched admission into the layer's cache (free slots, then victims in the cache policy's order), the
+cache's use stamps, the staged experts, the prefetches used or wasted, and the counters of the plan.
+As NumPy calls each costs a microsecond or more of call overhead, several times that when the caches
+are cold after a layer's tensor work in the executor; :func:`layer_plan` does all of it in one call.
+
+It applies to a cache policy with a *keyed form* (``CachePolicy.keyed_form``: its victims are the
+evictable entries by ascending ``(primary, stamp, id)``, touches renew a use stamp or nothing, evictions
+need no notice): lru, lfu, static, dali-window and hybrimoe-mrs. The controller's NumPy path
+(``Controller.plan_reference``) stays the reference, and the path of every other cache or when numba is
+off (``DALI_NUMBA=0``); both give the same plans (tests/test_plan_fast.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dali_sim.policies import kernels
+
+# sources, as dali_sim.runtime.controller (repeated: that module imports this one)
+_HIT, _PREFETCHED, _FETCH, _CPU = 0, 1, 2, 3
+#: the positions of the tally (``PlanCounters``' row) the controller fills after the kernel
+TALLY_PREFETCHES, TALLY_SWAPS = 7, 12
+TALLY_STAGED = 11
+
+
+def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_resident, n_pending,
+                accepts, evicts, primary, stamp, clock, stamps):
+    """One (step, layer) after its placement, as ``Controller.plan_reference`` computes it.
+
+    ``resident``/``pending`` are the layer's (E,) rows and ``n_resident``/``n_pending`` the (L,) counts,
+    all updated in place; ``accepts``: a free slot takes a fetched expert; ``evicts``: a full cache
+    evicts (else a fetched expert is staged); victims by ascending (``primary``, ``stamp``, id) among the
+    resident experts not activated; ``stamps``: hits and admissions get use stamps ``clock[0] + 1, ...``
+    in touch order (``clock`` advanced). Returns (source, hit, admitted, staged, victims, prefetch used,
+    prefetch wasted, the index of the first expert fetched on demand or -1, the tally: the plan's
+    ``PlanCounters`` row with the prefetch and swap counts still 0)."""
+    n = experts.shape[0]
+    E = resident.shape[0]
+    source = np.empty(n, np.int8)
+    hit = np.zeros(n, np.bool_)
+    admitted = np.zeros(n, np.bool_)
+    staged = np.zeros(n, np.bool_)
+    activated = np.zeros(E, np.bool_)
+    from_prefetch = np.zeros(E, np.bool_)
+    had_pending = n_pending[layer] > 0
+    n_hit = 0
+    n_cpu = 0
+    n_fetch = 0
+    n_pref = 0
+    n_miss = 0
+    cpu_tokens = 0
+    gpu_tokens = 0
+    first_fetch = -1
+    for i in range(n):
+        e = experts[i]
+        activated[e] = True
+        h = resident[e]
+        hit[i] = h
+        if h:
+            n_hit += 1
+        if not on_gpu[i]:
+            source[i] = _CPU
+            n_cpu += 1
+            cpu_tokens += counts[i]
+            continue
+        gpu_tokens += counts[i]
+        if h:
+            source[i] = _HIT
+            continue
+        n_miss += 1  # on the GPU, not resident: prefetched or fetched on demand
+        if had_pending and pending[e]:
+            source[i] = _PREFETCHED
+            from_prefetch[e] = True
+            n_pref += 1
+        else:
+            source[i] = _FETCH
+            n_fetch += 1
+            if first_fetch < 0:
+                first_fetch = i
+    # admission: the misses (touch order) fill free slots if the cache accepts, then take victims
+    take = 0
+    n_vict = 0
+    victims = np.empty(min(n_miss, E), np.int64)
+    if n_miss:
+        free = capacity - n_resident[layer]
+        if not (free > 0 and not accepts):
+            take = min(max(free, 0), n_miss)
+            if evicts:
+                taken = np.zeros(E, np.bool_)
+                while n_vict < n_miss - take:
+                    best = -1
+                    for x in range(E):  # the smallest key left; ties: the lower id (x ascending)
+                        if resident[x] and not activated[x] and not taken[x]:
+                            if best < 0 or primary[x] < primary[best] or (
+                                    primary[x] == primary[best] and stamp[x] < stamp[best]):
+                                best = x
+                    if best < 0:
+                        break  # no evictable entry left: the rest are staged
+                    taken[best] = True
+                    victims[n_vict] = best
+                    n_vict += 1
+        left = take + n_vict
+        for i in range(n):
+            if left == 0:
+                break
+            if on_gpu[i] and not hit[i]:
+                admitted[i] = True
+                left -= 1
+        for j in range(n_vict):
+            resident[victims[j]] = False
+        for i in range(n):
+            if admitted[i]:
+                resident[experts[i]] = True
+        n_resident[layer] += take
+    n_admitted = take + n_vict
+    if stamps:
+        c = clock[0]
+        for i in range(n):
+            if hit[i] or admitted[i]:
+                c += 1
+                stamp[experts[i]] = c
+        clock[0] = c
+    n_staged = 0
+    for i in range(n):
+        if source[i] == _FETCH and not admitted[i]:
+            staged[i] = True
+            n_staged += 1
+    n_used = 0
+    n_was = 0
+    if had_pending:
+        for x in range(E):
+            if pending[x]:
+                n_was += 1
+                if from_prefetch[x]:
+                    n_used += 1
+    used = np.empty(n_used, np.int64)
+    wasted = np.empty(n_was - n_used, np.int64)
+    if had_pending:
+        u = 0
+        w = 0
+        for x in range(E):
+            if pending[x]:
+                if from_prefetch[x]:
+                    used[u] = x
+                    u += 1
+                else:
+                    wasted[w] = x
+                    w += 1
+                pending[x] = False
+        n_pending[layer] = 0
+    tally = np.zeros(15, np.int64)
+    tally[0] = layer
+    tally[1] = n
+    tally[2] = n_hit
+    tally[3] = n - n_cpu
+    tally[4] = n_cpu
+    tally[5] = n_fetch
+    tally[6] = n_pref
+    tally[8] = n_was - n_used
+    tally[9] = n_admitted if n_fetch or n_pref else 0
+    tally[10] = n_vict
+    tally[11] = n_staged if n_fetch else 0
+    tally[13] = gpu_tokens
+    tally[14] = cpu_tokens
+    return source, hit, admitted, staged, victims[:n_vict], used, wasted, first_fetch, tally
+
+
+_COMPILED: list = []
+
+
+def compiled():
+    """:func:`_layer_plan` compiled (on the first call), or None without numba (the controller then takes
+    its NumPy path)."""
+    if not _COMPILED:
+        _COMPILED.append(kernels.jit(_layer_plan))
+    return _COMPILED[0]
+
+
+__all__ = ["TALLY_PREFETCHES", "TALLY_STAGED", "TALLY_SWAPS", "compiled"]
