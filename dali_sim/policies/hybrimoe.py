@@ -242,6 +242,10 @@ class MRSCache(LRU):
         self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=float)
 
     def observe(self, view: LayerView) -> None:
+        update = kernels.fused("mrs_update")
+        if update is not None:  # the same update in place, in one call
+            update(self.score[view.layer], view.experts, view.counts, view.tokens, float(self.config.a))
+            return
         self.score[view.layer] = mrs_update(self.score[view.layer], view.experts, view.counts, view.tokens,
                                             float(self.config.a))
 
@@ -382,6 +386,9 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
         threshold = float(self.config.min_gain)
         if threshold < 0:
             threshold = float(view.costs.expert_transfer_time())
+        fast = self._compiled(view, threshold)
+        if fast is not None:
+            return fast
         cands: list[tuple[float, int, int, int]] = []  # (-gain per copy, distance, position, expert)
         for d, name in self._columns():
             target = view.layer + d
@@ -395,6 +402,24 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
         cands.sort()
         out = [(view.layer + d, e) for _, d, _, e in cands]
         return out[: self.config.k] if self.config.k > 0 else out
+
+    def _compiled(self, view: LayerView, threshold: float) -> list[tuple[int, int]] | None:
+        """:meth:`prefetch` after the lookups as one compiled call (``kernels._impact_requests``), for the hss
+        schedule with the cost model's tables; None: take the NumPy path (no numba, or a prediction beyond
+        the tables)."""
+        kernel = kernels.fused("impact_requests")
+        table = getattr(view.costs, "expert_time_table", None)
+        if kernel is None or table is None or self.config.schedule != "hss":
+            return None
+        layer, L = view.layer, view.num_layers
+        columns = [(d, name) for d, name in self._columns() if layer + d < L]
+        if not columns:
+            return []
+        preds = tuple(np.asarray(view.lookahead(name, layer + d), dtype=np.float64) for d, name in columns)
+        ok, targets, experts = kernel(preds, tuple(d for d, _ in columns), self.seen, layer, table("gpu"),
+                                      table("cpu"), float(view.costs.expert_transfer_time()), threshold,
+                                      int(self.config.k))
+        return list(zip(targets.tolist(), experts.tolist())) if ok else None
 
     def _by_score(self, view: LayerView) -> list[tuple[int, int]]:
         """The code's prefetch_expert: the k highest MRS scores of the next layer (updated at its own visits,
