@@ -3,8 +3,8 @@ exactly the plans of the NumPy reference (``Controller.plan_reference``, the pol
 
 Every system preset runs on synthetic workloads (several seeds, cache sizes, batch sizes, with and without
 prefill) twice: as shipped, and with every compiled path off (``plan_kernel.compiled`` and
-``kernels.fused`` answering None, so that each plan takes the reference path). Every field of every
-plan and every counter must agree.
+``kernels.fused`` and the placements' and dali-window's kernel getters answering None, so that each plan
+takes the NumPy reference path). Every field of every plan and every counter must agree.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dali_sim.policies import kernels, resolve_system, system_names
+from dali_sim.policies import cache_dali, kernels, placement_competitors, placement_dali, resolve_system, system_names
 from dali_sim.policies.base import CachePolicy
 from dali_sim.policies.cache import LRU
 from dali_sim.policies.hybrimoe import mrs_update
@@ -60,6 +60,9 @@ def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compi
         if not compiled:
             m.setattr(plan_kernel, "compiled", lambda: None)
             m.setattr(kernels, "fused", lambda name: None)
+            for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
+                                   (cache_dali, "_compiled_swaps")):
+                m.setattr(module, getter, lambda: None)
         plan = ctl.Controller.plan
 
         def recorded(self, step, layer):
@@ -142,3 +145,17 @@ def test_mrs_update_kernel_matches_numpy():
         ref = mrs_update(score, experts, counts, tokens, a)
         update(score, experts, counts, tokens, a)  # in place
         assert score.tobytes() == ref.tobytes(), trial
+
+
+def test_window_swaps_kernel_matches_numpy(monkeypatch):
+    rng = np.random.default_rng(2)
+    for trial in range(300):
+        E = int(rng.integers(1, 30))
+        score = rng.integers(0, 5, E).astype(np.int64)  # many ties
+        resident = rng.random(E) < rng.random()
+        u = int(rng.integers(0, 6))
+        fast = cache_dali.window_swaps(score, resident, u)
+        with monkeypatch.context() as m:
+            m.setattr(cache_dali, "_compiled_swaps", lambda: None)
+            ref = cache_dali.window_swaps(score, resident, u)
+        assert fast == ref, trial

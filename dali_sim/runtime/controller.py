@@ -23,7 +23,13 @@ from dali_sim.policies.base import (
 )
 from dali_sim.runtime import plan_kernel
 from dali_sim.runtime.future import FutureDemand
-from dali_sim.runtime.plan_kernel import TALLY_PREFETCHES, TALLY_STAGED, TALLY_SWAPS
+from dali_sim.runtime.plan_kernel import (
+    TALLY_EVICTED,
+    TALLY_PREFETCH_USED,
+    TALLY_PREFETCHES,
+    TALLY_STAGED,
+    TALLY_SWAPS,
+)
 from dali_sim.workload.builder import Workload
 
 # where the weights of an activated expert come from
@@ -112,7 +118,10 @@ class Controller:
         # (asked once: a policy's class does not change during a run)
         self._prefetching = self.prefetch_slots > 0
         self._swapping = type(cache).rebalance is not CachePolicy.rebalance
-        self._observes = type(cache).observe is not CachePolicy.observe
+        cls = type(cache)
+        self._observes = cls.observe is not CachePolicy.observe
+        # (the default hooks do nothing: not called)
+        self._told_of_swaps = cls.on_evict is not CachePolicy.on_evict or cls.on_admit is not CachePolicy.on_admit
         #: the compiled bookkeeping of :meth:`plan` (None: every plan takes :meth:`plan_reference`)
         self._kernel = plan_kernel.compiled() if cache.keyed and fast else None
         self._no_clock = np.zeros(1, np.int64)
@@ -179,7 +188,7 @@ class Controller:
         experts = view.experts
         on_gpu = self._place(view)
         accepts, evicts, primary, stamp, clock = cache.keyed_form(layer, view)
-        source, hit, admitted, staged, victims, used, wasted, first_fetch, tally = kernel(
+        source, flags, lists, first_fetch, tally = kernel(
             experts, view.counts, on_gpu, self.resident[layer], self.pending[layer], layer,
             int(self.capacities[layer]), self.n_resident, self.n_pending, bool(accepts), bool(evicts), primary, stamp,
             self._no_clock if clock is None else clock, clock is not None)
@@ -191,9 +200,12 @@ class Controller:
         swaps = self._apply_swaps(view, layer) if self._swapping else []
         tally[TALLY_PREFETCHES] = len(prefetches)
         tally[TALLY_SWAPS] = len(swaps)
-        return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, hit,
-                         admitted, staged, victims.tolist(), prefetches, used.tolist(), wasted.tolist(), swaps,
-                         tuple(tally.tolist()))
+        row = tally.tolist()
+        ids = lists.tolist()
+        n_evicted, n_used = row[TALLY_EVICTED], row[TALLY_PREFETCH_USED]
+        return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, flags[0],
+                         flags[1], flags[2], ids[:n_evicted], prefetches, ids[n_evicted:n_evicted + n_used],
+                         ids[n_evicted + n_used:], swaps, tuple(row))
 
     def _place(self, view: LayerView) -> np.ndarray:
         """The placement's (n,) bool mask, checked."""
@@ -422,8 +434,9 @@ class Controller:
                                  "must bring in a non-resident expert for a resident one")
             resident[e_out] = False
             resident[e_in] = True
-            self.cache.on_evict(layer, int(e_out))
-            self.cache.on_admit(layer, int(e_in), view)
+            if self._told_of_swaps:
+                self.cache.on_evict(layer, int(e_out))
+                self.cache.on_admit(layer, int(e_in), view)
         return [(int(a), int(b)) for a, b in swaps]
 
     def plans(self):

@@ -23,7 +23,7 @@ from dali_sim.policies import kernels
 _HIT, _PREFETCHED, _FETCH, _CPU = 0, 1, 2, 3
 #: the positions of the tally (``PlanCounters``' row) the controller fills after the kernel
 TALLY_PREFETCHES, TALLY_SWAPS = 7, 12
-TALLY_STAGED = 11
+TALLY_PREFETCH_USED, TALLY_WASTED, TALLY_EVICTED, TALLY_STAGED = 6, 8, 10, 11
 
 
 def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_resident, n_pending,
@@ -34,15 +34,17 @@ def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_r
     all updated in place; ``accepts``: a free slot takes a fetched expert; ``evicts``: a full cache
     evicts (else a fetched expert is staged); victims by ascending (``primary``, ``stamp``, id) among the
     resident experts not activated; ``stamps``: hits and admissions get use stamps ``clock[0] + 1, ...``
-    in touch order (``clock`` advanced). Returns (source, hit, admitted, staged, victims, prefetch used,
-    prefetch wasted, the index of the first expert fetched on demand or -1, the tally: the plan's
-    ``PlanCounters`` row with the prefetch and swap counts still 0)."""
+    in touch order (``clock`` advanced). Returns (source, (3, n) bool: hit, admitted and staged, the
+    victims then the prefetches used then those wasted as one array (their lengths: the tally's
+    ``evicted``, ``prefetch_used`` and ``prefetch_wasted``), the index of the first expert fetched on
+    demand or -1, the tally: the plan's ``PlanCounters`` row with the prefetch and swap counts still 0)."""
     n = experts.shape[0]
     E = resident.shape[0]
     source = np.empty(n, np.int8)
-    hit = np.zeros(n, np.bool_)
-    admitted = np.zeros(n, np.bool_)
-    staged = np.zeros(n, np.bool_)
+    flags = np.zeros((3, n), np.bool_)  # hit, admitted, staged: one array (each returned array costs a boxing)
+    hit = flags[0]
+    admitted = flags[1]
+    staged = flags[2]
     activated = np.zeros(E, np.bool_)
     from_prefetch = np.zeros(E, np.bool_)
     had_pending = n_pending[layer] > 0
@@ -136,18 +138,19 @@ def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_r
                 n_was += 1
                 if from_prefetch[x]:
                     n_used += 1
-    used = np.empty(n_used, np.int64)
-    wasted = np.empty(n_was - n_used, np.int64)
+    # the lists: victims (eviction order), then the prefetches used and wasted (ascending ids)
+    lists = np.empty(n_vict + n_was, np.int64)
+    lists[:n_vict] = victims[:n_vict]
     if had_pending:
-        u = 0
-        w = 0
+        u = n_vict
+        w = n_vict + n_used
         for x in range(E):
             if pending[x]:
                 if from_prefetch[x]:
-                    used[u] = x
+                    lists[u] = x
                     u += 1
                 else:
-                    wasted[w] = x
+                    lists[w] = x
                     w += 1
                 pending[x] = False
         n_pending[layer] = 0
@@ -165,7 +168,7 @@ def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_r
     tally[11] = n_staged if n_fetch else 0
     tally[13] = gpu_tokens
     tally[14] = cpu_tokens
-    return source, hit, admitted, staged, victims[:n_vict], used, wasted, first_fetch, tally
+    return source, flags, lists, first_fetch, tally
 
 
 _COMPILED: list = []
@@ -179,4 +182,5 @@ def compiled():
     return _COMPILED[0]
 
 
-__all__ = ["TALLY_PREFETCHES", "TALLY_STAGED", "TALLY_SWAPS", "compiled"]
+__all__ = ["TALLY_EVICTED", "TALLY_PREFETCHES", "TALLY_PREFETCH_USED", "TALLY_STAGED", "TALLY_SWAPS", "TALLY_WASTED",
+           "compiled"]
