@@ -378,6 +378,7 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
         # a layer's cache contents as last seen at its own visit (the view shows only the current layer's)
         self.seen = np.zeros((ctx.num_layers, ctx.num_experts), dtype=bool)
         self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=float)  # source=score: MRS scores
+        self._cols = self._columns()
 
     def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
         if self.config.source == "score":
@@ -408,18 +409,18 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
         schedule with the cost model's tables; None: take the NumPy path (no numba, or a prediction beyond
         the tables)."""
         kernel = kernels.fused("impact_requests")
-        table = getattr(view.costs, "expert_time_table", None)
-        if kernel is None or table is None or self.config.schedule != "hss":
+        tables = kernels.cost_tables(self, view.costs) if kernel is not None else None
+        if tables is None or self.config.schedule != "hss":
             return None
         layer, L = view.layer, view.num_layers
-        columns = [(d, name) for d, name in self._columns() if layer + d < L]
+        columns = [(d, name) for d, name in self._cols if layer + d < L]
         if not columns:
             return []
         preds = tuple(np.asarray(view.lookahead(name, layer + d), dtype=np.float64) for d, name in columns)
-        ok, targets, experts = kernel(preds, tuple(d for d, _ in columns), self.seen, layer, table("gpu"),
-                                      table("cpu"), float(view.costs.expert_transfer_time()), threshold,
-                                      int(self.config.k))
-        return list(zip(targets.tolist(), experts.tolist())) if ok else None
+        gpu, cpu, xfer = tables
+        ok, pairs = kernel(preds, tuple(d for d, _ in columns), self.seen, layer, gpu, cpu, xfer, threshold,
+                           int(self.config.k))
+        return pairs if ok else None  # (m, 2) int64 pairs: the controller's compiled path takes them as they are
 
     def _by_score(self, view: LayerView) -> list[tuple[int, int]]:
         """The code's prefetch_expert: the k highest MRS scores of the next layer (updated at its own visits,

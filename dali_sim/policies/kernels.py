@@ -172,20 +172,30 @@ def _top_predicted(counts, rank, k):
     return order[:m]
 
 
+def _top_pairs(counts, rank, k, target):
+    """:func:`_top_predicted` as the (m, 2) int64 prefetch requests ``(target, expert)`` (compiled only)."""
+    order = _top_predicted_fn(counts, rank, k)
+    pairs = np.empty((order.shape[0], 2), np.int64)
+    for i in range(order.shape[0]):
+        pairs[i, 0] = target
+        pairs[i, 1] = order[i]
+    return pairs
+
+
 def _impact_requests(preds, distances, seen, layer, gpu_table, cpu_table, xfer, threshold, k):
     """``HybriMoEPrefetch.prefetch`` (source impact, schedule hss) after its lookups, in one call (compiled
     only): per predicted layer ``layer + distances[i]`` (``preds[i]`` its (E,) predicted workloads, below
     the tables' length), :func:`_impact_prefix` on ``seen[target]``; the prefixes whose gain per copy
     reaches ``threshold``, expert by expert ordered by (-gain per copy, distance, position), at most
-    ``k`` (0 = all). Returns (whether every prediction was below the tables' length, targets, experts):
-    when one was not, nothing is computed (the caller takes the NumPy path)."""
+    ``k`` (0 = all). Returns (whether every prediction was below the tables' length, the (m, 2) pairs of
+    target layer and expert): when one was not, nothing is computed (the caller takes the NumPy path)."""
     total = 0
     top = min(gpu_table.shape[0], cpu_table.shape[0])
     for pred in preds:
         total += pred.shape[0]
         for x in range(pred.shape[0]):
             if not pred[x] < top:
-                return False, np.empty(0, np.int64), np.empty(0, np.int64)
+                return False, np.empty((0, 2), np.int64)
     neg_gain = np.empty(total)
     dist = np.empty(total, np.int64)
     pos = np.empty(total, np.int64)
@@ -218,12 +228,11 @@ def _impact_requests(preds, distances, seen, layer, gpu_table, cpu_table, xfer, 
         rank[i] = a
     if 0 < k < m:
         m = k
-    targets = np.empty(m, np.int64)
-    experts = np.empty(m, np.int64)
+    pairs = np.empty((m, 2), np.int64)
     for i in range(m):
-        targets[i] = layer + dist[rank[i]]
-        experts[i] = expert[rank[i]]
-    return True, targets, experts
+        pairs[i, 0] = layer + dist[rank[i]]
+        pairs[i, 1] = expert[rank[i]]
+    return True, pairs
 
 
 def _mrs_update(score, experts, counts, tokens, a):
@@ -242,6 +251,7 @@ _PYTHON = {"greedy": _greedy, "hss": _hss, "impact": _impact}
 _hss_fn = _hss  # what _impact calls: replaced by the compiled _hss before _impact is compiled
 _impact_fn = _impact  # what _impact_prefix calls: the compiled _impact
 _impact_prefix_fn = _impact_prefix  # what _impact_requests calls: the compiled _impact_prefix
+_top_predicted_fn = _top_predicted  # what _top_pairs calls: the compiled _top_predicted
 _impls: dict[str, Callable] | None = None
 _fused: dict[str, Callable] = {}  # kernels with no Python fallback (callers keep a NumPy path)
 
@@ -251,7 +261,7 @@ def _on_lists(fn: Callable) -> Callable:
 
 
 def _load() -> dict[str, Callable]:
-    global _impls, _hss_fn, _impact_fn, _impact_prefix_fn
+    global _impls, _hss_fn, _impact_fn, _impact_prefix_fn, _top_predicted_fn
     nb = _numba()
     _fused.clear()
     if nb is None:
@@ -263,7 +273,8 @@ def _load() -> dict[str, Callable]:
         _impact_fn = jit(_impact)
         _impls = {"greedy": jit(_greedy), "hss": _hss_fn, "impact": _impact_fn}
         _impact_prefix_fn = _fused["impact_prefix"] = jit(_impact_prefix)
-        for name, fn in (("top_predicted", _top_predicted), ("impact_requests", _impact_requests),
+        _top_predicted_fn = _fused["top_predicted"] = jit(_top_predicted)
+        for name, fn in (("top_pairs", _top_pairs), ("impact_requests", _impact_requests),
                          ("mrs_update", _mrs_update)):
             _fused[name] = jit(fn)
     return _impls
@@ -271,10 +282,22 @@ def _load() -> dict[str, Callable]:
 
 def fused(name: str) -> Callable | None:
     """A compiled kernel without a Python fallback (``impact_prefix``, ``impact_requests``, ``top_predicted``,
-    ``mrs_update``), or None without numba."""
+    ``top_pairs``, ``mrs_update``), or None without numba."""
     if _impls is None:
         _load()
     return _fused.get(name)
+
+
+def cost_tables(owner, costs) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """``(GPU time table, CPU time table, one expert's copy)`` of ``costs`` (None: it has no tables), kept on
+    ``owner`` (a policy) for the cost model it last asked about: asked at every layer visit."""
+    cached = getattr(owner, "_cost_tables", None)
+    if cached is not None and cached[0] is costs:
+        return cached[1]
+    table = getattr(costs, "expert_time_table", None)
+    tables = None if table is None else (table("gpu"), table("cpu"), float(costs.expert_transfer_time()))
+    owner._cost_tables = (costs, tables)
+    return tables
 
 
 def jit(fn: Callable) -> Callable | None:
@@ -295,4 +318,4 @@ def python(name: str) -> Callable:
     return _PYTHON[name]
 
 
-__all__ = ["backend", "fused", "jit", "python", "run"]
+__all__ = ["backend", "cost_tables", "fused", "jit", "python", "run"]

@@ -84,10 +84,10 @@ class Fiddler(PlacementPolicy[FiddlerConfig]):
 
     def place(self, view: LayerView) -> np.ndarray:
         kernel = _compiled_fiddler()
-        table = getattr(view.costs, "expert_time_table", None)
-        if kernel is not None and table is not None:  # the same rule in one compiled call
+        tables = kernels.cost_tables(self, view.costs) if kernel is not None else None
+        if tables is not None:  # the same rule in one compiled call
             ok, out = kernel(view.experts, view.counts, view.resident, view.pending, self.config.pending_resident,
-                             table("gpu"), table("cpu"), float(view.costs.expert_transfer_time()))
+                             *tables)
             if ok:
                 return out
         there = view.resident[view.experts]

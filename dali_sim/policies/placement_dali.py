@@ -276,12 +276,12 @@ class DaliGreedy(PlacementPolicy[DaliGreedyConfig]):
         return expert_times(view, overlap=self.config.overlap, pending_resident=self.config.pending_resident)
 
     def place(self, view: LayerView) -> np.ndarray:
-        costs, counts = view.costs, view.counts
         kernel = _compiled_place_checked() if type(self) is DaliGreedy else None
-        table = getattr(costs, "expert_time_table", None)
-        if kernel is not None and table is not None:  # the same decisions in one compiled loop
-            ok, out = kernel(view.experts, counts, view.resident, view.pending, table("gpu"), table("cpu"),
-                             float(costs.expert_transfer_time()), self.config.overlap, self.config.pending_resident)
+        tables = kernels.cost_tables(self, view.costs) if kernel is not None else None
+        if tables is not None:  # the same decisions in one compiled loop
+            gpu, cpu, xfer = tables
+            ok, out = kernel(view.experts, view.counts, view.resident, view.pending, gpu, cpu, xfer,
+                             self.config.overlap, self.config.pending_resident)
             if ok:
                 return out
         t_gpu, t_cpu, needs = self.times(view)  # from the cost model's tables: valid inputs

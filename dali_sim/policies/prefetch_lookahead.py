@@ -103,9 +103,14 @@ class LookaheadPrefetch(PrefetchPolicy[LookaheadConfig]):
             return []
         counts = view.lookahead(self.config.predictor, target)
         rank = view.lookahead_rank(self.config.predictor, target) if view.lookahead_rank else None
+        keeps_all = type(self).keep is LookaheadPrefetch.keep
+        pairs = kernels.fused("top_pairs") if keeps_all else None
+        if pairs is not None and counts.dtype == np.float64 and counts.ndim == 1 and rank is not None \
+                and rank.dtype == np.int64 and rank.shape == counts.shape:
+            return pairs(counts, rank, int(self.config.k), target)  # (m, 2) requests in one compiled call
         chosen = top_predicted(counts, self.config.k, rank).tolist()
-        if type(self).keep is LookaheadPrefetch.keep:
-            return [(target, e) for e in chosen]  # (keeps every one)
+        if keeps_all:
+            return [(target, e) for e in chosen]
         return [(target, e) for e in chosen if self.keep(view, int(counts[e]))]
 
     def keep(self, view: LayerView, predicted_tokens: int) -> bool:

@@ -109,6 +109,7 @@ class Controller:
         self.n_resident = self.resident.sum(axis=1)
         self.pending = np.zeros((L, E), dtype=bool)  # prefetched (in flight or arrived) for each layer
         self.n_pending = np.zeros(L, dtype=np.int64)
+        self._pending_total = 0  # n_pending.sum(), kept as an int (asked at every layer)
         self._predictors = tuple(workload.predicted)
         families = (("placement", placement), ("cache", cache), ("prefetch", prefetch))
         #: the families whose policy is a bound (an exact optimum); results are labelled with it
@@ -124,6 +125,7 @@ class Controller:
         self._told_of_swaps = cls.on_evict is not CachePolicy.on_evict or cls.on_admit is not CachePolicy.on_admit
         #: the compiled bookkeeping of :meth:`plan` (None: every plan takes :meth:`plan_reference`)
         self._kernel = plan_kernel.compiled() if cache.keyed and fast else None
+        self._issue_kernel = plan_kernel.compiled_issue() if fast else None
         self._no_clock = np.zeros(1, np.int64)
 
     def _lookahead(self, step: int, layer: int, what: str = "counts"):
@@ -196,6 +198,7 @@ class Controller:
             self._never_fetches(layer, int(experts[first_fetch]))
         if self.staging_slots < 1 and tally[TALLY_STAGED]:
             raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
+        self._pending_total -= len(lists) - tally[TALLY_EVICTED]  # the layer's prefetches were used or wasted
         prefetches = self._issue_prefetches(view) if self._prefetching else []
         swaps = self._apply_swaps(view, layer) if self._swapping else []
         tally[TALLY_PREFETCHES] = len(prefetches)
@@ -269,6 +272,7 @@ class Controller:
             used[experts[source == PREFETCHED]] = True
             prefetch_used, prefetch_wasted = was[used[was]].tolist(), was[~used[was]].tolist()
             pending[:] = False
+            self._pending_total -= int(self.n_pending[layer])
             self.n_pending[layer] = 0
 
         prefetches = self._issue_prefetches(view) if self._prefetching else []
@@ -367,12 +371,20 @@ class Controller:
     def _issue_prefetches(self, view: LayerView) -> list[tuple[int, int]]:
         """The prefetcher's requests in its order, skipping resident, pending and repeated ones, while
         prefetch buffers are free."""
-        free = self.prefetch_slots - int(self.n_pending.sum())
+        free = self.prefetch_slots - self._pending_total
         if free <= 0:
             return []
         asked = self.prefetcher.prefetch(self._view_for(self.prefetcher, view))
         if not len(asked):
             return []
+        if isinstance(asked, np.ndarray) and asked.dtype == np.int64 and asked.ndim == 2 and asked.shape[1] == 2 \
+                and self._issue_kernel is not None:  # the same rule in one compiled call
+            flat, bad = self._issue_kernel(asked, self.resident, self.pending, self.n_pending, view.layer, free)
+            issued = flat.tolist()
+            self._pending_total += len(issued) // 2
+            if bad >= 0:
+                self._bad_prefetch(view, *asked[bad].tolist())
+            return list(zip(issued[0::2], issued[1::2]))
         if len(asked) <= 32 and (asked.ndim == 2 and asked.shape[1] == 2 if isinstance(asked, np.ndarray)
                                  else all(len(p) == 2 for p in asked)):  # a few pairs: the same rule on ints
             return self._issue_few(view, asked, free)
@@ -382,10 +394,12 @@ class Controller:
         n_valid = len(pairs) if valid.all() else int(np.argmax(~valid))
         issued = self._take_prefetches(target[:n_valid], e[:n_valid], free)
         if n_valid < len(pairs) and len(issued) < free:  # the request was reached before the buffers ran out
-            t, x = pairs[n_valid].tolist()
-            raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
-                             f"at layer {view.layer}; targets must be later layers of the same step")
+            self._bad_prefetch(view, *pairs[n_valid].tolist())
         return issued
+
+    def _bad_prefetch(self, view: LayerView, t: int, x: int):
+        raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
+                         f"at layer {view.layer}; targets must be later layers of the same step")
 
     def _issue_few(self, view: LayerView, asked, free: int) -> list[tuple[int, int]]:
         """:meth:`_issue_prefetches` after the policy's answer, for a short one, one request at a time."""
@@ -398,8 +412,7 @@ class Controller:
             t, x = (int(v) for v in pair)
             if not (view.layer < t < L and 0 <= x < E):
                 if len(issued) < free:  # the request was reached before the buffers ran out
-                    raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
-                                     f"at layer {view.layer}; targets must be later layers of the same step")
+                    self._bad_prefetch(view, t, x)
                 break
             if (t, x) in seen:
                 continue  # the first request of each (layer, expert) counts
@@ -411,6 +424,7 @@ class Controller:
         for t, x in issued:
             pending[t, x] = True
             self.n_pending[t] += 1
+        self._pending_total += len(issued)
         return issued
 
     def _take_prefetches(self, target: np.ndarray, e: np.ndarray, free: int) -> list[tuple[int, int]]:
@@ -421,6 +435,7 @@ class Controller:
         target, e = target[keep], e[keep]
         self.pending[target, e] = True
         np.add.at(self.n_pending, target, 1)
+        self._pending_total += len(keep)
         return list(zip(target.tolist(), e.tolist()))
 
     def _apply_swaps(self, view: LayerView, layer: int) -> list[tuple[int, int]]:

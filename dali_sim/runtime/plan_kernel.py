@@ -171,7 +171,43 @@ def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_r
     return source, flags, lists, first_fetch, tally
 
 
+def _issue(asked, resident, pending, n_pending, layer, free):
+    """``Controller._issue_prefetches`` after the policy's answer ``asked`` ((m, 2) int64: target layer,
+    expert), in one call: in order, skipping resident, pending and repeated requests, while fewer than
+    ``free`` were issued (each marked pending at once, so a repeat is skipped as pending). Returns the
+    issued pairs flat and the index of the first invalid request reached before the buffers ran out
+    (-1: none); nothing after it is issued."""
+    L = resident.shape[0]
+    E = resident.shape[1]
+    out = np.empty(2 * min(free, asked.shape[0]), np.int64)
+    m = 0
+    bad = -1
+    for i in range(asked.shape[0]):
+        if m == free:
+            break  # the buffers ran out: later requests change nothing (nor are they checked)
+        t = asked[i, 0]
+        x = asked[i, 1]
+        if not (layer < t < L and 0 <= x < E):
+            bad = i
+            break
+        if not resident[t, x] and not pending[t, x]:
+            pending[t, x] = True
+            n_pending[t] += 1
+            out[2 * m] = t
+            out[2 * m + 1] = x
+            m += 1
+    return out[:2 * m], bad
+
+
 _COMPILED: list = []
+_COMPILED_ISSUE: list = []
+
+
+def compiled_issue():
+    """:func:`_issue` compiled (on the first call), or None without numba."""
+    if not _COMPILED_ISSUE:
+        _COMPILED_ISSUE.append(kernels.jit(_issue))
+    return _COMPILED_ISSUE[0]
 
 
 def compiled():
@@ -183,4 +219,4 @@ def compiled():
 
 
 __all__ = ["TALLY_EVICTED", "TALLY_PREFETCHES", "TALLY_PREFETCH_USED", "TALLY_STAGED", "TALLY_SWAPS", "TALLY_WASTED",
-           "compiled"]
+           "compiled", "compiled_issue"]
