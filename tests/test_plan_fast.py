@@ -9,6 +9,8 @@ takes the NumPy reference path). Every field of every plan and every counter mus
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -159,3 +161,55 @@ def test_window_swaps_kernel_matches_numpy(monkeypatch):
             m.setattr(cache_dali, "_compiled_swaps", lambda: None)
             ref = cache_dali.window_swaps(score, resident, u)
         assert fast == ref, trial
+
+
+def _issuer(rng, L: int, E: int, slots: int, asked, compiled: bool) -> ctl.Controller:
+    """A controller with only what ``_issue_prefetches`` reads: random contents, a prefetcher answering ``asked``."""
+    c = object.__new__(ctl.Controller)
+    c.w = SimpleNamespace(num_layers=L, num_experts=E)
+    c.prefetcher = SimpleNamespace(name="fixed", reads_future=False, prefetch=lambda view: asked)
+    c.resident = rng.random((L, E)) < 0.3
+    c.pending = (rng.random((L, E)) < 0.1) & ~c.resident
+    c.n_pending = c.pending.sum(axis=1)
+    c._pending_total = int(c.n_pending.sum())
+    c.prefetch_slots = c._pending_total + slots
+    c._issue_kernel = plan_kernel.compiled_issue() if compiled else None
+    return c
+
+
+def test_compiled_prefetch_issue_matches_the_reference():
+    """Requests as an (m, 2) array, with repeats, resident and pending ones and invalid targets: the same
+    issued pairs, contents and error (or none) as the reference's."""
+    for trial in range(400):
+        L, E = 4, 6
+        layer = int(np.random.default_rng(trial).integers(0, L - 1))
+        asked = np.random.default_rng(trial + 1).integers([layer, 0], [L + 1, E + 1], size=(int(trial % 12), 2))
+        slots = trial % 5
+        out = []
+        for compiled in (True, False):
+            rng = np.random.default_rng(trial)
+            c = _issuer(rng, L, E, slots, asked, compiled)
+            try:
+                got = c._issue_prefetches(SimpleNamespace(layer=layer))
+            except ValueError as e:
+                got = str(e)
+            out.append((got, c.pending.tolist(), c.n_pending.tolist(), c._pending_total))
+        assert out[0] == out[1], trial
+        assert out[0][3] == sum(out[0][2])
+
+
+def test_victims_by_selection_and_by_sorting_are_the_lexsort_order():
+    plan_kernel.compiled()
+    victims = plan_kernel._victims_fn
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        E = int(rng.integers(1, 40))
+        resident, activated = rng.random(E) < 0.7, rng.random(E) < 0.3
+        primary = rng.integers(0, 3, E).astype(np.float64 if trial % 2 else np.int64)  # ties
+        stamp = rng.integers(-1, 4, E)
+        want = int(rng.integers(1, 12))
+        ev = np.flatnonzero(resident & ~activated)
+        ref = ev[np.lexsort((ev, stamp[ev], primary[ev]))][:want].tolist()
+        out = np.empty(want, np.int64)
+        n = victims(resident, activated, primary, stamp, want, out)
+        assert out[:n].tolist() == ref, trial

@@ -26,6 +26,41 @@ TALLY_PREFETCHES, TALLY_SWAPS = 7, 12
 TALLY_PREFETCH_USED, TALLY_WASTED, TALLY_EVICTED, TALLY_STAGED = 6, 8, 10, 11
 
 
+def _victims(resident, activated, primary, stamp, want, out):
+    """Up to ``want`` victims into ``out``: the evictable entries (resident, not activated) by ascending
+    (``primary``, ``stamp``, id), as ``np.lexsort``; returns how many. A few by selection, more by two
+    stable sorts (the cost of selection grows with ``want``)."""
+    E = resident.shape[0]
+    if want <= 4:
+        taken = np.zeros(E, np.bool_)
+        n = 0
+        while n < want:
+            best = -1
+            for x in range(E):  # the smallest key left; ties: the lower id (x ascending)
+                if resident[x] and not activated[x] and not taken[x]:
+                    if best < 0 or primary[x] < primary[best] or (
+                            primary[x] == primary[best] and stamp[x] < stamp[best]):
+                        best = x
+            if best < 0:
+                break  # no evictable entry left: the rest are staged
+            taken[best] = True
+            out[n] = best
+            n += 1
+        return n
+    cand = np.empty(E, np.int64)
+    m = 0
+    for x in range(E):
+        if resident[x] and not activated[x]:
+            cand[m] = x
+            m += 1
+    cand = cand[:m]  # ascending ids
+    cand = cand[np.argsort(stamp[cand], kind="mergesort")]  # stable: by stamp, then id
+    cand = cand[np.argsort(primary[cand], kind="mergesort")]  # then by primary
+    n = min(want, m)
+    out[:n] = cand[:n]
+    return n
+
+
 def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_resident, n_pending,
                 accepts, evicts, primary, stamp, clock, stamps):
     """One (step, layer) after its placement, as ``Controller.plan_reference`` computes it.
@@ -90,20 +125,8 @@ def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_r
         free = capacity - n_resident[layer]
         if not (free > 0 and not accepts):
             take = min(max(free, 0), n_miss)
-            if evicts:
-                taken = np.zeros(E, np.bool_)
-                while n_vict < n_miss - take:
-                    best = -1
-                    for x in range(E):  # the smallest key left; ties: the lower id (x ascending)
-                        if resident[x] and not activated[x] and not taken[x]:
-                            if best < 0 or primary[x] < primary[best] or (
-                                    primary[x] == primary[best] and stamp[x] < stamp[best]):
-                                best = x
-                    if best < 0:
-                        break  # no evictable entry left: the rest are staged
-                    taken[best] = True
-                    victims[n_vict] = best
-                    n_vict += 1
+            if evicts and n_miss > take:
+                n_vict = _victims_fn(resident, activated, primary, stamp, n_miss - take, victims)
         left = take + n_vict
         for i in range(n):
             if left == 0:
@@ -175,30 +198,32 @@ def _issue(asked, resident, pending, n_pending, layer, free):
     """``Controller._issue_prefetches`` after the policy's answer ``asked`` ((m, 2) int64: target layer,
     expert), in one call: in order, skipping resident, pending and repeated requests, while fewer than
     ``free`` were issued (each marked pending at once, so a repeat is skipped as pending). Returns the
-    issued pairs flat and the index of the first invalid request reached before the buffers ran out
-    (-1: none); nothing after it is issued."""
+    issued pairs flat and -1, or nothing and the index of the first invalid request reached before the
+    buffers ran out (the contents then as they were)."""
     L = resident.shape[0]
     E = resident.shape[1]
     out = np.empty(2 * min(free, asked.shape[0]), np.int64)
     m = 0
-    bad = -1
     for i in range(asked.shape[0]):
         if m == free:
             break  # the buffers ran out: later requests change nothing (nor are they checked)
         t = asked[i, 0]
         x = asked[i, 1]
         if not (layer < t < L and 0 <= x < E):
-            bad = i
-            break
+            for j in range(m):  # an error: the contents stay as they were
+                pending[out[2 * j], out[2 * j + 1]] = False
+                n_pending[out[2 * j]] -= 1
+            return out[:0], i
         if not resident[t, x] and not pending[t, x]:
             pending[t, x] = True
             n_pending[t] += 1
             out[2 * m] = t
             out[2 * m + 1] = x
             m += 1
-    return out[:2 * m], bad
+    return out[:2 * m], -1
 
 
+_victims_fn = _victims  # what _layer_plan calls: the compiled _victims
 _COMPILED: list = []
 _COMPILED_ISSUE: list = []
 
@@ -214,7 +239,9 @@ def compiled():
     """:func:`_layer_plan` compiled (on the first call), or None without numba (the controller then takes
     its NumPy path)."""
     if not _COMPILED:
-        _COMPILED.append(kernels.jit(_layer_plan))
+        global _victims_fn
+        _victims_fn = kernels.jit(_victims)
+        _COMPILED.append(kernels.jit(_layer_plan) if _victims_fn is not None else None)
     return _COMPILED[0]
 
 
