@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -25,10 +26,13 @@ from dali_sim.runtime import plan_kernel
 from dali_sim.runtime.future import FutureDemand
 from dali_sim.runtime.plan_kernel import (
     TALLY_EVICTED,
+    TALLY_FIRST_FETCH,
+    TALLY_LEN,
     TALLY_PREFETCH_USED,
     TALLY_PREFETCHES,
     TALLY_STAGED,
     TALLY_SWAPS,
+    TALLY_WASTED,
 )
 from dali_sim.workload.builder import Workload
 
@@ -128,18 +132,18 @@ class Controller:
         self._issue_kernel = plan_kernel.compiled_issue() if fast else None
         self._no_clock = np.zeros(1, np.int64)
 
-    def _lookahead(self, step: int, layer: int, what: str = "counts"):
-        def get(name: str, target: int) -> np.ndarray:
-            if name not in self._predictors:
-                known = ", ".join(self._predictors) or "none"
-                raise ValueError(f"prefetch needs lookahead column {name!r}; loaded: {known}. "
-                                 "`dali trace record` records real ones; `dali trace synth --lookahead` makes synthetic ones")
-            offset = self.w.predictor_offsets[name]
-            if not layer < target <= layer + offset:
-                raise ValueError(f"lookahead {name!r} made at layer {target - offset} is not known at layer {layer}")
-            read = self.w.predicted_counts if what == "counts" else self.w.predicted_ranks
-            return readonly(read(name, step, target))
-        return get
+    def _lookahead(self, step: int, layer: int, what: str, name: str, target: int) -> np.ndarray:
+        """``LayerView.lookahead`` (``what="counts"``) and ``lookahead_rank`` (``"ranks"``) of (step, layer),
+        bound to them with ``functools.partial`` (made without a Python call at every view)."""
+        if name not in self._predictors:
+            known = ", ".join(self._predictors) or "none"
+            raise ValueError(f"prefetch needs lookahead column {name!r}; loaded: {known}. "
+                             "`dali trace record` records real ones; `dali trace synth --lookahead` makes synthetic ones")
+        offset = self.w.predictor_offsets[name]
+        if not layer < target <= layer + offset:
+            raise ValueError(f"lookahead {name!r} made at layer {target - offset} is not known at layer {layer}")
+        read = self.w.predicted_counts if what == "counts" else self.w.predicted_ranks
+        return readonly(read(name, step, target))
 
     def _true_counts(self, step: int, layer: int):
         def get(target: int) -> np.ndarray:
@@ -153,18 +157,22 @@ class Controller:
 
     def view(self, step: int, layer: int) -> LayerView:
         """The policies' view of the start of (step, layer)."""
-        experts, counts, ranks = self.w.activated(step, layer)
-        # built without the frozen dataclass's per-field checks (it runs once per (step, layer)); read-only
-        # views of the workload's arrays, the cache's rows as read-only copies
+        w = self.w
+        experts, counts, ranks = w.activated(step, layer)
+        # built without the frozen dataclass's per-field checks (it runs once per (step, layer)) and with as
+        # few Python calls as it can: the workload's arrays as they are if read-only (a built Workload's are),
+        # else read-only views; the cache's rows as read-only copies
+        if experts.flags.writeable or counts.flags.writeable or ranks.flags.writeable:
+            experts, counts, ranks = readonly(experts), readonly(counts), readonly(ranks)
         resident, pending = self.resident[layer].copy(), self.pending[layer].copy()
         resident.flags.writeable = pending.flags.writeable = False
         view = _new(LayerView)
         view.__dict__.update(
-            step=step, layer=layer, phase=int(self.w.step_phase[step]), tokens=int(self.w.step_tokens[step]),
-            experts=readonly(experts), counts=readonly(counts), ranks=readonly(ranks), resident=resident, pending=pending,
-            num_layers=self.w.num_layers, num_experts=self.w.num_experts, costs=self.costs,
-            lookahead=self._lookahead(step, layer), lookahead_rank=self._lookahead(step, layer, "ranks"),
-            true_counts=None,
+            step=step, layer=layer, phase=int(w.step_phase[step]), tokens=int(w.step_tokens[step]),
+            experts=experts, counts=counts, ranks=ranks, resident=resident, pending=pending,
+            num_layers=w.num_layers, num_experts=w.num_experts, costs=self.costs,
+            lookahead=partial(self._lookahead, step, layer, "counts"),
+            lookahead_rank=partial(self._lookahead, step, layer, "ranks"), true_counts=None,
         )
         return view
 
@@ -190,25 +198,25 @@ class Controller:
         experts = view.experts
         on_gpu = self._place(view)
         accepts, evicts, primary, stamp, clock = cache.keyed_form(layer, view)
-        source, flags, lists, first_fetch, tally = kernel(
+        source, flags, out = kernel(
             experts, view.counts, on_gpu, self.resident[layer], self.pending[layer], layer,
             int(self.capacities[layer]), self.n_resident, self.n_pending, bool(accepts), bool(evicts), primary, stamp,
             self._no_clock if clock is None else clock, clock is not None)
-        if first_fetch >= 0 and not self.placement.may_fetch:
-            self._never_fetches(layer, int(experts[first_fetch]))
-        if self.staging_slots < 1 and tally[TALLY_STAGED]:
+        row = out.tolist()  # the tally, the first expert fetched on demand, the lists (plan_kernel)
+        if row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch:
+            self._never_fetches(layer, int(experts[row[TALLY_FIRST_FETCH]]))
+        if self.staging_slots < 1 and row[TALLY_STAGED]:
             raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
-        self._pending_total -= len(lists) - tally[TALLY_EVICTED]  # the layer's prefetches were used or wasted
+        n_evicted, n_used = row[TALLY_EVICTED], row[TALLY_PREFETCH_USED]
+        self._pending_total -= n_used + row[TALLY_WASTED]  # the layer's prefetches were used or wasted
         prefetches = self._issue_prefetches(view) if self._prefetching else []
         swaps = self._apply_swaps(view, layer) if self._swapping else []
-        tally[TALLY_PREFETCHES] = len(prefetches)
-        tally[TALLY_SWAPS] = len(swaps)
-        row = tally.tolist()
-        ids = lists.tolist()
-        n_evicted, n_used = row[TALLY_EVICTED], row[TALLY_PREFETCH_USED]
+        row[TALLY_PREFETCHES] = len(prefetches)
+        row[TALLY_SWAPS] = len(swaps)
+        lists = TALLY_LEN + 1 + n_evicted  # where the prefetches used start
         return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, flags[0],
-                         flags[1], flags[2], ids[:n_evicted], prefetches, ids[n_evicted:n_evicted + n_used],
-                         ids[n_evicted + n_used:], swaps, tuple(row))
+                         flags[1], flags[2], row[TALLY_LEN + 1:lists], prefetches, row[lists:lists + n_used],
+                         row[lists + n_used:], swaps, tuple(row[:TALLY_LEN]))
 
     def _place(self, view: LayerView) -> np.ndarray:
         """The placement's (n,) bool mask, checked."""

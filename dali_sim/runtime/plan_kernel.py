@@ -24,6 +24,8 @@ _HIT, _PREFETCHED, _FETCH, _CPU = 0, 1, 2, 3
 #: the positions of the tally (``PlanCounters``' row) the controller fills after the kernel
 TALLY_PREFETCHES, TALLY_SWAPS = 7, 12
 TALLY_PREFETCH_USED, TALLY_WASTED, TALLY_EVICTED, TALLY_STAGED = 6, 8, 10, 11
+TALLY_LEN = 15  # the tally's length (the layer and the 14 COUNTERS)
+TALLY_FIRST_FETCH = TALLY_LEN  # where the kernel's answer gives the first expert fetched on demand
 
 
 def _victims(resident, activated, primary, stamp, want, out):
@@ -69,10 +71,11 @@ def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_r
     all updated in place; ``accepts``: a free slot takes a fetched expert; ``evicts``: a full cache
     evicts (else a fetched expert is staged); victims by ascending (``primary``, ``stamp``, id) among the
     resident experts not activated; ``stamps``: hits and admissions get use stamps ``clock[0] + 1, ...``
-    in touch order (``clock`` advanced). Returns (source, (3, n) bool: hit, admitted and staged, the
-    victims then the prefetches used then those wasted as one array (their lengths: the tally's
-    ``evicted``, ``prefetch_used`` and ``prefetch_wasted``), the index of the first expert fetched on
-    demand or -1, the tally: the plan's ``PlanCounters`` row with the prefetch and swap counts still 0)."""
+    in touch order (``clock`` advanced). Returns (source, (3, n) bool: hit, admitted and staged, one
+    int64 array: the tally (the plan's ``PlanCounters`` row, ``TALLY_LEN`` values, with the prefetch and
+    swap counts still 0), the index of the first expert fetched on demand or -1, then the victims, the
+    prefetches used and those wasted (their lengths: the tally's ``evicted``, ``prefetch_used`` and
+    ``prefetch_wasted``))."""
     n = experts.shape[0]
     E = resident.shape[0]
     source = np.empty(n, np.int8)
@@ -161,37 +164,39 @@ def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_r
                 n_was += 1
                 if from_prefetch[x]:
                     n_used += 1
-    # the lists: victims (eviction order), then the prefetches used and wasted (ascending ids)
-    lists = np.empty(n_vict + n_was, np.int64)
-    lists[:n_vict] = victims[:n_vict]
+    # the tally, the first expert fetched on demand, then the lists: victims (eviction order), the
+    # prefetches used and wasted (ascending ids); one array (each array returned costs a boxing)
+    out = np.zeros(TALLY_LEN + 1 + n_vict + n_was, np.int64)
+    start = TALLY_LEN + 1
+    out[start:start + n_vict] = victims[:n_vict]
     if had_pending:
-        u = n_vict
-        w = n_vict + n_used
+        u = start + n_vict
+        w = u + n_used
         for x in range(E):
             if pending[x]:
                 if from_prefetch[x]:
-                    lists[u] = x
+                    out[u] = x
                     u += 1
                 else:
-                    lists[w] = x
+                    out[w] = x
                     w += 1
                 pending[x] = False
         n_pending[layer] = 0
-    tally = np.zeros(15, np.int64)
-    tally[0] = layer
-    tally[1] = n
-    tally[2] = n_hit
-    tally[3] = n - n_cpu
-    tally[4] = n_cpu
-    tally[5] = n_fetch
-    tally[6] = n_pref
-    tally[8] = n_was - n_used
-    tally[9] = n_admitted if n_fetch or n_pref else 0
-    tally[10] = n_vict
-    tally[11] = n_staged if n_fetch else 0
-    tally[13] = gpu_tokens
-    tally[14] = cpu_tokens
-    return source, flags, lists, first_fetch, tally
+    out[0] = layer  # the tally: PlanCounters' row (COUNTERS' order after the layer)
+    out[1] = n
+    out[2] = n_hit
+    out[3] = n - n_cpu
+    out[4] = n_cpu
+    out[5] = n_fetch
+    out[TALLY_PREFETCH_USED] = n_used  # (= the experts from a prefetch: each was pending)
+    out[TALLY_WASTED] = n_was - n_used
+    out[9] = n_admitted if n_fetch or n_pref else 0
+    out[TALLY_EVICTED] = n_vict
+    out[TALLY_STAGED] = n_staged if n_fetch else 0
+    out[13] = gpu_tokens
+    out[14] = cpu_tokens
+    out[TALLY_FIRST_FETCH] = first_fetch
+    return source, flags, out
 
 
 def _issue(asked, resident, pending, n_pending, layer, free):
@@ -245,5 +250,5 @@ def compiled():
     return _COMPILED[0]
 
 
-__all__ = ["TALLY_EVICTED", "TALLY_PREFETCHES", "TALLY_PREFETCH_USED", "TALLY_STAGED", "TALLY_SWAPS", "TALLY_WASTED",
-           "compiled", "compiled_issue"]
+__all__ = ["TALLY_EVICTED", "TALLY_FIRST_FETCH", "TALLY_LEN", "TALLY_PREFETCHES", "TALLY_PREFETCH_USED", "TALLY_STAGED",
+           "TALLY_SWAPS", "TALLY_WASTED", "compiled", "compiled_issue"]
