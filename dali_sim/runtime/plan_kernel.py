@@ -4,7 +4,7 @@ After the placement has decided, a plan needs a dozen small steps: the experts' 
 batched admission into the layer's cache (free slots, then victims in the cache policy's order), the
 cache's use stamps, the staged experts, the prefetches used or wasted, and the counters of the plan.
 As NumPy calls each costs a microsecond or more of call overhead, several times that when the caches
-are cold after a layer's tensor work in the executor; :func:`layer_plan` does all of it in one call.
+are cold after a layer's tensor work in the executor; :func:`_layer_plan` does all of it in one call.
 
 It applies to a cache policy with a *keyed form* (``CachePolicy.keyed_form``: its victims are the
 evictable entries by ascending ``(primary, stamp, id)``, touches renew a use stamp or nothing, evictions
@@ -21,7 +21,7 @@ from dali_sim.policies import kernels
 
 # sources, as dali_sim.runtime.controller (repeated: that module imports this one)
 _HIT, _PREFETCHED, _FETCH, _CPU = 0, 1, 2, 3
-#: the positions of the tally (``PlanCounters``' row) the controller fills after the kernel
+#: positions in the tally (``PlanCounters``' row) that the controller reads, or fills after the kernel
 TALLY_PREFETCHES, TALLY_SWAPS = 7, 12
 TALLY_PREFETCH_USED, TALLY_WASTED, TALLY_EVICTED, TALLY_STAGED = 6, 8, 10, 11
 TALLY_LEN = 15  # the tally's length (the layer and the 14 COUNTERS)
