@@ -140,8 +140,9 @@ class PrefetchPolicy(Policy[C]):
         return ()
 
     @abstractmethod
-    def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
-        """(target MoE layer, expert) pairs to start moving to the GPU now, most wanted first.
+    def prefetch(self, view: LayerView) -> list[tuple[int, int]] | np.ndarray:
+        """(target MoE layer, expert) pairs to start moving to the GPU now, most wanted first: a list of
+        pairs or an (m, 2) integer array (which the controller issues in one compiled call).
         Targets must be later layers of the same step; the runtime skips resident or pending ones
         and drops what does not fit the prefetch buffers."""
 
