@@ -281,6 +281,11 @@ def test_mrs_end_to_end_differs_from_lru(one_layer):
 
 
 # ---- HybriMoE: impact-driven prefetch -------------------------------------------------------------
+def pairs(asked) -> list[tuple[int, int]]:
+    """A prefetch answer (a list of pairs, or an (m, 2) array: both are answers) as a list of int pairs."""
+    return [(int(t), int(e)) for t, e in asked]
+
+
 PREDICTED = {("next-gate", 1): {0: 1, 1: 1}, ("gate2", 2): {1: 2}, ("gate3", 3): {3: 1}}
 
 
@@ -306,22 +311,22 @@ def test_impact_prefetch_by_hand(round_costs):
     p = HybriMoEPrefetch(HybriMoEPrefetchConfig(min_gain=0.0))
     p.setup(ctx(costs=round_costs))
     v = view({2: 1, 3: 1}, costs=round_costs, lookahead=fake_lookahead(PREDICTED, calls))
-    assert p.prefetch(v) == [(2, 1), (3, 3), (1, 0), (1, 1)]
+    assert pairs(p.prefetch(v)) == [(2, 1), (3, 3), (1, 0), (1, 1)]
     assert calls == [("next-gate", 1), ("gate2", 2), ("gate3", 3)]
     assert p.required_predictors() == ("next-gate", "gate2", "gate3")
     default = HybriMoEPrefetch()
     default.setup(ctx(costs=round_costs))
-    assert default.prefetch(v) == [(2, 1), (3, 3)]  # gain per copy 2 >= 2 kept, 0.5 dropped
+    assert pairs(default.prefetch(v)) == [(2, 1), (3, 3)]  # gain per copy 2 >= 2 kept, 0.5 dropped
     above = HybriMoEPrefetch(HybriMoEPrefetchConfig(min_gain=2.5))
     above.setup(ctx(costs=round_costs))
-    assert above.prefetch(v) == []
+    assert pairs(above.prefetch(v)) == []
     k2 = HybriMoEPrefetch(HybriMoEPrefetchConfig(k=2, min_gain=0.0))
     k2.setup(ctx(costs=round_costs))
-    assert k2.prefetch(v) == [(2, 1), (3, 3)]
+    assert pairs(k2.prefetch(v)) == [(2, 1), (3, 3)]
     # at layer 2 of 4 only distance 1 exists (layer 3); columns for layers past the end are not read
     calls.clear()
     v2 = view({0: 1}, layer=2, costs=round_costs, lookahead=fake_lookahead({("next-gate", 3): {3: 1}}, calls))
-    assert p.prefetch(v2) == [(3, 3)] and calls == [("next-gate", 3)]
+    assert pairs(p.prefetch(v2)) == [(3, 3)] and calls == [("next-gate", 3)]
 
 
 def test_impact_prefetch_uses_the_last_seen_contents(round_costs):
@@ -330,9 +335,10 @@ def test_impact_prefetch_uses_the_last_seen_contents(round_costs):
     p = HybriMoEPrefetch(HybriMoEPrefetchConfig(predictor2="", predictor3="", min_gain=0.0))
     p.setup(ctx(costs=round_costs))
     table = {("next-gate", 1): {0: 1, 1: 1}, ("next-gate", 2): {}}
-    assert p.prefetch(view({0: 1}, layer=1, resident=[0], costs=round_costs,
-                           lookahead=fake_lookahead(table, []))) == []
-    assert p.prefetch(view({0: 1}, step=1, costs=round_costs, lookahead=fake_lookahead(table, []))) == [(1, 1)]
+    assert pairs(p.prefetch(view({0: 1}, layer=1, resident=[0], costs=round_costs,
+                                 lookahead=fake_lookahead(table, [])))) == []
+    v = view({0: 1}, step=1, costs=round_costs, lookahead=fake_lookahead(table, []))
+    assert pairs(p.prefetch(v)) == [(1, 1)]
     assert p.required_predictors() == ("next-gate",)
     with pytest.raises(ValueError, match="prefetch.min_gain must be"):
         HybriMoEPrefetchConfig(min_gain=-0.5)
@@ -347,14 +353,14 @@ def test_score_prefetch_is_the_codes_prefetch_expert():
     p = HybriMoEPrefetch(HybriMoEPrefetchConfig(source="score", k=1))
     assert p.required_predictors() == ()
     p.setup(ctx())
-    assert p.prefetch(view({2: 1, 3: 1}, layer=1, tokens=1)) == [(2, 0)]  # layer 2 never seen: all 0
+    assert pairs(p.prefetch(view({2: 1, 3: 1}, layer=1, tokens=1))) == [(2, 0)]  # layer 2 never seen: all 0
     assert p.score[1].tolist() == [0.0, 0.0, 0.5, 0.5]
-    assert p.prefetch(view({0: 1}, layer=0, tokens=1, step=1)) == [(1, 2)]
+    assert pairs(p.prefetch(view({0: 1}, layer=0, tokens=1, step=1))) == [(1, 2)]
     p2 = HybriMoEPrefetch(HybriMoEPrefetchConfig(source="score", k=2, a=1.0))
     p2.setup(ctx())
     p2.prefetch(view({3: 1}, layer=1, tokens=1))
-    assert p2.prefetch(view({0: 1}, layer=0, tokens=1, step=1)) == [(1, 3), (1, 0)]
-    assert p2.prefetch(view({0: 1}, layer=3, tokens=1, step=1)) == []  # the last layer: no target
+    assert pairs(p2.prefetch(view({0: 1}, layer=0, tokens=1, step=1))) == [(1, 3), (1, 0)]
+    assert pairs(p2.prefetch(view({0: 1}, layer=3, tokens=1, step=1))) == []  # the last layer: no target
     with pytest.raises(ValueError, match="source=score needs prefetch.k >= 1"):
         HybriMoEPrefetchConfig(source="score")
     with pytest.raises(ValueError, match="prefetch.source must be one of impact, score"):
@@ -372,7 +378,8 @@ def test_impact_prefetch_simulates_the_chosen_schedule(round_costs):
         p.setup(ctx(costs=round_costs))
         table = {("next-gate", 1): {0: 1, 1: 1}, ("next-gate", 2): {}}
         p.prefetch(view({0: 1}, layer=1, resident=[0], costs=round_costs, lookahead=fake_lookahead(table, [])))
-        assert p.prefetch(view({0: 1}, step=1, costs=round_costs, lookahead=fake_lookahead(table, []))) == [(1, 1)]
+        v = view({0: 1}, step=1, costs=round_costs, lookahead=fake_lookahead(table, []))
+        assert pairs(p.prefetch(v)) == [(1, 1)]
 
 
 # ---- Fiddler and KTransformers --------------------------------------------------------------------

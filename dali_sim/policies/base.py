@@ -140,8 +140,9 @@ class PrefetchPolicy(Policy[C]):
         return ()
 
     @abstractmethod
-    def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
-        """(target MoE layer, expert) pairs to start moving to the GPU now, most wanted first.
+    def prefetch(self, view: LayerView) -> list[tuple[int, int]] | np.ndarray:
+        """(target MoE layer, expert) pairs to start moving to the GPU now, most wanted first: a list of
+        pairs or an (m, 2) integer array (which the controller issues in one compiled call).
         Targets must be later layers of the same step; the runtime skips resident or pending ones
         and drops what does not fit the prefetch buffers."""
 
@@ -163,6 +164,7 @@ class CachePolicy(Policy[C]):
     _PER_EXPERT_HOOKS: ClassVar[tuple[str, ...]] = ("on_hit", "on_admit", "on_evict", "accepts", "victim")
     _BATCH_HOOKS: ClassVar[tuple[str, ...]] = ("victim_order", "touched", "evicted")
     _batch_form: ClassVar[bool] = True  # False: a per-expert hook was overridden after the batch forms
+    _keyed: ClassVar[bool] = False  # whether keyed_form is the class's own or agrees with its hooks
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -171,6 +173,10 @@ class CachePolicy(Policy[C]):
             cls._batch_form = True
         elif any(h in own for h in cls._PER_EXPERT_HOOKS):
             cls._batch_form = False  # per-expert hooks changed, batch forms inherited: they may disagree
+        if "keyed_form" in own:
+            cls._keyed = True
+        elif any(h in own for h in cls._PER_EXPERT_HOOKS + cls._BATCH_HOOKS):
+            cls._keyed = False  # hooks changed, keyed form inherited: it may disagree
 
     @property
     def batched(self) -> bool:
@@ -215,6 +221,23 @@ class CachePolicy(Policy[C]):
         :meth:`victim` calls would name them during this layer visit (empty: it declines every fetched
         expert). Only for policies that meet the conditions in the class docstring."""
         raise NotImplementedError(f"cache policy {self.name!r} has no batch form")
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the controller may use the keyed form (:meth:`keyed_form`, its compiled fast path)."""
+        return self._keyed and self.batched
+
+    def keyed_form(self, layer: int, view: LayerView) -> tuple[bool, bool, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The batch form as data, for the controller's compiled path (``dali_sim.runtime.plan_kernel``), for a
+        policy whose victims are the evictable entries by ascending ``(primary[e], stamp[e], e)``, whose
+        touches (hits and admissions, in touch order) set ``stamp[e]`` to the next ticks of a clock or do
+        nothing, and which needs no notice of evictions. Called once per layer visit after :meth:`observe`;
+        returns ``(accepts, evicts, primary, stamp, clock)``: ``accepts`` (:meth:`accepts` for this visit),
+        ``evicts`` (False: :meth:`victim_order` is empty), the layer's (E,) ``primary`` and ``stamp`` rows
+        (``stamp`` is written in place) and ``clock``, a (1,) int64 array of the last tick (advanced in
+        place), or None when touches set nothing. Must agree with the batch form (tested for the shipped
+        policies in tests/test_plan_fast.py)."""
+        raise NotImplementedError(f"cache policy {self.name!r} has no keyed form")
 
     def touched(self, layer: int, experts: np.ndarray, admitted: np.ndarray, view: LayerView) -> None:
         """Batch form of :meth:`on_hit` / :meth:`on_admit`: the experts hit or admitted in this layer

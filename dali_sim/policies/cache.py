@@ -19,19 +19,38 @@ def _by_age(stamp: np.ndarray, candidates: np.ndarray) -> np.ndarray:
     return candidates[np.argsort(stamp[candidates], kind="stable")]
 
 
+class _Stamps:
+    """Use stamps: a clock ticking at every touch, each layer's (E,) last ticks, and the keyed form's rows.
+    The clock lives in a (1,) array so that the controller's compiled path can advance it in place."""
+
+    def _setup_stamps(self, ctx: SetupContext) -> None:
+        self._clock = np.zeros(1, np.int64)
+        # initial contents count as touched before everything else, in id order
+        self.stamp = np.full((ctx.num_layers, ctx.num_experts), -1, dtype=np.int64)
+        self._no_key = np.zeros(ctx.num_experts, np.int64)  # the primary key of a policy ordering by age alone
+
+    @property
+    def clock(self) -> int:
+        return int(self._clock[0])
+
+    def _touch(self, layer: int, expert: int) -> None:
+        self._clock[0] += 1
+        self.stamp[layer, expert] = self._clock[0]
+
+    def touched(self, layer: int, experts: np.ndarray, admitted: np.ndarray, view: LayerView) -> None:
+        n = len(experts)
+        c = int(self._clock[0])
+        self.stamp[layer, experts] = np.arange(c + 1, c + n + 1)
+        self._clock[0] = c + n
+
+
 @registered(CACHES)
-class LRU(CachePolicy):
+class LRU(_Stamps, CachePolicy):
     name = "lru"
     description = "least recently used: evict the evictable entry touched longest ago; always admit"
 
     def setup(self, ctx: SetupContext) -> None:
-        self.clock = 0
-        # initial contents count as touched before everything else, in id order
-        self.stamp = np.full((ctx.num_layers, ctx.num_experts), -1, dtype=np.int64)
-
-    def _touch(self, layer: int, expert: int) -> None:
-        self.clock += 1
-        self.stamp[layer, expert] = self.clock
+        self._setup_stamps(ctx)
 
     def on_hit(self, layer: int, expert: int, view: LayerView) -> None:
         self._touch(layer, expert)
@@ -46,10 +65,10 @@ class LRU(CachePolicy):
     def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
         return _by_age(self.stamp[layer], evictable)
 
-    def touched(self, layer: int, experts: np.ndarray, admitted: np.ndarray, view: LayerView) -> None:
-        n = len(experts)
-        self.stamp[layer, experts] = np.arange(self.clock + 1, self.clock + n + 1)
-        self.clock += n
+    touched = _Stamps.touched  # (named in the class: its batch hooks are its own)
+
+    def keyed_form(self, layer: int, view: LayerView):
+        return True, True, self._no_key, self.stamp[layer], self._clock
 
 
 @dataclass(frozen=True)
@@ -59,7 +78,7 @@ class LFUConfig(PolicyConfig):
 
 
 @registered(CACHES)
-class LFU(CachePolicy[LFUConfig]):
+class LFU(_Stamps, CachePolicy[LFUConfig]):
     name = "lfu"
     description = "least frequently used (frequencies since the start, counted at each layer visit); always admit"
     Config = LFUConfig
@@ -68,16 +87,14 @@ class LFU(CachePolicy[LFUConfig]):
         if self.config.count not in ("tokens", "activations"):
             raise ValueError(f"cache.count must be 'tokens' or 'activations', got {self.config.count!r}")
         self.freq = np.zeros((ctx.num_layers, ctx.num_experts), dtype=np.int64)
-        self.clock = 0
-        self.stamp = np.full((ctx.num_layers, ctx.num_experts), -1, dtype=np.int64)
+        self._setup_stamps(ctx)
 
     def observe(self, view: LayerView) -> None:
         add = view.counts if self.config.count == "tokens" else 1
         self.freq[view.layer, view.experts] += add
 
     def on_hit(self, layer: int, expert: int, view: LayerView) -> None:
-        self.clock += 1
-        self.stamp[layer, expert] = self.clock
+        self._touch(layer, expert)
 
     on_admit = on_hit
 
@@ -88,10 +105,10 @@ class LFU(CachePolicy[LFUConfig]):
         # lowest frequency; ties: least recently used, then lower id (frequencies change in observe only)
         return evictable[np.lexsort((evictable, self.stamp[layer, evictable], self.freq[layer, evictable]))]
 
-    def touched(self, layer: int, experts: np.ndarray, admitted: np.ndarray, view: LayerView) -> None:
-        n = len(experts)
-        self.stamp[layer, experts] = np.arange(self.clock + 1, self.clock + n + 1)
-        self.clock += n
+    touched = _Stamps.touched
+
+    def keyed_form(self, layer: int, view: LayerView):
+        return True, True, self.freq[layer], self.stamp[layer], self._clock
 
 
 @registered(CACHES)
@@ -107,3 +124,9 @@ class Static(CachePolicy):
 
     def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
         return evictable[:0]  # declines every fetched expert
+
+    def setup(self, ctx: SetupContext) -> None:
+        self._no_key = np.zeros(ctx.num_experts, np.int64)
+
+    def keyed_form(self, layer: int, view: LayerView):
+        return False, False, self._no_key, self._no_key, None

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dali_sim.policies import kernels
 from dali_sim.policies.base import CACHES, CachePolicy, LayerView, PolicyConfig, SetupContext, registered
 
 
@@ -47,12 +48,54 @@ class DaliWindowConfig(PolicyConfig):
             raise ValueError(f"cache.u must be an integer >= 0 (swaps per window), got {self.u!r}")
 
 
+def _window_swaps(score, resident, u):
+    """:func:`window_swaps` in one loop (compiled by numba): the i-th best outsider and the i-th worst resident
+    are picked by selection (u is small), as ``[in_0, out_0, in_1, out_1, ...]``."""
+    E = score.shape[0]
+    taken = np.zeros(E, np.bool_)
+    out = np.empty(2 * max(u, 0), np.int64)
+    m = 0
+    for _ in range(u):
+        best = -1
+        worst = -1
+        for x in range(E):  # ascending ids: strict comparisons keep the lower id on ties
+            if taken[x]:
+                continue
+            if resident[x]:
+                if worst < 0 or score[x] < score[worst]:
+                    worst = x
+            elif best < 0 or score[x] > score[best]:
+                best = x
+        if best < 0 or worst < 0 or not score[best] > score[worst]:
+            break
+        taken[best] = True
+        taken[worst] = True
+        out[2 * m] = best
+        out[2 * m + 1] = worst
+        m += 1
+    return out[:2 * m]
+
+
+_COMPILED: list = []
+
+
+def _compiled_swaps():
+    """The compiled :func:`_window_swaps` (None without numba)."""
+    if not _COMPILED:
+        _COMPILED.append(kernels.jit(_window_swaps))
+    return _COMPILED[0]
+
+
 def window_swaps(score: np.ndarray, resident: np.ndarray, u: int) -> list[tuple[int, int]]:
     """The swaps at a window end: ``(expert_in, expert_out)`` pairs, at most ``u``.
 
     Outsiders by descending score (ties: lower id first) are paired with residents by ascending
     score (ties: lower id first); pairs are taken while the outsider's score is strictly higher.
     """
+    kernel = _compiled_swaps()
+    if kernel is not None and score.dtype == np.int64 and resident.dtype == np.bool_:
+        flat = kernel(score, resident, int(u)).tolist()
+        return list(zip(flat[0::2], flat[1::2]))
     ids = np.arange(score.shape[0])
     outsiders = ids[~resident]
     insiders = ids[resident]
@@ -80,6 +123,7 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
     def setup(self, ctx: SetupContext) -> None:
         self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=np.int64)  # the current window's sums
         self.visits = np.zeros(ctx.num_layers, dtype=np.int64)  # visits of each layer in the current window
+        self._no_key = np.zeros(ctx.num_experts, np.int64)
 
     def observe(self, view: LayerView) -> None:
         self.score[view.layer, view.experts] += view.counts
@@ -93,6 +137,9 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
 
     def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
         return evictable[:0]
+
+    def keyed_form(self, layer: int, view: LayerView):
+        return True, False, self._no_key, self._no_key, None  # free slots take fetched experts; no evictions
 
     def window_end(self, layer: int) -> bool:
         """Whether the layer's current visit closes its window (call after ``observe``)."""

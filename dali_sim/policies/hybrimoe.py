@@ -242,6 +242,10 @@ class MRSCache(LRU):
         self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=float)
 
     def observe(self, view: LayerView) -> None:
+        update = kernels.fused("mrs_update")
+        if update is not None:  # the same update in place, in one call
+            update(self.score[view.layer], view.experts, view.counts, view.tokens, float(self.config.a))
+            return
         self.score[view.layer] = mrs_update(self.score[view.layer], view.experts, view.counts, view.tokens,
                                             float(self.config.a))
 
@@ -254,6 +258,10 @@ class MRSCache(LRU):
             return evictable[:0]
         # lowest score; ties: least recently used, then lower id (scores change in observe only)
         return evictable[np.lexsort((evictable, self.stamp[layer, evictable], self.score[layer, evictable]))]
+
+    def keyed_form(self, layer: int, view: LayerView):
+        evicts = view.phase != PREFILL or self.config.prefill_evicts
+        return True, evicts, self.score[layer], self.stamp[layer], self._clock
 
 
 # ---- prefetch -------------------------------------------------------------------------------------
@@ -370,6 +378,7 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
         # a layer's cache contents as last seen at its own visit (the view shows only the current layer's)
         self.seen = np.zeros((ctx.num_layers, ctx.num_experts), dtype=bool)
         self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=float)  # source=score: MRS scores
+        self._cols = self._columns()
 
     def prefetch(self, view: LayerView) -> list[tuple[int, int]]:
         if self.config.source == "score":
@@ -378,6 +387,9 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
         threshold = float(self.config.min_gain)
         if threshold < 0:
             threshold = float(view.costs.expert_transfer_time())
+        fast = self._compiled(view, threshold)
+        if fast is not None:
+            return fast
         cands: list[tuple[float, int, int, int]] = []  # (-gain per copy, distance, position, expert)
         for d, name in self._columns():
             target = view.layer + d
@@ -391,6 +403,24 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
         cands.sort()
         out = [(view.layer + d, e) for _, d, _, e in cands]
         return out[: self.config.k] if self.config.k > 0 else out
+
+    def _compiled(self, view: LayerView, threshold: float) -> list[tuple[int, int]] | None:
+        """:meth:`prefetch` after the lookups as one compiled call (``kernels._impact_requests``), for the hss
+        schedule with the cost model's tables; None: take the NumPy path (no numba, or a prediction beyond
+        the tables)."""
+        kernel = kernels.fused("impact_requests")
+        tables = kernels.cost_tables(self, view.costs) if kernel is not None else None
+        if tables is None or self.config.schedule != "hss":
+            return None
+        layer, L = view.layer, view.num_layers
+        columns = [(d, name) for d, name in self._cols if layer + d < L]
+        if not columns:
+            return []
+        preds = tuple(np.asarray(view.lookahead(name, layer + d), dtype=np.float64) for d, name in columns)
+        gpu, cpu, xfer = tables
+        ok, pairs = kernel(preds, tuple(d for d, _ in columns), self.seen, layer, gpu, cpu, xfer, threshold,
+                           int(self.config.k))
+        return pairs if ok else None  # (m, 2) int64 pairs: the controller's compiled path takes them as they are
 
     def _by_score(self, view: LayerView) -> list[tuple[int, int]]:
         """The code's prefetch_expert: the k highest MRS scores of the next layer (updated at its own visits,

@@ -147,9 +147,111 @@ def _impact_prefix(pred, cached, gpu_table, cpu_table, xfer):
     return gain, j, experts[cand]
 
 
+def _top_predicted(counts, rank, k):
+    """``prefetch_lookahead.top_predicted`` in one call (compiled only): the experts with a count > 0 by
+    descending count, then ascending ``rank`` (all zeros: no rank), then id; at most ``k`` (0 = all). An
+    insertion sort on those keys (a total order: the same as the NumPy lexsort)."""
+    E = counts.shape[0]
+    order = np.empty(E, np.int64)
+    m = 0
+    for x in range(E):
+        c = counts[x]
+        if not c > 0:
+            continue
+        i = m  # ids come ascending: ties in (count, rank) keep the lower id first
+        while i > 0:
+            o = order[i - 1]
+            if counts[o] > c or (counts[o] == c and rank[o] <= rank[x]):
+                break
+            order[i] = o
+            i -= 1
+        order[i] = x
+        m += 1
+    if 0 < k < m:
+        m = k
+    return order[:m]
+
+
+def _top_pairs(counts, rank, k, target):
+    """:func:`_top_predicted` as the (m, 2) int64 prefetch requests ``(target, expert)`` (compiled only)."""
+    order = _top_predicted_fn(counts, rank, k)
+    pairs = np.empty((order.shape[0], 2), np.int64)
+    for i in range(order.shape[0]):
+        pairs[i, 0] = target
+        pairs[i, 1] = order[i]
+    return pairs
+
+
+def _impact_requests(preds, distances, seen, layer, gpu_table, cpu_table, xfer, threshold, k):
+    """``HybriMoEPrefetch.prefetch`` (source impact, schedule hss) after its lookups, in one call (compiled
+    only): per predicted layer ``layer + distances[i]`` (``preds[i]`` its (E,) predicted workloads, below
+    the tables' length), :func:`_impact_prefix` on ``seen[target]``; the prefixes whose gain per copy
+    reaches ``threshold``, expert by expert ordered by (-gain per copy, distance, position), at most
+    ``k`` (0 = all). Returns (whether every prediction was below the tables' length, the (m, 2) pairs of
+    target layer and expert): when one was not, nothing is computed (the caller takes the NumPy path)."""
+    total = 0
+    top = min(gpu_table.shape[0], cpu_table.shape[0])
+    for pred in preds:
+        total += pred.shape[0]
+        for x in range(pred.shape[0]):
+            if not pred[x] < top:
+                return False, np.empty((0, 2), np.int64)
+    neg_gain = np.empty(total)
+    dist = np.empty(total, np.int64)
+    pos = np.empty(total, np.int64)
+    expert = np.empty(total, np.int64)
+    m = 0
+    for i in range(len(preds)):
+        d = distances[i]
+        gain, j, order = _impact_prefix_fn(preds[i], seen[layer + d], gpu_table, cpu_table, xfer)
+        if j == 0:
+            continue
+        per_copy = gain / j
+        if per_copy < threshold:
+            continue
+        for p in range(j):
+            neg_gain[m] = -per_copy
+            dist[m] = d
+            pos[m] = p
+            expert[m] = order[p]
+            m += 1
+    rank = np.empty(m, np.int64)  # insertion sort of 0..m-1 on (-gain, distance, position)
+    for a in range(m):
+        i = a
+        while i > 0:
+            o = rank[i - 1]
+            if neg_gain[o] < neg_gain[a] or (neg_gain[o] == neg_gain[a] and (
+                    dist[o] < dist[a] or (dist[o] == dist[a] and pos[o] < pos[a]))):
+                break
+            rank[i] = o
+            i -= 1
+        rank[i] = a
+    if 0 < k < m:
+        m = k
+    pairs = np.empty((m, 2), np.int64)
+    for i in range(m):
+        pairs[i, 0] = layer + dist[rank[i]]
+        pairs[i, 1] = expert[rank[i]]
+    return True, pairs
+
+
+def _mrs_update(score, experts, counts, tokens, a):
+    """``hybrimoe.mrs_update`` of one layer's (E,) scores in place (compiled only): the same float64
+    operations in the same order, ``a * s + (1 - a) * S`` with ``s`` the activated experts' token shares."""
+    s = np.zeros(score.shape[0])
+    if tokens > 0:
+        for i in range(experts.shape[0]):
+            s[experts[i]] = np.float64(counts[i]) / tokens
+    b = 1.0 - a
+    for x in range(score.shape[0]):
+        score[x] = a * s[x] + b * score[x]
+
+
 _PYTHON = {"greedy": _greedy, "hss": _hss, "impact": _impact}
 _hss_fn = _hss  # what _impact calls: replaced by the compiled _hss before _impact is compiled
 _impact_fn = _impact  # what _impact_prefix calls: the compiled _impact
+_impact_prefix_fn = _impact_prefix  # what _impact_requests calls: the compiled _impact_prefix
+_top_predicted_fn = _top_predicted  # what _top_pairs calls: the compiled _top_predicted
 _impls: dict[str, Callable] | None = None
 _fused: dict[str, Callable] = {}  # kernels with no Python fallback (callers keep a NumPy path)
 
@@ -159,26 +261,43 @@ def _on_lists(fn: Callable) -> Callable:
 
 
 def _load() -> dict[str, Callable]:
-    global _impls, _hss_fn, _impact_fn
+    global _impls, _hss_fn, _impact_fn, _impact_prefix_fn, _top_predicted_fn
     nb = _numba()
     _fused.clear()
     if nb is None:
-        _hss_fn, _impact_fn = _hss, _impact
+        _hss_fn, _impact_fn, _impact_prefix_fn = _hss, _impact, _impact_prefix
         _impls = {name: _on_lists(fn) for name, fn in _PYTHON.items()}
     else:
         jit = nb.njit(cache=True, nogil=True)
         _hss_fn = jit(_hss)
         _impact_fn = jit(_impact)
         _impls = {"greedy": jit(_greedy), "hss": _hss_fn, "impact": _impact_fn}
-        _fused["impact_prefix"] = jit(_impact_prefix)
+        _impact_prefix_fn = _fused["impact_prefix"] = jit(_impact_prefix)
+        _top_predicted_fn = _fused["top_predicted"] = jit(_top_predicted)
+        for name, fn in (("top_pairs", _top_pairs), ("impact_requests", _impact_requests),
+                         ("mrs_update", _mrs_update)):
+            _fused[name] = jit(fn)
     return _impls
 
 
 def fused(name: str) -> Callable | None:
-    """A compiled kernel without a Python fallback (``impact_prefix``), or None without numba."""
+    """A compiled kernel without a Python fallback (``impact_prefix``, ``impact_requests``, ``top_predicted``,
+    ``top_pairs``, ``mrs_update``), or None without numba."""
     if _impls is None:
         _load()
     return _fused.get(name)
+
+
+def cost_tables(owner, costs) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """``(GPU time table, CPU time table, one expert's copy)`` of ``costs`` (None: it has no tables), kept on
+    ``owner`` (a policy) for the cost model it last asked about: asked at every layer visit."""
+    cached = getattr(owner, "_cost_tables", None)
+    if cached is not None and cached[0] is costs:
+        return cached[1]
+    table = getattr(costs, "expert_time_table", None)
+    tables = None if table is None else (table("gpu"), table("cpu"), float(costs.expert_transfer_time()))
+    owner._cost_tables = (costs, tables)
+    return tables
 
 
 def jit(fn: Callable) -> Callable | None:
@@ -199,4 +318,4 @@ def python(name: str) -> Callable:
     return _PYTHON[name]
 
 
-__all__ = ["backend", "fused", "jit", "python", "run"]
+__all__ = ["backend", "cost_tables", "fused", "jit", "python", "run"]

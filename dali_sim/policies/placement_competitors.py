@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dali_sim.policies import kernels
 from dali_sim.policies.base import PLACEMENTS, LayerView, PlacementPolicy, PolicyConfig, registered
 
 
@@ -49,6 +50,31 @@ def fiddler_rule(counts, on_gpu_already, costs) -> np.ndarray:
     return np.asarray(on_gpu_already, dtype=bool) | (gpu + float(costs.expert_transfer_time()) <= cpu)
 
 
+def _fiddler_place(experts, counts, resident, pending, pending_resident, lut_gpu, lut_cpu, xfer):
+    """:func:`fiddler_rule` on a layer's experts in one loop (compiled by numba), from the cost model's tables:
+    ``(True, mask)``, or ``(False, empty)`` when a count lies beyond the tables."""
+    n = experts.shape[0]
+    top = min(lut_gpu.shape[0], lut_cpu.shape[0])
+    out = np.zeros(n, np.bool_)
+    for j in range(n):
+        c = counts[j]
+        if c < 0 or c >= top:
+            return False, np.zeros(0, np.bool_)
+        e = experts[j]
+        out[j] = resident[e] or (pending_resident and pending[e]) or lut_gpu[c] + xfer <= lut_cpu[c]
+    return True, out
+
+
+_COMPILED: list = []
+
+
+def _compiled_fiddler():
+    """The compiled :func:`_fiddler_place` (None without numba)."""
+    if not _COMPILED:
+        _COMPILED.append(kernels.jit(_fiddler_place))
+    return _COMPILED[0]
+
+
 @registered(PLACEMENTS)
 class Fiddler(PlacementPolicy[FiddlerConfig]):
     name = "fiddler"
@@ -57,6 +83,13 @@ class Fiddler(PlacementPolicy[FiddlerConfig]):
     Config = FiddlerConfig
 
     def place(self, view: LayerView) -> np.ndarray:
+        kernel = _compiled_fiddler()
+        tables = kernels.cost_tables(self, view.costs) if kernel is not None else None
+        if tables is not None:  # the same rule in one compiled call
+            ok, out = kernel(view.experts, view.counts, view.resident, view.pending, self.config.pending_resident,
+                             *tables)
+            if ok:
+                return out
         there = view.resident[view.experts]
         if self.config.pending_resident:
             there = there | view.pending[view.experts]

@@ -105,13 +105,34 @@ def _greedy_place(experts, counts, resident, pending, lut_gpu, lut_cpu, xfer, ov
     return out
 
 
+def _greedy_place_checked(experts, counts, resident, pending, lut_gpu, lut_cpu, xfer, overlap, pending_resident):
+    """:func:`_greedy_place` if every count lies in the tables (as ``(True, mask)``), else ``(False, empty)``:
+    the range check in the same compiled call (two NumPy reductions cost more than the greedy)."""
+    top = min(lut_gpu.shape[0], lut_cpu.shape[0])
+    for j in range(counts.shape[0]):
+        if counts[j] < 0 or counts[j] >= top:
+            return False, np.zeros(0, np.bool_)
+    return True, _greedy_fn(experts, counts, resident, pending, lut_gpu, lut_cpu, xfer, overlap, pending_resident)
+
+
 _COMPILED: list = []
+_greedy_fn = _greedy_place  # what _greedy_place_checked calls: the compiled _greedy_place
 
 
 def _compiled_place():
+    """The compiled :func:`_greedy_place` (None without numba)."""
     if not _COMPILED:
-        _COMPILED.append(kernels.jit(_greedy_place))
+        global _greedy_fn
+        _greedy_fn = kernels.jit(_greedy_place)
+        _COMPILED.append(_greedy_fn)
+        _COMPILED.append(kernels.jit(_greedy_place_checked) if _greedy_fn is not None else None)
     return _COMPILED[0]
+
+
+def _compiled_place_checked():
+    """The compiled :func:`_greedy_place_checked` (None without numba, or when :func:`_compiled_place` is
+    switched off)."""
+    return _COMPILED[1] if _compiled_place() is not None else None
 
 
 def makespan(on_gpu, t_gpu, t_cpu) -> float:
@@ -255,13 +276,14 @@ class DaliGreedy(PlacementPolicy[DaliGreedyConfig]):
         return expert_times(view, overlap=self.config.overlap, pending_resident=self.config.pending_resident)
 
     def place(self, view: LayerView) -> np.ndarray:
-        costs, counts = view.costs, view.counts
-        kernel = _compiled_place() if type(self) is DaliGreedy else None
-        table = getattr(costs, "expert_time_table", None)
-        if kernel is not None and table is not None and len(counts) and counts.min() >= 0 \
-                and counts.max() <= costs.lookup_tokens:  # the same decisions in one compiled loop
-            return kernel(view.experts, counts, view.resident, view.pending, table("gpu"), table("cpu"),
-                          float(costs.expert_transfer_time()), self.config.overlap, self.config.pending_resident)
+        kernel = _compiled_place_checked() if type(self) is DaliGreedy else None
+        tables = kernels.cost_tables(self, view.costs) if kernel is not None else None
+        if tables is not None:  # the same decisions in one compiled loop
+            gpu, cpu, xfer = tables
+            ok, out = kernel(view.experts, view.counts, view.resident, view.pending, gpu, cpu, xfer,
+                             self.config.overlap, self.config.pending_resident)
+            if ok:
+                return out
         t_gpu, t_cpu, needs = self.times(view)  # from the cost model's tables: valid inputs
         return _greedy(t_gpu, t_cpu, view.counts, view.experts, np.zeros(len(t_gpu), dtype=bool), None)
 

@@ -27,11 +27,13 @@ already resident or prefetched and drops what does not fit ``memory.prefetch_slo
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from dali_sim.policies import kernels
 from dali_sim.policies.base import (
     PREFETCHERS,
     LayerView,
@@ -60,10 +62,22 @@ class LookaheadConfig(PolicyConfig):
             raise ValueError(f"prefetch.k must be an integer >= 0 (0 = every predicted expert), got {self.k!r}")
 
 
+@functools.lru_cache(maxsize=8)
+def _no_rank(n: int) -> np.ndarray:
+    """(n,) zeros: the rank key of :func:`top_predicted` without ranks (read-only: shared)."""
+    z = np.zeros(n, np.int64)
+    z.flags.writeable = False
+    return z
+
+
 def top_predicted(counts: np.ndarray, k: int, rank: np.ndarray | None = None) -> np.ndarray:
     """Experts by descending predicted count (ties: best predicted rank when ``rank`` is given, then
     lower id), those with count 0 left out, at most ``k`` (0 = all)."""
     counts = np.asarray(counts)
+    kernel = kernels.fused("top_predicted")
+    if kernel is not None and counts.ndim == 1 and counts.dtype == np.float64 and (
+            rank is None or np.shape(rank) == counts.shape):  # the same order in one compiled call
+        return kernel(counts, _no_rank(counts.shape[0]) if rank is None else np.asarray(rank), int(k))
     ids = np.flatnonzero(counts > 0)  # (sorted after the filter: the same order as filtering the sort)
     c = counts[ids]
     order = ids[np.lexsort((ids, np.asarray(rank)[ids], -c)) if rank is not None else np.lexsort((ids, -c))]
@@ -89,8 +103,15 @@ class LookaheadPrefetch(PrefetchPolicy[LookaheadConfig]):
             return []
         counts = view.lookahead(self.config.predictor, target)
         rank = view.lookahead_rank(self.config.predictor, target) if view.lookahead_rank else None
-        return [(target, e) for e in top_predicted(counts, self.config.k, rank).tolist()
-                if self.keep(view, int(counts[e]))]
+        keeps_all = type(self).keep is LookaheadPrefetch.keep
+        pairs = kernels.fused("top_pairs") if keeps_all else None
+        if pairs is not None and counts.dtype == np.float64 and counts.ndim == 1 and rank is not None \
+                and rank.dtype == np.int64 and rank.shape == counts.shape:
+            return pairs(counts, rank, int(self.config.k), target)  # (m, 2) requests in one compiled call
+        chosen = top_predicted(counts, self.config.k, rank).tolist()
+        if keeps_all:
+            return [(target, e) for e in chosen]
+        return [(target, e) for e in chosen if self.keep(view, int(counts[e]))]
 
     def keep(self, view: LayerView, predicted_tokens: int) -> bool:
         """Whether to copy a chosen expert with this predicted workload (here: always)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -21,7 +22,18 @@ from dali_sim.policies.base import (
     SetupContext,
     readonly,
 )
+from dali_sim.runtime import plan_kernel
 from dali_sim.runtime.future import FutureDemand
+from dali_sim.runtime.plan_kernel import (
+    TALLY_EVICTED,
+    TALLY_FIRST_FETCH,
+    TALLY_LEN,
+    TALLY_PREFETCH_USED,
+    TALLY_PREFETCHES,
+    TALLY_STAGED,
+    TALLY_SWAPS,
+    TALLY_WASTED,
+)
 from dali_sim.workload.builder import Workload
 
 # where the weights of an activated expert come from
@@ -52,6 +64,8 @@ class LayerPlan:
     prefetch_used: list[int] = field(default_factory=list)  # experts prefetched for this layer and used on the GPU
     prefetch_wasted: list[int] = field(default_factory=list)  # prefetched for this layer, not used
     swaps: list[tuple[int, int]] = field(default_factory=list)  # cache-initiated (in, out) transfers
+    #: the plan's row of counters (``PlanCounters``), when the controller's compiled path counted them
+    tally: tuple[int, ...] | None = None
 
 
 class Controller:
@@ -60,9 +74,10 @@ class Controller:
     def __init__(self, workload: Workload, costs: CostModel, placement: PlacementPolicy, cache: CachePolicy,
                  prefetch: PrefetchPolicy, capacities: np.ndarray, *, cache_init: str = "empty",
                  prefetch_slots: int = 0, staging_slots: int = 1, seed: int = 0,
-                 future: FutureDemand | None = None, frequencies: np.ndarray | None = None):
+                 future: FutureDemand | None = None, frequencies: np.ndarray | None = None, fast: bool = True):
         """``frequencies``: (L, E) per-expert workloads of the profiling input, for frequency-based choices
-        (``dali_sim.workload.profiling``); None = the workload's own (hindsight), as ``frequency-hindsight``."""
+        (``dali_sim.workload.profiling``); None = the workload's own (hindsight), as ``frequency-hindsight``.
+        ``fast=False``: every plan by :meth:`plan_reference` (the same plans; for tests and comparisons)."""
         self.w = workload
         self.costs = costs
         self.placement, self.cache, self.prefetcher = placement, cache, prefetch
@@ -98,6 +113,7 @@ class Controller:
         self.n_resident = self.resident.sum(axis=1)
         self.pending = np.zeros((L, E), dtype=bool)  # prefetched (in flight or arrived) for each layer
         self.n_pending = np.zeros(L, dtype=np.int64)
+        self._pending_total = 0  # n_pending.sum(), kept as an int (asked at every layer)
         self._predictors = tuple(workload.predicted)
         families = (("placement", placement), ("cache", cache), ("prefetch", prefetch))
         #: the families whose policy is a bound (an exact optimum); results are labelled with it
@@ -107,19 +123,27 @@ class Controller:
         # (asked once: a policy's class does not change during a run)
         self._prefetching = self.prefetch_slots > 0
         self._swapping = type(cache).rebalance is not CachePolicy.rebalance
+        cls = type(cache)
+        self._observes = cls.observe is not CachePolicy.observe
+        # (the default hooks do nothing: not called)
+        self._told_of_swaps = cls.on_evict is not CachePolicy.on_evict or cls.on_admit is not CachePolicy.on_admit
+        #: the compiled bookkeeping of :meth:`plan` (None: every plan takes :meth:`plan_reference`)
+        self._kernel = plan_kernel.compiled() if cache.keyed and fast else None
+        self._issue_kernel = plan_kernel.compiled_issue() if fast else None
+        self._no_clock = np.zeros(1, np.int64)
 
-    def _lookahead(self, step: int, layer: int, what: str = "counts"):
-        def get(name: str, target: int) -> np.ndarray:
-            if name not in self._predictors:
-                known = ", ".join(self._predictors) or "none"
-                raise ValueError(f"prefetch needs lookahead column {name!r}; loaded: {known}. "
-                                 "`dali trace record` records real ones; `dali trace synth --lookahead` makes synthetic ones")
-            offset = self.w.predictor_offsets[name]
-            if not layer < target <= layer + offset:
-                raise ValueError(f"lookahead {name!r} made at layer {target - offset} is not known at layer {layer}")
-            read = self.w.predicted_counts if what == "counts" else self.w.predicted_ranks
-            return readonly(read(name, step, target))
-        return get
+    def _lookahead(self, step: int, layer: int, what: str, name: str, target: int) -> np.ndarray:
+        """``LayerView.lookahead`` (``what="counts"``) and ``lookahead_rank`` (``"ranks"``) of (step, layer),
+        bound to them with ``functools.partial`` (made without a Python call at every view)."""
+        if name not in self._predictors:
+            known = ", ".join(self._predictors) or "none"
+            raise ValueError(f"prefetch needs lookahead column {name!r}; loaded: {known}. "
+                             "`dali trace record` records real ones; `dali trace synth --lookahead` makes synthetic ones")
+        offset = self.w.predictor_offsets[name]
+        if not layer < target <= layer + offset:
+            raise ValueError(f"lookahead {name!r} made at layer {target - offset} is not known at layer {layer}")
+        read = self.w.predicted_counts if what == "counts" else self.w.predicted_ranks
+        return readonly(read(name, step, target))
 
     def _true_counts(self, step: int, layer: int):
         def get(target: int) -> np.ndarray:
@@ -133,18 +157,22 @@ class Controller:
 
     def view(self, step: int, layer: int) -> LayerView:
         """The policies' view of the start of (step, layer)."""
-        experts, counts, ranks = self.w.activated(step, layer)
-        # built without the frozen dataclass's per-field checks (it runs once per (step, layer)); read-only
-        # views of the workload's arrays, the cache's rows as read-only copies
+        w = self.w
+        experts, counts, ranks = w.activated(step, layer)
+        # built without the frozen dataclass's per-field checks (it runs once per (step, layer)) and with as
+        # few Python calls as it can: the workload's arrays as they are if read-only (a built Workload's are),
+        # else read-only views; the cache's rows as read-only copies
+        if experts.flags.writeable or counts.flags.writeable or ranks.flags.writeable:
+            experts, counts, ranks = readonly(experts), readonly(counts), readonly(ranks)
         resident, pending = self.resident[layer].copy(), self.pending[layer].copy()
         resident.flags.writeable = pending.flags.writeable = False
         view = _new(LayerView)
         view.__dict__.update(
-            step=step, layer=layer, phase=int(self.w.step_phase[step]), tokens=int(self.w.step_tokens[step]),
-            experts=readonly(experts), counts=readonly(counts), ranks=readonly(ranks), resident=resident, pending=pending,
-            num_layers=self.w.num_layers, num_experts=self.w.num_experts, costs=self.costs,
-            lookahead=self._lookahead(step, layer), lookahead_rank=self._lookahead(step, layer, "ranks"),
-            true_counts=None,
+            step=step, layer=layer, phase=int(w.step_phase[step]), tokens=int(w.step_tokens[step]),
+            experts=experts, counts=counts, ranks=ranks, resident=resident, pending=pending,
+            num_layers=w.num_layers, num_experts=w.num_experts, costs=self.costs,
+            lookahead=partial(self._lookahead, step, layer, "counts"),
+            lookahead_rank=partial(self._lookahead, step, layer, "ranks"), true_counts=None,
         )
         return view
 
@@ -155,14 +183,63 @@ class Controller:
         return dataclasses.replace(view, true_counts=self._true_counts(view.step, view.layer))
 
     def plan(self, step: int, layer: int) -> LayerPlan:
+        """The plan of (step, layer); layers must be planned in order (:meth:`plans`).
+
+        With a cache policy that has a keyed form and numba installed, everything after the placement but
+        the prefetches and swaps runs as one compiled call (``dali_sim.runtime.plan_kernel``), which also
+        counts the plan; otherwise (and as the reference) :meth:`plan_reference`: the same plans."""
+        kernel = self._kernel
+        if kernel is None:
+            return self.plan_reference(step, layer)
+        view = self.view(step, layer)
+        cache = self.cache
+        if self._observes:
+            cache.observe(view)
+        experts = view.experts
+        on_gpu = self._place(view)
+        accepts, evicts, primary, stamp, clock = cache.keyed_form(layer, view)
+        source, flags, out = kernel(
+            experts, view.counts, on_gpu, self.resident[layer], self.pending[layer], layer,
+            int(self.capacities[layer]), self.n_resident, self.n_pending, bool(accepts), bool(evicts), primary, stamp,
+            self._no_clock if clock is None else clock, clock is not None)
+        row = out.tolist()  # the tally, the first expert fetched on demand, the lists (plan_kernel)
+        if row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch:
+            self._never_fetches(layer, int(experts[row[TALLY_FIRST_FETCH]]))
+        if self.staging_slots < 1 and row[TALLY_STAGED]:
+            raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
+        n_evicted, n_used = row[TALLY_EVICTED], row[TALLY_PREFETCH_USED]
+        self._pending_total -= n_used + row[TALLY_WASTED]  # the layer's prefetches were used or wasted
+        prefetches = self._issue_prefetches(view) if self._prefetching else []
+        swaps = self._apply_swaps(view, layer) if self._swapping else []
+        row[TALLY_PREFETCHES] = len(prefetches)
+        row[TALLY_SWAPS] = len(swaps)
+        lists = TALLY_LEN + 1 + n_evicted  # where the prefetches used start
+        return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, flags[0],
+                         flags[1], flags[2], row[TALLY_LEN + 1:lists], prefetches, row[lists:lists + n_used],
+                         row[lists + n_used:], swaps, tuple(row[:TALLY_LEN]))
+
+    def _place(self, view: LayerView) -> np.ndarray:
+        """The placement's (n,) bool mask, checked."""
+        on_gpu = np.asarray(self.placement.place(self._view_for(self.placement, view)), dtype=bool)
+        n = len(view.experts)
+        if on_gpu.shape != (n,):
+            raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
+        return on_gpu
+
+    def _never_fetches(self, layer: int, expert: int):
+        raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {expert} of layer "
+                         f"{layer} on the GPU while it is not resident: the cache must hold every expert this "
+                         "placement runs on the GPU (check memory.layout and memory.cache_init)")
+
+    def plan_reference(self, step: int, layer: int) -> LayerPlan:
+        """:meth:`plan` in NumPy and the policies' batch or per-expert hooks: the reference of the compiled
+        path, and the path of every cache policy without a keyed form."""
         view = self.view(step, layer)
         cache = self.cache
         cache.observe(view)
         experts = view.experts
         n = len(experts)
-        on_gpu = np.asarray(self.placement.place(self._view_for(self.placement, view)), dtype=bool)
-        if on_gpu.shape != (n,):
-            raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
+        on_gpu = self._place(view)
         resident = self.resident[layer]
         pending = self.pending[layer]
         n_pending = self.n_pending[layer]
@@ -185,11 +262,8 @@ class Controller:
                 code |= pending[experts].view(np.uint8)
             source = _SOURCE_OF[code]
             fetch = source == FETCH
-            if not self.placement.may_fetch and nz(fetch):  # noqa: SIM102 (the message needs the expert)
-                e = int(experts[fetch][0])
-                raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {e} of layer "
-                                 f"{layer} on the GPU while it is not resident: the cache must hold every expert this "
-                                 "placement runs on the GPU (check memory.layout and memory.cache_init)")
+            if not self.placement.may_fetch and nz(fetch):
+                self._never_fetches(layer, int(experts[fetch][0]))
             if cache.batched:
                 admitted, evicted = self._admit_batched(view, layer, experts, hit, miss)
             else:
@@ -206,6 +280,7 @@ class Controller:
             used[experts[source == PREFETCHED]] = True
             prefetch_used, prefetch_wasted = was[used[was]].tolist(), was[~used[was]].tolist()
             pending[:] = False
+            self._pending_total -= int(self.n_pending[layer])
             self.n_pending[layer] = 0
 
         prefetches = self._issue_prefetches(view) if self._prefetching else []
@@ -304,12 +379,20 @@ class Controller:
     def _issue_prefetches(self, view: LayerView) -> list[tuple[int, int]]:
         """The prefetcher's requests in its order, skipping resident, pending and repeated ones, while
         prefetch buffers are free."""
-        free = self.prefetch_slots - int(self.n_pending.sum())
+        free = self.prefetch_slots - self._pending_total
         if free <= 0:
             return []
         asked = self.prefetcher.prefetch(self._view_for(self.prefetcher, view))
         if not len(asked):
             return []
+        if isinstance(asked, np.ndarray) and asked.dtype == np.int64 and asked.ndim == 2 and asked.shape[1] == 2 \
+                and self._issue_kernel is not None:  # the same rule in one compiled call
+            flat, bad = self._issue_kernel(asked, self.resident, self.pending, self.n_pending, view.layer, free)
+            issued = flat.tolist()
+            self._pending_total += len(issued) // 2
+            if bad >= 0:
+                self._bad_prefetch(view, *asked[bad].tolist())
+            return list(zip(issued[0::2], issued[1::2]))
         if len(asked) <= 32 and (asked.ndim == 2 and asked.shape[1] == 2 if isinstance(asked, np.ndarray)
                                  else all(len(p) == 2 for p in asked)):  # a few pairs: the same rule on ints
             return self._issue_few(view, asked, free)
@@ -319,10 +402,12 @@ class Controller:
         n_valid = len(pairs) if valid.all() else int(np.argmax(~valid))
         issued = self._take_prefetches(target[:n_valid], e[:n_valid], free)
         if n_valid < len(pairs) and len(issued) < free:  # the request was reached before the buffers ran out
-            t, x = pairs[n_valid].tolist()
-            raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
-                             f"at layer {view.layer}; targets must be later layers of the same step")
+            self._bad_prefetch(view, *pairs[n_valid].tolist())
         return issued
+
+    def _bad_prefetch(self, view: LayerView, t: int, x: int):
+        raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
+                         f"at layer {view.layer}; targets must be later layers of the same step")
 
     def _issue_few(self, view: LayerView, asked, free: int) -> list[tuple[int, int]]:
         """:meth:`_issue_prefetches` after the policy's answer, for a short one, one request at a time."""
@@ -335,8 +420,7 @@ class Controller:
             t, x = (int(v) for v in pair)
             if not (view.layer < t < L and 0 <= x < E):
                 if len(issued) < free:  # the request was reached before the buffers ran out
-                    raise ValueError(f"prefetch policy {self.prefetcher.name!r} asked for (layer {t}, expert {x}) "
-                                     f"at layer {view.layer}; targets must be later layers of the same step")
+                    self._bad_prefetch(view, t, x)
                 break
             if (t, x) in seen:
                 continue  # the first request of each (layer, expert) counts
@@ -348,6 +432,7 @@ class Controller:
         for t, x in issued:
             pending[t, x] = True
             self.n_pending[t] += 1
+        self._pending_total += len(issued)
         return issued
 
     def _take_prefetches(self, target: np.ndarray, e: np.ndarray, free: int) -> list[tuple[int, int]]:
@@ -358,6 +443,7 @@ class Controller:
         target, e = target[keep], e[keep]
         self.pending[target, e] = True
         np.add.at(self.n_pending, target, 1)
+        self._pending_total += len(keep)
         return list(zip(target.tolist(), e.tolist()))
 
     def _apply_swaps(self, view: LayerView, layer: int) -> list[tuple[int, int]]:
@@ -371,8 +457,9 @@ class Controller:
                                  "must bring in a non-resident expert for a resident one")
             resident[e_out] = False
             resident[e_in] = True
-            self.cache.on_evict(layer, int(e_out))
-            self.cache.on_admit(layer, int(e_in), view)
+            if self._told_of_swaps:
+                self.cache.on_evict(layer, int(e_out))
+                self.cache.on_admit(layer, int(e_in), view)
         return [(int(a), int(b)) for a, b in swaps]
 
     def plans(self):

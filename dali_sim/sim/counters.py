@@ -51,6 +51,11 @@ class PlanCounters:
             self._rows.clear()
 
     def add(self, p: LayerPlan) -> None:
+        if p.tally is not None:  # counted by the controller's compiled path, in this order
+            self._rows.append(p.tally)
+            if len(self._rows) >= self._FLUSH:
+                self._flush()
+            return
         source, nz = p.source, np.count_nonzero
         n = len(source)
         by_source = np.bincount(source, minlength=4).tolist()

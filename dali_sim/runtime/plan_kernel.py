@@ -1,0 +1,254 @@
+"""The controller's per-layer bookkeeping as one compiled loop (numba): the fast path of ``Controller.plan``.
+
+After the placement has decided, a plan needs a dozen small steps: the experts' hits and sources, the
+batched admission into the layer's cache (free slots, then victims in the cache policy's order), the
+cache's use stamps, the staged experts, the prefetches used or wasted, and the counters of the plan.
+As NumPy calls each costs a microsecond or more of call overhead, several times that when the caches
+are cold after a layer's tensor work in the executor; :func:`_layer_plan` does all of it in one call.
+
+It applies to a cache policy with a *keyed form* (``CachePolicy.keyed_form``: its victims are the
+evictable entries by ascending ``(primary, stamp, id)``, touches renew a use stamp or nothing, evictions
+need no notice): lru, lfu, static, dali-window and hybrimoe-mrs. The controller's NumPy path
+(``Controller.plan_reference``) stays the reference, and the path of every other cache or when numba is
+off (``DALI_NUMBA=0``); both give the same plans (tests/test_plan_fast.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dali_sim.policies import kernels
+
+# sources, as dali_sim.runtime.controller (repeated: that module imports this one)
+_HIT, _PREFETCHED, _FETCH, _CPU = 0, 1, 2, 3
+#: positions in the tally (``PlanCounters``' row) that the controller reads, or fills after the kernel
+TALLY_PREFETCHES, TALLY_SWAPS = 7, 12
+TALLY_PREFETCH_USED, TALLY_WASTED, TALLY_EVICTED, TALLY_STAGED = 6, 8, 10, 11
+TALLY_LEN = 15  # the tally's length (the layer and the 14 COUNTERS)
+TALLY_FIRST_FETCH = TALLY_LEN  # where the kernel's answer gives the first expert fetched on demand
+
+
+def _victims(resident, activated, primary, stamp, want, out):
+    """Up to ``want`` victims into ``out``: the evictable entries (resident, not activated) by ascending
+    (``primary``, ``stamp``, id), as ``np.lexsort``; returns how many. A few by selection, more by two
+    stable sorts (the cost of selection grows with ``want``)."""
+    E = resident.shape[0]
+    if want <= 4:
+        taken = np.zeros(E, np.bool_)
+        n = 0
+        while n < want:
+            best = -1
+            for x in range(E):  # the smallest key left; ties: the lower id (x ascending)
+                if resident[x] and not activated[x] and not taken[x]:
+                    if best < 0 or primary[x] < primary[best] or (
+                            primary[x] == primary[best] and stamp[x] < stamp[best]):
+                        best = x
+            if best < 0:
+                break  # no evictable entry left: the rest are staged
+            taken[best] = True
+            out[n] = best
+            n += 1
+        return n
+    cand = np.empty(E, np.int64)
+    m = 0
+    for x in range(E):
+        if resident[x] and not activated[x]:
+            cand[m] = x
+            m += 1
+    cand = cand[:m]  # ascending ids
+    cand = cand[np.argsort(stamp[cand], kind="mergesort")]  # stable: by stamp, then id
+    cand = cand[np.argsort(primary[cand], kind="mergesort")]  # then by primary
+    n = min(want, m)
+    out[:n] = cand[:n]
+    return n
+
+
+def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_resident, n_pending,
+                accepts, evicts, primary, stamp, clock, stamps):
+    """One (step, layer) after its placement, as ``Controller.plan_reference`` computes it.
+
+    ``resident``/``pending`` are the layer's (E,) rows and ``n_resident``/``n_pending`` the (L,) counts,
+    all updated in place; ``accepts``: a free slot takes a fetched expert; ``evicts``: a full cache
+    evicts (else a fetched expert is staged); victims by ascending (``primary``, ``stamp``, id) among the
+    resident experts not activated; ``stamps``: hits and admissions get use stamps ``clock[0] + 1, ...``
+    in touch order (``clock`` advanced). Returns (source, (3, n) bool: hit, admitted and staged, one
+    int64 array: the tally (the plan's ``PlanCounters`` row, ``TALLY_LEN`` values, with the prefetch and
+    swap counts still 0), the index of the first expert fetched on demand or -1, then the victims, the
+    prefetches used and those wasted (their lengths: the tally's ``evicted``, ``prefetch_used`` and
+    ``prefetch_wasted``))."""
+    n = experts.shape[0]
+    E = resident.shape[0]
+    source = np.empty(n, np.int8)
+    flags = np.zeros((3, n), np.bool_)  # hit, admitted, staged: one array (each returned array costs a boxing)
+    hit = flags[0]
+    admitted = flags[1]
+    staged = flags[2]
+    activated = np.zeros(E, np.bool_)
+    from_prefetch = np.zeros(E, np.bool_)
+    had_pending = n_pending[layer] > 0
+    n_hit = 0
+    n_cpu = 0
+    n_fetch = 0
+    n_pref = 0
+    n_miss = 0
+    cpu_tokens = 0
+    gpu_tokens = 0
+    first_fetch = -1
+    for i in range(n):
+        e = experts[i]
+        activated[e] = True
+        h = resident[e]
+        hit[i] = h
+        if h:
+            n_hit += 1
+        if not on_gpu[i]:
+            source[i] = _CPU
+            n_cpu += 1
+            cpu_tokens += counts[i]
+            continue
+        gpu_tokens += counts[i]
+        if h:
+            source[i] = _HIT
+            continue
+        n_miss += 1  # on the GPU, not resident: prefetched or fetched on demand
+        if had_pending and pending[e]:
+            source[i] = _PREFETCHED
+            from_prefetch[e] = True
+            n_pref += 1
+        else:
+            source[i] = _FETCH
+            n_fetch += 1
+            if first_fetch < 0:
+                first_fetch = i
+    # admission: the misses (touch order) fill free slots if the cache accepts, then take victims
+    take = 0
+    n_vict = 0
+    victims = np.empty(min(n_miss, E), np.int64)
+    if n_miss:
+        free = capacity - n_resident[layer]
+        if not (free > 0 and not accepts):
+            take = min(max(free, 0), n_miss)
+            if evicts and n_miss > take:
+                n_vict = _victims_fn(resident, activated, primary, stamp, n_miss - take, victims)
+        left = take + n_vict
+        for i in range(n):
+            if left == 0:
+                break
+            if on_gpu[i] and not hit[i]:
+                admitted[i] = True
+                left -= 1
+        for j in range(n_vict):
+            resident[victims[j]] = False
+        for i in range(n):
+            if admitted[i]:
+                resident[experts[i]] = True
+        n_resident[layer] += take
+    n_admitted = take + n_vict
+    if stamps:
+        c = clock[0]
+        for i in range(n):
+            if hit[i] or admitted[i]:
+                c += 1
+                stamp[experts[i]] = c
+        clock[0] = c
+    n_staged = 0
+    for i in range(n):
+        if source[i] == _FETCH and not admitted[i]:
+            staged[i] = True
+            n_staged += 1
+    n_used = 0
+    n_was = 0
+    if had_pending:
+        for x in range(E):
+            if pending[x]:
+                n_was += 1
+                if from_prefetch[x]:
+                    n_used += 1
+    # the tally, the first expert fetched on demand, then the lists: victims (eviction order), the
+    # prefetches used and wasted (ascending ids); one array (each array returned costs a boxing)
+    out = np.zeros(TALLY_LEN + 1 + n_vict + n_was, np.int64)
+    start = TALLY_LEN + 1
+    out[start:start + n_vict] = victims[:n_vict]
+    if had_pending:
+        u = start + n_vict
+        w = u + n_used
+        for x in range(E):
+            if pending[x]:
+                if from_prefetch[x]:
+                    out[u] = x
+                    u += 1
+                else:
+                    out[w] = x
+                    w += 1
+                pending[x] = False
+        n_pending[layer] = 0
+    out[0] = layer  # the tally: PlanCounters' row (COUNTERS' order after the layer)
+    out[1] = n
+    out[2] = n_hit
+    out[3] = n - n_cpu
+    out[4] = n_cpu
+    out[5] = n_fetch
+    out[TALLY_PREFETCH_USED] = n_used  # (= the experts from a prefetch: each was pending)
+    out[TALLY_WASTED] = n_was - n_used
+    out[9] = n_admitted if n_fetch or n_pref else 0
+    out[TALLY_EVICTED] = n_vict
+    out[TALLY_STAGED] = n_staged if n_fetch else 0
+    out[13] = gpu_tokens
+    out[14] = cpu_tokens
+    out[TALLY_FIRST_FETCH] = first_fetch
+    return source, flags, out
+
+
+def _issue(asked, resident, pending, n_pending, layer, free):
+    """``Controller._issue_prefetches`` after the policy's answer ``asked`` ((m, 2) int64: target layer,
+    expert), in one call: in order, skipping resident, pending and repeated requests, while fewer than
+    ``free`` were issued (each marked pending at once, so a repeat is skipped as pending). Returns the
+    issued pairs flat and -1, or nothing and the index of the first invalid request reached before the
+    buffers ran out (the contents then as they were)."""
+    L = resident.shape[0]
+    E = resident.shape[1]
+    out = np.empty(2 * min(free, asked.shape[0]), np.int64)
+    m = 0
+    for i in range(asked.shape[0]):
+        if m == free:
+            break  # the buffers ran out: later requests change nothing (nor are they checked)
+        t = asked[i, 0]
+        x = asked[i, 1]
+        if not (layer < t < L and 0 <= x < E):
+            for j in range(m):  # an error: the contents stay as they were
+                pending[out[2 * j], out[2 * j + 1]] = False
+                n_pending[out[2 * j]] -= 1
+            return out[:0], i
+        if not resident[t, x] and not pending[t, x]:
+            pending[t, x] = True
+            n_pending[t] += 1
+            out[2 * m] = t
+            out[2 * m + 1] = x
+            m += 1
+    return out[:2 * m], -1
+
+
+_victims_fn = _victims  # what _layer_plan calls: the compiled _victims
+_COMPILED: list = []
+_COMPILED_ISSUE: list = []
+
+
+def compiled_issue():
+    """:func:`_issue` compiled (on the first call), or None without numba."""
+    if not _COMPILED_ISSUE:
+        _COMPILED_ISSUE.append(kernels.jit(_issue))
+    return _COMPILED_ISSUE[0]
+
+
+def compiled():
+    """:func:`_layer_plan` compiled (on the first call), or None without numba (the controller then takes
+    its NumPy path)."""
+    if not _COMPILED:
+        global _victims_fn
+        _victims_fn = kernels.jit(_victims)
+        _COMPILED.append(kernels.jit(_layer_plan) if _victims_fn is not None else None)
+    return _COMPILED[0]
+
+
+__all__ = ["TALLY_EVICTED", "TALLY_FIRST_FETCH", "TALLY_LEN", "TALLY_PREFETCHES", "TALLY_PREFETCH_USED", "TALLY_STAGED",
+           "TALLY_SWAPS", "TALLY_WASTED", "compiled", "compiled_issue"]

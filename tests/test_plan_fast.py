@@ -1,0 +1,215 @@
+"""The controller's compiled path (``dali_sim.runtime.plan_kernel``) and the policies' compiled kernels give
+exactly the plans of the NumPy reference (``Controller.plan_reference``, the policies' NumPy code).
+
+Every system preset runs on synthetic workloads (several seeds, cache sizes, batch sizes, with and without
+prefill) twice: as shipped, and with every compiled path off (``plan_kernel.compiled`` and
+``kernels.fused`` and the placements' and dali-window's kernel getters answering None, so that each plan
+takes the NumPy reference path). Every field of every plan and every counter must agree.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from dali_sim.policies import cache_dali, kernels, placement_competitors, placement_dali, resolve_system, system_names
+from dali_sim.policies.base import CachePolicy
+from dali_sim.policies.cache import LRU
+from dali_sim.policies.hybrimoe import mrs_update
+from dali_sim.policies.prefetch_lookahead import top_predicted
+from dali_sim.runtime import controller as ctl
+from dali_sim.runtime import plan_kernel
+from dali_sim.runtime.future import FutureDemand
+from dali_sim.sim.simulate import simulate
+from dali_sim.trace import read_trace
+from dali_sim.trace.synth import SynthConfig, synthesize
+from dali_sim.workload.builder import Workload, WorkloadConfig
+from dali_sim.workload.profiling import ProfileSpec
+
+pytestmark = pytest.mark.skipif(kernels.fused("impact_prefix") is None, reason="numba is off: no compiled path")
+
+LOOKAHEAD = ("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")
+#: presets run by the simulator (a time bound has no plans)
+PRESETS = [n for n in system_names() if n != "lower-bound"]
+#: (model, trace seed, prompt length, batch size, memory.cache_ratio or None = the preset's budget)
+CASES = [("qwen3-30b-a3b", 1, 0, 4, "0.25"), ("qwen3-30b-a3b", 2, 3, 1, "0.6"), ("mixtral-8x7b", 3, 3, 2, "0.25"),
+         ("mixtral-8x7b", 4, 0, 1, None)]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    out = {}
+    for model, seed, prompt, _, _ in CASES:
+        path = tmp_path_factory.mktemp("fast") / f"{model}-{seed}.parquet"
+        synthesize(SynthConfig(model=model, sequences=4, prompt_len=prompt, gen_len=6, seed=seed, lookahead=LOOKAHEAD),
+                   path)
+        out[(model, seed)] = read_trace(path)
+    return out
+
+
+def _fields(p: ctl.LayerPlan) -> tuple:
+    return (p.step, p.layer, p.phase, p.tokens, p.experts.tolist(), p.counts.tolist(), p.on_gpu.tolist(),
+            p.source.tolist(), p.source.dtype, p.hit.tolist(), p.admitted.tolist(), p.staged.tolist(), p.evicted,
+            p.prefetches, p.prefetch_used, p.prefetch_wasted, p.swaps)
+
+
+def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compiled: bool):
+    plans: list[ctl.LayerPlan] = []
+    tallied: list[bool] = []
+    with monkeypatch.context() as m:
+        if not compiled:
+            m.setattr(plan_kernel, "compiled", lambda: None)
+            m.setattr(kernels, "fused", lambda name: None)
+            for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
+                                   (cache_dali, "_compiled_swaps")):
+                m.setattr(module, getter, lambda: None)
+        plan = ctl.Controller.plan
+
+        def recorded(self, step, layer):
+            p = plan(self, step, layer)
+            plans.append(p)
+            tallied.append(p.tally is not None)
+            return p
+
+        m.setattr(ctl.Controller, "plan", recorded)
+        over = {"memory": {"cache_ratio": ratio}} if ratio else {}
+        future = FutureDemand.from_workload(Workload(trace, WorkloadConfig(batch))) \
+            if resolve_system(system).needs_future else None
+        res = simulate(trace, system, batch_size=batch, overrides=over, timing=False, seed=seed,
+                       profiling=ProfileSpec(share=0.0), future=future)
+    return [_fields(p) for p in plans], res, any(tallied)
+
+
+@pytest.mark.parametrize("system", PRESETS)
+def test_compiled_plans_are_the_reference_plans(monkeypatch, traces, system):
+    used_kernel = False
+    for model, seed, _, batch, ratio in CASES:
+        trace = traces[(model, seed)]
+        fast, res_fast, tallied = _run(monkeypatch, trace, system, batch, ratio, seed, compiled=True)
+        ref, res_ref, ref_tallied = _run(monkeypatch, trace, system, batch, ratio, seed, compiled=False)
+        assert not ref_tallied  # the reference really ran the NumPy path
+        assert len(fast) == len(ref) > 0
+        for a, b in zip(fast, ref):
+            assert a == b, (model, seed, ratio, a[:2])
+        assert res_fast.per_layer.equals(res_ref.per_layer)
+        used_kernel |= tallied
+    keyed = resolve_cache(system).keyed
+    assert used_kernel == keyed  # the compiled path ran for every keyed cache, never for another
+
+
+def resolve_cache(system: str) -> CachePolicy:
+    return resolve_system(system).cache.build()
+
+
+def test_shipped_keyed_caches():
+    """The presets' common caches have the keyed form; a subclass that changes a hook loses it."""
+    from dali_sim.policies.base import CACHES
+
+    assert {n for n in CACHES.names() if CACHES.get(n)().keyed} >= {"lru", "lfu", "static", "dali-window",
+                                                                     "hybrimoe-mrs"}
+
+    class OtherVictim(LRU):
+        def victim(self, layer, expert, view, evictable):
+            return int(evictable[-1])
+
+    class OwnOrder(LRU):
+        def victim_order(self, layer, view, evictable):
+            return evictable[::-1]
+
+    assert not OtherVictim().keyed and not OwnOrder().keyed and LRU().keyed
+
+
+def test_top_predicted_kernel_matches_numpy(monkeypatch):
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        E = int(rng.integers(1, 40))
+        counts = rng.integers(0, 4, E).astype(np.float64)  # many ties
+        rank = rng.integers(0, 3, E)
+        k = int(rng.integers(0, 6))
+        fast = [top_predicted(counts, k, r).tolist() for r in (rank, None)]
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "fused", lambda name: None)
+            ref = [top_predicted(counts, k, r).tolist() for r in (rank, None)]
+        assert fast == ref, trial
+
+
+def test_mrs_update_kernel_matches_numpy():
+    rng = np.random.default_rng(1)
+    update = kernels.fused("mrs_update")
+    for trial in range(100):
+        E = int(rng.integers(2, 64))
+        score = rng.random(E)
+        experts = rng.choice(E, size=int(rng.integers(0, E)), replace=False).astype(np.int16)
+        counts = rng.integers(1, 9, len(experts)).astype(np.int32)
+        tokens, a = int(rng.integers(0, 20)), float(rng.choice([0.5, 0.3, 1.0]))
+        ref = mrs_update(score, experts, counts, tokens, a)
+        update(score, experts, counts, tokens, a)  # in place
+        assert score.tobytes() == ref.tobytes(), trial
+
+
+def test_window_swaps_kernel_matches_numpy(monkeypatch):
+    rng = np.random.default_rng(2)
+    for trial in range(300):
+        E = int(rng.integers(1, 30))
+        score = rng.integers(0, 5, E).astype(np.int64)  # many ties
+        resident = rng.random(E) < rng.random()
+        u = int(rng.integers(0, 6))
+        fast = cache_dali.window_swaps(score, resident, u)
+        with monkeypatch.context() as m:
+            m.setattr(cache_dali, "_compiled_swaps", lambda: None)
+            ref = cache_dali.window_swaps(score, resident, u)
+        assert fast == ref, trial
+
+
+def _issuer(rng, L: int, E: int, slots: int, asked, compiled: bool) -> ctl.Controller:
+    """A controller with only what ``_issue_prefetches`` reads: random contents, a prefetcher answering ``asked``."""
+    c = object.__new__(ctl.Controller)
+    c.w = SimpleNamespace(num_layers=L, num_experts=E)
+    c.prefetcher = SimpleNamespace(name="fixed", reads_future=False, prefetch=lambda view: asked)
+    c.resident = rng.random((L, E)) < 0.3
+    c.pending = (rng.random((L, E)) < 0.1) & ~c.resident
+    c.n_pending = c.pending.sum(axis=1)
+    c._pending_total = int(c.n_pending.sum())
+    c.prefetch_slots = c._pending_total + slots
+    c._issue_kernel = plan_kernel.compiled_issue() if compiled else None
+    return c
+
+
+def test_compiled_prefetch_issue_matches_the_reference():
+    """Requests as an (m, 2) array, with repeats, resident and pending ones and invalid targets: the same
+    issued pairs, contents and error (or none) as the reference's."""
+    for trial in range(400):
+        L, E = 4, 6
+        layer = int(np.random.default_rng(trial).integers(0, L - 1))
+        asked = np.random.default_rng(trial + 1).integers([layer, 0], [L + 1, E + 1], size=(int(trial % 12), 2))
+        slots = trial % 5
+        out = []
+        for compiled in (True, False):
+            rng = np.random.default_rng(trial)
+            c = _issuer(rng, L, E, slots, asked, compiled)
+            try:
+                got = c._issue_prefetches(SimpleNamespace(layer=layer))
+            except ValueError as e:
+                got = str(e)
+            out.append((got, c.pending.tolist(), c.n_pending.tolist(), c._pending_total))
+        assert out[0] == out[1], trial
+        assert out[0][3] == sum(out[0][2])
+
+
+def test_victims_by_selection_and_by_sorting_are_the_lexsort_order():
+    plan_kernel.compiled()
+    victims = plan_kernel._victims_fn
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        E = int(rng.integers(1, 40))
+        resident, activated = rng.random(E) < 0.7, rng.random(E) < 0.3
+        primary = rng.integers(0, 3, E).astype(np.float64 if trial % 2 else np.int64)  # ties
+        stamp = rng.integers(-1, 4, E)
+        want = int(rng.integers(1, 12))
+        ev = np.flatnonzero(resident & ~activated)
+        ref = ev[np.lexsort((ev, stamp[ev], primary[ev]))][:want].tolist()
+        out = np.empty(want, np.int64)
+        n = victims(resident, activated, primary, stamp, want, out)
+        assert out[:n].tolist() == ref, trial
