@@ -412,8 +412,8 @@ def _rank_order(ids, weights, rows):
 
 
 #: rows of the int64 workspace of :func:`_route_partition` (see ``workspace.RouteWorkspace``)
-W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU = 0, 1, 2, 3, 4, 5, 10, 11
-W_ROWS = 12
+W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKENS, W_TURNS = 0, 1, 2, 3, 4, 5, 10, 11, 12, 13
+W_ROWS = 17
 
 
 def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of, codes, evicted, free, layer,
@@ -428,8 +428,9 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     an allocation and a Python object per layer): ``wi`` (int64, :data:`W_ROWS` x at least n + 1 columns,
     n the pairs, and at least the evictions) holds the evicted rows (row :data:`W_EVICTED`), the grouping's
     order, ptr, experts and pairs per expert (:data:`W_ORDER` ..), the lane split (the five rows from
-    :data:`W_LANE`), its order and the CPU experts; ``wb`` (bool, 2 x n) is scratch, ``wf`` (float32, n)
-    the sorted weights. Returns (index of an evicted expert that is not cached or -1, the number of
+    :data:`W_LANE`), its order, the CPU experts, the token of each sorted pair (:data:`W_TOKENS`) and, from
+    :data:`W_TURNS`, the staged experts' ids, first and end pair and pairs (in staging order: a staging
+    turn's slice of the routing); ``wb`` (bool, 2 x n) is scratch, ``wf`` (float32, n) the sorted weights. Returns (index of an evicted expert that is not cached or -1, the number of
     evicted rows, grouping status, the number of experts m, partition status, the number of CPU experts
     c, of accelerator experts g, hits, ready, fetched, admission status: ``OK`` (the fetched experts' rows
     are in the lane's row 2 and the table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not
@@ -443,10 +444,21 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
                                        wi[W_PTR], wi[W_EXPERTS], wf, wb[0], wi[W_PER])
     if status != OK:
         return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1
+    order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
+    for j in range(flat.shape[0]):
+        tokens[j] = order[j] // k
     lane, lorder = wi[W_LANE:W_LANE + 5], wi[W_LANE_ORDER]
     pstatus, c, g, hits, ready, fetched = _partition_into_fn(
         wi[W_EXPERTS, :m], wi[W_PER, :m], p_experts, p_counts, source, admitted, row_of, codes, False, wb, lane,
         lorder, wi[W_CPU])
+    if pstatus == 0:
+        for t in range(g - ready - fetched):  # the staged experts, in staging order
+            i = lorder[ready + fetched + t]
+            s = lane[1, i]
+            wi[W_TURNS, t] = lane[3, i]
+            wi[W_TURNS + 1, t] = ptr[s]
+            wi[W_TURNS + 2, t] = ptr[s + 1]
+            wi[W_TURNS + 3, t] = ptr[s + 1] - ptr[s]
     adm = OK
     if pstatus == 0 and fetched:
         n_adopt = 0

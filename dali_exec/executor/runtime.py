@@ -72,7 +72,8 @@ class OffloadRuntime:
         self.deferred: deque[tuple[int, int, int]] = deque()  # prefetches waiting for a free buffer: (layer, expert, step)
         self._wait = [0.0] * L  # seconds the accelerator lane waited for weights, per layer
         self._bookkeeping = LayerSeconds(L)
-        self._route_ws = RouteWorkspace()
+        self._route_ws = RouteWorkspace(devices.accel)
+        self._ws_routing: LayerRouting | None = None  # the routing made of the route workspace's views
         self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel)
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
@@ -253,6 +254,7 @@ class OffloadRuntime:
         # views of the workspace, used within this layer visit (see .workspace)
         routing = LayerRouting(T, k, wi[_kernels.W_EXPERTS, :m], wi[_kernels.W_PTR, :m + 1], wi[_kernels.W_ORDER, :n],
                                ws.wf[:n], None, wi[_kernels.W_PER, :m])
+        self._ws_routing = routing
         lane = wi[_kernels.W_LANE:_kernels.W_LANE + 5, :g] if pstatus != 2 else wi[_kernels.W_LANE:_kernels.W_LANE + 5, :1]
         split = _checked_split(plan, routing, pstatus, wi[_kernels.W_CPU, :c], lane, wi[_kernels.W_LANE_ORDER, :g],
                                hits, ready, fetched)
@@ -441,10 +443,14 @@ class OffloadRuntime:
         pool, layer, step, cuda = self.pool, plan.layer, plan.step, self.dev.is_cuda
         idx = lanes.staged
         n = len(idx)
-        sg = lanes.seg[idx]
-        E = lanes.experts[idx].tolist()
-        lo, hi = routing.ptr[sg], routing.ptr[sg + 1]
-        A, B, tokens = lo.tolist(), hi.tolist(), (hi - lo).tolist()
+        if routing is self._ws_routing:  # the turns' experts and slices, written by the route's compiled call
+            W = _kernels.W_TURNS
+            E, A, B, tokens = self._route_ws.wi[W:W + 4, :n].tolist()
+        else:
+            sg = lanes.seg[idx]
+            E = lanes.experts[idx].tolist()
+            lo, hi = routing.ptr[sg], routing.ptr[sg + 1]
+            A, B, tokens = lo.tolist(), hi.tolist(), (hi - lo).tolist()
         R = stage_rows[:halves]  # turn t's buffer: R[t % halves]
         # the first turns' buffers hold their experts, copied by _copy_now with no copy in flight; the later
         # turns' copies are this loop's own (no background copy writes a staging buffer)
@@ -569,6 +575,12 @@ class OffloadRuntime:
         (on CUDA from pinned memory, without a wait)."""
         if self._droute_of is not routing:
             dev = self.dev
+            if routing is self._ws_routing and self._route_ws.tensors is not None:  # the CPU device: views
+                n = len(routing.positions)
+                pos, tok, w = self._route_ws.tensors
+                pos, tok, w = pos.narrow(0, 0, n), tok.narrow(0, 0, n), w.narrow(0, 0, n)
+                self._droute_list, self._droute_of = [pos, tok, _as_dtype(w, dev.dtype)], routing
+                return self._droute_list
             pos = routing.positions
             w = torch.from_numpy(routing.weights[:, None])
             if dev.is_cuda:  # one packed copy

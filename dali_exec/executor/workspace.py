@@ -22,14 +22,18 @@ from dali_exec.executor import kernels as _kernels
 
 
 class RouteWorkspace:
-    """The buffers of ``kernels._route_partition`` (rows ``kernels.W_*``), grown when a layer has more pairs."""
+    """The buffers of ``kernels._route_partition`` (rows ``kernels.W_*``), grown when a layer has more pairs.
+    ``device``: the accelerator; on the CPU device ``tensors`` wrap the sorted pairs, their tokens and their
+    weights (a column) once, for the layer's routing on the accelerator (``OffloadRuntime._droute``)."""
 
-    __slots__ = ("wi", "wb", "wf")
+    __slots__ = ("wi", "wb", "wf", "tensors", "_wrap")
 
-    def __init__(self, pairs: int = 0):
+    def __init__(self, device: torch.device = torch.device("cpu"), pairs: int = 0):
+        self._wrap = device.type == "cpu"
         self.wi = np.zeros((_kernels.W_ROWS, 0), np.int64)
         self.wb = np.zeros((2, 0), bool)
         self.wf = np.zeros(0, np.float32)
+        self.tensors = None
         self.fit(pairs, 0)
 
     def fit(self, pairs: int, evicted: int) -> "RouteWorkspace":
@@ -40,6 +44,9 @@ class RouteWorkspace:
             self.wi = np.zeros((_kernels.W_ROWS, cap), np.int64)
             self.wb = np.zeros((2, cap), bool)
             self.wf = np.zeros(cap, np.float32)
+            if self._wrap:
+                self.tensors = (torch.from_numpy(self.wi[_kernels.W_ORDER]), torch.from_numpy(self.wi[_kernels.W_TOKENS]),
+                                torch.from_numpy(self.wf).view(-1, 1))
         return self
 
 
