@@ -74,6 +74,7 @@ class OffloadRuntime:
         self._bookkeeping = LayerSeconds(L)
         self._route_ws = RouteWorkspace(devices.accel)
         self._ws_routing: LayerRouting | None = None  # the routing made of the route workspace's views
+        self._out_buf: torch.Tensor | None = None  # the last layer's combine buffer (_combine_buffer)
         self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel)
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
@@ -187,7 +188,7 @@ class OffloadRuntime:
         x_acc = x if (x.device == dev.accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         # every pair is computed by one lane unless uncounted tokens' own experts are left out: then those stay 0
         every_pair = uncounted_on_cpu or routing.counted is None
-        out_buf = (torch.empty if every_pair else torch.zeros)((T * k, H), dtype=dev.dtype, device=dev.accel)
+        out_buf = self._combine_buffer(T * k, H, zeroed=not every_pair)
 
         cpu_out: list = []
         if lanes.n:
@@ -220,6 +221,15 @@ class OffloadRuntime:
         sw.stop()
         self._book(layer, sw)
         return out
+
+    def _combine_buffer(self, pairs: int, hidden: int, zeroed: bool) -> torch.Tensor:
+        """The (pairs x hidden) buffer a layer's outputs are combined in, on the accelerator: the last layer's
+        when it has that shape (its sum has been taken: on CUDA the later writes are queued behind it on the
+        compute stream), else a new one; ``zeroed`` when not every pair is written."""
+        buf = self._out_buf
+        if buf is None or buf.shape[0] != pairs or buf.shape[1] != hidden:
+            buf = self._out_buf = torch.empty((pairs, hidden), dtype=self.dev.dtype, device=self.dev.accel)
+        return buf.zero_() if zeroed else buf
 
     def _route(self, plan: LayerPlan, ids: np.ndarray, weights: np.ndarray | None):
         """The plan's evictions, then (the routing grouped, :meth:`_partition` of it, whether the fetched experts
