@@ -174,18 +174,20 @@ class OffloadRuntime:
         # threads) it runs when the accelerator lane would first wait for a copy, or after it
         # activation transfers are not bookkeeping: with one to make the stopwatch stops here; without (the CPU
         # device) it runs on through the lanes' set-up (the output buffer, the CPU lane's job): two readings less
-        moves = bool(cpu_seg.size and x.device.type != "cpu") or bool(lanes.n and x.device != dev.accel)
+        x_dev = x.device  # (a new object per read)
+        on_host, on_accel = x_dev.type == "cpu", x_dev == dev.accel
+        moves = bool(cpu_seg.size and not on_host) or bool(lanes.n and not on_accel)
         if moves:
             sw.stop()
         cpu_job = None
         inline: list = []
         if cpu_seg.size:
-            x_host = x if x.device.type == "cpu" else x.to(dev.host)
+            x_host = x if on_host else x.to(dev.host)
             if (self.cpu_inline or not lanes.n) and torch.get_num_threads() == self.cpu.threads:
                 inline.append(lambda: self._cpu_lane(step, layer, cpu_seg, x_host, routing))
             else:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing)
-        x_acc = x if (x.device == dev.accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
+        x_acc = x if (on_accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         # every pair is computed by one lane unless uncounted tokens' own experts are left out: then those stay 0
         every_pair = uncounted_on_cpu or routing.counted is None
         out_buf = self._combine_buffer(T * k, H, zeroed=not every_pair)
@@ -203,11 +205,11 @@ class OffloadRuntime:
         if cpu_job is not None:
             cpu_out.append(cpu_job.result())
         for pos, vals in cpu_out:
-            if vals.device != out_buf.device:
+            if dev.is_cuda:  # (the CPU lane's outputs are on the host)
                 pos, vals = pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True)
             out_buf.index_copy_(0, pos, vals)
         out = out_buf.view(T, k, H).sum(dim=1)
-        out = out if out.device == x.device else out.to(x.device)
+        out = out if on_accel else out.to(x_dev)
         sw.start()
 
         if plan.swaps:
