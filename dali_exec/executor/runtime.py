@@ -107,7 +107,7 @@ class OffloadRuntime:
         this call's start and end (:meth:`Stopwatch.hand_to`: the boundaries share their clock readings)."""
         layer = plan.layer
         sw = handoff[0].hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
-        for ticket in self.swaps_landing.pop(layer, []):
+        for ticket in self.swaps_landing.pop(layer, ()):
             if not ticket.is_done():
                 sw.stop()
                 w0 = time.perf_counter()
@@ -558,7 +558,8 @@ class OffloadRuntime:
         numba written into the group workspace (on the CPU device its tensors are views of it), else a
         :class:`GroupIndex`."""
         pool, dev, layer = self.pool, self.dev, plan.layer
-        if _kernels.compiled("group_index_into") is None:
+        kernel = _kernels.compiled("group_index_into")
+        if kernel is None:
             gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
             if not gi.rows_ready:
                 pool.check_rows(gi.rows, layer, gi.experts)  # raises, naming what is wrong (or checks)
@@ -566,7 +567,7 @@ class OffloadRuntime:
                                       dev.accel, dev.dtype, self.layout.bias)
             return gi.rows, gi.lo, gi.table_counts, tensors, gi.experts, gi.counts
         ws = self._group_ws
-        n, lo, span, ready = ws.build(routing, seg, rows, layer, pool)
+        n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
         g = len(seg)
         g_rows = ws.small[0, :g]
         if not ready:

@@ -81,12 +81,13 @@ class GroupWorkspace:
                                 torch.from_numpy(self.offs))
         return self
 
-    def build(self, routing, seg: np.ndarray, rows: np.ndarray, layer: int, pool) -> tuple:
+    def build(self, kernel, routing, seg: np.ndarray, rows: np.ndarray, layer: int, pool) -> tuple:
         """The group of the experts ``seg`` (indices into ``routing.experts``) in slot ``rows``, checked
-        against ``pool``'s table in the same loop: (pairs, lo, span, ready)."""
+        against ``pool``'s table in the same loop by ``kernel`` (the compiled ``kernels._group_index_into``):
+        (pairs, lo, span, ready)."""
         if len(routing.positions) > self.ints.shape[1]:
             self.fit(len(routing.positions))
-        return _kernels.compiled("group_index_into")(routing.ptr, routing.positions, routing.weights, routing.experts, seg, rows, routing.top_k,
+        return kernel(routing.ptr, routing.positions, routing.weights, routing.experts, seg, rows, routing.top_k,
                       layer, pool.hold_layer, pool.hold_expert, pool.inflight, self.ints, self.w, self.small,
                       self.table_counts, self.offs)
 
