@@ -264,13 +264,14 @@ class OffloadRuntime:
         if status == _kernels.NEGATIVE:
             raise ValueError("expert ids must be >= 0")
         # views of the workspace, used within this layer visit (see .workspace)
-        routing = LayerRouting(T, k, wi[_kernels.W_EXPERTS, :m], wi[_kernels.W_PTR, :m + 1], wi[_kernels.W_ORDER, :n],
-                               ws.wf[:n], None, wi[_kernels.W_PER, :m])
+        K = _kernels
+        routing = LayerRouting(T, k, wi[K.W_EXPERTS, :m], wi[K.W_PTR, :m + 1], wi[K.W_ORDER, :n], ws.wf[:n], None,
+                               wi[K.W_PER, :m])
         self._ws_routing = routing
-        lane = wi[_kernels.W_LANE:_kernels.W_LANE + 5, :g] if pstatus != 2 else wi[_kernels.W_LANE:_kernels.W_LANE + 5, :1]
-        split = _checked_split(plan, routing, pstatus, wi[_kernels.W_CPU, :c], lane, wi[_kernels.W_LANE_ORDER, :g],
-                               hits, ready, fetched)
-        return (routing, *split, adm == _kernels.OK)
+        cols = 1 if pstatus == 2 else g  # (status 2: column 0 names the expert that is not cached)
+        split = _checked_split(plan, routing, pstatus, wi[K.W_CPU, :c], wi[K.W_LANE:K.W_LANE + 5, :cols],
+                               wi[K.W_LANE_ORDER, :g], hits, ready, fetched)
+        return (routing, *split, adm == K.OK)
 
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
