@@ -7,6 +7,11 @@ return exactly what the NumPy code of :mod:`.routing` and :mod:`.grouped` comput
 dtypes and orders: a stable counting sort is the stable argsort; tested in tests/test_exec_grouped.py),
 which stays the path when numba is off (``DALI_NUMBA=0``) and the reference. Kernels compile on first
 use (cached on disk).
+
+The loops a layer visit runs write preallocated buffers (:mod:`.workspace`) and return counts: their
+cores are the ``*_into`` kernels (``_group_routing_into``, ``_partition_into``, ``_group_index_into``,
+``_evict_into``), which the allocating kernels of the same name wrap, so both compute the same thing in
+one place.
 """
 
 from __future__ import annotations
