@@ -172,6 +172,24 @@ def test_cpu_worker_uses_its_own_thread_count_concurrently():
         CpuWorker(0)
 
 
+def test_cpu_worker_jobs_return_raise_and_run_in_order():
+    worker = CpuWorker(1)
+    order = []
+    try:
+        jobs = [worker.submit(lambda i=i: order.append(i) or i * i) for i in range(5)]
+        assert [j.result() for j in jobs] == [0, 1, 4, 9, 16] and order == [0, 1, 2, 3, 4]
+        assert jobs[2].result() == 4  # again, without waiting twice
+        failed = worker.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failed.result()
+        assert worker.run(lambda a, b=0: a + b, 2, b=3) == 5  # the worker goes on after a failed job
+    finally:
+        worker.close()
+    worker.close()  # (idempotent)
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.submit(lambda: None)
+
+
 def test_routing_groups_flat_positions_by_expert():
     ids = np.array([[2, 0], [0, 1], [2, 1]])
     w = np.array([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]], np.float32)

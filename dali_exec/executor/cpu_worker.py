@@ -3,14 +3,42 @@
 torch operators release the GIL, so the worker's experts run concurrently with the main thread's
 accelerator work. ``torch.set_num_threads`` is called inside the worker thread (OpenMP thread counts
 are per calling thread), so the CPU lane uses ``threads`` cores whatever the main thread uses.
+
+A job is handed over through a ``queue.SimpleQueue`` and its completion signalled by releasing a lock
+the submitter holds: C-level primitives only. A ``ThreadPoolExecutor``'s ``submit`` makes a future with
+a condition, a work item and a semaphore check in Python: on the 2-core development VM 4.6 us of the
+calling thread's CPU time warm and 20 us after a pass over 32 MB (the state of the caches after a layer's
+tensor work), against 2.8 and 8.6 us here (most of it waking the worker).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
 from typing import Callable
 
 import torch
+
+
+class CpuJob:
+    """A submitted call; :meth:`result` waits for it and returns its value (or raises its exception)."""
+
+    __slots__ = ("fn", "args", "kwargs", "value", "error", "_done", "_waited")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.value = self.error = None
+        self._done = threading.Lock()
+        self._done.acquire()  # released by the worker once the call has run
+        self._waited = False
+
+    def result(self):
+        if not self._waited:
+            self._done.acquire()
+            self._waited = True
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class CpuWorker:
@@ -18,15 +46,35 @@ class CpuWorker:
         if threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {threads}")
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dali-cpu",
-                                        initializer=torch.set_num_threads, initargs=(threads,))
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="dali-cpu", daemon=True)
+        self._thread.start()
 
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        return self._pool.submit(fn, *args, **kwargs)
+    def _loop(self) -> None:
+        torch.set_num_threads(self.threads)
+        while (job := self._jobs.get()) is not None:
+            try:
+                job.value = job.fn(*job.args, **job.kwargs)
+            except BaseException as exc:  # the submitter's result() raises it
+                job.error = exc
+            finally:
+                job.fn = job.args = job.kwargs = None
+                job._done.release()
+
+    def submit(self, fn: Callable, *args, **kwargs) -> CpuJob:
+        if self._thread is None:
+            raise RuntimeError("the CPU worker is closed")
+        job = CpuJob(fn, args, kwargs)
+        self._jobs.put(job)
+        return job
 
     def run(self, fn: Callable, *args, **kwargs):
         """Run ``fn`` on the worker and wait for it (work that must use the CPU lane's threads)."""
-        return self._pool.submit(fn, *args, **kwargs).result()
+        return self.submit(fn, *args, **kwargs).result()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Finish the submitted jobs and stop the thread (idempotent)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None

@@ -120,13 +120,14 @@ class GroupIndex:
     @classmethod
     def whole(cls, routing: LayerRouting) -> "GroupIndex":
         """Every expert of the routing, on a table whose rows are the expert ids (a layer of the host store):
-        the routing's own order is the table's."""
-        rows = routing.experts.astype(np.int64)
+        the routing's own order is the table's. Its arrays are new (not the routing's, which may be a
+        workspace's views: the timeline keeps a group's experts)."""
+        rows = routing.experts.astype(np.int64)  # (a copy)
         lo = int(rows[0])
         counts = np.diff(routing.ptr)
         table_counts = np.zeros(int(rows[-1]) - lo + 1, np.int64)
         table_counts[rows - lo] = counts
-        return cls(routing.positions, routing.weights, rows, routing.experts, counts, lo, table_counts,
+        return cls(routing.positions, routing.weights, rows, rows, counts, lo, table_counts,
                    np.cumsum(table_counts).astype(np.int32))
 
     def token_rows(self, top_k: int) -> np.ndarray:

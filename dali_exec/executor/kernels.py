@@ -7,6 +7,11 @@ return exactly what the NumPy code of :mod:`.routing` and :mod:`.grouped` comput
 dtypes and orders: a stable counting sort is the stable argsort; tested in tests/test_exec_grouped.py),
 which stays the path when numba is off (``DALI_NUMBA=0``) and the reference. Kernels compile on first
 use (cached on disk).
+
+The loops a layer visit runs write preallocated buffers (:mod:`.workspace`) and return counts: their
+cores are the ``*_into`` kernels (``_group_routing_into``, ``_partition_into``, ``_group_index_into``,
+``_evict_into``), which the allocating kernels of the same name wrap, so both compute the same thing in
+one place.
 """
 
 from __future__ import annotations
@@ -22,13 +27,33 @@ TOO_WIDE = -2  # _admit: an expert id beyond the slot table's width
 def _group_routing(flat, order_in, weights, counted, k):
     """Stable grouping of the flat (token, rank) pairs by expert id: (status, order, ptr, experts, sorted
     weights, sorted counted flags, counted pairs per expert). ``order_in``: a given permutation (checked)
-    or empty; ``counted``: per token, or empty."""
+    or empty; ``counted``: per token, or empty. (:func:`_group_routing_into` on new arrays.)"""
+    n = flat.shape[0]
+    order = np.empty(n, np.int64)
+    ptr = np.empty(n + 1, np.int64)
+    experts = np.empty(n, np.int64)
+    w = np.empty(n, np.float32)
+    c = np.empty(n if counted.shape[0] else 0, np.bool_)
+    per = np.empty(n, np.int64)
+    status, m = _group_routing_into_fn(flat, order_in, weights, counted, k, order, ptr, experts, w, c, per)
+    if status != OK:
+        return status, order_in, order_in, order_in, weights, counted, order_in
+    if order_in.shape[0]:
+        order = order_in
+    return OK, order, ptr[:m + 1], experts[:m], w, c if counted.shape[0] else np.zeros(0, np.bool_), per[:m]
+
+
+def _group_routing_into(flat, order_in, weights, counted, k, order, ptr, experts, w, c, per):
+    """:func:`_group_routing` into given arrays (``order``, ``experts``, ``w``, ``per``: at least n long,
+    ``ptr`` n + 1, ``c`` n with ``counted``; a replay's layer writes a preallocated workspace instead of
+    allocating seven arrays): returns (status, the number of experts m); ``ptr[:m + 1]``, ``experts[:m]``,
+    ``per[:m]``, ``order[:n]``, ``w[:n]`` and ``c[:n]`` are the result."""
     n = flat.shape[0]
     top = 0
     for i in range(n):
         v = flat[i]
         if v < 0:
-            return NEGATIVE, order_in, order_in, order_in, weights, counted, order_in
+            return NEGATIVE, 0
         if v + 1 > top:
             top = v + 1
     if order_in.shape[0] == 0:
@@ -37,26 +62,24 @@ def _group_routing(flat, order_in, weights, counted, k):
             start[flat[i] + 1] += 1
         for e in range(top):
             start[e + 1] += start[e]
-        order = np.empty(n, np.int64)
         for i in range(n):
             e = flat[i]
             order[start[e]] = i
             start[e] += 1
     else:
-        order = order_in
-        if order.shape[0] != n:
-            return NOT_PERMUTATION, order, order, order, weights, counted, order
+        if order_in.shape[0] != n:
+            return NOT_PERMUTATION, 0
         seen = np.zeros(n, np.bool_)
         for j in range(n):
-            o = order[j]
+            o = order_in[j]
             if o < 0 or o >= n or seen[o]:
-                return NOT_PERMUTATION, order, order, order, weights, counted, order
+                return NOT_PERMUTATION, 0
             seen[o] = True
         for j in range(1, n):
-            if flat[order[j]] < flat[order[j - 1]]:
-                return NOT_SORTED, order, order, order, weights, counted, order
-    experts = np.empty(n, np.int64)
-    ptr = np.empty(n + 1, np.int64)
+            if flat[order_in[j]] < flat[order_in[j - 1]]:
+                return NOT_SORTED, 0
+        for j in range(n):
+            order[j] = order_in[j]
     m = 0
     prev = -1
     for j in range(n):
@@ -67,16 +90,14 @@ def _group_routing(flat, order_in, weights, counted, k):
             m += 1
             prev = e
     ptr[m] = n
-    w = np.empty(n, np.float32)
     for j in range(n):
         w[j] = weights[order[j]]
     if counted.shape[0] == 0:
-        per = np.empty(m, np.int64)
         for g in range(m):
             per[g] = ptr[g + 1] - ptr[g]
-        return OK, order, ptr[:m + 1], experts[:m], w, np.zeros(0, np.bool_), per
-    c = np.empty(n, np.bool_)
-    per = np.zeros(m, np.int64)
+        return OK, m
+    for g in range(m):
+        per[g] = 0
     g = 0
     for j in range(n):
         if j == ptr[g + 1]:
@@ -84,7 +105,7 @@ def _group_routing(flat, order_in, weights, counted, k):
         c[j] = counted[order[j] // k]
         if c[j]:
             per[g] += 1
-    return OK, order, ptr[:m + 1], experts[:m], w, c, per
+    return OK, m
 
 
 def _rows_ready(rows, experts, layer, hold_layer, hold_expert, inflight):
@@ -102,12 +123,36 @@ def _group_index(ptr, positions, weights, experts, seg, rows, k, layer, hold_lay
     in table rows ``rows``, sorted by row (stably): (pairs, weights, rows, experts, counts, lo, table
     counts, offsets (int32), token of each pair, row of each pair within the span, ready). ``ready``: with
     a slot table given (``hold_layer`` not empty), whether every row holds (layer, its expert) with no
-    copy in flight (:func:`_rows_ready`); True without one."""
+    copy in flight (:func:`_rows_ready`); True without one. (:func:`_group_index_into` on new arrays.)"""
+    g = seg.shape[0]
+    total = 0
+    lo = rows[0]
+    hi = rows[0]
+    for i in range(g):
+        total += ptr[seg[i] + 1] - ptr[seg[i]]
+        lo = min(lo, rows[i])
+        hi = max(hi, rows[i])
+    span = hi - lo + 1
+    ints = np.empty((3, total), np.int64)
+    small = np.empty((3, g), np.int64)
+    table_counts = np.empty(span, np.int64)
+    w = np.empty(total, np.float32)
+    offs = np.empty(span, np.int32)
+    total, lo, span, ready = _group_index_into_fn(ptr, positions, weights, experts, seg, rows, k, layer, hold_layer,
+                                               hold_expert, inflight, ints, w, small, table_counts, offs)
+    return (ints[0], w, small[0], small[1], small[2], lo, table_counts, offs, ints[1], ints[2], ready)
+
+
+def _group_index_into(ptr, positions, weights, experts, seg, rows, k, layer, hold_layer, hold_expert, inflight,
+                      ints, w, small, table_counts, offs):
+    """:func:`_group_index` into given arrays (a group of the accelerator lane writes the runtime's
+    preallocated workspace: no arrays made per group): ``ints`` rows 0-2 the pairs, their tokens and rows
+    within the span, ``w`` their weights (each at least the group's pairs long), ``small`` rows 0-2 the
+    sorted rows, experts and counts (at least g), ``table_counts`` and ``offs`` (int32; at least the span).
+    Returns (pairs, lo, span, ready)."""
     order = np.argsort(rows, kind="mergesort")
     g = seg.shape[0]
-    rows_s = np.empty(g, np.int64)
-    experts_s = np.empty(g, np.int64)
-    counts = np.empty(g, np.int64)
+    rows_s, experts_s, counts = small[0], small[1], small[2]
     total = 0
     for i in range(g):
         s = seg[order[i]]
@@ -117,11 +162,9 @@ def _group_index(ptr, positions, weights, experts, seg, rows, k, layer, hold_lay
         total += counts[i]
     lo = rows_s[0]
     span = rows_s[g - 1] - lo + 1
-    table_counts = np.zeros(span, np.int64)
-    pairs = np.empty(total, np.int64)
-    w = np.empty(total, np.float32)
-    tok = np.empty(total, np.int64)
-    pair_rows = np.empty(total, np.int64)
+    for r in range(span):
+        table_counts[r] = 0
+    pairs, tok, pair_rows = ints[0], ints[1], ints[2]
     a = 0
     for i in range(g):
         s = seg[order[i]]
@@ -133,35 +176,39 @@ def _group_index(ptr, positions, weights, experts, seg, rows, k, layer, hold_lay
             tok[a] = p // k
             pair_rows[a] = rows_s[i] - lo
             a += 1
-    offs = np.empty(span, np.int32)
     acc = 0
     for r in range(span):
         acc += table_counts[r]
         offs[r] = acc
     ready = True
     if hold_layer.shape[0]:
-        ready = _rows_ready_fn(rows_s, experts_s, layer, hold_layer, hold_expert, inflight)
-    return pairs, w, rows_s, experts_s, counts, lo, table_counts, offs, tok, pair_rows, ready
+        ready = _rows_ready_fn(rows_s[:g], experts_s[:g], layer, hold_layer, hold_expert, inflight)
+    return total, lo, span, ready
 
 
 def _evict(row_of, experts, hold_layer, hold_expert):
     """``SlotPool.evict_many`` of one layer (``row_of``: its row of the table) in one loop: each expert's cache
     row is freed (it holds nothing); returns (the index of the first expert that is not cached or -1, the
     rows). Nothing changes unless every expert is cached."""
+    rows = np.empty(experts.shape[0], np.int64)
+    return _evict_into_fn(row_of, experts, hold_layer, hold_expert, rows), rows
+
+
+def _evict_into(row_of, experts, hold_layer, hold_expert, rows):
+    """:func:`_evict` writing the rows into ``rows`` (at least as long as ``experts``); returns the index."""
     m = experts.shape[0]
-    rows = np.empty(m, np.int64)
     width = row_of.shape[0]
     for i in range(m):
         e = experts[i]
         r = row_of[e] if 0 <= e < width else -1
         if r < 0:
-            return i, rows
+            return i
         rows[i] = r
     for i in range(m):
         row_of[experts[i]] = -1
         hold_layer[rows[i]] = -1
         hold_expert[rows[i]] = -1
-    return -1, rows
+    return -1
 
 
 def _admit(row_of, experts, rows, layer, hold_layer, hold_expert):
@@ -244,19 +291,43 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, admitted, row_o
     prefetched ones, then the fetched ones, then the staged ones (each in touch order), the number of
     hits, of hits and prefetched ones, and of fetched ones). Status: 0 ok, 1 the routing is not the plan's
     (``LayerRouting.matches``), 2 a hit that the slot table does not cache (``lane[3, 0]`` names it)."""
+    n = r_experts.shape[0]
+    m = p_experts.shape[0]
+    lane = np.empty((5, m), np.int64)
+    order = np.empty(m, np.int64)
+    cpu = np.empty(n, np.int64)
+    status, c, g, hits, ready, fetched = _partition_into_fn(r_experts, r_counts, p_experts, p_counts, source, admitted,
+                                                         row_of, codes, uncounted_on_cpu, np.empty((2, n), np.bool_),
+                                                         lane, order, cpu)
+    empty = np.zeros(0, np.int64)
+    if status == 2:
+        bad = np.zeros((5, 1), np.int64)
+        bad[3, 0] = lane[3, 0]
+        return 2, empty, bad, empty, 0, 0, 0
+    if status != 0:
+        return status, empty, np.zeros((5, 0), np.int64), empty, 0, 0, 0
+    return 0, cpu[:c], lane[:, :g].copy(), order[:g], hits, ready, fetched
+
+
+def _partition_into(r_experts, r_counts, p_experts, p_counts, source, admitted, row_of, codes, uncounted_on_cpu,
+                    flags, lane, order, cpu):
+    """:func:`_partition` into given arrays (``flags``: (2, n) bool scratch, ``lane``: (5, at least m), ``order``:
+    at least m, ``cpu``: at least n; a replay's layer writes the runtime's workspace): returns (status, the
+    number of CPU experts c, of accelerator experts g, hits, ready, fetched); ``cpu[:c]``, ``lane[:, :g]``
+    and ``order[:g]`` are the result (on status 2 ``lane[3, 0]`` names the expert)."""
     cpu_code, hit_code, prefetched_code = codes[0], codes[1], codes[2]
     n = r_experts.shape[0]
     m = p_experts.shape[0]
-    empty = np.zeros(0, np.int64)
     nonzero = 0
     for i in range(n):
         if r_counts[i] > 0:
             nonzero += 1
     if nonzero != m:
-        return 1, empty, np.zeros((5, 0), np.int64), empty, 0, 0, 0
-    on_cpu = np.zeros(n, np.bool_)
-    seen = np.zeros(n, np.bool_)
-    lane = np.empty((5, m), np.int64)
+        return 1, 0, 0, 0, 0, 0
+    on_cpu, seen = flags[0], flags[1]
+    for i in range(n):
+        on_cpu[i] = False
+        seen[i] = False
     g = 0
     hits = 0
     ready = 0
@@ -272,7 +343,7 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, admitted, row_o
             else:
                 hi = mid
         if lo == n or r_experts[lo] != e or seen[lo] or p_counts[j] <= 0 or r_counts[lo] != p_counts[j]:
-            return 1, empty, np.zeros((5, 0), np.int64), empty, 0, 0, 0
+            return 1, 0, 0, 0, 0, 0
         seen[lo] = True
         src = source[j]
         if src == cpu_code:
@@ -282,9 +353,8 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, admitted, row_o
         if src == hit_code:
             row = row_of[e] if e < row_of.shape[0] else -1
             if row < 0:
-                bad = np.zeros((5, 1), np.int64)
-                bad[3, 0] = e
-                return 2, empty, bad, empty, 0, 0, 0
+                lane[3, 0] = e
+                return 2, 0, 0, 0, 0, 0
             kind = READY
             hits += 1
             ready += 1
@@ -302,7 +372,6 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, admitted, row_o
         lane[3, g] = e
         lane[4, g] = kind
         g += 1
-    order = np.empty(g, np.int64)
     a = 0
     b = ready
     c = ready + fetched
@@ -320,14 +389,9 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, admitted, row_o
     c = 0
     for i in range(n):
         if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
-            c += 1
-    cpu = np.empty(c, np.int64)
-    c = 0
-    for i in range(n):
-        if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
             cpu[c] = i
             c += 1
-    return 0, cpu, lane[:, :g].copy(), order, hits, ready, fetched
+    return 0, c, g, hits, ready, fetched
 
 
 def _rank_order(ids, weights, rows):
@@ -352,34 +416,60 @@ def _rank_order(ids, weights, rows):
     return out
 
 
+#: rows of the int64 workspace of :func:`_route_partition` (see ``workspace.RouteWorkspace``)
+W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKENS, W_TURNS = 0, 1, 2, 3, 4, 5, 10, 11, 12, 13
+W_ROWS = 17
+
+
 def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of, codes, evicted, free, layer,
-                     hold_layer, hold_expert):
+                     hold_layer, hold_expert, wi, wb, wf):
     """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of`` is the layer's row of
     the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
     :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
     rows ``free`` (the layer's free list, then the rows just evicted) after the first ones, which go to
-    the admitted prefetched experts (``SlotPool.adopt``, the caller's, in lane order). Returns (index of
-    an evicted expert that is not cached or -1, the evicted rows, grouping status, order, ptr, experts,
-    sorted weights, pairs per expert, what :func:`_partition` returns, admission status: ``OK`` (the
-    fetched experts' rows are in the lane's row 2 and the table), else :data:`TOO_WIDE` / 1 (an expert
-    already cached) / 2 (not enough free rows), nothing admitted: the caller's ``SlotPool.admit_many``
-    refuses as it does)."""
-    empty = np.zeros(0, np.int64)
-    no_lane = np.zeros((5, 0), np.int64)
-    bad, ev_rows = _evict_fn(row_of, evicted, hold_layer, hold_expert)
+    the admitted prefetched experts (``SlotPool.adopt``, the caller's, in lane order).
+
+    Everything is written into a preallocated workspace (no array is made or returned: each would cost
+    an allocation and a Python object per layer): ``wi`` (int64, :data:`W_ROWS` x at least n + 1 columns,
+    n the pairs, and at least the evictions) holds the evicted rows (row :data:`W_EVICTED`), the grouping's
+    order, ptr, experts and pairs per expert (:data:`W_ORDER` ..), the lane split (the five rows from
+    :data:`W_LANE`), its order, the CPU experts, the token of each sorted pair (:data:`W_TOKENS`) and, from
+    :data:`W_TURNS`, the staged experts' ids, first and end pair and pairs (in staging order: a staging
+    turn's slice of the routing); ``wb`` (bool, 2 x n) is scratch, ``wf`` (float32, n) the sorted weights. Returns (index of an evicted expert that is not cached or -1, the number of
+    evicted rows, grouping status, the number of experts m, partition status, the number of CPU experts
+    c, of accelerator experts g, hits, ready, fetched, admission status: ``OK`` (the fetched experts' rows
+    are in the lane's row 2 and the table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not
+    enough free rows), nothing admitted: the caller's ``SlotPool.admit_many`` refuses as it does)."""
+    ev_rows = wi[W_EVICTED]
+    n_ev = evicted.shape[0]
+    bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
-        return bad, ev_rows, OK, empty, empty, empty, weights, empty, 1, empty, no_lane, empty, 0, 0, 0, 1
-    status, order, ptr, experts, w, c, per = _group_routing_fn(flat, empty, weights, np.zeros(0, np.bool_), k)
+        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1
+    status, m = _group_routing_into_fn(flat, np.zeros(0, np.int64), weights, np.zeros(0, np.bool_), k, wi[W_ORDER],
+                                       wi[W_PTR], wi[W_EXPERTS], wf, wb[0], wi[W_PER])
     if status != OK:
-        return -1, ev_rows, status, order, ptr, experts, w, per, 1, empty, no_lane, empty, 0, 0, 0, 1
-    p = _partition_fn(experts, per, p_experts, p_counts, source, admitted, row_of, codes, False)
-    pstatus, lane, lorder, hits, ready, fetched = p[0], p[2], p[3], p[4], p[5], p[6]
+        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1
+    order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
+    for j in range(flat.shape[0]):
+        tokens[j] = order[j] // k
+    lane, lorder = wi[W_LANE:W_LANE + 5], wi[W_LANE_ORDER]
+    pstatus, c, g, hits, ready, fetched = _partition_into_fn(
+        wi[W_EXPERTS, :m], wi[W_PER, :m], p_experts, p_counts, source, admitted, row_of, codes, False, wb, lane,
+        lorder, wi[W_CPU])
+    if pstatus == 0:
+        for t in range(g - ready - fetched):  # the staged experts, in staging order
+            i = lorder[ready + fetched + t]
+            s = lane[1, i]
+            wi[W_TURNS, t] = lane[3, i]
+            wi[W_TURNS + 1, t] = ptr[s]
+            wi[W_TURNS + 2, t] = ptr[s + 1]
+            wi[W_TURNS + 3, t] = ptr[s + 1] - ptr[s]
     adm = OK
     if pstatus == 0 and fetched:
         n_adopt = 0
         for i in range(ready):  # the prefetched ones the cache admits adopt the first free rows
-            g = lorder[i]
-            if lane[4, g] == PREFETCHED_KIND and admitted[lane[0, g]]:
+            g_ = lorder[i]
+            if lane[4, g_] == PREFETCHED_KIND and admitted[lane[0, g_]]:
                 n_adopt += 1
         width = row_of.shape[0]
         m_free = free.shape[0]
@@ -389,41 +479,41 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
                 adm = TOO_WIDE
             elif row_of[e] >= 0 and adm == OK:
                 adm = 1
-        if adm == OK and n_adopt + fetched > m_free + ev_rows.shape[0]:
+        if adm == OK and n_adopt + fetched > m_free + n_ev:
             adm = 2
         if adm == OK:
             for j in range(fetched):
-                g = lorder[ready + j]
+                g_ = lorder[ready + j]
                 f = n_adopt + j
                 row = free[f] if f < m_free else ev_rows[f - m_free]
-                e = lane[3, g]
+                e = lane[3, g_]
                 row_of[e] = row
                 hold_layer[row] = layer
                 hold_expert[row] = e
-                lane[2, g] = row
-    return -1, ev_rows, status, order, ptr, experts, w, per, pstatus, p[1], lane, lorder, hits, ready, fetched, adm
+                lane[2, g_] = row
+    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm
 
 
-_rows_ready_fn = _rows_ready  # what _group_index calls: the compiled _rows_ready once compiled
-_group_routing_fn, _partition_fn, _evict_fn = _group_routing, _partition, _evict  # what _route_partition calls
+#: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves
+_rows_ready_fn, _evict_into_fn = _rows_ready, _evict_into
+_group_routing_into_fn, _partition_into_fn, _group_index_into_fn = _group_routing_into, _partition_into, _group_index_into
 
-_KERNELS = {"group_routing": _group_routing, "group_index": _group_index, "matches": _matches,
-            "partition": _partition, "rank_order": _rank_order, "rows_ready": _rows_ready, "evict": _evict,
-            "admit": _admit, "swap": _swap, "route_partition": _route_partition}
+_KERNELS = {"group_routing": _group_routing, "group_routing_into": _group_routing_into, "group_index": _group_index,
+            "group_index_into": _group_index_into, "matches": _matches, "partition": _partition,
+            "partition_into": _partition_into, "rank_order": _rank_order, "rows_ready": _rows_ready, "evict": _evict,
+            "evict_into": _evict_into, "admit": _admit, "swap": _swap, "route_partition": _route_partition}
+#: the kernels each one calls (compiled before it: numba binds a global function when it compiles a caller)
+_CALLS = {"group_routing": ("group_routing_into",), "group_index": ("group_index_into",),
+          "group_index_into": ("rows_ready",), "partition": ("partition_into",), "evict": ("evict_into",),
+          "route_partition": ("evict_into", "group_routing_into", "partition_into")}
 _compiled: dict[str, object] = {}
 
 
 def compiled(name: str):
-    """The compiled kernel ``name`` (``group_routing``, ``group_index``, ``matches``, ``partition``,
-    ``rank_order``, ``rows_ready``, ``evict``, ``admit``, ``swap``, ``route_partition``), or None without numba."""
-    global _rows_ready_fn, _group_routing_fn, _partition_fn, _evict_fn
+    """The compiled kernel ``name`` (a key of ``_KERNELS``), or None without numba."""
     if name not in _compiled:
-        if name == "group_index":  # it calls rows_ready: that one compiled first
-            _rows_ready_fn = compiled("rows_ready") or _rows_ready
-        if name == "route_partition":  # it calls these, compiled first
-            _group_routing_fn = compiled("group_routing") or _group_routing
-            _partition_fn = compiled("partition") or _partition
-            _evict_fn = compiled("evict") or _evict
+        for callee in _CALLS.get(name, ()):
+            globals()[f"_{callee}_fn"] = compiled(callee) or _KERNELS[callee]
         _compiled[name] = _policy_kernels.jit(_KERNELS[name])
     return _compiled[name]
 

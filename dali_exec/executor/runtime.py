@@ -35,6 +35,7 @@ from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer
+from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
 from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, LayerPlan
 
 _CODES = np.array([CPU, HIT, PREFETCHED, FETCH], np.int64)  # the plan's source codes, for the lane split
@@ -71,6 +72,10 @@ class OffloadRuntime:
         self.deferred: deque[tuple[int, int, int]] = deque()  # prefetches waiting for a free buffer: (layer, expert, step)
         self._wait = [0.0] * L  # seconds the accelerator lane waited for weights, per layer
         self._bookkeeping = LayerSeconds(L)
+        self._route_ws = RouteWorkspace(devices.accel)
+        self._ws_routing: LayerRouting | None = None  # the routing made of the route workspace's views
+        self._out_buf: torch.Tensor | None = None  # the last layer's combine buffer (_combine_buffer)
+        self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel)
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
@@ -102,7 +107,7 @@ class OffloadRuntime:
         this call's start and end (:meth:`Stopwatch.hand_to`: the boundaries share their clock readings)."""
         layer = plan.layer
         sw = handoff[0].hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
-        for ticket in self.swaps_landing.pop(layer, []):
+        for ticket in self.swaps_landing.pop(layer, ()):
             if not ticket.is_done():
                 sw.stop()
                 w0 = time.perf_counter()
@@ -169,21 +174,23 @@ class OffloadRuntime:
         # threads) it runs when the accelerator lane would first wait for a copy, or after it
         # activation transfers are not bookkeeping: with one to make the stopwatch stops here; without (the CPU
         # device) it runs on through the lanes' set-up (the output buffer, the CPU lane's job): two readings less
-        moves = bool(cpu_seg.size and x.device.type != "cpu") or bool(lanes.n and x.device != dev.accel)
+        x_dev = x.device  # (a new object per read)
+        on_host, on_accel = x_dev.type == "cpu", x_dev == dev.accel
+        moves = bool(cpu_seg.size and not on_host) or bool(lanes.n and not on_accel)
         if moves:
             sw.stop()
         cpu_job = None
         inline: list = []
         if cpu_seg.size:
-            x_host = x if x.device.type == "cpu" else x.to(dev.host)
+            x_host = x if on_host else x.to(dev.host)
             if (self.cpu_inline or not lanes.n) and torch.get_num_threads() == self.cpu.threads:
                 inline.append(lambda: self._cpu_lane(step, layer, cpu_seg, x_host, routing))
             else:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing)
-        x_acc = x if (x.device == dev.accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
+        x_acc = x if (on_accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         # every pair is computed by one lane unless uncounted tokens' own experts are left out: then those stay 0
         every_pair = uncounted_on_cpu or routing.counted is None
-        out_buf = (torch.empty if every_pair else torch.zeros)((T * k, H), dtype=dev.dtype, device=dev.accel)
+        out_buf = self._combine_buffer(T * k, H, zeroed=not every_pair)
 
         cpu_out: list = []
         if lanes.n:
@@ -198,11 +205,11 @@ class OffloadRuntime:
         if cpu_job is not None:
             cpu_out.append(cpu_job.result())
         for pos, vals in cpu_out:
-            if vals.device != out_buf.device:
+            if dev.is_cuda:  # (the CPU lane's outputs are on the host)
                 pos, vals = pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True)
             out_buf.index_copy_(0, pos, vals)
         out = out_buf.view(T, k, H).sum(dim=1)
-        out = out if out.device == x.device else out.to(x.device)
+        out = out if on_accel else out.to(x_dev)
         sw.start()
 
         if plan.swaps:
@@ -216,6 +223,15 @@ class OffloadRuntime:
         sw.stop()
         self._book(layer, sw)
         return out
+
+    def _combine_buffer(self, pairs: int, hidden: int, zeroed: bool) -> torch.Tensor:
+        """The (pairs x hidden) buffer a layer's outputs are combined in, on the accelerator: the last layer's
+        when it has that shape (its sum has been taken: on CUDA the later writes are queued behind it on the
+        compute stream), else a new one; ``zeroed`` when not every pair is written."""
+        buf = self._out_buf
+        if buf is None or buf.shape[0] != pairs or buf.shape[1] != hidden:
+            buf = self._out_buf = torch.empty((pairs, hidden), dtype=self.dev.dtype, device=self.dev.accel)
+        return buf.zero_() if zeroed else buf
 
     def _route(self, plan: LayerPlan, ids: np.ndarray, weights: np.ndarray | None):
         """The plan's evictions, then (the routing grouped, :meth:`_partition` of it, whether the fetched experts
@@ -231,21 +247,31 @@ class OffloadRuntime:
             return (routing, *self._partition(plan, routing, False), False)
         ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
+        n = T * k
         evicted = np.asarray(plan.evicted, np.int64)
         free = pool.cache_free[layer]
-        bad, ev_rows, status, order, ptr, experts, w, per, *split, adm = kernel(
+        ws = self._route_ws.fit(n, len(evicted))
+        wi = ws.wi
+        bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm = kernel(
             ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
             pool.row_of[layer], _CODES, evicted, np.fromiter(free, np.int64, len(free)), layer, pool.hold_layer,
-            pool.hold_expert)
+            pool.hold_expert, wi, ws.wb, ws.wf)
         if bad >= 0:
             raise AssertionError(f"layer {layer} expert {int(evicted[bad])} is not in the slot table's cache")
-        if len(ev_rows):
-            free.extend(ev_rows.tolist())
-            pool.n_cached[layer] -= len(ev_rows)
+        if n_ev:
+            free.extend(wi[_kernels.W_EVICTED, :n_ev].tolist())
+            pool.n_cached[layer] -= n_ev
         if status == _kernels.NEGATIVE:
             raise ValueError("expert ids must be >= 0")
-        routing = LayerRouting(T, k, experts, ptr, order, w, None, per)
-        return (routing, *_checked_split(plan, routing, *split), adm == _kernels.OK)
+        # views of the workspace, used within this layer visit (see .workspace)
+        K = _kernels
+        routing = LayerRouting(T, k, wi[K.W_EXPERTS, :m], wi[K.W_PTR, :m + 1], wi[K.W_ORDER, :n], ws.wf[:n], None,
+                               wi[K.W_PER, :m])
+        self._ws_routing = routing
+        cols = 1 if pstatus == 2 else g  # (status 2: column 0 names the expert that is not cached)
+        split = _checked_split(plan, routing, pstatus, wi[K.W_CPU, :c], wi[K.W_LANE:K.W_LANE + 5, :cols],
+                               wi[K.W_LANE_ORDER, :g], hits, ready, fetched)
+        return (routing, *split, adm == K.OK)
 
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
@@ -430,10 +456,14 @@ class OffloadRuntime:
         pool, layer, step, cuda = self.pool, plan.layer, plan.step, self.dev.is_cuda
         idx = lanes.staged
         n = len(idx)
-        sg = lanes.seg[idx]
-        E = lanes.experts[idx].tolist()
-        lo, hi = routing.ptr[sg], routing.ptr[sg + 1]
-        A, B, tokens = lo.tolist(), hi.tolist(), (hi - lo).tolist()
+        if routing is self._ws_routing:  # the turns' experts and slices, written by the route's compiled call
+            W = _kernels.W_TURNS
+            E, A, B, tokens = self._route_ws.wi[W:W + 4, :n].tolist()
+        else:
+            sg = lanes.seg[idx]
+            E = lanes.experts[idx].tolist()
+            lo, hi = routing.ptr[sg], routing.ptr[sg + 1]
+            A, B, tokens = lo.tolist(), hi.tolist(), (hi - lo).tolist()
         R = stage_rows[:halves]  # turn t's buffer: R[t % halves]
         # the first turns' buffers hold their experts, copied by _copy_now with no copy in flight; the later
         # turns' copies are this loop's own (no background copy writes a staging buffer)
@@ -504,31 +534,67 @@ class OffloadRuntime:
             if stream is not None:
                 pool.last_use[row] = end
         else:
-            gi = GroupIndex.build(routing, seg, rows, (plan.layer, pool.hold_layer, pool.hold_expert, pool.inflight))
-            if not gi.rows_ready:
-                pool.check_rows(gi.rows, plan.layer, gi.experts)  # raises, naming what is wrong (or checks)
-            pos, tok, offs, pair_rows, w = _device_indices(gi, routing, dev.accel, dev.dtype, self.layout.bias)
+            g_rows, lo, table_counts, (pos, tok, offs, pair_rows, w), experts, counts = self._group(plan, routing, seg,
+                                                                                                   rows)
             sw.stop()
             start = self.timer.mark(stream)
-            y = self.layout.forward_grouped(gi.span(pool.table), x.index_select(0, tok), offs, gi.table_counts,
-                                            pair_rows)
+            y = self.layout.forward_grouped(pool.table[lo:lo + len(table_counts)], x.index_select(0, tok), offs,
+                                            table_counts, pair_rows)
             out_buf.index_copy_(0, pos, y * w)
             end = self.timer.mark(stream)
             sw.start()
-            self.timer.add_group("gpu", plan.step, plan.layer, gi.experts, gi.counts, start, end)
-            n = len(gi)
+            self.timer.add_group("gpu", plan.step, plan.layer, experts, counts, start, end)
+            n = len(g_rows)
             if stream is not None:
-                for r in gi.rows.tolist():
+                for r in g_rows.tolist():
                     pool.last_use[r] = end  # a later copy into this slot waits for this compute
         self.groups["gpu"] += 1
         self.grouped_experts["gpu"] += n
         return end if stream is not None else None
+
+    def _group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> tuple:
+        """A group of the accelerator lane (the experts ``seg`` in slot ``rows``), its rows checked: (its rows
+        sorted, the first row lo of its span, the tokens per row of the span, its index tensors on the
+        accelerator (:func:`_device_indices`), its experts and their tokens (lists, for the timeline)). With
+        numba written into the group workspace (on the CPU device its tensors are views of it), else a
+        :class:`GroupIndex`."""
+        pool, dev, layer = self.pool, self.dev, plan.layer
+        kernel = _kernels.compiled("group_index_into")
+        if kernel is None:
+            gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
+            if not gi.rows_ready:
+                pool.check_rows(gi.rows, layer, gi.experts)  # raises, naming what is wrong (or checks)
+            tensors = _device_indices(gi.pairs, gi.token_rows(routing.top_k), gi.offs, gi.row_of_pairs, gi.weights,
+                                      dev.accel, dev.dtype, self.layout.bias)
+            return gi.rows, gi.lo, gi.table_counts, tensors, gi.experts, gi.counts
+        ws = self._group_ws
+        n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
+        g = len(seg)
+        g_rows = ws.small[0, :g]
+        if not ready:
+            pool.check_rows(g_rows, layer, ws.small[1, :g])  # raises, naming what is wrong
+        if ws.tensors is not None:  # the CPU device: views of the workspace's tensors
+            t_pos, t_tok, t_rows, t_w, t_offs = ws.tensors
+            tensors = (t_pos.narrow(0, 0, n), t_tok.narrow(0, 0, n), t_offs.narrow(0, 0, span),
+                       t_rows.narrow(0, 0, n) if self.layout.bias else None, _as_dtype(t_w.narrow(0, 0, n), dev.dtype))
+        else:
+            ints = ws.ints
+            tensors = _device_indices(ints[0, :n], ints[1, :n], ws.offs[:span], lambda: ints[2, :n], ws.w[:n],
+                                      dev.accel, dev.dtype, self.layout.bias)
+        experts, counts = ws.small[1:, :g].tolist()
+        return g_rows, lo, ws.table_counts[:span], tensors, experts, counts
 
     def _droute(self, routing: LayerRouting) -> list:
         """The layer's routing on the accelerator (flat positions, token rows, weights), made once per layer
         (on CUDA from pinned memory, without a wait)."""
         if self._droute_of is not routing:
             dev = self.dev
+            if routing is self._ws_routing and self._route_ws.tensors is not None:  # the CPU device: views
+                n = len(routing.positions)
+                pos, tok, w = self._route_ws.tensors
+                pos, tok, w = pos.narrow(0, 0, n), tok.narrow(0, 0, n), w.narrow(0, 0, n)
+                self._droute_list, self._droute_of = [pos, tok, _as_dtype(w, dev.dtype)], routing
+                return self._droute_list
             pos = routing.positions
             w = torch.from_numpy(routing.weights[:, None])
             if dev.is_cuda:  # one packed copy
@@ -580,7 +646,8 @@ class OffloadRuntime:
         """The CPU experts (``seg``: their indices in ``r.experts``, ascending, unique) as one grouped call from
         host memory: (flat positions, weighted outputs)."""
         gi = GroupIndex.whole(r) if len(seg) == len(r.experts) else GroupIndex.build(r, seg, r.experts[seg])
-        pos, tok, offs, pair_rows, w = _device_indices(gi, r, self.dev.host, self.dev.dtype, self.layout.bias)
+        pos, tok, offs, pair_rows, w = _device_indices(gi.pairs, gi.token_rows(r.top_k), gi.offs, gi.row_of_pairs,
+                                                       gi.weights, self.dev.host, self.dev.dtype, self.layout.bias)
         start = self.timer.mark()
         y = self.layout.forward_grouped(gi.span(self._host_layers[layer]), x.index_select(0, tok), offs,
                                         gi.table_counts, pair_rows) * w
@@ -669,20 +736,20 @@ def _routing_differs(plan: LayerPlan, routing: LayerRouting) -> None:
                      f"{routing.counts().tolist()} tokens differ from the plan's {plan.experts.tolist()}")
 
 
-def _device_indices(gi: GroupIndex, r: LayerRouting, device: torch.device, dtype: torch.dtype, bias: bool):
+def _device_indices(pairs: np.ndarray, tokens: np.ndarray, offs: np.ndarray, pair_rows, weights: np.ndarray,
+                    device: torch.device, dtype: torch.dtype, bias: bool):
     """A group's index tensors on ``device``: flat positions, token rows, offsets (int32), row of each
-    pair within the group's span (biases only) and gate weights (n x 1, ``dtype``). On CUDA one packed
-    copy from pinned memory (and one for the weights), without a wait."""
-    pos = gi.pairs
-    w = torch.from_numpy(gi.weights[:, None])
+    pair within the group's span (biases only; ``pair_rows`` makes them) and gate weights (n x 1,
+    ``dtype``). On CUDA one packed copy from pinned memory (and one for the weights), without a wait:
+    the arrays are copied into new pinned memory first, so the caller may reuse them at once."""
+    w = torch.from_numpy(weights[:, None])
     if device.type != "cuda":
-        rows = torch.from_numpy(gi.row_of_pairs()) if bias else None
-        return (torch.from_numpy(pos), torch.from_numpy(gi.token_rows(r.top_k)), torch.from_numpy(gi.offs), rows,
-                _as_dtype(w, dtype))
-    ints = [pos, gi.token_rows(r.top_k), gi.offs.astype(np.int64)] + ([gi.row_of_pairs()] if bias else [])
+        rows = torch.from_numpy(pair_rows()) if bias else None
+        return torch.from_numpy(pairs), torch.from_numpy(tokens), torch.from_numpy(offs), rows, _as_dtype(w, dtype)
+    ints = [pairs, tokens, offs.astype(np.int64)] + ([pair_rows()] if bias else [])
     packed = torch.from_numpy(np.concatenate(ints)).pin_memory().to(device, non_blocking=True)
     w = w.pin_memory().to(device, non_blocking=True)
-    n, m = len(pos), len(gi.offs)
+    n, m = len(pairs), len(offs)
     pair_rows = packed[2 * n + m:] if bias else None
     return packed[:n], packed[n:2 * n], packed[2 * n:2 * n + m].to(torch.int32), pair_rows, _as_dtype(w, dtype)
 

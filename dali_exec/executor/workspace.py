@@ -1,0 +1,95 @@
+"""Preallocated arrays the runtime's compiled per-layer loops write into, instead of making new ones.
+
+After a layer's tensor work the host's caches are cold, and every array a compiled loop allocates and
+returns costs an allocation, a Python object and its release (a few microseconds each there; a replay's
+layer made about twenty). The loops of :mod:`.kernels` that a layer visit runs (``route_partition``:
+grouping, checking and splitting the routing; ``group_index_into``: a group's indices) write these
+buffers and return counts; the runtime takes views of them. Their contents live until the same loop runs
+again: everything read from them is used within the layer visit (what outlives it, the timeline's
+records, is copied into lists), and on CUDA the index arrays are copied into new pinned memory before
+their transfer, as before.
+
+On the CPU device the group buffers are also wrapped as tensors once (``torch.from_numpy``), so a group's
+index tensors are ``narrow`` views of them, not new tensors per group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dali_exec.executor import kernels as _kernels
+
+
+class RouteWorkspace:
+    """The buffers of ``kernels._route_partition`` (rows ``kernels.W_*``), grown when a layer has more pairs.
+    ``device``: the accelerator; on the CPU device ``tensors`` wrap the sorted pairs, their tokens and their
+    weights (a column) once, for the layer's routing on the accelerator (``OffloadRuntime._droute``)."""
+
+    __slots__ = ("wi", "wb", "wf", "tensors", "_wrap")
+
+    def __init__(self, device: torch.device = torch.device("cpu"), pairs: int = 0):
+        self._wrap = device.type == "cpu"
+        self.wi = np.zeros((_kernels.W_ROWS, 0), np.int64)
+        self.wb = np.zeros((2, 0), bool)
+        self.wf = np.zeros(0, np.float32)
+        self.tensors = None
+        self.fit(pairs, 0)
+
+    def fit(self, pairs: int, evicted: int) -> "RouteWorkspace":
+        """Room for ``pairs`` (token, rank) pairs and ``evicted`` evictions (twice the need when it grows)."""
+        need = max(pairs + 1, evicted)
+        if need > self.wi.shape[1]:
+            cap = 2 * need
+            self.wi = np.zeros((_kernels.W_ROWS, cap), np.int64)
+            self.wb = np.zeros((2, cap), bool)
+            self.wf = np.zeros(cap, np.float32)
+            if self._wrap:
+                self.tensors = (torch.from_numpy(self.wi[_kernels.W_ORDER]), torch.from_numpy(self.wi[_kernels.W_TOKENS]),
+                                torch.from_numpy(self.wf).view(-1, 1))
+        return self
+
+
+class GroupWorkspace:
+    """The buffers of ``kernels._group_index_into`` for the accelerator lane's groups: pairs, their tokens
+    and rows within the span (``ints``), their gate weights (``w``), the group's sorted rows, experts and
+    counts (``small``), the tokens per table row of the span (``table_counts``) and their offsets (``offs``,
+    int32). ``rows``: the slot table's rows (a group's span and experts are at most that many)."""
+
+    __slots__ = ("rows", "ints", "w", "small", "table_counts", "offs", "tensors", "_wrap")
+
+    def __init__(self, rows: int, device: torch.device, pairs: int = 0):
+        self.rows = rows
+        self.small = np.zeros((3, rows), np.int64)
+        self.table_counts = np.zeros(rows, np.int64)
+        self.offs = np.zeros(rows, np.int32)
+        self.tensors = None
+        self._wrap = device.type == "cpu"
+        self.ints = np.zeros((3, 0), np.int64)
+        self.w = np.zeros(0, np.float32)
+        self.fit(pairs)
+
+    def fit(self, pairs: int) -> "GroupWorkspace":
+        """Room for a group of ``pairs`` pairs (twice the need when it grows; the tensors re-made then)."""
+        if pairs > self.ints.shape[1]:
+            cap = 2 * pairs
+            self.ints = np.zeros((3, cap), np.int64)
+            self.w = np.zeros(cap, np.float32)
+            if self._wrap:  # (pairs, tokens, pair rows), weights as a column, offsets
+                ints = torch.from_numpy(self.ints)
+                self.tensors = (ints[0], ints[1], ints[2], torch.from_numpy(self.w).view(-1, 1),
+                                torch.from_numpy(self.offs))
+        return self
+
+    def build(self, kernel, routing, seg: np.ndarray, rows: np.ndarray, layer: int, pool) -> tuple:
+        """The group of the experts ``seg`` (indices into ``routing.experts``) in slot ``rows``, checked
+        against ``pool``'s table in the same loop by ``kernel`` (the compiled ``kernels._group_index_into``):
+        (pairs, lo, span, ready)."""
+        if len(routing.positions) > self.ints.shape[1]:
+            self.fit(len(routing.positions))
+        return kernel(routing.ptr, routing.positions, routing.weights, routing.experts, seg, rows, routing.top_k,
+                      layer, pool.hold_layer, pool.hold_expert, pool.inflight, self.ints, self.w, self.small,
+                      self.table_counts, self.offs)
+
+
+__all__ = ["GroupWorkspace", "RouteWorkspace"]

@@ -1,0 +1,171 @@
+"""The runtime's preallocated workspaces (dali_exec/executor/workspace.py) change nothing: a replay that writes
+its routing split and group indices into them computes, counts and records exactly what the NumPy code (no
+workspace, new arrays everywhere) does, for every preset; what the route's compiled call writes beyond the
+split (token rows, staging turns' slices) is what the arrays give; the buffers grow when a layer needs more."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+torch = pytest.importorskip("torch")
+
+from dali_exec.executor import ExecOptions, ReplayOptions, execute  # noqa: E402
+from dali_exec.executor import kernels as K  # noqa: E402
+from dali_exec.executor.devices import Devices  # noqa: E402
+from dali_exec.executor.grouped import GroupIndex  # noqa: E402
+from dali_exec.executor.routing import LayerRouting  # noqa: E402
+from dali_exec.executor.runtime import OffloadRuntime, _device_indices  # noqa: E402
+from dali_exec.executor.slots import SlotPool  # noqa: E402
+from dali_exec.executor.store import HostExpertStore  # noqa: E402
+from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace  # noqa: E402
+from dali_sim.models.presets import get_model  # noqa: E402
+from dali_sim.models.scaled import scale_model  # noqa: E402
+from dali_sim.policies import placement_dali as PD  # noqa: E402
+from dali_sim.policies import system_names  # noqa: E402
+from dali_sim.runtime.controller import CPU, FETCH, HIT  # noqa: E402
+from dali_sim.sim.counters import COUNTERS  # noqa: E402
+from dali_sim.trace import read_trace  # noqa: E402
+from dali_sim.trace.synth import SynthConfig, synthesize  # noqa: E402
+from dali_sim.workload import online  # noqa: E402
+
+RUN = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1)
+#: systems whose groups depend on when a background prefetch lands (a landed one joins the first group)
+PREFETCHING = {"dali", "dali-plus", "hybrimoe", "hybrimoe-best", "mixtral-offloading", "mixtral-offloading-best",
+               "moe-lightning", "moe-lightning-best", "oracle-heuristic", "link-budget"}
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """A Mixtral-shaped trace (prefill + decode, top-2 of 8) and a Qwen3-shaped one (decode, top-8 of 128:
+    many staged experts, single staging turns)."""
+    tmp = tmp_path_factory.mktemp("ws")
+    look = ("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=6, gen_len=6, seed=5, lookahead=look),
+               tmp / "mix.parquet")
+    synthesize(SynthConfig(model="qwen3-30b-a3b", sequences=8, prompt_len=0, gen_len=4, seed=1, lookahead=look),
+               tmp / "qwen.parquet")
+    return {"mix": (read_trace(tmp / "mix.parquet"), ReplayOptions(layers=4, scale=1 / 64, dtype="fp32"), 2),
+            "qwen": (read_trace(tmp / "qwen.parquet"),
+                     ReplayOptions(layers=3, scale=1 / 32, dtype="fp32", precision="bf16"), 6)}
+
+
+def _replay(trace, system, opts, batch):
+    outs = []
+    result = execute(trace, system, opts, RUN, batch_size=batch, on_layer=lambda r: outs.append(r.output.clone()))
+    intervals = sorted((iv.track, iv.name, tuple(sorted((k, str(v)) for k, v in iv.args.items())))
+                       for iv in result.intervals)
+    return result, outs, intervals
+
+
+@pytest.mark.parametrize("shape", ["mix", "qwen"])
+@pytest.mark.parametrize("system", [s for s in system_names() if s != "lower-bound"])
+def test_a_replay_through_the_workspaces_equals_the_numpy_code(traces, shape, system, monkeypatch):
+    """Outputs bit for bit, counters, grouped calls and every interval's track, name and arguments (a group's
+    size aside where a prefetch's landing time decides it)."""
+    trace, opts, batch = traces[shape]
+    result, outs, intervals = _replay(trace, system, opts, batch)
+    with monkeypatch.context() as m:
+        m.setattr(K, "compiled", lambda name: None)
+        m.setattr(online, "_segment_kernel", lambda: None)
+        m.setattr(PD, "_compiled_place", lambda: None)
+        plain, plain_outs, plain_intervals = _replay(trace, system, opts, batch)
+    assert len(outs) == len(plain_outs) and all(torch.equal(a, b) for a, b in zip(outs, plain_outs))
+    assert {k: result.summary[k] for k in COUNTERS} == {k: plain.summary[k] for k in COUNTERS}
+    if system in PREFETCHING:
+        def strip(ivs):
+            return sorted((t, n, tuple(a for a in args if a[0] != "group")) for t, n, args in ivs)
+        intervals, plain_intervals = strip(intervals), strip(plain_intervals)
+    else:
+        assert result.summary["executor"]["grouped_calls"] == plain.summary["executor"]["grouped_calls"]
+    assert intervals == plain_intervals
+
+
+def _runtime(capacity=30, experts=30):
+    pool = SlotPool(np.array([capacity]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=experts)
+    return SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _ws_routing=None)
+
+
+def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give():
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        T, k, E = int(rng.integers(1, 30)), int(rng.integers(1, 5)), 24
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+        w = rng.random((T, k)).astype(np.float32)
+        r = LayerRouting.group(ids, w)
+        touch = rng.permutation(len(r.experts))
+        experts = r.experts[touch]
+        source = rng.choice([HIT, FETCH, CPU], len(experts)).astype(np.int8)
+        runtime = _runtime()
+        runtime.pool.admit_many(0, experts[source == HIT].astype(np.int64))
+        plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=r.counts()[touch],
+                               source=source, admitted=np.zeros(len(experts), bool), evicted=[])
+        routed, _, split, _ = OffloadRuntime._route(runtime, plan, ids, w)
+        assert runtime._ws_routing is routed
+        wi = runtime._route_ws.wi
+        n = T * k
+        assert np.array_equal(wi[K.W_TOKENS, :n], routed.positions // k)
+        lane, order, hits, ready, fetched = split
+        staged = order[ready + fetched:]
+        seg = lane[1, staged]
+        want = np.stack([lane[3, staged], r.ptr[seg], r.ptr[seg + 1], r.ptr[seg + 1] - r.ptr[seg]])
+        assert np.array_equal(wi[K.W_TURNS:K.W_TURNS + 4, :len(staged)], want)
+
+
+def test_the_route_workspace_grows_and_rewraps_its_tensors():
+    ws = RouteWorkspace(torch.device("cpu"), pairs=4)
+    assert ws.wi.shape == (K.W_ROWS, 10) and ws.tensors[0].shape == (10,)
+    small = ws.wi
+    assert ws.fit(4, 3).wi is small  # room already
+    ws.fit(40, 0)
+    assert ws.wi.shape[1] == 82 and ws.wf.shape == (82,) and ws.wb.shape == (2, 82)
+    pos, tok, w = ws.tensors
+    ws.wi[K.W_ORDER, 5], ws.wi[K.W_TOKENS, 6], ws.wf[7] = 11, 12, 0.5
+    assert pos[5] == 11 and tok[6] == 12 and w[7, 0] == 0.5  # views of the new buffers
+    assert ws.fit(0, 100).wi.shape[1] == 200  # evictions need room too
+    assert RouteWorkspace(torch.device("meta")).tensors is None  # not the CPU device: no tensors
+
+
+def test_a_group_in_the_workspace_equals_group_index_and_grows():
+    """The accelerator lane's group (the runtime's ``_group``) against ``GroupIndex`` and the index tensors
+    made from it, on a routing larger than the workspace (it grows), with biases (pair rows) and without."""
+    rng = np.random.default_rng(3)
+    model = scale_model(get_model("mixtral-8x7b"), 1 / 64)
+    store = HostExpertStore.random(model, torch.float32, 0)
+    devices = Devices.create("cpu", "fp32")
+    rt = OffloadRuntime(store, devices, np.array([8] * model.num_moe_layers), 2, 2, cpu_threads=1)
+    try:
+        assert rt._group_ws.ints.shape[1] == 0
+        for trial in range(40):
+            T, k = int(rng.integers(1, 40)), 2
+            ids = np.stack([rng.choice(8, k, replace=False) for _ in range(T)])
+            r = LayerRouting.group(ids, rng.random((T, k)).astype(np.float32))
+            seg = np.sort(rng.choice(len(r.experts), int(rng.integers(1, len(r.experts) + 1)), replace=False))
+            rows = rng.choice(len(rt.pool.slots), len(seg), replace=False).astype(np.int64)
+            rt.pool.hold_layer[rows], rt.pool.hold_expert[rows] = 0, r.experts[seg]
+            plan = SimpleNamespace(layer=0, step=0)
+            g_rows, lo, table_counts, tensors, experts, counts = rt._group(plan, r, seg, rows)
+            gi = GroupIndex.build(r, seg, rows)
+            assert rt._group_ws.ints.shape[1] >= len(r.positions)
+            assert np.array_equal(g_rows, gi.rows) and lo == gi.lo and np.array_equal(table_counts, gi.table_counts)
+            assert experts == gi.experts.tolist() and counts == gi.counts.tolist()
+            for bias in (False, True):
+                want = _device_indices(gi.pairs, gi.pairs // k, gi.offs, gi.row_of_pairs, gi.weights,
+                                       torch.device("cpu"), torch.float32, bias)
+                rt.layout = SimpleNamespace(bias=bias)
+                got = rt._group(plan, r, seg, rows)[3]
+                for a, b in zip(got, want):
+                    assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+            rt.pool.hold_layer[rows] = -1
+            with pytest.raises(AssertionError, match="holds None"):  # the rows are checked
+                rt._group(plan, r, seg, rows)
+    finally:
+        rt.close()
+
+
+def test_group_workspace_without_tensors_off_the_cpu():
+    ws = GroupWorkspace(6, torch.device("meta"), pairs=3)
+    assert ws.tensors is None and ws.ints.shape == (3, 6) and ws.small.shape == (3, 6)
