@@ -8,8 +8,9 @@ columns of every system), replayed at scale 1/4 on its first MoE layers, batch 4
 validate` for cpu-only, gpu-lru, llamacpp, hybrimoe and dali; the first repeat calibrates the machine
 (the profile is kept), the others reuse that profile, so the repeats show how long one profile holds on
 the machine; with ``--calibrate-each`` every repeat calibrates first, as three separate `dali exec
-validate` runs do, and the repeats show the spread of the whole procedure. Per system and repeat: measured and simulated seconds, the total error, the per-step
-|error| median and 90th percentile, and the verdict (|total error| <= 15%, order of systems that differ by
+validate` runs do, and the repeats show the spread of the whole procedure. Per system and repeat:
+measured and simulated seconds, the total error, the per-step |error| median and 90th percentile, the
+machine's drift since the calibration (:class:`SpeedProbe`), and the verdict (|total error| <= 15%, order of systems that differ by
 more than 10%). Load averages before and after each repeat are recorded: on a loaded machine the
 measured times are not the machine's, and the table says so.
 """
@@ -182,7 +183,8 @@ def main(argv=None) -> int:
           + ("every repeat calibrates the machine first. " if args.calibrate_each else
              "the first repeat calibrates the machine and the others reuse its profile. ")
           + "total_err = simulated / measured - 1; step_err = the per-step |relative error|. probe_*_ms: the "
-          "calibration's call of 2 one-token experts on each lane, summed, before and after the repeat; "
+          "calibration's grouped call of one-token experts on each lane, summed (SpeedProbe), before and after "
+          "the repeat; "
           "machine_drift = the probe after the repeat over the probe when its profile was calibrated, - 1 "
           "(a diagnostic: > 0 means the machine ran slower than when it was calibrated, and simulated times "
           "then come out fast).", C.markdown_table(df.drop(columns=["failures"])),
