@@ -287,10 +287,13 @@ def test_published_validation(tmp_path):
 @pytest.mark.slow
 def test_cpu_validation_quick(tmp_path):
     """The executor-vs-simulator script on the CPU device (quick: one shape, two layers, one repeat):
-    every system validated, counters exact, load averages and the verdict recorded."""
+    every system validated, counters exact, load averages, the machine's drift and the verdict recorded."""
     _run("cpu_validation", tmp_path, "--shapes", "deepseek-v2-lite")
     df = pd.read_csv(tmp_path / "cpu_validation.csv")
     assert list(df["system"]) == ["cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali"]
     assert df["counters_exact"].all() and (df["exec_s"] > 0).all() and (df["sim_s"] > 0).all()
     assert np.allclose(df["total_err"], df["sim_s"] / df["exec_s"] - 1)
     assert (df["load_before"] >= 0).all() and "validations pass" in (tmp_path / "cpu_validation.md").read_text()
+    # the machine-speed probe: a reading before and after the repeat, the drift against the calibration's
+    assert (df["probe_before_ms"] > 0).all() and (df["probe_after_ms"] > 0).all()
+    assert np.allclose(df["machine_drift"], df["probe_after_ms"] / df["probe_before_ms"] - 1)  # (one repeat)
