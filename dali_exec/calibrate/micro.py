@@ -169,8 +169,16 @@ class Microbench:
     def _copies(self, nbytes: int) -> int:
         return int(min(self.s.max_copies, max(2, math.ceil(self.s.rotate_bytes / max(nbytes, 1)))))
 
-    def _timed(self, lane: str, fn) -> float:
-        kw = dict(repeats=self.s.repeats, warmup=self.s.warmup, prepare=self._flush.get(lane))
+    def _timed(self, lane: str, fn, gap_s: float = 0.0) -> float:
+        """Median seconds of ``fn`` on ``lane``'s thread, caches flushed before each run (``cold``) and the
+        thread then asleep for ``gap_s``."""
+        flush = self._flush.get(lane)
+
+        def slept() -> None:
+            if flush is not None:
+                flush()
+            time.sleep(gap_s)
+        kw = dict(repeats=self.s.repeats, warmup=self.s.warmup, prepare=slept if gap_s > 0 else flush)
         if lane == "gpu":
             return time_call(fn, cuda=self.cuda, **kw)
         return self.worker.run(time_call, fn, cuda=None, **kw)
@@ -252,20 +260,8 @@ class Microbench:
         0.76 ms (a halted vCPU comes back on a cold, possibly slowed core; on bare metal C-states and
         frequency ramps do the same)."""
         op = self.expert_op(lane, 1, min(2, self.model.num_experts))
-        flush = self._flush.get(lane)
         gap = self.s.wake_gap_s
-
-        def slept() -> None:
-            if flush is not None:
-                flush()
-            time.sleep(gap)
-        kw = dict(repeats=self.s.repeats, warmup=self.s.warmup)
-
-        def timed(prepare) -> float:
-            if lane == "gpu":
-                return time_call(op, cuda=self.cuda, prepare=prepare, **kw)
-            return self.worker.run(time_call, op, cuda=None, prepare=prepare, **kw)
-        diffs = [timed(slept) - timed(flush) for _ in range(max(1, self.s.contention_rounds))]
+        diffs = [self._timed(lane, op, gap) - self._timed(lane, op) for _ in range(max(1, self.s.contention_rounds))]
         return max(0.0, float(np.median(diffs)))
 
     def transfer_seconds(self, sizes: list[int]) -> list[float]:
