@@ -23,7 +23,8 @@ from conftest import REPO, random_rows  # noqa: E402
 
 GPT_OSS = str(REPO / "traces" / "gpt-oss-20b.parquet")
 SCALE = "0.015625"  # 1/64: Mixtral's hidden 4096 -> 64
-QUICK = ["--expert-tokens", "1,4,16", "--dense-tokens", "1,4", "--context-lens", "1,32", "--repeats", "1",
+QUICK = ["--expert-tokens", "1,4,16", "--dense-tokens", "1,4", "--context-lens", "1,32", "--prefill-sequences", "1,2",
+         "--prefill-tokens", "1,8", "--repeats", "1",
          "--warmup", "1", "--dtype", "fp32", "--device", "cpu", "--cpu-threads", "1", "--accel-threads", "1"]
 
 
@@ -74,6 +75,9 @@ def test_calibrate_writes_a_measured_profile_of_the_scaled_shape(profile):
     assert set(p.lanes) == {"gpu", "cpu"} and all(v >= 0 for v in p.lanes.values())  # a grouped call's fixed part
     assert len(p.h2d.x) == 4 and p.h2d.x[2] == model.expert_bytes and all(s > 0 for s in p.h2d.seconds)
     assert p.gpu_dense.context_lens == (1, 32) and len(p.gpu_dense.seconds[1]) == 2
+    for pre in (p.gpu_dense_prefill, p.cpu_dense_prefill):  # prefill layout: sequences x new tokens per sequence
+        assert pre.sequences == (1, 2) and pre.queries == (1, 8) and all(t > 0 for row in pre.seconds for t in row)
+    assert p.gpu_dense_block_prefill is None  # Mixtral has no non-MoE blocks
     prov = p.provenance
     assert prov["command"].startswith("dali exec calibrate") and prov["versions"]["torch"] == torch.__version__
     assert prov["scale"] == 1 / 64 and prov["model_shape"] == "mixtral-8x7b"
@@ -99,13 +103,21 @@ def test_sim_run_accepts_the_calibrated_profile(profile, tmp_path):
 def test_calibrate_measures_non_moe_blocks_when_the_model_has_them():
     cfg = CalibrationConfig("deepseek-v2-lite", scale=1 / 16, dtype="fp32", device="cpu", cpu_threads=1,
                             accel_threads=1, expert_tokens=(1, 2), dense_tokens=(1, 2), context_lens=(4,),
+                            prefill_sequences=(1, 2), prefill_queries=(4,),
                             settings=MicroSettings(repeats=1, warmup=0, table_rounds=1))
     p = calibrate(cfg)
     assert p.gpu_dense_block is not None and p.cpu_dense_block is not None
     model = cfg.model()
-    assert CostModel(p, model).dense_block_time("cpu", 2, 4) > 0
+    cm = CostModel(p, model)
+    assert cm.dense_block_time("cpu", 2, 4) > 0
+    # a prefill of 2 prompts of 4 tokens reads the block's prefill-layout table at its corner
+    assert cm.dense_block_time("gpu", 8, 2.5, 8) == pytest.approx(p.gpu_dense_block_prefill.seconds[0][1])
+    assert cm.dense_time("cpu", 4, 2.5, 4) == pytest.approx(p.cpu_dense_prefill.seconds[0][0])
     with pytest.raises(ValueError, match="expert_tokens must be strictly increasing"):
         CalibrationConfig("mixtral-8x7b", expert_tokens=(4, 2))
+    with pytest.raises(ValueError, match="prefill_sequences must be strictly increasing.*got \\[1\\]"):
+        CalibrationConfig("mixtral-8x7b", prefill_sequences=(1,))
+    assert CalibrationConfig("mixtral-8x7b", prefill_sequences=(), prefill_queries=()).prefill_queries == ()
 
 
 def test_exec_run_prints_metrics_and_writes_timeline_and_csv(profile, tmp_path):

@@ -30,6 +30,7 @@ from dali_exec.validate.compare import (  # noqa: E402
     rel_err,
 )
 from dali_sim.cli.main import cli  # noqa: E402
+from dali_sim.hardware.measured import prefill_layout  # noqa: E402
 from dali_sim.sim.counters import COUNTERS  # noqa: E402
 from dali_sim.sim.engine import Interval  # noqa: E402
 from dali_sim.sim.simulate import SimResult  # noqa: E402
@@ -116,8 +117,16 @@ def test_the_calibrated_profile_covers_the_workload(validated, mix_path):
     p = read_measured_profile(out / "profile.json")
     setup = prepare_replay(read_trace(mix_path), "gpu-lru", TINY, batch_size=2)
     pts = calibration_points(setup.workload)
-    assert p.gpu_expert.x[-1] >= setup.workload.actual.count.max()
-    assert p.gpu_dense.tokens[-1] >= setup.workload.step_tokens.max()
+    w = setup.workload
+    assert p.gpu_expert.x[-1] >= w.actual.count.max()
+    shared, seqs, queries, cached = prefill_layout(w.step_tokens, w.step_context, w.step_kv)
+    assert shared.any() and not shared.all() and not cached.any()  # whole prompts, then decode steps
+    assert p.gpu_dense.tokens[-1] >= w.step_tokens[~shared].max() and p.gpu_dense.context_lens[-1] >= w.step_context[~shared].max()
+    assert p.gpu_dense.tokens[-1] < w.step_tokens[shared].max()  # prefill steps read their own table
+    pre = p.gpu_dense_prefill
+    assert pre is not None and p.cpu_dense_prefill is not None
+    assert pre.sequences[-1] >= seqs[shared].max() - 1e-9 and pre.queries[-1] >= queries[shared].max() - 1e-9
+    assert list(pre.sequences) == list(pts["prefill_sequences"]) and list(pre.queries) == list(pts["prefill_queries"])
     assert list(p.gpu_expert.x) == list(pts["expert_tokens"]) and pts["expert_tokens"][:3] == (1, 2, 4)
     assert p.provenance["threads"] == {"cpu_lane": 1, "accelerator_lane": 1} and p.provenance["dtype"] == "fp32"
 

@@ -393,6 +393,73 @@ def test_measured_dense_interpolation(measured):
         measured.dense_block_time("gpu", 4)
 
 
+def test_prefill_layout_of_steps():
+    """Decode steps (every query its own sequence: kv = n * ctx) do not share; a step of 4 whole prompts of 32
+    tokens is 4 sequences of 32 new tokens; 2 chunks of 16 tokens after 48 cached ones are recovered exactly."""
+    from dali_sim.hardware.measured import prefill_layout
+
+    n = np.array([4.0, 128.0, 32.0])
+    ctx = np.array([20.0, 16.5, 48 + 8.5])
+    kv = np.array([80.0, 128.0, 2 * 64.0])
+    shared, s, q, c0 = prefill_layout(n, ctx, kv)
+    assert shared.tolist() == [False, True, True]
+    assert np.allclose(q, [1, 32, 16]) and np.allclose(s, [4, 4, 2]) and np.allclose(c0, [0, 0, 48])
+
+
+def _with_prefill_table(p, rows=((0.001, 0.002), (0.004, 0.010))):
+    import dataclasses
+
+    from dali_sim.hardware.measured import PrefillTable
+
+    # sequences [1, 4] x new tokens per sequence [1, 32]
+    return dataclasses.replace(p, gpu_dense_prefill=PrefillTable((1.0, 4.0), (1.0, 32.0), rows))
+
+
+def test_measured_dense_prefill_layout(tmp_path):
+    """A prefill step reads the prefill-layout table at its sequences and new tokens per sequence; a chunk after
+    cached tokens adds the decode table's cost of attending to them; decode steps and profiles without the
+    table are unchanged."""
+    model = get_model("mixtral-8x7b", "bf16")
+    base = load_profile(EXAMPLE)
+    p = load_profile(write_measured_profile(tmp_path / "pre.json", _with_prefill_table(base)))
+    with_pre, without = CostModel(p, model), CostModel(base, model)
+    # 4 prompts of 32 tokens: the table's corner (4 sequences, 32 tokens each); without the table: the decode
+    # table at 128 tokens and mean context 16.5 (the old reading)
+    assert with_pre.dense_time("gpu", 128, 16.5, 128) == pytest.approx(0.010)
+    assert without.dense_time("gpu", 128, 16.5, 128) == pytest.approx(float(without.dense_time("gpu", 128, 16.5)))
+    # 2 prompts of 16.5 tokens' worth: halfway in both axes -> the mean of the four corners' bilinear blend
+    q = 16.0  # 2 sequences of 16 tokens: n = 32, ctx = 8.5, kv = 32
+    s_t, q_t = (2 - 1) / 3, (q - 1) / 31
+    lo = 0.001 + s_t * (0.002 - 0.001)
+    hi = 0.004 + s_t * (0.010 - 0.004)
+    assert with_pre.dense_time("gpu", 32, 8.5, 32) == pytest.approx(lo + q_t * (hi - lo))
+    # a chunk of 16 tokens of each of 2 sequences after 48 cached: the chunk as a prefill, plus the decode
+    # table's cost at mean context 56.5 minus at 8.5 (tokens [1, 64] x context [0, 1024]: linear in context)
+    chunk = with_pre.dense_time("gpu", 32, 48 + 8.5, 2 * 64)
+    extra = without.dense_time("gpu", 32, 56.5) - without.dense_time("gpu", 32, 8.5)
+    assert extra > 0 and chunk == pytest.approx(lo + q_t * (hi - lo) + extra)
+    # decode steps: the decode table, with or without the prefill one
+    for n, c in ((4, 100.0), (64, 1024.0)):
+        assert with_pre.dense_time("gpu", n, c, n * c) == pytest.approx(float(without.dense_time("gpu", n, c)))
+    # the CPU lane has no prefill table in this profile: its prefill steps keep the decode reading
+    assert with_pre.dense_time("cpu", 128, 16.5, 128) == pytest.approx(float(without.dense_time("cpu", 128, 16.5)))
+
+
+def test_measured_prefill_table_checks(tmp_path):
+    data = _with_prefill_table(load_profile(EXAMPLE)).to_dict()
+    data["format_version"] = 2
+    for mutate, where in ((lambda d: d["tables"]["gpu_dense_prefill"]["queries"].insert(0, 0),
+                           "tables.gpu_dense_prefill.queries[0]"),
+                          (lambda d: d["tables"]["gpu_dense_prefill"]["seconds"].pop(), "tables.gpu_dense_prefill.seconds"),
+                          (lambda d: d["tables"]["gpu_dense_prefill"].update(tokens=[1, 2]), "tables.gpu_dense_prefill"),
+                          (lambda d: d["tables"].update(gpu_dense_block_prefill=d["tables"]["gpu_dense_prefill"]),
+                           "tables.gpu_dense_block_prefill: a prefill-layout table needs the decode-layout table")):
+        bad = json.loads(json.dumps(data))
+        mutate(bad)
+        with pytest.raises(ProfileError, match=re.escape(where)):
+            measured_profile_from_dict(bad, "p.json")
+
+
 def test_interp_extrap_rule():
     xp, fp = np.array([1.0, 2.0, 4.0]), np.array([1.0, 3.0, 2.0])
     assert np.allclose(interp_extrap(np.array([0.0, 1.5, 3.0, 8.0]), xp, fp), [1.0, 2.0, 2.5, 2.0])  # negative last slope -> flat

@@ -5,8 +5,9 @@ vs tokens and context length, and how much each lane slows while the others work
 Each is timed by :func:`.bench.time_call` with the same pieces the executor runs: ``ExpertLayout.forward``
 on accelerator slots and on host memory (the CPU lane's worker thread and thread count), the
 ``CopyEngine`` (pinned memory and the copy stream on CUDA), and ``DenseBlock`` with its attention over a
-KV cache in decode layout (each of ``n`` queries attends to ``c`` cached tokens of its own sequence, as
-docs/hardware.md defines the dense tables). Weights are cycled through enough distinct copies that they
+KV cache in decode layout (each of ``n`` queries attends to ``c`` cached tokens of its own sequence) and
+in prefill layout (``s`` sequences of ``q`` new tokens each), as docs/hardware.md defines the dense
+tables. Weights are cycled through enough distinct copies that they
 are not served from a cache.
 """
 
@@ -362,6 +363,16 @@ median over ``contention_rounds`` rounds of (alone, under load):
     def dense_seconds(self, lane: str, tokens: list[int], contexts: list[int], moe: bool = True) -> list[list[float]]:
         """``seconds[i][j]``: the dense part of an MoE layer (``moe``) or a non-MoE block, ``tokens[j]``
         queries each attending to ``contexts[i]`` cached tokens of its own sequence, on ``lane``."""
+        return self._dense_grid(lane, moe, [[(np.arange(n), np.full(n, c - 1), n, c) for n in tokens] for c in contexts])
+
+    def prefill_seconds(self, lane: str, sequences: list[int], queries: list[int], moe: bool = True) -> list[list[float]]:
+        """``seconds[i][j]``: as :meth:`dense_seconds` in prefill layout: ``sequences[j]`` sequences of
+        ``queries[i]`` new tokens each, at positions ``0 .. queries[i] - 1`` (a prompt's prefill)."""
+        return self._dense_grid(lane, moe, [[(np.repeat(np.arange(s), q), np.tile(np.arange(q), s), s, q)
+                                             for s in sequences] for q in queries])
+
+    def _dense_grid(self, lane: str, moe: bool, cells: list[list[tuple]]) -> list[list[float]]:
+        """Seconds of the dense part for each cell ``(KV slot of each token, its position, slots, context)``."""
         device = self.dev.of(lane)
         block = self.model.moe_layers[0] if moe else next(b for b in range(self.model.num_layers)
                                                          if b not in set(self.model.moe_layers))
@@ -370,12 +381,13 @@ median over ``contention_rounds`` rounds of (alone, under load):
         blocks = [probe] + [DenseBlock(self.model, block, moe, self.dev.dtype, device, self.s.seed + 1 + i)
                             for i in range(k - 1)]
         rows = []
-        for c in contexts:
+        for cells_of_row in cells:
             row = []
-            for n in tokens:
-                kv = KVCache(self.model, n, c, self.dev.dtype, device, self.s.seed)
-                attn = StepAttention(np.arange(n), np.full(n, c - 1), device)
-                x = torch.randn((n, self.model.hidden_size), generator=self.gen).to(device=device, dtype=self.dev.dtype)
+            for slots, positions, kv_slots, context in cells_of_row:
+                kv = KVCache(self.model, kv_slots, context, self.dev.dtype, device, self.s.seed)
+                attn = StepAttention(slots, positions, device)
+                x = torch.randn((len(slots), self.model.hidden_size), generator=self.gen).to(device=device,
+                                                                                               dtype=self.dev.dtype)
                 row.append(self._timed(lane, lambda i, x=x, attn=attn, kv=kv: blocks[i % k](x, attn, kv)))
             rows.append(row)
         return rows

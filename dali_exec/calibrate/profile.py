@@ -29,6 +29,7 @@ from dali_sim.hardware.measured import (
     MeasuredDevice,
     MeasuredProfile,
     ModelShape,
+    PrefillTable,
     write_measured_profile,
 )
 from dali_sim.models.presets import get_model
@@ -48,6 +49,9 @@ class CalibrationConfig:
     expert_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     dense_tokens: tuple[int, ...] = (1, 4, 16, 64)
     context_lens: tuple[int, ...] = (1, 256, 1024)
+    # the dense tables in prefill layout: sequences x new tokens per sequence; both () = not measured
+    prefill_sequences: tuple[int, ...] = (1, 4)
+    prefill_queries: tuple[int, ...] = (1, 64, 256)
     transfer_sizes: tuple[float, ...] = (0.0625, 0.25, 1.0, 2.0)  # copies of these multiples of one expert's bytes
     settings: MicroSettings = field(default_factory=MicroSettings)
     name: str | None = None
@@ -60,6 +64,12 @@ class CalibrationConfig:
             if len(v) < (1 if key == "context_lens" else 2) or any(b <= a for a, b in zip(v, v[1:])) or min(v) <= 0:
                 raise ValueError(f"{key} must be strictly increasing positive numbers (at least 2; context_lens: "
                                  f"at least 1), got {list(v)}")
+        seqs, queries = self.prefill_sequences, self.prefill_queries
+        if seqs or queries:
+            for key, v, least in (("prefill_sequences", seqs, 2), ("prefill_queries", queries, 1)):
+                if len(v) < least or any(b <= a for a, b in zip(v, v[1:])) or min(v) <= 0:
+                    raise ValueError(f"{key} must be strictly increasing positive integers (at least {least}), or "
+                                     f"both prefill axes empty (no prefill tables), got {list(v)}")
 
     def full_model(self) -> ModelSpec:
         """The full-size model the calibrated shape is scaled from."""
@@ -100,6 +110,12 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     if model.num_dense_layers:
         tables += [("gpu_dense_block", lambda: bench.dense_seconds("gpu", dtoks, ctxs, moe=False)),
                    ("cpu_dense_block", lambda: bench.dense_seconds("cpu", dtoks, ctxs, moe=False))]
+    pseqs, pqs = list(cfg.prefill_sequences), list(cfg.prefill_queries)
+    if pqs:  # the same parts in prefill layout
+        for moe in (True, False) if model.num_dense_layers else (True,):
+            for lane in ("gpu", "cpu"):
+                key = f"{lane}_dense{'' if moe else '_block'}_prefill"
+                tables.append((key, lambda lane=lane, moe=moe: bench.prefill_seconds(lane, pseqs, pqs, moe)))
     act_sizes = sorted({max(elem, n * model.hidden_size * elem) for n in (1, *dtoks)})
     if devices.is_cuda:
         tables.append(("d2h", lambda: bench.d2h_seconds(act_sizes)))
@@ -132,6 +148,9 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         if key in results:
             tables[key] = DenseTable(tuple(map(float, dtoks)), tuple(map(float, ctxs)),
                                      tuple(tuple(r) for r in results[key]))
+        if f"{key}_prefill" in results:
+            tables[f"{key}_prefill"] = PrefillTable(tuple(map(float, pseqs)), tuple(map(float, pqs)),
+                                                    tuple(tuple(r) for r in results[f"{key}_prefill"]))
     accel = devices.accel_name()
     cuda = devices.is_cuda
     link = (f"host-to-device copy to {accel} (pinned memory, copy stream)" if cuda
@@ -154,7 +173,8 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
                        "copy) while the other lanes of each combination loop theirs") if cfg.contention else "not measured",
         "host": "dali_exec/calibrate/host.py (replays of cpu-only and all-resident gpu-static on a random workload; "
                 "Controller.plan per preset)" if cfg.host is not None else "not measured",
-        "dense_part": "dali_exec.executor.dense.DenseBlock (docs/executor.md), decode layout",
+        "dense_part": "dali_exec.executor.dense.DenseBlock (docs/executor.md), decode layout"
+                      + (", and prefill layout (*_prefill)" if pqs else ""),
         "lane_wake": (f"a call of 2 one-token experts on the CPU lane after {cfg.settings.wake_gap_s * 1e3:g} ms of "
                       "sleep minus the same call straight after the previous one, the median over "
                       f"{cfg.settings.contention_rounds} rounds") if cfg.contention else "not measured",

@@ -25,7 +25,7 @@ from dali_exec.executor.replay import ExecOptions, Replay
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.validate.compare import Thresholds, compare, rank_agreement, verdict
 from dali_sim import __version__
-from dali_sim.hardware.measured import MeasuredProfile, ModelShape, write_measured_profile
+from dali_sim.hardware.measured import MeasuredProfile, ModelShape, prefill_layout, write_measured_profile
 from dali_sim.hardware.profile import load_profile
 from dali_sim.models.spec import ModelSpec
 from dali_sim.registry import UnknownNameError
@@ -108,12 +108,24 @@ def _pow2_points(top: int) -> tuple[int, ...]:
 
 def calibration_points(w: Workload) -> dict[str, tuple[int, ...]]:
     """The calibration axes a workload needs, so the simulator interpolates instead of extrapolating:
-    expert tokens 1, 2, 4, ... past the largest expert workload; dense tokens likewise past the largest
-    step; context lengths 1, half and all of the largest mean context of a step."""
-    ctx = max(1, int(math.ceil(float(w.step_context.max()))))
-    return {"expert_tokens": _pow2_points(int(w.actual.count.max())),
-            "dense_tokens": _pow2_points(int(w.step_tokens.max())),
-            "context_lens": tuple(sorted({1, max(1, ctx // 2), ctx}))}
+    expert tokens 1, 2, 4, ... past the largest expert workload; for the steps that read the decode-layout
+    dense tables (decode steps, and prefill chunks after cached tokens), dense tokens likewise past the
+    largest step and context lengths 1, half and all of the largest mean context of a step; for prefill
+    steps (:func:`prefill_layout`), sequences 1, 2, 4, ... past the most of a step and new tokens per
+    sequence 1, half and all of the most (both empty without prefill steps)."""
+    shared, seqs, queries, cached = prefill_layout(w.step_tokens, w.step_context, w.step_kv)
+    decode = ~shared | (cached > 0)
+    tokens, context = w.step_tokens[decode], w.step_context[decode]
+    ctx = max(1, int(math.ceil(float(context.max())))) if decode.any() else 1
+    points = {"expert_tokens": _pow2_points(int(w.actual.count.max())),
+              "dense_tokens": _pow2_points(int(tokens.max()) if decode.any() else 1),
+              "context_lens": tuple(sorted({1, max(1, ctx // 2), ctx})),
+              "prefill_sequences": (), "prefill_queries": ()}
+    if shared.any():
+        q = int(math.ceil(float(queries[shared].max()) - 1e-9))
+        points["prefill_sequences"] = _pow2_points(int(math.ceil(float(seqs[shared].max()) - 1e-9)))
+        points["prefill_queries"] = tuple(sorted({1, max(1, q // 2), q}))
+    return points
 
 
 @dataclass(frozen=True)
@@ -244,7 +256,8 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
     if cfg.profile is None:
         points = calibration_points(setup0.workload)
         say(f"calibrating {model.name} on {devices.accel_name()} (expert tokens {list(points['expert_tokens'])}, "
-            f"dense tokens {list(points['dense_tokens'])}, contexts {list(points['context_lens'])})")
+            f"dense tokens {list(points['dense_tokens'])}, contexts {list(points['context_lens'])}, prefill "
+            f"sequences {list(points['prefill_sequences'])} x tokens {list(points['prefill_queries'])})")
         cal = _SpecCalibration(opts.model_shape or setup0.full_model.name, scale=opts.scale, dtype=opts.dtype,
                                device=str(devices.accel), cpu_threads=threads[0], accel_threads=threads[1],
                                settings=cfg.calibration, name=f"validation-{model.name}", spec=setup0.full_model,

@@ -152,6 +152,10 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
 @click.option("--expert-tokens", default="1,2,4,8,16,32,64,128,256", show_default=True, help="Token counts of the expert tables.")
 @click.option("--dense-tokens", default="1,4,16,64", show_default=True, help="Token counts of the dense tables.")
 @click.option("--context-lens", default="1,256,1024", show_default=True, help="Cached tokens per query of the dense tables.")
+@click.option("--prefill-sequences", default="1,4", show_default=True,
+              help="Sequences of the dense tables in prefill layout (both prefill options '': no prefill tables).")
+@click.option("--prefill-tokens", default="1,64,256", show_default=True,
+              help="New tokens per sequence of the dense tables in prefill layout.")
 @click.option("--repeats", default=5, show_default=True, type=int, help="Timed runs per point (the median is kept).")
 @click.option("--warmup", default=2, show_default=True, type=int, help="Untimed runs before each point.")
 @click.option("--rounds", default=3, show_default=True, type=int,
@@ -159,7 +163,7 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
 @click.option("--name", help="Profile name (default: measured-MODEL-DEVICE).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Profile JSON to write.")
 def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, expert_tokens, dense_tokens,
-                  context_lens, repeats, warmup, rounds, name, output) -> None:
+                  context_lens, prefill_sequences, prefill_tokens, repeats, warmup, rounds, name, output) -> None:
     """Measure expert, transfer and dense times and write a measured hardware profile (docs/hardware.md)."""
     check_outputs({"profile": output}, [])
     _exec_module()
@@ -169,6 +173,8 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
                             accel_threads=accel_threads, expert_tokens=_ints(expert_tokens, "--expert-tokens"),
                             dense_tokens=_ints(dense_tokens, "--dense-tokens"),
                             context_lens=_ints(context_lens, "--context-lens"),
+                            prefill_sequences=_ints(prefill_sequences, "--prefill-sequences"),
+                            prefill_queries=_ints(prefill_tokens, "--prefill-tokens"),
                             settings=_micro(repeats=repeats, warmup=warmup, table_rounds=rounds), name=name)
     path = calibrate_to(output, cfg, command=command_line(), progress=True)
     from dali_sim.hardware.profile import load_profile

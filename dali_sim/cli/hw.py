@@ -78,8 +78,9 @@ def show_cmd(profile: str, as_json: bool) -> None:
         click.echo(f"link: {p.link_name}")
         click.echo(f"measured for: {p.model.model} at {p.model.precision} (expert_bytes={p.model.expert_bytes})")
         for k, v in p.to_dict()["tables"].items():
-            axis = next(a for a in v if a not in ("seconds", "context_lens"))
-            extra = f" x {len(v['context_lens'])} context lengths" if "context_lens" in v else ""
+            rows = next((a for a in ("context_lens", "queries") if a in v), None)  # a two-dimensional table's rows
+            axis = next(a for a in v if a not in ("seconds", rows))
+            extra = f" x {len(v[rows])} {'context lengths' if rows == 'context_lens' else 'new tokens per sequence'}" if rows else ""
             click.echo(f"  table {k}: {len(v[axis])} {axis} points{extra}")
         if p.contention is not None:
             click.echo("contention (slowdown of each lane while the others run):")

@@ -29,6 +29,8 @@ CURVE_TABLES = {"gpu_expert": "tokens", "cpu_expert": "tokens", "h2d": "bytes"}
 OPTIONAL_CURVE_TABLES = {"d2h": "bytes"}
 DENSE_TABLES = ("gpu_dense", "cpu_dense")
 OPTIONAL_DENSE_TABLES = ("gpu_dense_block", "cpu_dense_block")
+#: the dense tables in prefill layout, each optional: without one, prefill steps use the decode-layout table
+PREFILL_TABLES = {f"{k}_prefill": k for k in DENSE_TABLES + OPTIONAL_DENSE_TABLES}
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,17 @@ class DenseTable:
 
     tokens: tuple[float, ...]
     context_lens: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class PrefillTable:
+    """``seconds[i][j]``: time at ``queries[i]`` and ``sequences[j]`` (prefill layout: each of the
+    ``sequences`` sequences has ``queries`` new tokens at positions ``0 .. queries - 1``, each attending
+    to its own sequence's positions up to its own, with nothing cached before them)."""
+
+    sequences: tuple[float, ...]
+    queries: tuple[float, ...]
     seconds: tuple[tuple[float, ...], ...]
 
 
@@ -114,6 +127,11 @@ class MeasuredProfile:
     provenance: Mapping[str, Any]
     gpu_dense_block: DenseTable | None = None
     cpu_dense_block: DenseTable | None = None
+    # the same parts in prefill layout (PREFILL_TABLES); None = prefill steps use the decode-layout table
+    gpu_dense_prefill: PrefillTable | None = None
+    cpu_dense_prefill: PrefillTable | None = None
+    gpu_dense_block_prefill: PrefillTable | None = None
+    cpu_dense_block_prefill: PrefillTable | None = None
     d2h: CurveTable | None = None  # device-to-host copies (activations of CPU experts); None on the CPU device
     contention: Mapping[str, Mapping[str, float]] | None = None  # slowdowns per set of busy lanes (contention.py)
     host: HostCosts | None = None
@@ -161,6 +179,11 @@ class MeasuredProfile:
         for k in DENSE_TABLES + OPTIONAL_DENSE_TABLES:
             if getattr(self, k) is not None:
                 tables[k] = dense(getattr(self, k))
+        for k in PREFILL_TABLES:
+            t = getattr(self, k)
+            if t is not None:
+                tables[k] = {"sequences": list(t.sequences), "queries": list(t.queries),
+                             "seconds": [list(r) for r in t.seconds]}
         extra: dict[str, Any] = {}
         if self.contention is not None:
             extra["contention"] = {k: dict(v) for k, v in self.contention.items()}
@@ -209,14 +232,23 @@ def _curve(r: FieldReader, axis: str) -> CurveTable:
     return CurveTable(x, _seconds(r, "seconds", r.raw("seconds"), len(x)))
 
 
+def _grid(r: FieldReader, cols: str, rows: str, *, rows_positive: bool):
+    """A two-dimensional table: ``seconds``, one row per ``rows`` point, one number per ``cols`` point."""
+    r.reject_unknown({cols, rows, "seconds"})
+    x = _axis(r, cols, minimum=0.0, strict=True, min_len=2)
+    y = _axis(r, rows, minimum=0.0, strict=rows_positive, min_len=1)
+    values = r.raw("seconds")
+    if not isinstance(values, list) or len(values) != len(y):
+        raise r.error("seconds", f"must be a list of {len(y)} rows (one per {rows} entry)")
+    return x, y, tuple(_seconds(r, f"seconds[{i}]", row, len(x)) for i, row in enumerate(values))
+
+
 def _dense(r: FieldReader) -> DenseTable:
-    r.reject_unknown({"tokens", "context_lens", "seconds"})
-    tokens = _axis(r, "tokens", minimum=0.0, strict=True, min_len=2)
-    ctx = _axis(r, "context_lens", minimum=0.0, strict=False, min_len=1)
-    rows = r.raw("seconds")
-    if not isinstance(rows, list) or len(rows) != len(ctx):
-        raise r.error("seconds", f"must be a list of {len(ctx)} rows (one per context_lens entry)")
-    return DenseTable(tokens, ctx, tuple(_seconds(r, f"seconds[{i}]", row, len(tokens)) for i, row in enumerate(rows)))
+    return DenseTable(*_grid(r, "tokens", "context_lens", rows_positive=False))
+
+
+def _prefill(r: FieldReader) -> PrefillTable:
+    return PrefillTable(*_grid(r, "sequences", "queries", rows_positive=True))
 
 
 def _integer(r: FieldReader, key: str) -> int:
@@ -254,11 +286,16 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
 
     tr = top.table("tables")
     tr.reject_unknown(set(CURVE_TABLES) | set(DENSE_TABLES) | set(OPTIONAL_DENSE_TABLES)
-                      | (set(OPTIONAL_CURVE_TABLES) if version >= 2 else set()))
+                      | (set(OPTIONAL_CURVE_TABLES) | set(PREFILL_TABLES) if version >= 2 else set()))
     curves = {k: _curve(tr.table(k), axis) for k, axis in CURVE_TABLES.items()}
     curves.update({k: _curve(tr.table(k), axis) for k, axis in OPTIONAL_CURVE_TABLES.items() if tr.has(k)})
     dense = {k: _dense(tr.table(k)) for k in DENSE_TABLES}
     dense.update({k: _dense(tr.table(k)) for k in OPTIONAL_DENSE_TABLES if tr.has(k)})
+    for k, decode in PREFILL_TABLES.items():
+        if tr.has(k):
+            if decode not in dense:
+                raise tr.error(k, f"a prefill-layout table needs the decode-layout table {decode!r} beside it")
+            dense[k] = _prefill(tr.table(k))
 
     pr = top.table("provenance")
     pr.string("command")
@@ -346,11 +383,29 @@ def _interp_rows(c: np.ndarray, cp: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return inside + np.maximum(t - 1.0, 0.0) * np.maximum(hi - lo, 0.0)
 
 
+def prefill_layout(n: np.ndarray, ctx: np.ndarray, kv: np.ndarray):
+    """Steps given as (query tokens ``n``, mean context ``ctx``, KV entries read ``kv``), as equal sequences:
+    ``(shared, s, q, c0)``, where ``shared`` marks the steps whose queries share their sequences' context
+    (prefill; a decode step has ``kv == n * ctx``), and ``s`` sequences of ``q`` new tokens after ``c0``
+    cached ones give the same three numbers: ``n = s q``, ``ctx = c0 + (q + 1) / 2``, ``kv = s (c0 + q)``
+    (exact for a step of equal prompts or equal chunks; other steps get the equal ones with their
+    totals). Steps that do not share have ``q = 1``."""
+    n, ctx, kv = np.broadcast_arrays(np.asarray(n, float), np.asarray(ctx, float), np.asarray(kv, float))
+    per_token = kv / np.maximum(n, 1e-300)
+    q = (ctx - 0.5) / np.maximum(per_token - 0.5, 1e-12)
+    shared = q > 1.0 + 1e-9
+    q = np.where(shared, q, 1.0)
+    return shared, n / q, q, np.where(shared, np.maximum(q * (per_token - 1.0), 0.0), 0.0)
+
+
 class TableCosts:
     """Cost functions interpolated from a measured profile; same interface as ``RooflineCosts``.
 
-    Dense tables are in decode layout (see :class:`DenseTable`), so ``kv_tokens`` is not used: for
-    steps where queries share a context (prefill) the tables' KV reads are an over-estimate.
+    Dense tables are in decode layout (see :class:`DenseTable`); a step whose queries share their
+    sequences' context (:func:`prefill_layout`) takes the prefill-layout table where the profile has one
+    (:class:`PrefillTable`), plus, for a chunk after ``c0`` cached tokens, what attending to ``c0`` more
+    cached tokens per query costs in decode layout. Without one, prefill steps use the decode layout,
+    whose per-query KV reads and attention calls over-estimate a prefill.
     """
 
     def __init__(self, profile: MeasuredProfile, model: ModelSpec):
@@ -361,13 +416,16 @@ class TableCosts:
             t: CurveTable | None = getattr(profile, k)
             if t is not None:
                 self._curves[k] = (np.asarray(t.x, float), np.asarray(t.seconds, float))
-        self._dense = {k: self._dense_arrays(getattr(profile, k)) for k in DENSE_TABLES + OPTIONAL_DENSE_TABLES}
+        self._dense = {k: self._dense_arrays(getattr(profile, k))
+                       for k in (*DENSE_TABLES, *OPTIONAL_DENSE_TABLES, *PREFILL_TABLES)}
 
     @staticmethod
-    def _dense_arrays(t: DenseTable | None):
+    def _dense_arrays(t: DenseTable | PrefillTable | None):
+        """(column axis, row axis, seconds) of a two-dimensional table."""
         if t is None:
             return None
-        return np.asarray(t.tokens, float), np.asarray(t.context_lens, float), np.asarray(t.seconds, float)
+        cols, rows = (t.tokens, t.context_lens) if isinstance(t, DenseTable) else (t.sequences, t.queries)
+        return np.asarray(cols, float), np.asarray(rows, float), np.asarray(t.seconds, float)
 
     def expert(self, device: str, n: np.ndarray) -> np.ndarray:
         check_device(device)
@@ -406,20 +464,31 @@ class TableCosts:
     def copy_demand(self, pageable: bool) -> float:
         return 0.0
 
-    def _dense_lookup(self, key: str, n: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _grid_at(arrays, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        cols, rows_axis, seconds = arrays
+        x, y = np.broadcast_arrays(x, y)
+        return _interp_rows(y, rows_axis, np.stack([interp_extrap(x, cols, row) for row in seconds]))
+
+    def _dense_lookup(self, key: str, n: np.ndarray, ctx: np.ndarray, kv: np.ndarray) -> np.ndarray:
         arrays = self._dense[key]
         if arrays is None:
             raise ProfileError(f"{self.profile.path or self.profile.name}: tables.{key}: missing; the model has dense "
                                "(non-MoE) blocks, so calibrate them or use an analytic profile")
-        tokens, cp, seconds = arrays
-        n, ctx = np.broadcast_arrays(n, ctx)
-        rows = np.stack([interp_extrap(n, tokens, row) for row in seconds])
-        return _interp_rows(ctx, cp, rows)
+        decode = self._grid_at(arrays, n, ctx)
+        prefill = self._dense[f"{key}_prefill"]
+        if prefill is None:
+            return decode
+        shared, s, q, c0 = prefill_layout(n, ctx, kv)
+        if not shared.any():
+            return decode
+        cached = np.maximum(decode - self._grid_at(arrays, n, ctx - c0), 0.0)  # the c0 cached tokens per query
+        return np.where(shared, self._grid_at(prefill, s, q) + np.where(c0 > 0, cached, 0.0), decode)
 
     def dense(self, device: str, n: np.ndarray, ctx: np.ndarray, kv: np.ndarray) -> np.ndarray:
         check_device(device)
-        return self._dense_lookup(f"{device}_dense", n, ctx)
+        return self._dense_lookup(f"{device}_dense", n, ctx, kv)
 
     def dense_block(self, device: str, n: np.ndarray, ctx: np.ndarray, kv: np.ndarray) -> np.ndarray:
         check_device(device)
-        return self._dense_lookup(f"{device}_dense_block", n, ctx)
+        return self._dense_lookup(f"{device}_dense_block", n, ctx, kv)
