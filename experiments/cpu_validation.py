@@ -1,11 +1,12 @@
 """The executor against the simulator on this machine's CPU device (docs/validation.md, section 2).
 
-    python experiments/cpu_validation.py [--repeats 3] [--calibrate-each] [--out DIR] [--shapes mixtral-8x7b,deepseek-v2-lite]
+    python experiments/cpu_validation.py [--repeats 3] [--replays 3] [--calibrate-each] [--out DIR] [--shapes mixtral-8x7b,deepseek-v2-lite]
 
 For each model shape: a synthetic trace (6 sequences of 32 prompt + 16 generated tokens: the first 2 are the
 profiling input (the default split), the other 4 are evaluated; the lookahead
 columns of every system), replayed at scale 1/4 on its first MoE layers, batch 4, by `dali exec
-validate` for cpu-only, gpu-lru, llamacpp, hybrimoe and dali; the first repeat calibrates the machine
+validate` for cpu-only, gpu-lru, llamacpp, hybrimoe and dali, each replayed ``--replays`` times round by
+round over the systems and compared by the medians (its total, each step); the first repeat calibrates the machine
 (the profile is kept), the others reuse that profile, so the repeats show how long one profile holds on
 the machine; with ``--calibrate-each`` every repeat calibrates first, as three separate `dali exec
 validate` runs do, and the repeats show the spread of the whole procedure. Per system and repeat:
@@ -94,7 +95,8 @@ class SpeedProbe:
         self.worker.close()
 
 
-def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, calibrate_each: bool) -> list[dict]:
+def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, calibrate_each: bool,
+              replays: int) -> list[dict]:
     spec = C.TraceSpec(shape.model, sequences=C.total_sequences(BATCH), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
                        seed=0)
     trace = C.get_trace(spec)
@@ -111,7 +113,7 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
             reference = probe_before
         cfg = ValidationConfig(systems=SYSTEMS, replay=replay, run=ExecOptions(device="cpu"), profile=profile,
                                batch_size=BATCH, gpu_memory_gib=shape.gpu_memory_gib, timelines=False, plot=False,
-                               thresholds=THRESHOLDS)
+                               thresholds=THRESHOLDS, replays=replays)
         report = validate(trace, cfg, folder, command=f"experiments/cpu_validation.py ({shape.model}, repeat {rep})",
                           log=C.progress)
         profile = None if calibrate_each else profile or report.settings["profile"]
@@ -119,7 +121,7 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
         probe_after = probe.seconds()
         for r in report.rows:
             rows.append({"shape": shape.model, "repeat": rep, "system": r["system"], "exec_s": r["exec_s"],
-                         "sim_s": r["sim_s"], "total_err": r["total_rel_err"],
+                         "exec_s_min": r["exec_s_min"], "exec_s_max": r["exec_s_max"], "sim_s": r["sim_s"], "total_err": r["total_rel_err"],
                          "step_err_median": r["step_abs_err_median"], "step_err_p90": r["step_abs_err_p90"],
                          "counters_exact": r["exact"], "load_before": before, "load_after": after,
                          "probe_before_ms": 1e3 * probe_before, "probe_after_ms": 1e3 * probe_after,
@@ -155,17 +157,22 @@ def main(argv=None) -> int:
     p.add_argument("--calibrate-each", action="store_true",
                    help="calibrate before every repeat (each repeat a whole `dali exec validate`), instead of "
                         "reusing the first repeat's profile")
+    p.add_argument("--replays", type=int, default=3,
+                   help="measured replays per system in each repeat, round by round over the systems; each system "
+                        "is compared by their medians (`dali exec validate --replays`)")
     args = p.parse_args(argv)
     unknown = set(args.shapes) - set(SHAPES)
     if unknown:
         p.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(SHAPES)}")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.replays < 1:
+        p.error("--replays must be >= 1")
     work = args.out / "cpu_validation_runs"
     rows = []
     for name in args.shapes:
         rows += run_shape(SHAPES[name], 1 if args.quick else args.repeats, work, args.scale, args.quick,
-                          args.calibrate_each)
+                          args.calibrate_each, 1 if args.quick else args.replays)
     df = pd.DataFrame(rows)
     worst = df.groupby("shape").agg(max_abs_total=("total_err", lambda s: float(s.abs().max())),
                                     max_step_p90=("step_err_p90", "max"),
@@ -179,7 +186,9 @@ def main(argv=None) -> int:
     show = df[["shape", "repeat", "system", "exec_s", "sim_s", "total_err", "step_err_p90", "load_before",
                "load_after", "machine_drift"]]
     md = ["# The executor against the simulator on this machine (CPU device)", summary,
-          "Each repeat runs every system once on the executor and once in the simulator; "
+          f"Each repeat runs every system {args.replays} time(s) on the executor (round by round over the systems; "
+          "exec_s is the median total, exec_s_min/max the range, steps the per-step medians) and once in the "
+          "simulator; "
           + ("every repeat calibrates the machine first. " if args.calibrate_each else
              "the first repeat calibrates the machine and the others reuse its profile. ")
           + "total_err = simulated / measured - 1; step_err = the per-step |relative error|. probe_*_ms: the "

@@ -154,14 +154,14 @@ def test_time_budget_skips_the_systems_that_would_not_fit(mix_path, validated, t
 def test_a_failing_system_is_reported_and_the_others_still_run(mix_path, validated, tmp_path, monkeypatch):
     import dali_exec.validate.run as vr
 
-    real = vr._run_system
+    real = vr._execute
 
     def flaky(trace, system, *args, **kw):
         if system == "gpu-lru":
             raise RuntimeError("boom")
         return real(trace, system, *args, **kw)
 
-    monkeypatch.setattr(vr, "_run_system", flaky)
+    monkeypatch.setattr(vr, "_execute", flaky)
     _, first, _ = validated
     cfg = ValidationConfig(systems=("gpu-lru", "cpu-only"), replay=TINY, run=CPU_RUN, batch_size=2,
                            profile=str(first / "profile.json"), warmup=False, timelines=False, plot=False)
@@ -169,6 +169,39 @@ def test_a_failing_system_is_reported_and_the_others_still_run(mix_path, validat
     assert [r["system"] for r in report.rows] == ["cpu-only"]
     assert report.failed == [{"system": "gpu-lru", "error": "RuntimeError: boom"}]
     assert "- gpu-lru: RuntimeError: boom" in (tmp_path / "validation.md").read_text()
+
+
+def test_replays_are_round_by_round_and_compared_by_their_medians(mix_path, validated, tmp_path, monkeypatch):
+    """Three replays per system, the systems in turn each round; the row's total is the median replay's, each
+    step the median of its three times; a system failing in a later round is reported failed, not half-counted."""
+    import dali_exec.validate.run as vr
+
+    real, order, results = vr._execute, [], {}
+
+    def recorded(trace, system, *args, **kw):
+        order.append(system)
+        if system == "gpu-lru" and order.count("gpu-lru") == 3:
+            raise RuntimeError("third replay")
+        setup, executed = real(trace, system, *args, **kw)
+        results.setdefault(system, []).append(executed)
+        return setup, executed
+
+    monkeypatch.setattr(vr, "_execute", recorded)
+    _, first, _ = validated
+    cfg = ValidationConfig(systems=("cpu-only", "gpu-lru"), replay=TINY, run=CPU_RUN, batch_size=2, replays=3,
+                           profile=str(first / "profile.json"), warmup=False, timelines=False, plot=False)
+    report = validate(mix_path, cfg, tmp_path)
+    assert order == ["cpu-only", "gpu-lru"] * 3
+    assert [r["system"] for r in report.rows] == ["cpu-only"] and report.failed[0]["system"] == "gpu-lru"
+    row, steps = report.rows[0], report.systems[0]["steps"]
+    totals = sorted(float(r.summary["makespan_s"]) for r in results["cpu-only"])
+    assert row["replays"] == 3 and row["exec_s"] == totals[1] and (row["exec_s_min"], row["exec_s_max"]) == (totals[0], totals[2])
+    per_step = np.median([r.per_step["time_s"].to_numpy() for r in results["cpu-only"]], axis=0)
+    assert np.array_equal(steps["exec_s"].to_numpy(), per_step)
+    assert report.settings["replays"] == 3 and report.settings["replays_done"] == 3
+    assert "replayed 3 times" in (tmp_path / "validation.md").read_text()
+    with pytest.raises(ValueError, match="replays must be an integer >= 1, got 0"):
+        ValidationConfig(systems=("cpu-only",), replays=0)
 
 
 # ---- the profile must be this machine's, for this replay ---------------------------------------------
@@ -211,14 +244,18 @@ def test_cli_prints_the_table_and_writes_the_report(mix_path, validated, tmp_pat
     assert "dali exec validate --trace" in r.output  # the command is recorded
     assert (tmp_path / "o" / "gpu-lru.sim.timeline.json").exists()
     at = args.index(str(tmp_path / "o"))
-    r = CliRunner().invoke(cli, args[:at] + [str(tmp_path / "j")] + args[at + 1:] + ["--json", "--no-timelines"],
+    r = CliRunner().invoke(cli, args[:at] + [str(tmp_path / "j")] + args[at + 1:] + ["--json", "--no-timelines",
+                                                                                     "--replays", "2"],
                            catch_exceptions=False)
     data = json.loads(r.stdout[r.stdout.index("{"):])
     assert [s["row"]["system"] for s in data["systems"]] == ["gpu-lru", "dali"]
+    assert [s["row"]["replays"] for s in data["systems"]] == [2, 2] and data["settings"]["replays_done"] == 2
     assert not (tmp_path / "j" / "dali.exec.timeline.json").exists()
     r = CliRunner().invoke(cli, ["exec", "validate", "--trace", str(mix_path), "--systems", "gpu-lru,nope",
                                  "-o", str(tmp_path / "x")])
     assert r.exit_code == 1 and r.output.startswith("Error: system nope")
+    r = CliRunner().invoke(cli, args[:at] + [str(tmp_path / "z")] + args[at + 1:] + ["--replays", "0"])
+    assert r.exit_code == 2 and "--replays" in r.output and not (tmp_path / "z").exists()
 
 
 def _verdict_row(system, exec_s, sim_s, *, p90=0.05, exact=True, expected=True):

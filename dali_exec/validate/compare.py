@@ -82,15 +82,16 @@ def _quantile(x: np.ndarray, q: float) -> float:
     return float(np.quantile(x, q)) if x.size else float("nan")
 
 
-def step_table(executed: SimResult, simulated: SimResult) -> pd.DataFrame:
-    """Per step: phase, batch, tokens, executed and simulated seconds, relative error."""
+def step_table(executed: SimResult, simulated: SimResult, exec_step_s: np.ndarray | None = None) -> pd.DataFrame:
+    """Per step: phase, batch, tokens, executed and simulated seconds, relative error; ``exec_step_s``: the
+    executed seconds per step to use instead of ``executed``'s (the medians of several replays)."""
     e, s = executed.per_step, simulated.per_step
     if len(e) != len(s) or not (e["tokens"].to_numpy() == s["tokens"].to_numpy()).all():
         raise ValueError(f"the executed and simulated runs have different steps ({len(e)} vs {len(s)}): "
                          "they must replay the same workload")
     out = e[["phase", "batch", "tokens"]].copy()
     out.index.name = "step"
-    out["exec_s"] = e["time_s"].to_numpy()
+    out["exec_s"] = e["time_s"].to_numpy() if exec_step_s is None else np.asarray(exec_step_s, float)
     out["sim_s"] = s["time_s"].to_numpy()
     with np.errstate(divide="ignore", invalid="ignore"):
         out["rel_err"] = (out["sim_s"] - out["exec_s"]) / out["exec_s"]
@@ -113,10 +114,11 @@ def expected_exact(system_config: dict[str, Any]) -> bool:
     return system_config.get("placement", {}).get("policy") not in NONDETERMINISTIC_PLACEMENTS
 
 
-def compare(executed: SimResult, simulated: SimResult) -> dict[str, Any]:
-    """Everything docs/validation.md reports for one system, as one flat-ish dict."""
+def compare(executed: SimResult, simulated: SimResult, exec_step_s: np.ndarray | None = None) -> dict[str, Any]:
+    """Everything docs/validation.md reports for one system, as one flat-ish dict (``exec_step_s``: as
+    :func:`step_table`; the totals are ``executed``'s)."""
     se, ss = executed.summary, simulated.summary
-    steps = step_table(executed, simulated)
+    steps = step_table(executed, simulated, exec_step_s)
     abs_err = steps["rel_err"].abs().to_numpy()
     decode = (steps["phase"] == "decode").to_numpy()
     exact, differ = counters_equal(executed, simulated)

@@ -86,7 +86,10 @@ def markdown(report) -> str:
         + (f", accelerator lane {st['accel_threads']} threads" if st.get("accel_threads") else "")
         + f". Profile {st['profile']} ({'calibrated here' if st['calibrated_here'] else 'given'}).",
         "",
-        "Errors are (simulated - executed) / executed: negative = the simulator predicts less time.",
+        "Errors are (simulated - executed) / executed: negative = the simulator predicts less time."
+        + (f" Each system was replayed {st['replays']} times, round by round over the systems: exec s is the "
+           "median of its totals (their range in parentheses), each step's time the median of that step's."
+           if st.get("replays", 1) > 1 else ""),
         "",
         "## Time",
         "",
@@ -94,7 +97,9 @@ def markdown(report) -> str:
     rows = []
     for s in report.systems:
         r, ov = s["row"], s["overhead"]
-        rows.append([r["system"], _num(r["exec_s"]), _num(r["sim_s"]), _pct(r["total_rel_err"]),
+        exec_s = _num(r["exec_s"]) + (f" ({_num(r['exec_s_min'])}-{_num(r['exec_s_max'])})"
+                                       if r.get("replays", 1) > 1 else "")
+        rows.append([r["system"], exec_s, _num(r["sim_s"]), _pct(r["total_rel_err"]),
                      _apct(r["step_abs_err_median"]), _apct(r["step_abs_err_p90"]),
                      f"{_num(r['decode_tokens_per_s_exec'], 1)} / {_num(r['decode_tokens_per_s_sim'], 1)}",
                      f"{_num(ov.get('overhead_us_per_layer'), 0)} ({_apct(ov.get('fraction_of_layer_time'))})",

@@ -5,7 +5,10 @@ scaled memory plan), the same batch size, chunking and seed, via :func:`prepare_
 replays it on this machine (:class:`Replay`), the simulator times the same plans with a hardware
 profile measured on this machine for the replay model's shape (calibrated first unless given). The
 host weights are drawn once and shared by every system's replay; each system gets a short untimed
-warm-up replay first (the first batch's prefill and two decode steps).
+warm-up replay first (the first batch's prefill and two decode steps). With ``replays`` > 1 every
+system is replayed that many times, round by round over the systems (so a slow phase of the machine
+falls on all of them), and is compared by the median: its total the median of the replays' totals, each
+step the median of that step's times.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate
 from dali_exec.executor.devices import Devices, cpu_name
@@ -58,6 +63,7 @@ class ValidationConfig:
     #: `--set SYSTEM:section.key=value`); the budget (``memory.gpu_memory_gib``) is added unless given
     overrides: Mapping[str, Mapping[str, Any]] | None = None
     warmup: bool = True  # an untimed warm-up replay before each system's measured one
+    replays: int = 1  # measured replays per system, round by round over the systems; compared by their medians
     calibration: MicroSettings = VALIDATION_MICRO
     time_budget_s: float | None = None  # start no further system once this is likely to be exceeded
     timelines: bool = True
@@ -73,6 +79,8 @@ class ValidationConfig:
             raise ValueError(f"systems must be distinct, got {', '.join(self.systems)}")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
+        if isinstance(self.replays, bool) or not isinstance(self.replays, int) or self.replays < 1:
+            raise ValueError(f"replays must be an integer >= 1, got {self.replays!r}")
 
 
 @dataclass
@@ -203,9 +211,9 @@ def _simulate(setup: ReplaySetup, profile: str, cfg: ValidationConfig, tmp: Path
                     prefill_chunk=w.prefill_chunk, seed=cfg.seed, timeline=True, profiling=setup.profiled, **kw)
 
 
-def _run_system(trace: Trace, system: str, opts: ReplayOptions, run: ExecOptions, kw: dict, devices: Devices,
-                store: HostExpertStore, profile_path: str, cfg: ValidationConfig, tmp: Path):
-    """Warm up, execute and simulate one system: (setup, executed result, simulated result)."""
+def _execute(trace: Trace, system: str, opts: ReplayOptions, run: ExecOptions, kw: dict, devices: Devices,
+             store: HostExpertStore, profile_path: str, cfg: ValidationConfig):
+    """Warm up and execute one system once: (setup, executed result)."""
     setup = prepare_replay(trace, system, opts, hardware=profile_path, **kw)
     if cfg.warmup:
         wsetup = prepare_replay(trace, system, _warmup_options(setup, opts), hardware=profile_path, **kw)
@@ -221,7 +229,17 @@ def _run_system(trace: Trace, system: str, opts: ReplayOptions, run: ExecOptions
     finally:
         replay.close()
     del replay  # its accelerator slots go before the next system's are allocated
-    return setup, executed, _simulate(setup, profile_path, cfg, tmp)
+    return setup, executed
+
+
+def _median_run(runs: list) -> tuple[Any, np.ndarray | None]:
+    """Of one system's replays: the one with the median total (the lower middle of an even number), and with
+    more than one the per-step medians of the step times (None with one)."""
+    totals = [float(r.summary["makespan_s"]) for r in runs]
+    median = runs[sorted(range(len(runs)), key=totals.__getitem__)[(len(runs) - 1) // 2]]
+    if len(runs) == 1:
+        return median, None
+    return median, np.median(np.stack([r.per_step["time_s"].to_numpy() for r in runs]), axis=0)
 
 
 def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, *,
@@ -282,50 +300,82 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         "device": str(devices.accel), "device_name": devices.accel_name(), "host": cpu_name(),
         "cpu_threads": threads[0], "accel_threads": threads[1], "profile": profile_path,
         "profiling": setup0.profiled.record,
-        "calibrated_here": cfg.profile is None, "warmup": cfg.warmup, "systems": list(cfg.systems),
+        "calibrated_here": cfg.profile is None, "warmup": cfg.warmup, "replays": cfg.replays,
+        "systems": list(cfg.systems),
     })
-    longest = 0.0
+    longest = 0.0  # the slowest replay of a system so far (warm-up, replay and, in the first round, simulation)
+    runs: dict[str, list] = {}  # system -> its executed results, round by round
+    simulated: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dali-validate-") as tmpdir:
-        for system in cfg.systems:
+        for round_ in range(cfg.replays):
+            systems = [s for s in cfg.systems if s in runs] if round_ else list(cfg.systems)
             elapsed = time.perf_counter() - t_start
-            if cfg.time_budget_s is not None and report.systems and elapsed + longest > cfg.time_budget_s:
-                why = (f"time budget {cfg.time_budget_s:g} s: {elapsed:.0f} s used, the slowest system took "
-                       f"{longest:.0f} s")
-                report.skipped.append({"system": system, "reason": why})
-                say(f"{system}: skipped ({report.skipped[-1]['reason']})")
-                continue
-            t0 = time.perf_counter()
-            try:
-                setup, executed, simulated = _run_system(trace, system, opts, run, kw[system], devices, store,
-                                                         profile_path, cfg, Path(tmpdir))
-            except Exception as exc:  # one system's failure must not lose the others (KeyboardInterrupt passes)
-                report.failed.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
-                say(f"{system}: FAILED ({report.failed[-1]['error']})")
+            if round_ and cfg.time_budget_s is not None and elapsed + longest * len(systems) > cfg.time_budget_s:
+                report.settings["replays_done"] = round_
+                say(f"replay round {round_ + 1} of {cfg.replays} not started: time budget {cfg.time_budget_s:g} s, "
+                    f"{elapsed:.0f} s used")
+                break
+            for system in systems:
+                elapsed = time.perf_counter() - t_start
+                if not round_ and cfg.time_budget_s is not None and runs and elapsed + longest > cfg.time_budget_s:
+                    why = (f"time budget {cfg.time_budget_s:g} s: {elapsed:.0f} s used, the slowest system took "
+                           f"{longest:.0f} s")
+                    report.skipped.append({"system": system, "reason": why})
+                    say(f"{system}: skipped ({report.skipped[-1]['reason']})")
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    setup, executed = _execute(trace, system, opts, run, kw[system], devices, store, profile_path, cfg)
+                    if not round_:
+                        simulated[system] = _simulate(setup, profile_path, cfg, Path(tmpdir))
+                except Exception as exc:  # one system's failure must not lose the others (KeyboardInterrupt passes)
+                    runs.pop(system, None)
+                    report.failed.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
+                    say(f"{system}: FAILED ({report.failed[-1]['error']})")
+                    _report_systems(report, cfg, runs, simulated, command)
+                    write_tables(report, out)
+                    continue
+                executed.manifest["command"] = command
+                runs.setdefault(system, []).append(executed)
+                longest = max(longest, time.perf_counter() - t0)
+                r = compare(executed, simulated[system])["row"]
+                say(f"{system}{f' (replay {round_ + 1} of {cfg.replays})' if cfg.replays > 1 else ''}: executed "
+                    f"{r['exec_s']:.3f} s, simulated {r['sim_s']:.3f} s ({100 * r['total_rel_err']:+.1f}%), per-step "
+                    f"|error| median {100 * r['step_abs_err_median']:.1f}%, counters "
+                    f"{'exact' if r['exact'] else 'DIFFER: ' + ', '.join(r['counters_differ'])}")
+                _report_systems(report, cfg, runs, simulated, command)
+                report.settings["elapsed_s"] = time.perf_counter() - t_start
                 write_tables(report, out)
-                continue
-            executed.manifest["command"] = command
-            cmp = compare(executed, simulated)
-            cmp["config"] = {"system": executed.config["system"], "memory": executed.manifest["memory"]}
-            report.systems.append(cmp)
-            if cfg.timelines:
-                for which, res in (("exec", executed), ("sim", simulated)):
+        else:
+            report.settings["replays_done"] = cfg.replays
+        if cfg.timelines:
+            for system, system_runs in runs.items():
+                for which, res in (("exec", _median_run(system_runs)[0]), ("sim", simulated[system])):
                     path = write_timeline(out / f"{system}.{which}.timeline.json", res.intervals,
                                           f"dali {which} {system} on {model.name}")
                     report.files.append(path.name)
-            r = cmp["row"]
-            say(f"{system}: executed {r['exec_s']:.3f} s, simulated {r['sim_s']:.3f} s "
-                f"({100 * r['total_rel_err']:+.1f}%), per-step |error| median {100 * r['step_abs_err_median']:.1f}%, "
-                f"counters {'exact' if r['exact'] else 'DIFFER: ' + ', '.join(r['counters_differ'])}")
-            longest = max(longest, time.perf_counter() - t0)
-            report.ranking = rank_agreement(report.rows)
-            report.verdict = verdict(report.rows, cfg.thresholds)
-            report.settings["elapsed_s"] = time.perf_counter() - t_start
-            write_tables(report, out)
     if cfg.plot and report.systems:
         write_plot(report, out / "validation.png")
     report.settings["elapsed_s"] = time.perf_counter() - t_start
     write_tables(report, out)
     return report
+
+
+def _report_systems(report: ValidationReport, cfg: ValidationConfig, runs: dict[str, list],
+                    simulated: dict[str, Any], command: str) -> None:
+    """The report's comparisons, ranking and verdict from the replays so far (each system by its median)."""
+    report.systems = []
+    for system in cfg.systems:
+        if system not in runs:
+            continue
+        executed, step_s = _median_run(runs[system])
+        cmp = compare(executed, simulated[system], exec_step_s=step_s)
+        totals = [float(r.summary["makespan_s"]) for r in runs[system]]
+        cmp["row"].update(replays=len(totals), exec_s_min=min(totals), exec_s_max=max(totals))
+        cmp["config"] = {"system": executed.config["system"], "memory": executed.manifest["memory"]}
+        report.systems.append(cmp)
+    report.ranking = rank_agreement(report.rows)
+    report.verdict = verdict(report.rows, cfg.thresholds)
 
 
 __all__ = ["VALIDATION_MICRO", "ValidationConfig", "ValidationReport", "calibration_points", "check_profile",

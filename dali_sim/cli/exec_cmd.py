@@ -208,6 +208,9 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @click.option("--rounds", default=3, show_default=True, type=int,
               help="Calibration: rounds of the tables; each point keeps its median over the rounds.")
 @click.option("--no-warmup", is_flag=True, help="No untimed warm-up replay before each system.")
+@click.option("--replays", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Measured replays per system, round by round over the systems; each system is compared by their "
+                   "medians (its total, and each step's time).")
 @click.option("--time-budget", type=float, help="Seconds: start no further system once the budget would likely be exceeded.")
 @click.option("--no-timelines", is_flag=True, help="Do not write the Perfetto timelines.")
 @click.option("--no-plot", is_flag=True, help="Do not draw validation.png.")
@@ -221,7 +224,7 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of the markdown table.")
 def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, scale, sequences, max_tokens, device,
                  dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, rounds, no_warmup,
-                 time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, as_json, **kw) -> None:
+                 replays, time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
     profiling = profile_spec(kw)
     check_output(out_dir, [trace_path, profile, kw["profile_trace"]], "report folder", folder=True)
@@ -237,7 +240,7 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
                                 max_tokens=max_tokens, precision=precision, dtype=dtype),
         run=ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads),
         batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, names),
-        warmup=not no_warmup, calibration=_micro(repeats=repeats, warmup=1, table_rounds=rounds),
+        warmup=not no_warmup, replays=replays, calibration=_micro(repeats=repeats, warmup=1, table_rounds=rounds),
         time_budget_s=time_budget,
         timelines=not no_timelines, plot=not no_plot,
         thresholds=Thresholds(total=max_total_error, step_p90=max_step_p90, order_margin=order_margin),
