@@ -199,7 +199,7 @@ class LazyIntervals(Sequence):
     def _get(self) -> list[Interval]:
         if self._items is None:
             self._items = self._timer._resolve(self._raw, self._origin)
-            self._raw = []
+            self._raw, self._timer = [], None  # the stamps' copy tickets and the timer hold the run's buffers
         return self._items
 
     def __len__(self) -> int:

@@ -226,6 +226,7 @@ def _execute(trace: Trace, system: str, opts: ReplayOptions, run: ExecOptions, k
     replay = Replay(setup, devices, run, seed=cfg.seed, store=store)
     try:
         executed = replay.run()
+        len(executed.intervals)  # resolved now: unresolved, they hold the copies' tickets, hence the run's slots
     finally:
         replay.close()
     del replay  # its accelerator slots go before the next system's are allocated
