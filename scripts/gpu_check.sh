@@ -225,11 +225,12 @@ for w in "${WL[@]}"; do
   run "${DALI[@]}" trace synth "${!synth}" "${LOOKAHEAD[@]}" -q -o "$WORK/$w.parquet"
   rc=$?
   if (( rc == 0 )); then
-    # validate stops starting systems at its budget; timeout is the backstop (the tables it wrote stay)
+    # validate stops starting systems (and further rounds of its 3 replays per system) at its budget;
+    # timeout is the backstop (the tables it wrote stay)
     # (its budget leaves 5 s for starting Python and importing torch)
     run timeout --signal=INT --kill-after=10 "$(( share + 30 ))" "${DALI[@]}" exec validate \
       --trace "$WORK/$w.parquet" --systems "$SYSTEMS" --device "$DEVICE" "${!replay}" \
-      --time-budget "$(( share - (SECONDS - t0) - 5 ))" --max-total-error "$MAX_TOTAL" \
+      --time-budget "$(( share - (SECONDS - t0) - 5 ))" --replays 3 --max-total-error "$MAX_TOTAL" \
       --order-margin "$ORDER_MARGIN" -o "$WORK/$w" > /dev/null
     rc=$?
   fi

@@ -70,7 +70,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     validate = [c for c in cmds if " exec validate " in c]
     assert len(synth) == 2 and "--model mixtral-8x7b" in synth[0] and "--model deepseek-v2-lite" in synth[1]
     assert all("residual=0.9" in c and "gate3=0.5@3" in c for c in synth)
-    assert len(validate) == 2 and all("--device cpu" in c and "--time-budget" in c for c in validate)
+    assert len(validate) == 2 and all("--device cpu" in c and "--time-budget" in c and "--replays 3" in c for c in validate)
     assert "--gpu-memory 24" in validate[0] and "--gpu-memory 12" in validate[1]
     assert re.search(r"--systems cpu-only\\?,gpu-lru\\?,dali", validate[0])
     assert any("gpu_check_summary.py" in c for c in cmds)
