@@ -138,6 +138,8 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
     def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
         return evictable[:0]
 
+    keyed_per_layer = True
+
     def keyed_form(self, layer: int, view: LayerView):
         return True, False, self._no_key, self._no_key, None  # free slots take fetched experts; no evictions
 

@@ -308,6 +308,17 @@ def jit(fn: Callable) -> Callable | None:
     return None if nb is None else nb.njit(cache=True, nogil=True)(fn)
 
 
+def entry(dispatcher, calls: list[tuple]) -> Callable:
+    """``dispatcher``'s compiled function for the argument types of ``calls`` (example argument tuples, compiled
+    if need be), callable without the dispatcher's typing and look-up of every argument (a large share of a
+    call's cost when the caches are cold): for a caller whose arguments have these types at every call, as
+    nothing checks them then. The dispatcher itself when the examples' types differ."""
+    sigs = {tuple(dispatcher.typeof_pyval(a) for a in args) for args in calls}
+    if len(sigs) != 1:
+        return dispatcher
+    return dispatcher.compile(sigs.pop())
+
+
 def run(name: str, *args):
     """Call kernel ``name`` (``greedy``, ``hss``, ``impact``) compiled, or as Python on lists."""
     return (_impls or _load())[name](*args)
@@ -318,4 +329,4 @@ def python(name: str) -> Callable:
     return _PYTHON[name]
 
 
-__all__ = ["backend", "cost_tables", "fused", "jit", "python", "run"]
+__all__ = ["backend", "cost_tables", "entry", "fused", "jit", "python", "run"]
