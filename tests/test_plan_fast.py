@@ -63,7 +63,7 @@ def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compi
             m.setattr(plan_kernel, "compiled", lambda: None)
             m.setattr(kernels, "fused", lambda name: None)
             for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
-                                   (cache_dali, "_compiled_swaps")):
+                                   (cache_dali, "_compiled_swaps"), (cache_dali, "_compiled_observe")):
                 m.setattr(module, getter, lambda: None)
         plan = ctl.Controller.plan
 

@@ -524,7 +524,11 @@ class Controller:
         if not self._swapping:
             return []  # the policy never swaps
         resident = self.resident[layer]
-        swaps = self.cache.rebalance(view, readonly(resident.copy()))
+        contents = resident.copy()
+        contents.flags.writeable = False
+        swaps = self.cache.rebalance(view, contents)
+        if not len(swaps):
+            return []
         for e_in, e_out in swaps:
             if resident[e_in] or not resident[e_out]:
                 raise ValueError(f"cache policy {self.cache.name!r} swap ({e_in} in, {e_out} out) at layer {layer} "
