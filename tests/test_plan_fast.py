@@ -9,6 +9,7 @@ takes the NumPy reference path). Every field of every plan and every counter mus
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -213,3 +214,64 @@ def test_victims_by_selection_and_by_sorting_are_the_lexsort_order():
         out = np.empty(want, np.int64)
         n = victims(resident, activated, primary, stamp, want, out)
         assert out[:n].tolist() == ref, trial
+
+
+#: presets whose plans take the view-free compiled call (a placement with a rule form, a keyed cache asked once
+#: per layer with nothing to observe, no prefetches or swaps)
+RULED = {"cpu-only", "gpu-lru", "gpu-static", "llamacpp", "llamacpp-best", "fiddler", "fiddler-best", "ktransformers",
+         "ktransformers-best", "mixtral-offloading"}
+
+
+def _views_per_plan(monkeypatch, trace, system: str, ratio=None) -> tuple[list, float]:
+    """The plans of ``system`` on ``trace`` and the LayerViews built per plan."""
+    built = []
+    view = ctl.Controller.view
+
+    def counted(self, step, layer):
+        built.append((step, layer))
+        return view(self, step, layer)
+
+    with monkeypatch.context() as m:
+        m.setattr(ctl.Controller, "view", counted)
+        plans, _, _ = _run(monkeypatch, trace, system, 2, ratio, 0, compiled=True)
+    return plans, len(built) / len(plans)
+
+
+@pytest.mark.parametrize("system", PRESETS)
+def test_view_free_plans_for_the_simple_presets(monkeypatch, traces, system):
+    _, per_plan = _views_per_plan(monkeypatch, traces[("qwen3-30b-a3b", 2)], system)
+    assert per_plan == (0.0 if system in RULED else 1.0)
+
+
+def test_an_undecided_rule_leaves_the_plan_to_place(monkeypatch, traces):
+    """A workload beyond the rule's table (-1): that plan is made with a view and the placement's place(); the
+    plans stay the reference's."""
+    rule_form = placement_competitors.Fiddler.rule_form
+
+    def short(self, ctx):  # the table of workloads 0 and 1 only, the rest undecided
+        rule = rule_form(self, ctx)
+        return dataclasses.replace(rule, by_count=np.append(rule.by_count[:2], np.int8(-1)))
+
+    trace = traces[("qwen3-30b-a3b", 2)]
+    with monkeypatch.context() as m:
+        m.setattr(placement_competitors.Fiddler, "rule_form", short)
+        plans, per_plan = _views_per_plan(monkeypatch, trace, "fiddler", "0.25")
+    ref, _, _ = _run(monkeypatch, trace, "fiddler", 2, "0.25", 0, compiled=False)
+    assert 0 < per_plan < 1  # some plans fell back, others did not
+    assert plans == ref
+
+
+def test_keyed_per_layer_is_not_inherited_by_an_own_keyed_form():
+    class Phased(LRU):
+        def keyed_form(self, layer, view):
+            return True, view.phase != 0, self._no_key, self.stamp[layer], self._clock
+
+    assert LRU.keyed_per_layer and Phased().keyed and not Phased.keyed_per_layer
+
+
+def test_entry_is_the_compiled_function_for_the_examples_types():
+    fn = kernels.jit(lambda a, k: a[:k].sum())
+    one = [(np.arange(5), 2), (np.arange(7), 3)]
+    direct = kernels.entry(fn, one)
+    assert direct is not fn and direct(np.arange(6), 4) == 6
+    assert kernels.entry(fn, one + [(np.arange(3.0), 1)]) is fn  # the examples' types differ: the dispatcher
