@@ -136,6 +136,9 @@ class Controller:
         self._told_of_swaps = cls.on_evict is not CachePolicy.on_evict or cls.on_admit is not CachePolicy.on_admit
         #: the compiled bookkeeping of :meth:`plan` (None: every plan takes :meth:`plan_reference`)
         self._kernel = plan_kernel.compiled() if cache.keyed and fast else None
+        #: each layer's keyed form, asked once where it reads neither the view nor the visit (else None)
+        self._keyed_rows = [cache.keyed_form(layer, None) for layer in range(L)] \
+            if self._kernel is not None and cache.keyed_per_layer else None
         self._issue_kernel = plan_kernel.compiled_issue() if fast else None
         self._no_clock = np.zeros(1, np.int64)
         #: a built workload's segments (ptr as Python ints, read-only experts, counts and ranks, each step's
@@ -181,7 +184,7 @@ class Controller:
         by_count = np.asarray(rule.by_count, np.int8)
         args = []
         for layer in range(self._num_layers):  # few arguments: each costs the call a typing and an unboxing
-            accepts, evicts, primary, stamp, clock = cache.keyed_form(layer, None)
+            accepts, evicts, primary, stamp, clock = self._keyed_rows[layer]
             params = np.array([layer, self.capacities[layer], accepts, evicts, clock is not None, rule.resident,
                                rule.pending, rule.gpu_layer[layer], rule.min_tokens[layer]], np.int64)
             args.append((self._contents, self._totals, params, primary, stamp,
@@ -266,7 +269,8 @@ class Controller:
             cache.observe(view)
         experts = view.experts
         on_gpu = self._place(view)
-        accepts, evicts, primary, stamp, clock = cache.keyed_form(layer, view)
+        keyed = self._keyed_rows
+        accepts, evicts, primary, stamp, clock = keyed[layer] if keyed is not None else cache.keyed_form(layer, view)
         source, flags, out = kernel(
             experts, view.counts, on_gpu, self.resident[layer], self.pending[layer], layer,
             int(self.capacities[layer]), self.n_resident, self.n_pending, bool(accepts), bool(evicts), primary, stamp,
@@ -287,7 +291,9 @@ class Controller:
 
     def _place(self, view: LayerView) -> np.ndarray:
         """The placement's (n,) bool mask, checked."""
-        on_gpu = np.asarray(self.placement.place(self._view_for(self.placement, view)), dtype=bool)
+        placement = self.placement
+        on_gpu = np.asarray(placement.place(self._view_for(placement, view) if placement.reads_future else view),
+                            dtype=bool)
         n = len(view.experts)
         if on_gpu.shape != (n,):
             raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
@@ -456,7 +462,8 @@ class Controller:
         free = self.prefetch_slots - self._pending_total
         if free <= 0:
             return []
-        asked = self.prefetcher.prefetch(self._view_for(self.prefetcher, view))
+        prefetcher = self.prefetcher
+        asked = prefetcher.prefetch(self._view_for(prefetcher, view) if prefetcher.reads_future else view)
         if not len(asked):
             return []
         if isinstance(asked, np.ndarray) and asked.dtype == np.int64 and asked.ndim == 2 and asked.shape[1] == 2 \
