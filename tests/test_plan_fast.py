@@ -275,3 +275,72 @@ def test_entry_is_the_compiled_function_for_the_examples_types():
     direct = kernels.entry(fn, one)
     assert direct is not fn and direct(np.arange(6), 4) == 6
     assert kernels.entry(fn, one + [(np.arange(3.0), 1)]) is fn  # the examples' types differ: the dispatcher
+
+
+def test_top_pairs_from_the_sparse_prediction_match_the_dense_ones():
+    """The predicted experts alone, in any order, give the requests of the dense (E,) counts and ranks."""
+    sparse, dense = kernels.fused("top_pairs_sparse"), kernels.fused("top_pairs")
+    rng = np.random.default_rng(4)
+    for trial in range(300):
+        E = int(rng.integers(1, 40))
+        experts = rng.permutation(E)[:int(rng.integers(0, E + 1))]
+        counts = rng.integers(0, 4, len(experts)).astype(np.int32)  # many ties, some zeros
+        ranks = rng.integers(0, 3, len(experts)).astype(np.int8)
+        k, target = int(rng.integers(0, 6)), int(rng.integers(1, 5))
+        c, r = np.zeros(E), np.full(E, 3, np.int64)
+        c[experts], r[experts] = counts, ranks
+        got = sparse(experts.astype(np.int16), counts, ranks, k, target)
+        assert got.tolist() == dense(c, r, k, target).tolist(), trial
+
+
+def _by_rule(rule, layer: int, tokens: int, experts, counts, resident, pending):
+    """``PlacementRule`` read as its docstring says (None: an expert undecided)."""
+    if rule.gpu_layer[layer] or tokens >= rule.min_tokens[layer]:
+        return [True] * len(experts)
+    out = []
+    for e, c in zip(experts, counts):
+        if (rule.resident and resident[e]) or (rule.pending and pending[e]):
+            out.append(True)
+            continue
+        v = int(rule.by_count[min(c, len(rule.by_count) - 1)])
+        if v < 0:
+            return None
+        out.append(v == 1)
+    return out
+
+
+@pytest.mark.parametrize("name, config", [
+    ("gpu-only", {}), ("cpu-only", {}), ("resident-gpu", {}), ("fiddler", {}), ("fiddler", {"pending_resident": False}),
+    ("static-layers", {"cpu_layers": 2}), ("static-layers", {"cpu_layers": 2, "offload_min_tokens": 6}),
+    ("static-layers", {"cpu_layers": 2, "offload_min_tokens": 3, "offload_basis": "expert"})])
+def test_rule_forms_agree_with_place(name, config):
+    """Random layer visits (workloads up to beyond the cost tables for fiddler): the rule decides as place()."""
+    from dali_sim.hardware.cost import CostModel
+    from dali_sim.hardware.profile import load_profile
+    from dali_sim.models.presets import get_model
+    from dali_sim.policies.base import PLACEMENTS, LayerView, SetupContext
+
+    model = get_model("mixtral-8x7b")
+    L, E = 3, model.num_experts
+    costs = CostModel(load_profile("rtx3090-epyc7532"), model, lookup_tokens=64)
+    policy = PLACEMENTS.get(name)(PLACEMENTS.get(name).Config(**config))
+    caps = np.array([0, 0, E]) if name == "static-layers" else np.full(L, 3)
+    ctx = SetupContext(num_layers=L, num_experts=E, top_k=2, capacities=caps, frequencies=np.zeros((L, E), np.int64),
+                       costs=costs, seed=0, block_of_layer=tuple(range(L)))
+    policy.setup(ctx)
+    rule = policy.rule_form(ctx)
+    rng = np.random.default_rng(5)
+    undecided = 0
+    for trial in range(300):
+        layer = int(rng.integers(0, L))
+        experts = rng.permutation(E)[:int(rng.integers(0, E + 1))]
+        counts = rng.integers(1, 80 if trial % 3 == 0 else 9, len(experts))
+        resident, pending = rng.random(E) < 0.3, rng.random(E) < 0.2
+        v = LayerView(step=0, layer=layer, phase=1, tokens=int(counts.sum()), experts=experts, counts=counts,
+                      ranks=np.zeros(len(experts), np.int64), resident=resident, pending=pending, num_layers=L,
+                      num_experts=E, costs=costs, lookahead=lambda n, t: None)
+        got = _by_rule(rule, layer, v.tokens, experts.tolist(), counts.tolist(), resident, pending)
+        undecided += got is None
+        if got is not None:
+            assert got == np.asarray(policy.place(v), bool).tolist(), (name, config, trial)
+    assert (undecided > 0) == (name == "fiddler")  # only fiddler's table ends (at 64 tokens here)

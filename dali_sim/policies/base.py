@@ -54,6 +54,10 @@ class LayerView:
     lookahead_rank: Callable[[str, int], np.ndarray] | None = None
     #: the true (E,) workload of a later layer of this step: given only to policies that read the future
     true_counts: Callable[[int], np.ndarray] | None = None
+    #: ``lookahead_segment(name, layer)``: the sparse form of ``lookahead`` and ``lookahead_rank``, (experts,
+    #: predicted counts, best predicted ranks) of the experts predicted for at least one token (distinct, in no
+    #: particular order); None where the workload does not keep predictions in that form
+    lookahead_segment: Callable[[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
 
     def workload(self) -> np.ndarray:
         """(E,) tokens routed to each expert of this layer in this step."""
@@ -136,7 +140,8 @@ class PlacementRule:
     by_count: np.ndarray  # (C,) int8: 1 GPU, 0 CPU, -1 undecided; the last entry holds for every c >= C - 1
 
     @classmethod
-    def constant(cls, num_layers: int, on_gpu: bool, *, resident: bool = False, pending: bool = False) -> "PlacementRule":
+    def constant(cls, num_layers: int, on_gpu: bool, *, resident: bool = False,
+                 pending: bool = False) -> "PlacementRule":
         """Every layer alike: the GPU (``on_gpu``) or the CPU, but resident / pending experts as asked."""
         return cls(np.full(num_layers, on_gpu), np.full(num_layers, NEVER, np.int64), resident, pending,
                    np.zeros(1, np.int8))

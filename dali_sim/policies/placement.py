@@ -111,6 +111,6 @@ class StaticLayers(PlacementPolicy[StaticLayersConfig]):
     def rule_form(self, ctx: SetupContext) -> PlacementRule:
         m = self.config.offload_min_tokens
         by_step = m > 0 and self.config.offload_basis == "step"
-        min_tokens = np.where(self.gpu_layer | ~by_step, NEVER, m).astype(np.int64)
+        min_tokens = np.where(self.gpu_layer | (not by_step), NEVER, m).astype(np.int64)
         by_count = (np.arange(m + 1) >= m).astype(np.int8) if m > 0 and not by_step else np.zeros(1, np.int8)
         return PlacementRule(self.gpu_layer.copy(), min_tokens, False, False, by_count)

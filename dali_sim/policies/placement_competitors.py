@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dali_sim.policies import kernels
-from dali_sim.policies.base import PLACEMENTS, LayerView, PlacementPolicy, PlacementRule, PolicyConfig, SetupContext, registered
+from dali_sim.policies.base import (
+    PLACEMENTS,
+    LayerView,
+    PlacementPolicy,
+    PlacementRule,
+    PolicyConfig,
+    SetupContext,
+    registered,
+)
 
 
 @registered(PLACEMENTS)

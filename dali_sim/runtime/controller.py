@@ -144,6 +144,10 @@ class Controller:
         #: a built workload's segments (ptr as Python ints, read-only experts, counts and ranks, each step's
         #: phase and tokens), read without a call per plan; None: the workload is asked (an online one)
         self._segments = self._static_segments(workload)
+        #: likewise each lookahead column's predictions (ptr as Python ints, read-only experts, counts, ranks)
+        self._predicted = None if self._segments is None else {
+            name: (sc.ptr.tolist(), *(readonly(a) for a in (sc.expert, sc.count, sc.rank)))
+            for name, sc in workload.predicted.items()}
         #: the view-free compiled plan (:meth:`_ruled_args`): the kernel and each layer's arguments, or None
         self._ruled = self._ruled_args()
 
@@ -195,8 +199,9 @@ class Controller:
         return kernel, args
 
     def _lookahead(self, step: int, layer: int, what: str, name: str, target: int) -> np.ndarray:
-        """``LayerView.lookahead`` (``what="counts"``) and ``lookahead_rank`` (``"ranks"``) of (step, layer),
-        bound to them with ``functools.partial`` (made without a Python call at every view)."""
+        """``LayerView.lookahead`` (``what="counts"``), ``lookahead_rank`` (``"ranks"``) and ``lookahead_segment``
+        (``"segment"``: read-only slices) of (step, layer), bound to them with ``functools.partial`` (made
+        without a Python call at every view)."""
         if name not in self._predictors:
             known = ", ".join(self._predictors) or "none"
             raise ValueError(f"prefetch needs lookahead column {name!r}; loaded: {known}. "
@@ -204,6 +209,11 @@ class Controller:
         offset = self.w.predictor_offsets[name]
         if not layer < target <= layer + offset:
             raise ValueError(f"lookahead {name!r} made at layer {target - offset} is not known at layer {layer}")
+        if what == "segment":
+            ptr, experts, counts, ranks = self._predicted[name]
+            i = step * self._num_layers + target
+            lo, hi = ptr[i], ptr[i + 1]
+            return experts[lo:hi], counts[lo:hi], ranks[lo:hi]
         read = self.w.predicted_counts if what == "counts" else self.w.predicted_ranks
         return readonly(read(name, step, target))
 
@@ -232,6 +242,7 @@ class Controller:
             num_layers=w.num_layers, num_experts=w.num_experts, costs=self.costs,
             lookahead=partial(self._lookahead, step, layer, "counts"),
             lookahead_rank=partial(self._lookahead, step, layer, "ranks"), true_counts=None,
+            lookahead_segment=None if self._predicted is None else partial(self._lookahead, step, layer, "segment"),
         )
         return view
 

@@ -66,7 +66,7 @@ def _victims(resident, activated, primary, stamp, want, out):
 def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_resident, n_pending,
                 accepts, evicts, primary, stamp, clock, stamps):
     """One (step, layer) after its placement ``on_gpu``: :func:`_plan_into` with the flags it writes."""
-    flags = np.zeros((3, experts.shape[0]), np.bool_)  # hit, admitted, staged: one array (each returned array costs a boxing)
+    flags = np.zeros((3, experts.shape[0]), np.bool_)  # hit, admitted, staged (each array returned costs a boxing)
     source, out = _plan_into_fn(flags, experts, counts, on_gpu, resident, pending, layer, capacity, n_resident,
                                 n_pending, accepts, evicts, primary, stamp, clock, stamps)
     return source, flags, out
@@ -211,7 +211,7 @@ def _ruled_plan(experts, counts, tokens, contents, totals, params, primary, stam
     """A whole plan of (step, layer) but its prefetches and swaps, at a step of ``tokens`` tokens: the
     placement's rule form (``PlacementPolicy.rule_form``), then :func:`_plan_into`. ``contents`` (2, L, E)
     bool: every layer's cache contents and prefetched experts; ``totals`` (2, L): their counts; ``params``
-    the layer's (``RULE_PARAMS``, int64): the layer, its capacity, the keyed form's ``accepts``,
+    the layer's (int64): the layer, its capacity, the keyed form's ``accepts``,
     ``evicts`` and whether touches set stamps, the rule's ``resident``, ``pending``, ``gpu_layer[l]`` and
     ``min_tokens[l]``; ``by_count`` the rule's. Returns (source, (4, n) bool: hit, admitted, staged and on
     the GPU, the int64 answer of :func:`_plan_into`), or an empty answer with nothing changed when the rule
