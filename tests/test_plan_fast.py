@@ -9,6 +9,7 @@ takes the NumPy reference path). Every field of every plan and every counter mus
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -63,7 +64,7 @@ def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compi
             m.setattr(plan_kernel, "compiled", lambda: None)
             m.setattr(kernels, "fused", lambda name: None)
             for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
-                                   (cache_dali, "_compiled_swaps")):
+                                   (cache_dali, "_compiled_swaps"), (cache_dali, "_compiled_observe")):
                 m.setattr(module, getter, lambda: None)
         plan = ctl.Controller.plan
 
@@ -213,3 +214,133 @@ def test_victims_by_selection_and_by_sorting_are_the_lexsort_order():
         out = np.empty(want, np.int64)
         n = victims(resident, activated, primary, stamp, want, out)
         assert out[:n].tolist() == ref, trial
+
+
+#: presets whose plans take the view-free compiled call (a placement with a rule form, a keyed cache asked once
+#: per layer with nothing to observe, no prefetches or swaps)
+RULED = {"cpu-only", "gpu-lru", "gpu-static", "llamacpp", "llamacpp-best", "fiddler", "fiddler-best", "ktransformers",
+         "ktransformers-best", "mixtral-offloading"}
+
+
+def _views_per_plan(monkeypatch, trace, system: str, ratio=None) -> tuple[list, float]:
+    """The plans of ``system`` on ``trace`` and the LayerViews built per plan."""
+    built = []
+    view = ctl.Controller.view
+
+    def counted(self, step, layer):
+        built.append((step, layer))
+        return view(self, step, layer)
+
+    with monkeypatch.context() as m:
+        m.setattr(ctl.Controller, "view", counted)
+        plans, _, _ = _run(monkeypatch, trace, system, 2, ratio, 0, compiled=True)
+    return plans, len(built) / len(plans)
+
+
+@pytest.mark.parametrize("system", PRESETS)
+def test_view_free_plans_for_the_simple_presets(monkeypatch, traces, system):
+    _, per_plan = _views_per_plan(monkeypatch, traces[("qwen3-30b-a3b", 2)], system)
+    assert per_plan == (0.0 if system in RULED else 1.0)
+
+
+def test_an_undecided_rule_leaves_the_plan_to_place(monkeypatch, traces):
+    """A workload beyond the rule's table (-1): that plan is made with a view and the placement's place(); the
+    plans stay the reference's."""
+    rule_form = placement_competitors.Fiddler.rule_form
+
+    def short(self, ctx):  # the table of workloads 0 and 1 only, the rest undecided
+        rule = rule_form(self, ctx)
+        return dataclasses.replace(rule, by_count=np.append(rule.by_count[:2], np.int8(-1)))
+
+    trace = traces[("qwen3-30b-a3b", 2)]
+    with monkeypatch.context() as m:
+        m.setattr(placement_competitors.Fiddler, "rule_form", short)
+        plans, per_plan = _views_per_plan(monkeypatch, trace, "fiddler", "0.25")
+    ref, _, _ = _run(monkeypatch, trace, "fiddler", 2, "0.25", 0, compiled=False)
+    assert 0 < per_plan < 1  # some plans fell back, others did not
+    assert plans == ref
+
+
+def test_keyed_per_layer_is_not_inherited_by_an_own_keyed_form():
+    class Phased(LRU):
+        def keyed_form(self, layer, view):
+            return True, view.phase != 0, self._no_key, self.stamp[layer], self._clock
+
+    assert LRU.keyed_per_layer and Phased().keyed and not Phased.keyed_per_layer
+
+
+def test_entry_is_the_compiled_function_for_the_examples_types():
+    fn = kernels.jit(lambda a, k: a[:k].sum())
+    one = [(np.arange(5), 2), (np.arange(7), 3)]
+    direct = kernels.entry(fn, one)
+    assert direct is not fn and direct(np.arange(6), 4) == 6
+    assert kernels.entry(fn, one + [(np.arange(3.0), 1)]) is fn  # the examples' types differ: the dispatcher
+
+
+def test_top_pairs_from_the_sparse_prediction_match_the_dense_ones():
+    """The predicted experts alone, in any order, give the requests of the dense (E,) counts and ranks."""
+    sparse, dense = kernels.fused("top_pairs_sparse"), kernels.fused("top_pairs")
+    rng = np.random.default_rng(4)
+    for trial in range(300):
+        E = int(rng.integers(1, 40))
+        experts = rng.permutation(E)[:int(rng.integers(0, E + 1))]
+        counts = rng.integers(0, 4, len(experts)).astype(np.int32)  # many ties, some zeros
+        ranks = rng.integers(0, 3, len(experts)).astype(np.int8)
+        k, target = int(rng.integers(0, 6)), int(rng.integers(1, 5))
+        c, r = np.zeros(E), np.full(E, 3, np.int64)
+        c[experts], r[experts] = counts, ranks
+        got = sparse(experts.astype(np.int16), counts, ranks, k, target)
+        assert got.tolist() == dense(c, r, k, target).tolist(), trial
+
+
+def _by_rule(rule, layer: int, tokens: int, experts, counts, resident, pending):
+    """``PlacementRule`` read as its docstring says (None: an expert undecided)."""
+    if rule.gpu_layer[layer] or tokens >= rule.min_tokens[layer]:
+        return [True] * len(experts)
+    out = []
+    for e, c in zip(experts, counts):
+        if (rule.resident and resident[e]) or (rule.pending and pending[e]):
+            out.append(True)
+            continue
+        v = int(rule.by_count[min(c, len(rule.by_count) - 1)])
+        if v < 0:
+            return None
+        out.append(v == 1)
+    return out
+
+
+@pytest.mark.parametrize("name, config", [
+    ("gpu-only", {}), ("cpu-only", {}), ("resident-gpu", {}), ("fiddler", {}), ("fiddler", {"pending_resident": False}),
+    ("static-layers", {"cpu_layers": 2}), ("static-layers", {"cpu_layers": 2, "offload_min_tokens": 6}),
+    ("static-layers", {"cpu_layers": 2, "offload_min_tokens": 3, "offload_basis": "expert"})])
+def test_rule_forms_agree_with_place(name, config):
+    """Random layer visits (workloads up to beyond the cost tables for fiddler): the rule decides as place()."""
+    from dali_sim.hardware.cost import CostModel
+    from dali_sim.hardware.profile import load_profile
+    from dali_sim.models.presets import get_model
+    from dali_sim.policies.base import PLACEMENTS, LayerView, SetupContext
+
+    model = get_model("mixtral-8x7b")
+    L, E = 3, model.num_experts
+    costs = CostModel(load_profile("rtx3090-epyc7532"), model, lookup_tokens=64)
+    policy = PLACEMENTS.get(name)(PLACEMENTS.get(name).Config(**config))
+    caps = np.array([0, 0, E]) if name == "static-layers" else np.full(L, 3)
+    ctx = SetupContext(num_layers=L, num_experts=E, top_k=2, capacities=caps, frequencies=np.zeros((L, E), np.int64),
+                       costs=costs, seed=0, block_of_layer=tuple(range(L)))
+    policy.setup(ctx)
+    rule = policy.rule_form(ctx)
+    rng = np.random.default_rng(5)
+    undecided = 0
+    for trial in range(300):
+        layer = int(rng.integers(0, L))
+        experts = rng.permutation(E)[:int(rng.integers(0, E + 1))]
+        counts = rng.integers(1, 80 if trial % 3 == 0 else 9, len(experts))
+        resident, pending = rng.random(E) < 0.3, rng.random(E) < 0.2
+        v = LayerView(step=0, layer=layer, phase=1, tokens=int(counts.sum()), experts=experts, counts=counts,
+                      ranks=np.zeros(len(experts), np.int64), resident=resident, pending=pending, num_layers=L,
+                      num_experts=E, costs=costs, lookahead=lambda n, t: None)
+        got = _by_rule(rule, layer, v.tokens, experts.tolist(), counts.tolist(), resident, pending)
+        undecided += got is None
+        if got is not None:
+            assert got == np.asarray(policy.place(v), bool).tolist(), (name, config, trial)
+    assert (undecided > 0) == (name == "fiddler")  # only fiddler's table ends (at 64 tokens here)

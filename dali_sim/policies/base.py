@@ -54,6 +54,10 @@ class LayerView:
     lookahead_rank: Callable[[str, int], np.ndarray] | None = None
     #: the true (E,) workload of a later layer of this step: given only to policies that read the future
     true_counts: Callable[[int], np.ndarray] | None = None
+    #: ``lookahead_segment(name, layer)``: the sparse form of ``lookahead`` and ``lookahead_rank``, (experts,
+    #: predicted counts, best predicted ranks) of the experts predicted for at least one token (distinct, in no
+    #: particular order); None where the workload does not keep predictions in that form
+    lookahead_segment: Callable[[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
 
     def workload(self) -> np.ndarray:
         """(E,) tokens routed to each expert of this layer in this step."""
@@ -121,12 +125,46 @@ class SetupContext:
     hindsight_frequencies: np.ndarray | None = None
 
 
+@dataclass(frozen=True)
+class PlacementRule:
+    """A placement as data (:meth:`PlacementPolicy.rule_form`), for the controller's compiled path: at a step
+    of ``T`` tokens, an activated expert ``e`` of layer ``l`` with workload ``c`` runs on the GPU iff
+    ``gpu_layer[l]``, or ``T >= min_tokens[l]``, or ``resident`` and ``e`` is in the layer's cache, or
+    ``pending`` and ``e`` is prefetched for the layer, or ``by_count[min(c, C - 1)] == 1`` (``C`` its
+    length); an entry -1 leaves the expert undecided: the controller then asks :meth:`~PlacementPolicy.place`."""
+
+    gpu_layer: np.ndarray  # (L,) bool
+    min_tokens: np.ndarray  # (L,) int64 (a value above any step's tokens: never)
+    resident: bool
+    pending: bool
+    by_count: np.ndarray  # (C,) int8: 1 GPU, 0 CPU, -1 undecided; the last entry holds for every c >= C - 1
+
+    @classmethod
+    def constant(cls, num_layers: int, on_gpu: bool, *, resident: bool = False,
+                 pending: bool = False) -> "PlacementRule":
+        """Every layer alike: the GPU (``on_gpu``) or the CPU, but resident / pending experts as asked."""
+        return cls(np.full(num_layers, on_gpu), np.full(num_layers, NEVER, np.int64), resident, pending,
+                   np.zeros(1, np.int8))
+
+
+#: ``PlacementRule.min_tokens`` of a layer that never puts every expert on the GPU for its token count
+NEVER = np.iinfo(np.int64).max
+
+
 class PlacementPolicy(Policy[C]):
     #: whether this policy can put a non-resident expert on the GPU (then staging buffers are needed)
     may_fetch: ClassVar[bool] = True
 
     def required_capacities(self, num_layers: int, num_experts: int) -> np.ndarray | None:
         """Cache slots per layer this placement depends on (None: the memory layout decides)."""
+        return None
+
+    def rule_form(self, ctx: "SetupContext") -> PlacementRule | None:
+        """The placement as a :class:`PlacementRule` (after :meth:`setup`; speed only), for a policy whose
+        choice of each expert depends only on the layer, the step's token count, the expert's workload and
+        whether it is resident or pending, and which keeps no state: the controller then plans a layer
+        without a :class:`LayerView` in one compiled call. None (the default): no rule form. Must agree
+        with :meth:`place` (tests/test_plan_fast.py runs every preset both ways)."""
         return None
 
     @abstractmethod
@@ -165,6 +203,10 @@ class CachePolicy(Policy[C]):
     _BATCH_HOOKS: ClassVar[tuple[str, ...]] = ("victim_order", "touched", "evicted")
     _batch_form: ClassVar[bool] = True  # False: a per-expert hook was overridden after the batch forms
     _keyed: ClassVar[bool] = False  # whether keyed_form is the class's own or agrees with its hooks
+    #: ``keyed_form(layer, view)`` reads neither the view nor the visit (its rows are views of the policy's
+    #: tables): the controller may ask it once per layer, with ``view=None``. A subclass that defines its own
+    #: ``keyed_form`` must say so again
+    keyed_per_layer: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -175,6 +217,8 @@ class CachePolicy(Policy[C]):
             cls._batch_form = False  # per-expert hooks changed, batch forms inherited: they may disagree
         if "keyed_form" in own:
             cls._keyed = True
+            if "keyed_per_layer" not in own:
+                cls.keyed_per_layer = False
         elif any(h in own for h in cls._PER_EXPERT_HOOKS + cls._BATCH_HOOKS):
             cls._keyed = False  # hooks changed, keyed form inherited: it may disagree
 

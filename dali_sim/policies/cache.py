@@ -66,6 +66,7 @@ class LRU(_Stamps, CachePolicy):
         return _by_age(self.stamp[layer], evictable)
 
     touched = _Stamps.touched  # (named in the class: its batch hooks are its own)
+    keyed_per_layer = True
 
     def keyed_form(self, layer: int, view: LayerView):
         return True, True, self._no_key, self.stamp[layer], self._clock
@@ -106,6 +107,7 @@ class LFU(_Stamps, CachePolicy[LFUConfig]):
         return evictable[np.lexsort((evictable, self.stamp[layer, evictable], self.freq[layer, evictable]))]
 
     touched = _Stamps.touched
+    keyed_per_layer = True
 
     def keyed_form(self, layer: int, view: LayerView):
         return True, True, self.freq[layer], self.stamp[layer], self._clock
@@ -127,6 +129,8 @@ class Static(CachePolicy):
 
     def setup(self, ctx: SetupContext) -> None:
         self._no_key = np.zeros(ctx.num_experts, np.int64)
+
+    keyed_per_layer = True
 
     def keyed_form(self, layer: int, view: LayerView):
         return False, False, self._no_key, self._no_key, None

@@ -76,7 +76,24 @@ def _window_swaps(score, resident, u):
     return out[:2 * m]
 
 
+def _observe(score, visits, layer, experts, counts):
+    """:meth:`DaliWindow.observe` in one loop (compiled by numba): the visit's workloads added to the layer's
+    window sums (``experts`` are distinct), one more visit counted."""
+    row = score[layer]
+    for i in range(experts.shape[0]):
+        row[experts[i]] += counts[i]
+    visits[layer] += 1
+
+
 _COMPILED: list = []
+_COMPILED_OBSERVE: list = []
+
+
+def _compiled_observe():
+    """The compiled :func:`_observe` (None without numba)."""
+    if not _COMPILED_OBSERVE:
+        _COMPILED_OBSERVE.append(kernels.jit(_observe))
+    return _COMPILED_OBSERVE[0]
 
 
 def _compiled_swaps():
@@ -126,6 +143,10 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
         self._no_key = np.zeros(ctx.num_experts, np.int64)
 
     def observe(self, view: LayerView) -> None:
+        kernel = _compiled_observe()
+        if kernel is not None:  # the same sums in one compiled call (a fancy-indexed add costs several NumPy calls)
+            kernel(self.score, self.visits, view.layer, view.experts, view.counts)
+            return
         self.score[view.layer, view.experts] += view.counts
         self.visits[view.layer] += 1
 
@@ -138,6 +159,8 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
     def victim_order(self, layer: int, view: LayerView, evictable: np.ndarray) -> np.ndarray:
         return evictable[:0]
 
+    keyed_per_layer = True
+
     def keyed_form(self, layer: int, view: LayerView):
         return True, False, self._no_key, self._no_key, None  # free slots take fetched experts; no evictions
 
@@ -147,7 +170,7 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
 
     def rebalance(self, view: LayerView, resident: np.ndarray) -> list[tuple[int, int]]:
         layer = view.layer
-        if not self.window_end(layer):
+        if self.visits[layer] < self.config.w:  # (window_end, without a call at every visit)
             return []
         swaps = window_swaps(self.score[layer], np.asarray(resident, dtype=bool), self.config.u)
         self.score[layer] = 0

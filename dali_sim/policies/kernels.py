@@ -182,6 +182,37 @@ def _top_pairs(counts, rank, k, target):
     return pairs
 
 
+def _top_pairs_sparse(experts, counts, ranks, k, target):
+    """:func:`_top_pairs` from the sparse form of the prediction (compiled only): ``experts`` (distinct, any
+    order) with their predicted ``counts`` and best ``ranks``; the experts with a count > 0 by descending
+    count, then ascending rank, then id (an insertion sort on the whole key), at most ``k`` (0 = all)."""
+    n = experts.shape[0]
+    order = np.empty(n, np.int64)  # positions in the segment
+    m = 0
+    for j in range(n):
+        c = counts[j]
+        if not c > 0:
+            continue
+        r = ranks[j]
+        x = experts[j]
+        i = m
+        while i > 0:
+            o = order[i - 1]
+            if counts[o] > c or (counts[o] == c and (ranks[o] < r or (ranks[o] == r and experts[o] < x))):
+                break
+            order[i] = o
+            i -= 1
+        order[i] = j
+        m += 1
+    if 0 < k < m:
+        m = k
+    pairs = np.empty((m, 2), np.int64)
+    for i in range(m):
+        pairs[i, 0] = target
+        pairs[i, 1] = experts[order[i]]
+    return pairs
+
+
 def _impact_requests(preds, distances, seen, layer, gpu_table, cpu_table, xfer, threshold, k):
     """``HybriMoEPrefetch.prefetch`` (source impact, schedule hss) after its lookups, in one call (compiled
     only): per predicted layer ``layer + distances[i]`` (``preds[i]`` its (E,) predicted workloads, below
@@ -274,15 +305,15 @@ def _load() -> dict[str, Callable]:
         _impls = {"greedy": jit(_greedy), "hss": _hss_fn, "impact": _impact_fn}
         _impact_prefix_fn = _fused["impact_prefix"] = jit(_impact_prefix)
         _top_predicted_fn = _fused["top_predicted"] = jit(_top_predicted)
-        for name, fn in (("top_pairs", _top_pairs), ("impact_requests", _impact_requests),
-                         ("mrs_update", _mrs_update)):
+        for name, fn in (("top_pairs", _top_pairs), ("top_pairs_sparse", _top_pairs_sparse),
+                         ("impact_requests", _impact_requests), ("mrs_update", _mrs_update)):
             _fused[name] = jit(fn)
     return _impls
 
 
 def fused(name: str) -> Callable | None:
     """A compiled kernel without a Python fallback (``impact_prefix``, ``impact_requests``, ``top_predicted``,
-    ``top_pairs``, ``mrs_update``), or None without numba."""
+    ``top_pairs``, ``top_pairs_sparse``, ``mrs_update``), or None without numba."""
     if _impls is None:
         _load()
     return _fused.get(name)
@@ -308,6 +339,17 @@ def jit(fn: Callable) -> Callable | None:
     return None if nb is None else nb.njit(cache=True, nogil=True)(fn)
 
 
+def entry(dispatcher, calls: list[tuple]) -> Callable:
+    """``dispatcher``'s compiled function for the argument types of ``calls`` (example argument tuples, compiled
+    if need be), callable without the dispatcher's typing and look-up of every argument (a large share of a
+    call's cost when the caches are cold): for a caller whose arguments have these types at every call, as
+    nothing checks them then. The dispatcher itself when the examples' types differ."""
+    sigs = {tuple(dispatcher.typeof_pyval(a) for a in args) for args in calls}
+    if len(sigs) != 1:
+        return dispatcher
+    return dispatcher.compile(sigs.pop())
+
+
 def run(name: str, *args):
     """Call kernel ``name`` (``greedy``, ``hss``, ``impact``) compiled, or as Python on lists."""
     return (_impls or _load())[name](*args)
@@ -318,4 +360,4 @@ def python(name: str) -> Callable:
     return _PYTHON[name]
 
 
-__all__ = ["backend", "cost_tables", "fused", "jit", "python", "run"]
+__all__ = ["backend", "cost_tables", "entry", "fused", "jit", "python", "run"]

@@ -6,7 +6,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dali_sim.policies.base import PLACEMENTS, LayerView, PlacementPolicy, PolicyConfig, SetupContext, registered
+from dali_sim.policies.base import (
+    NEVER,
+    PLACEMENTS,
+    LayerView,
+    PlacementPolicy,
+    PlacementRule,
+    PolicyConfig,
+    SetupContext,
+    registered,
+)
 
 
 @registered(PLACEMENTS)
@@ -17,6 +26,9 @@ class GpuOnly(PlacementPolicy):
     def place(self, view: LayerView) -> np.ndarray:
         return np.ones(len(view.experts), dtype=bool)
 
+    def rule_form(self, ctx: SetupContext) -> PlacementRule:
+        return PlacementRule.constant(ctx.num_layers, True)
+
 
 @registered(PLACEMENTS)
 class CpuOnly(PlacementPolicy):
@@ -26,6 +38,9 @@ class CpuOnly(PlacementPolicy):
 
     def place(self, view: LayerView) -> np.ndarray:
         return np.zeros(len(view.experts), dtype=bool)
+
+    def rule_form(self, ctx: SetupContext) -> PlacementRule:
+        return PlacementRule.constant(ctx.num_layers, False)
 
 
 @dataclass(frozen=True)
@@ -92,3 +107,10 @@ class StaticLayers(PlacementPolicy[StaticLayersConfig]):
         if self.config.offload_basis == "step":
             return np.full(len(view.experts), view.tokens >= m)
         return np.asarray(view.counts) >= m
+
+    def rule_form(self, ctx: SetupContext) -> PlacementRule:
+        m = self.config.offload_min_tokens
+        by_step = m > 0 and self.config.offload_basis == "step"
+        min_tokens = np.where(self.gpu_layer | (not by_step), NEVER, m).astype(np.int64)
+        by_count = (np.arange(m + 1) >= m).astype(np.int8) if m > 0 and not by_step else np.zeros(1, np.int8)
+        return PlacementRule(self.gpu_layer.copy(), min_tokens, False, False, by_count)

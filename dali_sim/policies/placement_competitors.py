@@ -16,12 +16,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dali_sim.policies import kernels
-from dali_sim.policies.base import PLACEMENTS, LayerView, PlacementPolicy, PolicyConfig, registered
+from dali_sim.policies.base import (
+    PLACEMENTS,
+    LayerView,
+    PlacementPolicy,
+    PlacementRule,
+    PolicyConfig,
+    SetupContext,
+    registered,
+)
 
 
 @registered(PLACEMENTS)
@@ -33,6 +42,9 @@ class ResidentGpu(PlacementPolicy):
 
     def place(self, view: LayerView) -> np.ndarray:
         return np.asarray(view.resident[view.experts] | view.pending[view.experts], dtype=bool)
+
+    def rule_form(self, ctx: SetupContext) -> PlacementRule:
+        return PlacementRule.constant(ctx.num_layers, False, resident=True, pending=True)
 
 
 @dataclass(frozen=True)
@@ -94,3 +106,15 @@ class Fiddler(PlacementPolicy[FiddlerConfig]):
         if self.config.pending_resident:
             there = there | view.pending[view.experts]
         return fiddler_rule(view.counts, there, view.costs)
+
+    def rule_form(self, ctx: SetupContext) -> PlacementRule | None:
+        """The rule by workload from the cost model's tables (:func:`_fiddler_place`'s comparison); a workload
+        beyond them is left to :meth:`place`."""
+        tables = kernels.cost_tables(self, ctx.costs)
+        if tables is None:
+            return None
+        lut_gpu, lut_cpu, xfer = tables
+        top = min(lut_gpu.shape[0], lut_cpu.shape[0])
+        by_count = np.append((lut_gpu[:top] + xfer <= lut_cpu[:top]).astype(np.int8), np.int8(-1))
+        rule = PlacementRule.constant(ctx.num_layers, False, resident=True, pending=self.config.pending_resident)
+        return dataclasses.replace(rule, by_count=by_count)

@@ -101,9 +101,12 @@ class LookaheadPrefetch(PrefetchPolicy[LookaheadConfig]):
         target = view.layer + 1
         if target >= view.num_layers:
             return []
+        keeps_all = type(self).keep is LookaheadPrefetch.keep
+        sparse = kernels.fused("top_pairs_sparse") if keeps_all and view.lookahead_segment is not None else None
+        if sparse is not None:  # the same requests from the predicted experts alone, in one compiled call
+            return sparse(*view.lookahead_segment(self.config.predictor, target), int(self.config.k), target)
         counts = view.lookahead(self.config.predictor, target)
         rank = view.lookahead_rank(self.config.predictor, target) if view.lookahead_rank else None
-        keeps_all = type(self).keep is LookaheadPrefetch.keep
         pairs = kernels.fused("top_pairs") if keeps_all else None
         if pairs is not None and counts.dtype == np.float64 and counts.ndim == 1 and rank is not None \
                 and rank.dtype == np.int64 and rank.shape == counts.shape:

@@ -14,6 +14,7 @@ from functools import partial
 import numpy as np
 
 from dali_sim.hardware.cost import CostModel
+from dali_sim.policies import kernels
 from dali_sim.policies.base import (
     CachePolicy,
     LayerView,
@@ -82,6 +83,7 @@ class Controller:
         self.costs = costs
         self.placement, self.cache, self.prefetcher = placement, cache, prefetch
         L, E = workload.num_layers, workload.num_experts
+        self._num_layers = L
         self.capacities = np.asarray(capacities, dtype=np.int64)
         if self.capacities.shape != (L,) or (self.capacities < 0).any() or (self.capacities > E).any():
             raise ValueError(f"cache capacities must be {L} values in 0..{E}, got {self.capacities.tolist()}")
@@ -103,16 +105,21 @@ class Controller:
         rng = np.random.default_rng(seed)
         for policy in (placement, cache, prefetch):  # next-use times go to policies that read the future only
             policy.setup(dataclasses.replace(ctx, future=future) if policy.reads_future else ctx)
-        self.resident = np.zeros((L, E), dtype=bool)
+        # the cache contents and the prefetched experts of each layer, and their counts, as rows of one array
+        # each (the view-free compiled plan takes them as two arguments)
+        self._contents = np.zeros((2, L, E), dtype=bool)
+        self._totals = np.zeros((2, L), dtype=np.int64)
+        self.resident = self._contents[0]
         for layer in range(L):
             init = cache.initial(layer, int(self.capacities[layer]), ctx, cache_init, rng)
             if len(init) > self.capacities[layer] or len(set(init)) != len(init):
                 raise ValueError(f"cache policy {cache.name!r} gave layer {layer} an invalid initial set {init}")
             self.resident[layer, init] = True
         self.initial_resident = self.resident.copy()
-        self.n_resident = self.resident.sum(axis=1)
-        self.pending = np.zeros((L, E), dtype=bool)  # prefetched (in flight or arrived) for each layer
-        self.n_pending = np.zeros(L, dtype=np.int64)
+        self.n_resident = self._totals[0]
+        self.n_resident[:] = self.resident.sum(axis=1)
+        self.pending = self._contents[1]  # prefetched (in flight or arrived) for each layer
+        self.n_pending = self._totals[1]
         self._pending_total = 0  # n_pending.sum(), kept as an int (asked at every layer)
         self._predictors = tuple(workload.predicted)
         families = (("placement", placement), ("cache", cache), ("prefetch", prefetch))
@@ -129,12 +136,72 @@ class Controller:
         self._told_of_swaps = cls.on_evict is not CachePolicy.on_evict or cls.on_admit is not CachePolicy.on_admit
         #: the compiled bookkeeping of :meth:`plan` (None: every plan takes :meth:`plan_reference`)
         self._kernel = plan_kernel.compiled() if cache.keyed and fast else None
+        #: each layer's keyed form, asked once where it reads neither the view nor the visit (else None)
+        self._keyed_rows = [cache.keyed_form(layer, None) for layer in range(L)] \
+            if self._kernel is not None and cache.keyed_per_layer else None
         self._issue_kernel = plan_kernel.compiled_issue() if fast else None
         self._no_clock = np.zeros(1, np.int64)
+        #: a built workload's segments (ptr as Python ints, read-only experts, counts and ranks, each step's
+        #: phase and tokens), read without a call per plan; None: the workload is asked (an online one)
+        self._segments = self._static_segments(workload)
+        #: likewise each lookahead column's predictions (ptr as Python ints, read-only experts, counts, ranks)
+        self._predicted = None if self._segments is None else {
+            name: (sc.ptr.tolist(), *(readonly(a) for a in (sc.expert, sc.count, sc.rank)))
+            for name, sc in workload.predicted.items()}
+        #: the view-free compiled plan (:meth:`_ruled_args`): the kernel and each layer's arguments, or None
+        self._ruled = self._ruled_args()
+
+    @staticmethod
+    def _static_segments(w) -> tuple | None:
+        if not isinstance(w, Workload):
+            return None
+        a = w.actual
+        arrays = [readonly(x) if x.flags.writeable else x for x in (a.expert, a.count, a.rank)]
+        return (a.ptr.tolist(), *arrays, w.step_phase.tolist(), w.step_tokens.tolist())
+
+    def _segment(self, step: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        """(experts, counts, ranks, phase, tokens) of (step, layer); the arrays read-only."""
+        seg = self._segments
+        if seg is not None:
+            ptr = seg[0]
+            i = step * self._num_layers + layer
+            lo, hi = ptr[i], ptr[i + 1]
+            return seg[1][lo:hi], seg[2][lo:hi], seg[3][lo:hi], seg[4][step], seg[5][step]
+        w = self.w
+        experts, counts, ranks = w.activated(step, layer)
+        if experts.flags.writeable or counts.flags.writeable or ranks.flags.writeable:
+            experts, counts, ranks = readonly(experts), readonly(counts), readonly(ranks)
+        return experts, counts, ranks, int(w.step_phase[step]), int(w.step_tokens[step])
+
+    def _ruled_args(self) -> tuple | None:
+        """The view-free plan: for a placement with a rule form (``PlacementPolicy.rule_form``), a cache with a
+        keyed form asked once per layer and nothing to observe, and no prefetches or swaps, every plan is one
+        compiled call (``plan_kernel._ruled_plan``) on arguments made here, without a :class:`LayerView`."""
+        cache, placement = self.cache, self.placement
+        if self._kernel is None or self._observes or self._prefetching or self._swapping \
+                or not cache.keyed_per_layer or placement.reads_future:
+            return None
+        rule = placement.rule_form(self.ctx)
+        kernel = plan_kernel.compiled_ruled() if rule is not None else None
+        if kernel is None:
+            return None
+        by_count = np.asarray(rule.by_count, np.int8)
+        args = []
+        for layer in range(self._num_layers):  # few arguments: each costs the call a typing and an unboxing
+            accepts, evicts, primary, stamp, clock = self._keyed_rows[layer]
+            params = np.array([layer, self.capacities[layer], accepts, evicts, clock is not None, rule.resident,
+                               rule.pending, rule.gpu_layer[layer], rule.min_tokens[layer]], np.int64)
+            args.append((self._contents, self._totals, params, primary, stamp,
+                         self._no_clock if clock is None else clock, by_count))
+        seg = self._segments
+        if seg is not None:  # the arguments' types never change: the compiled function without the dispatcher
+            kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0) + a for a in args])
+        return kernel, args
 
     def _lookahead(self, step: int, layer: int, what: str, name: str, target: int) -> np.ndarray:
-        """``LayerView.lookahead`` (``what="counts"``) and ``lookahead_rank`` (``"ranks"``) of (step, layer),
-        bound to them with ``functools.partial`` (made without a Python call at every view)."""
+        """``LayerView.lookahead`` (``what="counts"``), ``lookahead_rank`` (``"ranks"``) and ``lookahead_segment``
+        (``"segment"``: read-only slices) of (step, layer), bound to them with ``functools.partial`` (made
+        without a Python call at every view)."""
         if name not in self._predictors:
             known = ", ".join(self._predictors) or "none"
             raise ValueError(f"prefetch needs lookahead column {name!r}; loaded: {known}. "
@@ -142,6 +209,11 @@ class Controller:
         offset = self.w.predictor_offsets[name]
         if not layer < target <= layer + offset:
             raise ValueError(f"lookahead {name!r} made at layer {target - offset} is not known at layer {layer}")
+        if what == "segment":
+            ptr, experts, counts, ranks = self._predicted[name]
+            i = step * self._num_layers + target
+            lo, hi = ptr[i], ptr[i + 1]
+            return experts[lo:hi], counts[lo:hi], ranks[lo:hi]
         read = self.w.predicted_counts if what == "counts" else self.w.predicted_ranks
         return readonly(read(name, step, target))
 
@@ -158,21 +230,19 @@ class Controller:
     def view(self, step: int, layer: int) -> LayerView:
         """The policies' view of the start of (step, layer)."""
         w = self.w
-        experts, counts, ranks = w.activated(step, layer)
         # built without the frozen dataclass's per-field checks (it runs once per (step, layer)) and with as
-        # few Python calls as it can: the workload's arrays as they are if read-only (a built Workload's are),
-        # else read-only views; the cache's rows as read-only copies
-        if experts.flags.writeable or counts.flags.writeable or ranks.flags.writeable:
-            experts, counts, ranks = readonly(experts), readonly(counts), readonly(ranks)
+        # few Python calls as it can: the workload's arrays read-only, the cache's rows as read-only copies
+        experts, counts, ranks, phase, tokens = self._segment(step, layer)
         resident, pending = self.resident[layer].copy(), self.pending[layer].copy()
         resident.flags.writeable = pending.flags.writeable = False
         view = _new(LayerView)
         view.__dict__.update(
-            step=step, layer=layer, phase=int(w.step_phase[step]), tokens=int(w.step_tokens[step]),
+            step=step, layer=layer, phase=phase, tokens=tokens,
             experts=experts, counts=counts, ranks=ranks, resident=resident, pending=pending,
             num_layers=w.num_layers, num_experts=w.num_experts, costs=self.costs,
             lookahead=partial(self._lookahead, step, layer, "counts"),
             lookahead_rank=partial(self._lookahead, step, layer, "ranks"), true_counts=None,
+            lookahead_segment=None if self._predicted is None else partial(self._lookahead, step, layer, "segment"),
         )
         return view
 
@@ -187,7 +257,20 @@ class Controller:
 
         With a cache policy that has a keyed form and numba installed, everything after the placement but
         the prefetches and swaps runs as one compiled call (``dali_sim.runtime.plan_kernel``), which also
-        counts the plan; otherwise (and as the reference) :meth:`plan_reference`: the same plans."""
+        counts the plan; with a placement's rule form and nothing else to ask the policies, the whole plan is
+        one compiled call without a view (:meth:`_ruled_args`); otherwise (and as the reference)
+        :meth:`plan_reference`: the same plans."""
+        ruled = self._ruled
+        if ruled is not None:
+            experts, counts, _, phase, tokens = self._segment(step, layer)
+            source, flags, out = ruled[0](experts, counts, tokens, *ruled[1][layer])
+            row = out.tolist()  # as the keyed path's below; nothing prefetched, so the victims end it
+            if row:  # (empty: the rule left an expert to the placement's place(), nothing changed)
+                if row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch or self.staging_slots < 1 and \
+                        row[TALLY_STAGED]:
+                    self._refuse(step, layer, experts, row)
+                return LayerPlan(step, layer, phase, tokens, experts, counts, flags[3], source, flags[0], flags[1],
+                                 flags[2], row[TALLY_LEN + 1:], [], [], [], [], tuple(row[:TALLY_LEN]))
         kernel = self._kernel
         if kernel is None:
             return self.plan_reference(step, layer)
@@ -197,16 +280,15 @@ class Controller:
             cache.observe(view)
         experts = view.experts
         on_gpu = self._place(view)
-        accepts, evicts, primary, stamp, clock = cache.keyed_form(layer, view)
+        keyed = self._keyed_rows
+        accepts, evicts, primary, stamp, clock = keyed[layer] if keyed is not None else cache.keyed_form(layer, view)
         source, flags, out = kernel(
             experts, view.counts, on_gpu, self.resident[layer], self.pending[layer], layer,
             int(self.capacities[layer]), self.n_resident, self.n_pending, bool(accepts), bool(evicts), primary, stamp,
             self._no_clock if clock is None else clock, clock is not None)
         row = out.tolist()  # the tally, the first expert fetched on demand, the lists (plan_kernel)
-        if row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch:
-            self._never_fetches(layer, int(experts[row[TALLY_FIRST_FETCH]]))
-        if self.staging_slots < 1 and row[TALLY_STAGED]:
-            raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
+        if row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch or self.staging_slots < 1 and row[TALLY_STAGED]:
+            self._refuse(step, layer, experts, row)
         n_evicted, n_used = row[TALLY_EVICTED], row[TALLY_PREFETCH_USED]
         self._pending_total -= n_used + row[TALLY_WASTED]  # the layer's prefetches were used or wasted
         prefetches = self._issue_prefetches(view) if self._prefetching else []
@@ -220,11 +302,20 @@ class Controller:
 
     def _place(self, view: LayerView) -> np.ndarray:
         """The placement's (n,) bool mask, checked."""
-        on_gpu = np.asarray(self.placement.place(self._view_for(self.placement, view)), dtype=bool)
+        placement = self.placement
+        on_gpu = np.asarray(placement.place(self._view_for(placement, view) if placement.reads_future else view),
+                            dtype=bool)
         n = len(view.experts)
         if on_gpu.shape != (n,):
             raise ValueError(f"placement {self.placement.name!r} returned shape {on_gpu.shape}, expected ({n},)")
         return on_gpu
+
+    def _refuse(self, step: int, layer: int, experts: np.ndarray, row: list[int]):
+        """The compiled path's plan breaks a rule (an expert fetched by a placement that never fetches, or
+        staged without staging buffers): the reference's error."""
+        if row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch:
+            self._never_fetches(layer, int(experts[row[TALLY_FIRST_FETCH]]))
+        raise ValueError(f"step {step} layer {layer}: an expert must be staged but memory.staging_slots is 0")
 
     def _never_fetches(self, layer: int, expert: int):
         raise ValueError(f"placement {self.placement.name!r} never fetches, but it put expert {expert} of layer "
@@ -382,7 +473,8 @@ class Controller:
         free = self.prefetch_slots - self._pending_total
         if free <= 0:
             return []
-        asked = self.prefetcher.prefetch(self._view_for(self.prefetcher, view))
+        prefetcher = self.prefetcher
+        asked = prefetcher.prefetch(self._view_for(prefetcher, view) if prefetcher.reads_future else view)
         if not len(asked):
             return []
         if isinstance(asked, np.ndarray) and asked.dtype == np.int64 and asked.ndim == 2 and asked.shape[1] == 2 \
@@ -450,7 +542,11 @@ class Controller:
         if not self._swapping:
             return []  # the policy never swaps
         resident = self.resident[layer]
-        swaps = self.cache.rebalance(view, readonly(resident.copy()))
+        contents = resident.copy()
+        contents.flags.writeable = False
+        swaps = self.cache.rebalance(view, contents)
+        if not len(swaps):
+            return []
         for e_in, e_out in swaps:
             if resident[e_in] or not resident[e_out]:
                 raise ValueError(f"cache policy {self.cache.name!r} swap ({e_in} in, {e_out} out) at layer {layer} "

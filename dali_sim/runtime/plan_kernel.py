@@ -65,6 +65,15 @@ def _victims(resident, activated, primary, stamp, want, out):
 
 def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_resident, n_pending,
                 accepts, evicts, primary, stamp, clock, stamps):
+    """One (step, layer) after its placement ``on_gpu``: :func:`_plan_into` with the flags it writes."""
+    flags = np.zeros((3, experts.shape[0]), np.bool_)  # hit, admitted, staged (each array returned costs a boxing)
+    source, out = _plan_into_fn(flags, experts, counts, on_gpu, resident, pending, layer, capacity, n_resident,
+                                n_pending, accepts, evicts, primary, stamp, clock, stamps)
+    return source, flags, out
+
+
+def _plan_into(flags, experts, counts, on_gpu, resident, pending, layer, capacity, n_resident, n_pending,
+               accepts, evicts, primary, stamp, clock, stamps):
     """One (step, layer) after its placement, as ``Controller.plan_reference`` computes it.
 
     ``resident``/``pending`` are the layer's (E,) rows and ``n_resident``/``n_pending`` the (L,) counts,
@@ -79,7 +88,6 @@ def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_r
     n = experts.shape[0]
     E = resident.shape[0]
     source = np.empty(n, np.int8)
-    flags = np.zeros((3, n), np.bool_)  # hit, admitted, staged: one array (each returned array costs a boxing)
     hit = flags[0]
     admitted = flags[1]
     staged = flags[2]
@@ -196,6 +204,43 @@ def _layer_plan(experts, counts, on_gpu, resident, pending, layer, capacity, n_r
     out[13] = gpu_tokens
     out[14] = cpu_tokens
     out[TALLY_FIRST_FETCH] = first_fetch
+    return source, out
+
+
+def _ruled_plan(experts, counts, tokens, contents, totals, params, primary, stamp, clock, by_count):
+    """A whole plan of (step, layer) but its prefetches and swaps, at a step of ``tokens`` tokens: the
+    placement's rule form (``PlacementPolicy.rule_form``), then :func:`_plan_into`. ``contents`` (2, L, E)
+    bool: every layer's cache contents and prefetched experts; ``totals`` (2, L): their counts; ``params``
+    the layer's (int64): the layer, its capacity, the keyed form's ``accepts``,
+    ``evicts`` and whether touches set stamps, the rule's ``resident``, ``pending``, ``gpu_layer[l]`` and
+    ``min_tokens[l]``; ``by_count`` the rule's. Returns (source, (4, n) bool: hit, admitted, staged and on
+    the GPU, the int64 answer of :func:`_plan_into`), or an empty answer with nothing changed when the rule
+    leaves an expert undecided (a workload beyond ``by_count`` whose last entry is -1: the placement's own
+    ``place`` decides)."""
+    layer = params[0]
+    resident = contents[0, layer]
+    pending = contents[1, layer]
+    n = experts.shape[0]
+    flags = np.zeros((4, n), np.bool_)
+    on_gpu = flags[3]
+    if params[7] or tokens >= params[8]:
+        on_gpu[:] = True
+    else:
+        on_resident = params[5] != 0
+        on_pending = params[6] != 0
+        top = by_count.shape[0] - 1
+        for i in range(n):
+            e = experts[i]
+            if (on_resident and resident[e]) or (on_pending and pending[e]):
+                on_gpu[i] = True
+                continue
+            c = counts[i]
+            v = by_count[c] if 0 <= c < top else (by_count[top] if c >= top else -1)
+            if v < 0:
+                return np.empty(0, np.int8), flags, np.empty(0, np.int64)  # undecided: nothing changed
+            on_gpu[i] = v > 0
+    source, out = _plan_into_fn(flags, experts, counts, on_gpu, resident, pending, layer, params[1], totals[0],
+                                totals[1], params[2] != 0, params[3] != 0, primary, stamp, clock, params[4] != 0)
     return source, flags, out
 
 
@@ -228,9 +273,11 @@ def _issue(asked, resident, pending, n_pending, layer, free):
     return out[:2 * m], -1
 
 
-_victims_fn = _victims  # what _layer_plan calls: the compiled _victims
+_victims_fn = _victims  # what _plan_into calls: the compiled _victims
+_plan_into_fn = _plan_into  # what _layer_plan and _ruled_plan call: the compiled _plan_into
 _COMPILED: list = []
 _COMPILED_ISSUE: list = []
+_COMPILED_RULED: list = []
 
 
 def compiled_issue():
@@ -244,11 +291,20 @@ def compiled():
     """:func:`_layer_plan` compiled (on the first call), or None without numba (the controller then takes
     its NumPy path)."""
     if not _COMPILED:
-        global _victims_fn
+        global _victims_fn, _plan_into_fn
         _victims_fn = kernels.jit(_victims)
+        _plan_into_fn = kernels.jit(_plan_into) if _victims_fn is not None else None
         _COMPILED.append(kernels.jit(_layer_plan) if _victims_fn is not None else None)
     return _COMPILED[0]
 
 
+def compiled_ruled():
+    """:func:`_ruled_plan` compiled (on the first call), or None without numba (or when :func:`compiled` is
+    off: the controller then plans with a view)."""
+    if not _COMPILED_RULED:
+        _COMPILED_RULED.append(kernels.jit(_ruled_plan) if compiled() is not None else None)
+    return _COMPILED_RULED[0]
+
+
 __all__ = ["TALLY_EVICTED", "TALLY_FIRST_FETCH", "TALLY_LEN", "TALLY_PREFETCHES", "TALLY_PREFETCH_USED", "TALLY_STAGED",
-           "TALLY_SWAPS", "TALLY_WASTED", "compiled", "compiled_issue"]
+           "TALLY_SWAPS", "TALLY_WASTED", "compiled", "compiled_issue", "compiled_ruled"]
