@@ -121,10 +121,13 @@ def test_the_route_workspace_grows_and_rewraps_its_tensors():
     small = ws.wi
     assert ws.fit(4, 3).wi is small  # room already
     ws.fit(40, 0)
-    assert ws.wi.shape[1] == 82 and ws.wf.shape == (82,) and ws.wb.shape == (2, 82)
+    assert ws.wi.shape[1] == 82 and ws.wf.shape == (82,)
     pos, tok, w = ws.tensors
     ws.wi[K.W_ORDER, 5], ws.wi[K.W_TOKENS, 6], ws.wf[7] = 11, 12, 0.5
     assert pos[5] == 11 and tok[6] == 12 and w[7, 0] == 0.5  # views of the new buffers
+    views = ws.views(8)
+    assert ws.views(8) is views and [v.shape[0] for v in views] == [8, 8, 8]  # made once per length
+    assert views[0][5] == 11 and views[2][7, 0] == 0.5  # of the buffers
     assert ws.fit(0, 100).wi.shape[1] == 200  # evictions need room too
     assert RouteWorkspace(torch.device("meta")).tensors is None  # not the CPU device: no tensors
 

@@ -36,9 +36,8 @@ from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer
 from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
-from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, LayerPlan
+from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
 
-_CODES = np.array([CPU, HIT, PREFETCHED, FETCH], np.int64)  # the plan's source codes, for the lane split
 _EMPTY = np.zeros(0, np.int64)
 
 
@@ -75,6 +74,8 @@ class OffloadRuntime:
         self._route_ws = RouteWorkspace(devices.accel)
         self._ws_routing: LayerRouting | None = None  # the routing made of the route workspace's views
         self._out_buf: torch.Tensor | None = None  # the last layer's combine buffer (_combine_buffer)
+        self._out_shape: tuple[int, int] = (-1, -1)  # its shape
+        self._accel_is_host = devices.accel.type == "cpu"
         self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel)
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
@@ -174,8 +175,8 @@ class OffloadRuntime:
         # threads) it runs when the accelerator lane would first wait for a copy, or after it
         # activation transfers are not bookkeeping: with one to make the stopwatch stops here; without (the CPU
         # device) it runs on through the lanes' set-up (the output buffer, the CPU lane's job): two readings less
-        x_dev = x.device  # (a new object per read)
-        on_host, on_accel = x_dev.type == "cpu", x_dev == dev.accel
+        on_host = x.is_cpu  # (x.device is a new object per read)
+        on_accel = on_host if self._accel_is_host else x.device == dev.accel
         moves = bool(cpu_seg.size and not on_host) or bool(lanes.n and not on_accel)
         if moves:
             sw.stop()
@@ -209,7 +210,7 @@ class OffloadRuntime:
                 pos, vals = pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True)
             out_buf.index_copy_(0, pos, vals)
         out = out_buf.view(T, k, H).sum(dim=1)
-        out = out if on_accel else out.to(x_dev)
+        out = out if on_accel else out.to(x.device)
         sw.start()
 
         if plan.swaps:
@@ -229,8 +230,9 @@ class OffloadRuntime:
         when it has that shape (its sum has been taken: on CUDA the later writes are queued behind it on the
         compute stream), else a new one; ``zeroed`` when not every pair is written."""
         buf = self._out_buf
-        if buf is None or buf.shape[0] != pairs or buf.shape[1] != hidden:
+        if self._out_shape != (pairs, hidden):
             buf = self._out_buf = torch.empty((pairs, hidden), dtype=self.dev.dtype, device=self.dev.accel)
+            self._out_shape = (pairs, hidden)
         return buf.zero_() if zeroed else buf
 
     def _route(self, plan: LayerPlan, ids: np.ndarray, weights: np.ndarray | None):
@@ -254,8 +256,7 @@ class OffloadRuntime:
         wi = ws.wi
         bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm = kernel(
             ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
-            pool.row_of[layer], _CODES, evicted, np.fromiter(free, np.int64, len(free)), layer, pool.hold_layer,
-            pool.hold_expert, wi, ws.wb, ws.wf)
+            pool.row_of, evicted, np.fromiter(free, np.int64, len(free)), layer, pool.state, wi, ws.wf)
         if bad >= 0:
             raise AssertionError(f"layer {layer} expert {int(evicted[bad])} is not in the slot table's cache")
         if n_ev:
@@ -282,7 +283,7 @@ class OffloadRuntime:
         if kernel is not None:
             return _checked_split(plan, routing, *kernel(
                 routing.experts, routing.counts(), plan.experts, plan.counts, plan.source, plan.admitted,
-                self.pool.row_of[layer], _CODES, flag))
+                self.pool.row_of[layer], _kernels.PLAN_CODES, flag))
         if not routing.matches(plan.experts, plan.counts):
             _routing_differs(plan, routing)
         # the same in array operations
@@ -338,7 +339,11 @@ class OffloadRuntime:
         head = staged[:per_turn * halves]
         rows[head] = stage_rows[:len(head)]
         nf = len(lanes.fetched)  # (fetched and staged are consecutive in the lane order)
-        first = np.sort(lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)]) if n_staged else lanes.fetched
+        if n_staged:
+            first = lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)].copy()
+            first.sort()
+        else:
+            first = lanes.fetched
         fetched_events = self._copy_now(plan, first, experts, rows, sw)
         # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
         ready = lanes.ready
@@ -573,10 +578,10 @@ class OffloadRuntime:
         g_rows = ws.small[0, :g]
         if not ready:
             pool.check_rows(g_rows, layer, ws.small[1, :g])  # raises, naming what is wrong
-        if ws.tensors is not None:  # the CPU device: views of the workspace's tensors
-            t_pos, t_tok, t_rows, t_w, t_offs = ws.tensors
-            tensors = (t_pos.narrow(0, 0, n), t_tok.narrow(0, 0, n), t_offs.narrow(0, 0, span),
-                       t_rows.narrow(0, 0, n) if self.layout.bias else None, _as_dtype(t_w.narrow(0, 0, n), dev.dtype))
+        if ws.tensors is not None:  # the CPU device: views of the workspace's tensors (made once per length)
+            t_pos, t_tok, t_rows, t_w, t_offs = ws.views(n, span)
+            tensors = (t_pos, t_tok, t_offs, t_rows if self.layout.bias else None,
+                       t_w if t_w.dtype == dev.dtype else t_w.to(dev.dtype))
         else:
             ints = ws.ints
             tensors = _device_indices(ints[0, :n], ints[1, :n], ws.offs[:span], lambda: ints[2, :n], ws.w[:n],
@@ -590,9 +595,7 @@ class OffloadRuntime:
         if self._droute_of is not routing:
             dev = self.dev
             if routing is self._ws_routing and self._route_ws.tensors is not None:  # the CPU device: views
-                n = len(routing.positions)
-                pos, tok, w = self._route_ws.tensors
-                pos, tok, w = pos.narrow(0, 0, n), tok.narrow(0, 0, n), w.narrow(0, 0, n)
+                pos, tok, w = self._route_ws.views(len(routing.positions))
                 self._droute_list, self._droute_of = [pos, tok, _as_dtype(w, dev.dtype)], routing
                 return self._droute_list
             pos = routing.positions
@@ -702,11 +705,9 @@ class _AccelLane:
             return lane
         layer, rows = plan.layer, lane.rows
         lane.ready, lane.fetched, lane.staged = order[:ready], order[ready:ready + fetched], order[ready + fetched:]
-        if ready > hits:  # prefetched ones (at most the prefetch buffers)
-            kinds = split[4]
-            for i in lane.ready.tolist():
-                if kinds[i] != _kernels.PREFETCHED_KIND:
-                    continue
+        if ready > hits:  # prefetched ones (at most the prefetch buffers), in touch order
+            r = lane.ready
+            for i in r[split[4][r] == _kernels.PREFETCHED_KIND].tolist():
                 e = int(lane.experts[i])
                 slot = pool.pop_prefetched(layer, e)
                 if plan.admitted[split[0, i]]:
