@@ -265,14 +265,12 @@ class OffloadRuntime:
         if status == _kernels.NEGATIVE:
             raise ValueError("expert ids must be >= 0")
         # views of the workspace, used within this layer visit (see .workspace)
-        K = _kernels
-        routing = LayerRouting(T, k, wi[K.W_EXPERTS, :m], wi[K.W_PTR, :m + 1], wi[K.W_ORDER, :n], ws.wf[:n], None,
-                               wi[K.W_PER, :m])
+        experts, ptr, per, order, w = ws.grouped(m, n)
+        routing = LayerRouting(T, k, experts, ptr, order, w, None, per)
         self._ws_routing = routing
         cols = 1 if pstatus == 2 else g  # (status 2: column 0 names the expert that is not cached)
-        split = _checked_split(plan, routing, pstatus, wi[K.W_CPU, :c], wi[K.W_LANE:K.W_LANE + 5, :cols],
-                               wi[K.W_LANE_ORDER, :g], hits, ready, fetched)
-        return (routing, *split, adm == K.OK)
+        split = _checked_split(plan, routing, pstatus, *ws.split(c, g, cols), hits, ready, fetched)
+        return (routing, *split, adm == _kernels.OK)
 
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
@@ -339,9 +337,11 @@ class OffloadRuntime:
         head = staged[:per_turn * halves]
         rows[head] = stage_rows[:len(head)]
         nf = len(lanes.fetched)  # (fetched and staged are consecutive in the lane order)
-        if n_staged:
-            first = lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)].copy()
-            first.sort()
+        if n_staged:  # the fetched and the first staged ones (each ascending) merged
+            first = lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)]
+            if nf:
+                first = first.copy()
+                first.sort()
         else:
             first = lanes.fetched
         fetched_events = self._copy_now(plan, first, experts, rows, sw)

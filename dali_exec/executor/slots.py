@@ -359,8 +359,8 @@ class SlotPool:
     # ---- invariants ---------------------------------------------------------------------------
     def check_layer(self, layer: int, staging_in_use: int = 0) -> None:
         """The cheap per-layer part of :meth:`check`: the layer's cache and the shared buffers keep their counts."""
-        cached, free, cap = int(self.n_cached[layer]), len(self.cache_free[layer]), self.capacities[layer]
-        if cached + free != cap:
+        if self.n_cached[layer] + len(self.cache_free[layer]) != self.capacities[layer]:
+            cached, free, cap = int(self.n_cached[layer]), len(self.cache_free[layer]), self.capacities[layer]
             raise AssertionError(f"layer {layer}: {cached} cached + {free} free slots, capacity {cap}")
         if len(self.prefetched) + len(self.prefetch_free) != self.num_prefetch:
             raise AssertionError(f"{len(self.prefetched)} prefetched + {len(self.prefetch_free)} free buffers, "

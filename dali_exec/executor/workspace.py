@@ -26,7 +26,7 @@ class RouteWorkspace:
     ``device``: the accelerator; on the CPU device ``tensors`` wrap the sorted pairs, their tokens and their
     weights (a column) once, for the layer's routing on the accelerator (``OffloadRuntime._droute``)."""
 
-    __slots__ = ("wi", "wf", "tensors", "_wrap", "_views")
+    __slots__ = ("wi", "wf", "tensors", "_wrap", "_views", "_cached")
 
     def __init__(self, device: torch.device = torch.device("cpu"), pairs: int = 0):
         self._wrap = device.type == "cpu"
@@ -34,6 +34,7 @@ class RouteWorkspace:
         self.wf = np.zeros(0, np.float32)
         self.tensors = None
         self._views: dict[int, tuple] = {}
+        self._cached: dict = {}  # (grouped, split) views by their lengths
         self.fit(pairs, 0)
 
     def fit(self, pairs: int, evicted: int) -> "RouteWorkspace":
@@ -47,7 +48,31 @@ class RouteWorkspace:
                 self.tensors = (torch.from_numpy(self.wi[_kernels.W_ORDER]), torch.from_numpy(self.wi[_kernels.W_TOKENS]),
                                 torch.from_numpy(self.wf).view(-1, 1))
             self._views.clear()
+            self._cached.clear()
         return self
+
+    def grouped(self, m: int, n: int) -> tuple:
+        """The grouped routing of ``m`` experts and ``n`` pairs as views of the buffers: (experts, ptr, pairs per
+        expert, order, sorted weights), made once per (m, n) and kept until the buffers grow."""
+        key = m * self.wi.shape[1] + n
+        v = self._cached.get(key)
+        if v is None:
+            wi = self.wi
+            v = self._cached[key] = (wi[_kernels.W_EXPERTS, :m], wi[_kernels.W_PTR, :m + 1], wi[_kernels.W_PER, :m],
+                                      wi[_kernels.W_ORDER, :n], self.wf[:n])
+        return v
+
+    def split(self, c: int, g: int, cols: int) -> tuple:
+        """The lane split of ``c`` CPU and ``g`` accelerator experts as views of the buffers: (CPU experts, the
+        lane's five rows (``cols`` columns), its order), made once per (c, g, cols) and kept until the buffers grow
+        (the runtime writes the lane's slot rows into them)."""
+        key = (c, g, cols)
+        v = self._cached.get(key)
+        if v is None:
+            wi = self.wi
+            v = self._cached[key] = (wi[_kernels.W_CPU, :c], wi[_kernels.W_LANE:_kernels.W_LANE + 5, :cols],
+                                      wi[_kernels.W_LANE_ORDER, :g])
+        return v
 
     def views(self, n: int) -> tuple:
         """``tensors``' first ``n`` rows (sorted pairs, their tokens, their weights), made once per ``n`` (a
