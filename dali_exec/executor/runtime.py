@@ -250,13 +250,14 @@ class OffloadRuntime:
         ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
         n = T * k
-        evicted = np.asarray(plan.evicted, np.int64)
+        evicted = np.asarray(plan.evicted, np.int64) if plan.evicted else _EMPTY
         free = pool.cache_free[layer]
         ws = self._route_ws.fit(n, len(evicted))
         wi = ws.wi
         bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm = kernel(
             ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
-            pool.row_of, evicted, np.fromiter(free, np.int64, len(free)), layer, pool.state, wi, ws.wf)
+            pool.row_of, evicted, np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi,
+            ws.wf)
         if bad >= 0:
             raise AssertionError(f"layer {layer} expert {int(evicted[bad])} is not in the slot table's cache")
         if n_ev:
@@ -692,7 +693,10 @@ class _AccelLane:
            fetched: int, *, admitted: bool = False) -> "_AccelLane":
         """``split``, ``order`` and the counts: the lane split of ``kernels._partition``. ``admitted``: the
         fetched experts hold their cache rows already (``split[2]``, the table set; ``kernels._route_partition``):
-        only the free list and the count are left, after the prefetched experts' adoptions."""
+        only the free list and the count are left, after the prefetched experts' adoptions. Without accelerator
+        experts the one empty lane (nothing reads or writes its arrays)."""
+        if not split.shape[1]:
+            return _NO_LANE
         lane = cls()
         lane.staging_used = 0
         lane.prefetched_in_flight = False
@@ -721,6 +725,17 @@ class _AccelLane:
         elif fetched:
             rows[lane.fetched] = pool.admit_many(layer, lane.experts[lane.fetched])
         return lane
+
+
+def _empty_lane() -> _AccelLane:
+    lane = _AccelLane()
+    lane.n, lane.staging_used, lane.prefetched_in_flight, lane.all_cached = 0, 0, False, False
+    lane.freed = []
+    lane.experts = lane.seg = lane.rows = lane.order = lane.ready = lane.fetched = lane.staged = _EMPTY
+    return lane
+
+
+_NO_LANE = _empty_lane()  # a layer visit without accelerator experts
 
 
 def _checked_split(plan: LayerPlan, routing: LayerRouting, status: int, cpu_seg, lane, order, hits, ready, fetched):

@@ -317,9 +317,7 @@ class SlotPool:
             for r in rows:
                 self.hold_layer[r] = self.hold_expert[r] = -1
         else:  # (every staged expert of a layer in its own buffer: tens)
-            idx = np.array(rows, np.int64)
-            self.hold_layer[idx] = -1
-            self.hold_expert[idx] = -1
+            self.state[:2, np.array(rows, np.int64)] = -1
         self.staging_free.extend(rows)
 
     def hold_rows(self, rows, layer: int, experts) -> None:
