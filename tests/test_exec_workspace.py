@@ -128,15 +128,14 @@ def test_the_route_workspace_grows_and_rewraps_its_tensors():
     views = ws.views(8)
     assert ws.views(8) is views and [v.shape[0] for v in views] == [8, 8, 8]  # made once per length
     assert views[0][5] == 11 and views[2][7, 0] == 0.5  # of the buffers
-    experts, ptr, per, order, wf = ws.grouped(3, 8)
-    assert ws.grouped(3, 8)[0] is experts and ws.grouped(4, 8)[0] is not experts
+    experts, ptr, per, order, wf, cpu, lane, lane_order = ws.layer_views(3, 8, 2, 3, 3)
+    assert ws.layer_views(3, 8, 2, 3, 3)[0] is experts and ws.layer_views(4, 8, 2, 3, 3)[0] is not experts
     assert [len(a) for a in (experts, ptr, per, order, wf)] == [3, 4, 3, 8, 8] and order[5] == 11 and wf[7] == 0.5
-    cpu, lane, lane_order = ws.split(2, 3, 3)
-    assert ws.split(2, 3, 3)[1] is lane and lane.shape == (5, 3) and len(cpu) == 2 and len(lane_order) == 3
+    assert lane.shape == (5, 3) and len(cpu) == 2 and len(lane_order) == 3
     lane[2, 1] = 7  # the runtime writes slot rows into the lane's views: into the buffers
     assert ws.wi[K.W_LANE + 2, 1] == 7
     assert ws.fit(0, 100).wi.shape[1] == 200  # evictions need room too
-    assert ws.views(8)[0] is not views[0] and ws.grouped(3, 8)[0] is not experts  # re-made for the new buffers
+    assert ws.views(8)[0] is not views[0] and ws.layer_views(3, 8, 2, 3, 3)[0] is not experts  # re-made for the new buffers
     assert ws.views(8)[0].data_ptr() == ws.tensors[0].data_ptr()
     assert RouteWorkspace(torch.device("meta")).tensors is None  # not the CPU device: no tensors
 

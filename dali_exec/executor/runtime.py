@@ -266,11 +266,11 @@ class OffloadRuntime:
         if status == _kernels.NEGATIVE:
             raise ValueError("expert ids must be >= 0")
         # views of the workspace, used within this layer visit (see .workspace)
-        experts, ptr, per, order, w = ws.grouped(m, n)
+        cols = 1 if pstatus == 2 else g  # (status 2: column 0 names the expert that is not cached)
+        experts, ptr, per, order, w, cpu, lane, lane_order = ws.layer_views(m, n, c, g, cols)
         routing = LayerRouting(T, k, experts, ptr, order, w, None, per)
         self._ws_routing = routing
-        cols = 1 if pstatus == 2 else g  # (status 2: column 0 names the expert that is not cached)
-        split = _checked_split(plan, routing, pstatus, *ws.split(c, g, cols), hits, ready, fetched)
+        split = _checked_split(plan, routing, pstatus, cpu, lane, lane_order, hits, ready, fetched)
         return (routing, *split, adm == _kernels.OK)
 
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):

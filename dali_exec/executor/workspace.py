@@ -34,7 +34,7 @@ class RouteWorkspace:
         self.wf = np.zeros(0, np.float32)
         self.tensors = None
         self._views: dict[int, tuple] = {}
-        self._cached: dict = {}  # (grouped, split) views by their lengths
+        self._cached: dict[tuple, tuple] = {}  # layer_views by their lengths
         self.fit(pairs, 0)
 
     def fit(self, pairs: int, evicted: int) -> "RouteWorkspace":
@@ -51,27 +51,18 @@ class RouteWorkspace:
             self._cached.clear()
         return self
 
-    def grouped(self, m: int, n: int) -> tuple:
-        """The grouped routing of ``m`` experts and ``n`` pairs as views of the buffers: (experts, ptr, pairs per
-        expert, order, sorted weights), made once per (m, n) and kept until the buffers grow."""
-        key = m * self.wi.shape[1] + n
+    def layer_views(self, m: int, n: int, c: int, g: int, cols: int) -> tuple:
+        """What the route call wrote for ``m`` experts, ``n`` pairs, ``c`` CPU and ``g`` accelerator experts, as
+        views of the buffers: the grouped routing (experts, ptr, pairs per expert, order, sorted weights) and the
+        lane split (CPU experts, the lane's five rows (``cols`` columns), its order); made once per lengths and
+        kept until the buffers grow (the runtime writes the lane's slot rows into them)."""
+        key = (m, n, c, g, cols)
         v = self._cached.get(key)
         if v is None:
-            wi = self.wi
-            v = self._cached[key] = (wi[_kernels.W_EXPERTS, :m], wi[_kernels.W_PTR, :m + 1], wi[_kernels.W_PER, :m],
-                                      wi[_kernels.W_ORDER, :n], self.wf[:n])
-        return v
-
-    def split(self, c: int, g: int, cols: int) -> tuple:
-        """The lane split of ``c`` CPU and ``g`` accelerator experts as views of the buffers: (CPU experts, the
-        lane's five rows (``cols`` columns), its order), made once per (c, g, cols) and kept until the buffers grow
-        (the runtime writes the lane's slot rows into them)."""
-        key = (c, g, cols)
-        v = self._cached.get(key)
-        if v is None:
-            wi = self.wi
-            v = self._cached[key] = (wi[_kernels.W_CPU, :c], wi[_kernels.W_LANE:_kernels.W_LANE + 5, :cols],
-                                      wi[_kernels.W_LANE_ORDER, :g])
+            wi, K = self.wi, _kernels
+            v = self._cached[key] = (wi[K.W_EXPERTS, :m], wi[K.W_PTR, :m + 1], wi[K.W_PER, :m], wi[K.W_ORDER, :n],
+                                     self.wf[:n], wi[K.W_CPU, :c], wi[K.W_LANE:K.W_LANE + 5, :cols],
+                                     wi[K.W_LANE_ORDER, :g])
         return v
 
     def views(self, n: int) -> tuple:
