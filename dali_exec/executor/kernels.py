@@ -436,7 +436,7 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     rows ``free`` (the layer's free list, then the rows just evicted) after the first ones, which go to
     the admitted prefetched experts (``SlotPool.adopt``, the caller's, in lane order). ``state``: the slot
     table's (hold_layer, hold_expert, inflight) rows (``SlotPool.state``); the plan's source codes are
-    :data:`PLAN_CODES`. Few arguments: with cold caches numba's dispatch costs about a microsecond each.
+    :data:`PLAN_CODES`. Few arguments: with cold caches numba's dispatch costs about a microsecond per argument.
 
     Everything is written into a preallocated workspace (no array is made or returned: each would cost
     an allocation and a Python object per layer): ``wi`` (int64, :data:`W_ROWS` x at least n + 1 columns,
