@@ -429,7 +429,7 @@ PLAN_CODES = np.array([_CPU, _HIT, _PREFETCHED, _FETCH], np.int64)
 
 
 def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of_all, evicted, free, layer,
-                     state, wi, wf):
+                     state, wi, wf, gi, gw, goffs):
     """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of_all[layer]`` is the layer's
     row of the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
     :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
@@ -448,7 +448,14 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     evicted rows, grouping status, the number of experts m, partition status, the number of CPU experts
     c, of accelerator experts g, hits, ready, fetched, admission status: ``OK`` (the fetched experts' rows
     are in the lane's row 2 and the table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not
-    enough free rows), nothing admitted: the caller's ``SlotPool.admit_many`` refuses as it does)."""
+    enough free rows), nothing admitted: the caller's ``SlotPool.admit_many`` refuses as it does), and the first
+    group's (pairs, lo, span, ready) or (-1, 0, 0, False).
+
+    The first group: when ``gi`` (``GroupWorkspace.gi``, with ``gw`` and ``goffs``: at least the pairs and
+    the slot table's rows wide; empty to skip) is given, the lane split holds no prefetched expert and the
+    fetched ones are admitted, the group of the ready and fetched experts (at least two; what the CPU
+    device's accelerator lane computes first, :func:`_group_index_into` of them, their rows checked now)
+    is written there: one compiled call per layer instead of two."""
     row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
     wb = np.zeros((2, flat.shape[0]), np.bool_)  # scratch (made in compiled code: no Python object)
     codes = PLAN_CODES
@@ -456,11 +463,11 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     n_ev = evicted.shape[0]
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
-        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1
+        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
     status, m = _group_routing_into_fn(flat, np.zeros(0, np.int64), weights, np.zeros(0, np.bool_), k, wi[W_ORDER],
                                        wi[W_PTR], wi[W_EXPERTS], wf, wb[0], wi[W_PER])
     if status != OK:
-        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1
+        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
     for j in range(flat.shape[0]):
         tokens[j] = order[j] // k
@@ -503,7 +510,17 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
                 hold_layer[row] = layer
                 hold_expert[row] = e
                 lane[2, g_] = row
-    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm
+    fg_n, fg_lo, fg_span, fg_ready = -1, 0, 0, False
+    nf = ready + fetched
+    if pstatus == 0 and adm == OK and ready == hits and nf >= 2 and gi.shape[1] >= flat.shape[0]:
+        seg = np.empty(nf, np.int64)
+        rows = np.empty(nf, np.int64)
+        for i in range(nf):
+            seg[i] = lane[1, lorder[i]]
+            rows[i] = lane[2, lorder[i]]
+        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg, rows, k, layer,
+                                                              state, gi[0:3], gw, gi[3:6], gi[6], goffs)
+    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready
 
 
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves
@@ -517,7 +534,7 @@ _KERNELS = {"group_routing": _group_routing, "group_routing_into": _group_routin
 #: the kernels each one calls (compiled before it: numba binds a global function when it compiles a caller)
 _CALLS = {"group_routing": ("group_routing_into",), "group_index": ("group_index_into",),
           "group_index_into": ("rows_ready",), "partition": ("partition_into",), "evict": ("evict_into",),
-          "route_partition": ("evict_into", "group_routing_into", "partition_into")}
+          "route_partition": ("evict_into", "group_routing_into", "partition_into", "group_index_into")}
 _compiled: dict[str, object] = {}
 
 

@@ -39,6 +39,7 @@ from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
 from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
 
 _EMPTY = np.zeros(0, np.int64)
+_NO_GROUP = (np.zeros((7, 0), np.int64), np.zeros(0, np.float32), np.zeros(0, np.int32))  # (the route call's)
 
 
 class OffloadRuntime:
@@ -77,6 +78,10 @@ class OffloadRuntime:
         self._out_shape: tuple[int, int] = (-1, -1)  # its shape
         self._accel_is_host = devices.accel.type == "cpu"
         self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel)
+        #: whether the route call writes a layer's first group (the CPU device: computed before any wait) and the
+        #: (pairs, lo, span, experts) of the one it wrote for this layer visit, until _group takes it
+        self._first_in_route = not devices.is_cuda
+        self._first: tuple | None = None
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
@@ -161,6 +166,7 @@ class OffloadRuntime:
         layer, step = plan.layer, plan.step
         dev, pool = self.dev, self.pool
         if isinstance(routing, LayerRouting):
+            self._first = None
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
@@ -254,10 +260,19 @@ class OffloadRuntime:
         free = pool.cache_free[layer]
         ws = self._route_ws.fit(n, len(evicted))
         wi = ws.wi
-        bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm = kernel(
+        if self._first_in_route:  # (the CPU device: the route call writes the layer's first group)
+            gws = self._group_ws
+            if n > gws.ints.shape[1]:
+                gws.fit(n)
+            gi, gw, go = gws.gi, gws.w, gws.offs
+        else:
+            gi, gw, go = _NO_GROUP
+        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready) = kernel(
             ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
             pool.row_of, evicted, np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi,
-            ws.wf)
+            ws.wf, gi, gw, go)
+        # the first group (the ready and fetched experts), when written and its rows ready: used by _group
+        self._first = (fg_n, fg_lo, fg_span, ready + fetched) if fg_ready and fg_n >= 0 else None
         if bad >= 0:
             raise AssertionError(f"layer {layer} expert {int(evicted[bad])} is not in the slot table's cache")
         if n_ev:
@@ -563,19 +578,23 @@ class OffloadRuntime:
         sorted, the first row lo of its span, the tokens per row of the span, its index tensors on the
         accelerator (:func:`_device_indices`), its experts and their tokens (lists, for the timeline)). With
         numba written into the group workspace (on the CPU device its tensors are views of it), else a
-        :class:`GroupIndex`."""
+        :class:`GroupIndex`. The layer's first group may have been written by the route call (``_first``)."""
         pool, dev, layer = self.pool, self.dev, plan.layer
-        kernel = _kernels.compiled("group_index_into")
-        if kernel is None:
+        ws = self._group_ws
+        g = len(seg)
+        first = self._first
+        if first is not None and first[3] == g:  # the layer's first group, written (and checked) by the route call
+            self._first = None
+            n, lo, span, ready = first[0], first[1], first[2], True
+        elif (kernel := _kernels.compiled("group_index_into")) is not None:
+            n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
+        else:
             gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
             if not gi.rows_ready:
                 pool.check_rows(gi.rows, layer, gi.experts)  # raises, naming what is wrong (or checks)
             tensors = _device_indices(gi.pairs, gi.token_rows(routing.top_k), gi.offs, gi.row_of_pairs, gi.weights,
                                       dev.accel, dev.dtype, self.layout.bias)
             return gi.rows, gi.lo, gi.table_counts, tensors, gi.experts, gi.counts
-        ws = self._group_ws
-        n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
-        g = len(seg)
         g_rows = ws.small[0, :g]
         if not ready:
             pool.check_rows(g_rows, layer, ws.small[1, :g])  # raises, naming what is wrong

@@ -78,35 +78,38 @@ class GroupWorkspace:
     """The buffers of ``kernels._group_index_into`` for the accelerator lane's groups: pairs, their tokens
     and rows within the span (``ints``), their gate weights (``w``), the group's sorted rows, experts and
     counts (``small``), the tokens per table row of the span (``table_counts``) and their offsets (``offs``,
-    int32). ``rows``: the slot table's rows (a group's span and experts are at most that many)."""
+    int32). ``rows``: the slot table's rows (a group's span and experts are at most that many). The int64
+    buffers are the rows of one array ``gi`` (``ints`` 0-2, ``small`` 3-5, ``table_counts`` 6), so the route
+    call can write a layer's first group with three arguments (``kernels._route_partition``)."""
 
-    __slots__ = ("rows", "ints", "w", "small", "table_counts", "offs", "tensors", "_wrap", "_views", "_offs_views")
+    __slots__ = ("rows", "gi", "ints", "w", "small", "table_counts", "offs", "tensors", "_wrap", "_views",
+                 "_offs_views")
 
     def __init__(self, rows: int, device: torch.device, pairs: int = 0):
         self.rows = rows
-        self.small = np.zeros((3, rows), np.int64)
-        self.table_counts = np.zeros(rows, np.int64)
         self.offs = np.zeros(rows, np.int32)
         self.tensors = None
         self._wrap = device.type == "cpu"
         self._views: dict[int, tuple] = {}  # pairs -> the pair tensors' views
         self._offs_views: dict[int, torch.Tensor] = {}  # span -> the offsets' view
-        self.ints = np.zeros((3, 0), np.int64)
-        self.w = np.zeros(0, np.float32)
+        self._alloc(0)
         self.fit(pairs)
+
+    def _alloc(self, cap: int) -> None:
+        """Buffers for ``cap`` pairs (and at least the slot table's rows); on the CPU device their tensors."""
+        self.gi = np.zeros((7, max(cap, self.rows)), np.int64)
+        self.ints, self.small, self.table_counts = self.gi[0:3], self.gi[3:6], self.gi[6]
+        self.w = np.zeros(self.gi.shape[1], np.float32)
+        if self._wrap:  # (pairs, tokens, pair rows), weights as a column, offsets
+            ints = torch.from_numpy(self.ints)
+            self.tensors = (ints[0], ints[1], ints[2], torch.from_numpy(self.w).view(-1, 1), torch.from_numpy(self.offs))
+        self._views.clear()
+        self._offs_views.clear()
 
     def fit(self, pairs: int) -> "GroupWorkspace":
         """Room for a group of ``pairs`` pairs (twice the need when it grows; the tensors re-made then)."""
         if pairs > self.ints.shape[1]:
-            cap = 2 * pairs
-            self.ints = np.zeros((3, cap), np.int64)
-            self.w = np.zeros(cap, np.float32)
-            if self._wrap:  # (pairs, tokens, pair rows), weights as a column, offsets
-                ints = torch.from_numpy(self.ints)
-                self.tensors = (ints[0], ints[1], ints[2], torch.from_numpy(self.w).view(-1, 1),
-                                torch.from_numpy(self.offs))
-            self._views.clear()
-            self._offs_views.clear()
+            self._alloc(2 * pairs)
         return self
 
     def views(self, n: int, span: int) -> tuple:
