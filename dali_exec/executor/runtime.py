@@ -249,6 +249,7 @@ class OffloadRuntime:
         pool, layer = self.pool, plan.layer
         kernel = _kernels.compiled("route_partition")
         if kernel is None:
+            self._first = None
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             routing = LayerRouting.group(ids, weights)
