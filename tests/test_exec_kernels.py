@@ -106,7 +106,7 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
         pool.admit_many(0, experts[source == HIT].astype(np.int64))
         plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=own[own > 0][touch].astype(
             np.int32), source=source, admitted=rng.random(len(experts)) < 0.5)
-        runtime = SimpleNamespace(pool=pool, _route_ws=RouteWorkspace())
+        runtime = SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _first_in_route=False, _first=None)
         flag = trial % 4 == 1
         got = OffloadRuntime._partition(runtime, plan, r, flag)
         with monkeypatch.context() as m:
@@ -317,7 +317,7 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
         monkeypatch.setattr(K, "compiled", lambda name: None)
     ids, w = np.array([[1, 4], [4, 2]]), np.full((2, 2), 0.5, np.float32)
     runtime = SimpleNamespace(pool=SlotPool(np.array([4]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=8),
-                              _route_ws=RouteWorkspace())
+                              _route_ws=RouteWorkspace(), _first_in_route=False, _first=None)
     runtime._partition = lambda *args: OffloadRuntime._partition(runtime, *args)
 
     def plan(experts, counts, source):

@@ -46,6 +46,26 @@ def test_slot_pool_allocates_exactly_the_plan_and_keeps_roles():
     assert pool.resident()[0].nonzero()[0].tolist() == [6, 7]
 
 
+def test_staging_buffers_are_taken_first_free_first_and_returned_cleared():
+    pool = SlotPool(np.array([1]), 0, 5, 4, torch.float32, torch.device("cpu"), num_experts=8)
+    first = pool.staging_free[:]
+    assert len(first) == 5 and np.shares_memory(pool.hold_layer, pool.state)  # the rows of one array
+    for n in (2, 4):  # two buffers (one-expert turns, cleared row by row) and more (cleared at once)
+        rows = pool.take_staging_rows(n)
+        assert rows == first[:n] and pool.staging_free == first[n:]
+        pool.hold_rows(np.array(rows), 0, np.arange(n))
+        assert pool.hold_expert[rows].tolist() == list(range(n))
+        pool.release_staging_rows(rows)
+        assert pool.staging_free == first[n:] + rows  # returned behind the free ones
+        assert (pool.hold_layer[rows] == -1).all() and (pool.hold_expert[rows] == -1).all()
+        first = pool.staging_free[:]
+        pool.check_layer(0)
+    with pytest.raises(AssertionError, match="6 staging buffers asked, 5 of 5 free"):
+        pool.take_staging_rows(6)
+    slot = pool.take_staging(0, 3)
+    assert slot.index == first[0] and pool.staging_free == first[1:]
+
+
 def test_slot_check_ready_refuses_a_copy_in_flight_and_the_wrong_expert():
     timer = Timer()
     engine = CopyEngine(None, timer, delay_s=0.2)

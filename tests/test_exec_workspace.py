@@ -86,7 +86,9 @@ def test_a_replay_through_the_workspaces_equals_the_numpy_code(traces, shape, sy
 
 def _runtime(capacity=30, experts=30):
     pool = SlotPool(np.array([capacity]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=experts)
-    return SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _ws_routing=None)
+    return SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _ws_routing=None,
+                           _group_ws=GroupWorkspace(len(pool.slots), torch.device("cpu")), _first_in_route=True,
+                           _first=None)
 
 
 def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give():
@@ -102,7 +104,8 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         runtime = _runtime()
         runtime.pool.admit_many(0, experts[source == HIT].astype(np.int64))
         plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=r.counts()[touch],
-                               source=source, admitted=np.zeros(len(experts), bool), evicted=[])
+                               source=source, admitted=(source == FETCH) & (rng.random(len(experts)) < 0.5),
+                               evicted=[])
         routed, _, split, _ = OffloadRuntime._route(runtime, plan, ids, w)
         assert runtime._ws_routing is routed
         wi = runtime._route_ws.wi
@@ -113,6 +116,39 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         seg = lane[1, staged]
         want = np.stack([lane[3, staged], r.ptr[seg], r.ptr[seg + 1], r.ptr[seg + 1] - r.ptr[seg]])
         assert np.array_equal(wi[K.W_TURNS:K.W_TURNS + 4, :len(staged)], want)
+        # the first group (hits and admitted fetches), written when it has two experts or more
+        first = order[:ready + fetched]
+        if len(first) < 2:
+            assert runtime._first is None
+            continue
+        gi = GroupIndex.build(r, lane[1, first], lane[2, first], (0, *runtime.pool.state))
+        pairs, lo, span, g = runtime._first
+        gws = runtime._group_ws
+        assert (pairs, lo, span, g) == (len(gi.pairs), gi.lo, len(gi.table_counts), len(first)) and gi.rows_ready
+        assert np.array_equal(gws.ints[:, :pairs], np.stack([gi.pairs, gi.pairs // k, gi.row_of_pairs()]))
+        assert np.array_equal(gws.w[:pairs], gi.weights) and np.array_equal(gws.offs[:span], gi.offs)
+        assert np.array_equal(gws.small[:, :g], np.stack([gi.rows, gi.experts, gi.counts]))
+        assert np.array_equal(gws.table_counts[:span], gi.table_counts)
+
+
+def test_the_route_call_writes_the_first_group_only_when_its_rows_are_ready():
+    if K.compiled("route_partition") is None:
+        pytest.skip("the route call is compiled code (numba)")
+    ids = np.array([[0, 1], [1, 2]])
+    w = np.full((2, 2), 0.5, np.float32)
+    r = LayerRouting.group(ids, w)
+    for busy in (False, True):
+        runtime = _runtime()
+        runtime.pool.admit_many(0, np.array([0, 1, 2]))
+        if busy:  # a copy into one of the rows still in flight: not written; the compute-time group checks
+            runtime.pool.inflight[runtime.pool.row_of[0, 1]] = 1
+        plan = SimpleNamespace(layer=0, step=0, experts=np.array([0, 1, 2], np.int16), counts=r.counts(),
+                               source=np.full(3, HIT, np.int8), admitted=np.zeros(3, bool), evicted=[])
+        OffloadRuntime._route(runtime, plan, ids, w)
+        assert (runtime._first is None) == busy
+        runtime._first_in_route = False  # (on CUDA: never)
+        OffloadRuntime._route(runtime, plan, ids, w)
+        assert runtime._first is None
 
 
 def test_the_route_workspace_grows_and_rewraps_its_tensors():
@@ -121,11 +157,22 @@ def test_the_route_workspace_grows_and_rewraps_its_tensors():
     small = ws.wi
     assert ws.fit(4, 3).wi is small  # room already
     ws.fit(40, 0)
-    assert ws.wi.shape[1] == 82 and ws.wf.shape == (82,) and ws.wb.shape == (2, 82)
+    assert ws.wi.shape[1] == 82 and ws.wf.shape == (82,)
     pos, tok, w = ws.tensors
     ws.wi[K.W_ORDER, 5], ws.wi[K.W_TOKENS, 6], ws.wf[7] = 11, 12, 0.5
     assert pos[5] == 11 and tok[6] == 12 and w[7, 0] == 0.5  # views of the new buffers
+    views = ws.views(8)
+    assert ws.views(8) is views and [v.shape[0] for v in views] == [8, 8, 8]  # made once per length
+    assert views[0][5] == 11 and views[2][7, 0] == 0.5  # of the buffers
+    experts, ptr, per, order, wf, cpu, lane, lane_order = ws.layer_views(3, 8, 2, 3, 3)
+    assert ws.layer_views(3, 8, 2, 3, 3)[0] is experts and ws.layer_views(4, 8, 2, 3, 3)[0] is not experts
+    assert [len(a) for a in (experts, ptr, per, order, wf)] == [3, 4, 3, 8, 8] and order[5] == 11 and wf[7] == 0.5
+    assert lane.shape == (5, 3) and len(cpu) == 2 and len(lane_order) == 3
+    lane[2, 1] = 7  # the runtime writes slot rows into the lane's views: into the buffers
+    assert ws.wi[K.W_LANE + 2, 1] == 7
     assert ws.fit(0, 100).wi.shape[1] == 200  # evictions need room too
+    assert ws.views(8)[0] is not views[0] and ws.layer_views(3, 8, 2, 3, 3)[0] is not experts  # re-made for the new buffers
+    assert ws.views(8)[0].data_ptr() == ws.tensors[0].data_ptr()
     assert RouteWorkspace(torch.device("meta")).tensors is None  # not the CPU device: no tensors
 
 
@@ -138,7 +185,7 @@ def test_a_group_in_the_workspace_equals_group_index_and_grows():
     devices = Devices.create("cpu", "fp32")
     rt = OffloadRuntime(store, devices, np.array([8] * model.num_moe_layers), 2, 2, cpu_threads=1)
     try:
-        assert rt._group_ws.ints.shape[1] == 0
+        assert rt._group_ws.ints.shape[1] == len(rt.pool.slots)  # (room for the slot table's rows at least)
         for trial in range(40):
             T, k = int(rng.integers(1, 40)), 2
             ids = np.stack([rng.choice(8, k, replace=False) for _ in range(T)])

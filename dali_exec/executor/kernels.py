@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from dali_sim.policies import kernels as _policy_kernels
+from dali_sim.runtime.controller import CPU as _CPU, FETCH as _FETCH, HIT as _HIT, PREFETCHED as _PREFETCHED
 
 OK, NOT_PERMUTATION, NOT_SORTED, NEGATIVE = 0, 1, 2, 3
 TOO_WIDE = -2  # _admit: an expert id beyond the slot table's width
@@ -138,15 +139,18 @@ def _group_index(ptr, positions, weights, experts, seg, rows, k, layer, hold_lay
     table_counts = np.empty(span, np.int64)
     w = np.empty(total, np.float32)
     offs = np.empty(span, np.int32)
-    total, lo, span, ready = _group_index_into_fn(ptr, positions, weights, experts, seg, rows, k, layer, hold_layer,
-                                               hold_expert, inflight, ints, w, small, table_counts, offs)
+    state = np.empty((3, hold_layer.shape[0]), np.int64)
+    state[0], state[1], state[2] = hold_layer, hold_expert, inflight
+    total, lo, span, ready = _group_index_into_fn(ptr, positions, weights, experts, seg, rows, k, layer, state,
+                                                  ints, w, small, table_counts, offs)
     return (ints[0], w, small[0], small[1], small[2], lo, table_counts, offs, ints[1], ints[2], ready)
 
 
-def _group_index_into(ptr, positions, weights, experts, seg, rows, k, layer, hold_layer, hold_expert, inflight,
-                      ints, w, small, table_counts, offs):
+def _group_index_into(ptr, positions, weights, experts, seg, rows, k, layer, state, ints, w, small, table_counts,
+                      offs):
     """:func:`_group_index` into given arrays (a group of the accelerator lane writes the runtime's
-    preallocated workspace: no arrays made per group): ``ints`` rows 0-2 the pairs, their tokens and rows
+    preallocated workspace: no arrays made per group); ``state``: the slot table's (hold_layer, hold_expert,
+    inflight) rows (``SlotPool.state``: one argument, not three). ``ints`` rows 0-2 the pairs, their tokens and rows
     within the span, ``w`` their weights (each at least the group's pairs long), ``small`` rows 0-2 the
     sorted rows, experts and counts (at least g), ``table_counts`` and ``offs`` (int32; at least the span).
     Returns (pairs, lo, span, ready)."""
@@ -181,8 +185,8 @@ def _group_index_into(ptr, positions, weights, experts, seg, rows, k, layer, hol
         acc += table_counts[r]
         offs[r] = acc
     ready = True
-    if hold_layer.shape[0]:
-        ready = _rows_ready_fn(rows_s[:g], experts_s[:g], layer, hold_layer, hold_expert, inflight)
+    if state.shape[1]:
+        ready = _rows_ready_fn(rows_s[:g], experts_s[:g], layer, state[0], state[1], state[2])
     return total, lo, span, ready
 
 
@@ -419,15 +423,20 @@ def _rank_order(ids, weights, rows):
 #: rows of the int64 workspace of :func:`_route_partition` (see ``workspace.RouteWorkspace``)
 W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKENS, W_TURNS = 0, 1, 2, 3, 4, 5, 10, 11, 12, 13
 W_ROWS = 17
+#: the plan's source codes in the order :func:`_partition` takes them (CPU, HIT, PREFETCHED, FETCH); a global
+#: array, which numba compiles in as a constant
+PLAN_CODES = np.array([_CPU, _HIT, _PREFETCHED, _FETCH], np.int64)
 
 
-def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of, codes, evicted, free, layer,
-                     hold_layer, hold_expert, wi, wb, wf):
-    """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of`` is the layer's row of
-    the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
+def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of_all, evicted, free, layer,
+                     state, wi, wf, gi, gw, goffs):
+    """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of_all[layer]`` is the layer's
+    row of the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
     :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
     rows ``free`` (the layer's free list, then the rows just evicted) after the first ones, which go to
-    the admitted prefetched experts (``SlotPool.adopt``, the caller's, in lane order).
+    the admitted prefetched experts (``SlotPool.adopt``, the caller's, in lane order). ``state``: the slot
+    table's (hold_layer, hold_expert, inflight) rows (``SlotPool.state``); the plan's source codes are
+    :data:`PLAN_CODES`. Few arguments: with cold caches numba's dispatch costs about a microsecond per argument.
 
     Everything is written into a preallocated workspace (no array is made or returned: each would cost
     an allocation and a Python object per layer): ``wi`` (int64, :data:`W_ROWS` x at least n + 1 columns,
@@ -435,20 +444,30 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     order, ptr, experts and pairs per expert (:data:`W_ORDER` ..), the lane split (the five rows from
     :data:`W_LANE`), its order, the CPU experts, the token of each sorted pair (:data:`W_TOKENS`) and, from
     :data:`W_TURNS`, the staged experts' ids, first and end pair and pairs (in staging order: a staging
-    turn's slice of the routing); ``wb`` (bool, 2 x n) is scratch, ``wf`` (float32, n) the sorted weights. Returns (index of an evicted expert that is not cached or -1, the number of
+    turn's slice of the routing); ``wf`` (float32, n) the sorted weights. Returns (index of an evicted expert that is not cached or -1, the number of
     evicted rows, grouping status, the number of experts m, partition status, the number of CPU experts
     c, of accelerator experts g, hits, ready, fetched, admission status: ``OK`` (the fetched experts' rows
     are in the lane's row 2 and the table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not
-    enough free rows), nothing admitted: the caller's ``SlotPool.admit_many`` refuses as it does)."""
+    enough free rows), nothing admitted: the caller's ``SlotPool.admit_many`` refuses as it does), and the first
+    group's (pairs, lo, span, ready) or (-1, 0, 0, False).
+
+    The first group: when ``gi`` (``GroupWorkspace.gi``, with ``gw`` and ``goffs``: at least the pairs and
+    the slot table's rows wide; empty to skip) is given, the lane split holds no prefetched expert and the
+    fetched ones are admitted, the group of the ready and fetched experts (at least two; what the CPU
+    device's accelerator lane computes first, :func:`_group_index_into` of them, their rows checked now)
+    is written there: one compiled call per layer instead of two."""
+    row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
+    wb = np.zeros((2, flat.shape[0]), np.bool_)  # scratch (made in compiled code: no Python object)
+    codes = PLAN_CODES
     ev_rows = wi[W_EVICTED]
     n_ev = evicted.shape[0]
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
-        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1
+        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
     status, m = _group_routing_into_fn(flat, np.zeros(0, np.int64), weights, np.zeros(0, np.bool_), k, wi[W_ORDER],
                                        wi[W_PTR], wi[W_EXPERTS], wf, wb[0], wi[W_PER])
     if status != OK:
-        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1
+        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
     for j in range(flat.shape[0]):
         tokens[j] = order[j] // k
@@ -491,7 +510,17 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
                 hold_layer[row] = layer
                 hold_expert[row] = e
                 lane[2, g_] = row
-    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm
+    fg_n, fg_lo, fg_span, fg_ready = -1, 0, 0, False
+    nf = ready + fetched
+    if pstatus == 0 and adm == OK and ready == hits and nf >= 2 and gi.shape[1] >= flat.shape[0]:
+        seg = np.empty(nf, np.int64)
+        rows = np.empty(nf, np.int64)
+        for i in range(nf):
+            seg[i] = lane[1, lorder[i]]
+            rows[i] = lane[2, lorder[i]]
+        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg, rows, k, layer,
+                                                              state, gi[0:3], gw, gi[3:6], gi[6], goffs)
+    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready
 
 
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves
@@ -505,7 +534,7 @@ _KERNELS = {"group_routing": _group_routing, "group_routing_into": _group_routin
 #: the kernels each one calls (compiled before it: numba binds a global function when it compiles a caller)
 _CALLS = {"group_routing": ("group_routing_into",), "group_index": ("group_index_into",),
           "group_index_into": ("rows_ready",), "partition": ("partition_into",), "evict": ("evict_into",),
-          "route_partition": ("evict_into", "group_routing_into", "partition_into")}
+          "route_partition": ("evict_into", "group_routing_into", "partition_into", "group_index_into")}
 _compiled: dict[str, object] = {}
 
 

@@ -36,10 +36,10 @@ from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer
 from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
-from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED, LayerPlan
+from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
 
-_CODES = np.array([CPU, HIT, PREFETCHED, FETCH], np.int64)  # the plan's source codes, for the lane split
 _EMPTY = np.zeros(0, np.int64)
+_NO_GROUP = (np.zeros((7, 0), np.int64), np.zeros(0, np.float32), np.zeros(0, np.int32))  # (the route call's)
 
 
 class OffloadRuntime:
@@ -75,7 +75,13 @@ class OffloadRuntime:
         self._route_ws = RouteWorkspace(devices.accel)
         self._ws_routing: LayerRouting | None = None  # the routing made of the route workspace's views
         self._out_buf: torch.Tensor | None = None  # the last layer's combine buffer (_combine_buffer)
+        self._out_shape: tuple[int, int] = (-1, -1)  # its shape
+        self._accel_is_host = devices.accel.type == "cpu"
         self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel)
+        #: whether the route call writes a layer's first group (the CPU device: computed before any wait) and the
+        #: (pairs, lo, span, experts) of the one it wrote for this layer visit, until _group takes it
+        self._first_in_route = not devices.is_cuda
+        self._first: tuple | None = None
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
@@ -160,6 +166,7 @@ class OffloadRuntime:
         layer, step = plan.layer, plan.step
         dev, pool = self.dev, self.pool
         if isinstance(routing, LayerRouting):
+            self._first = None
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
@@ -174,8 +181,8 @@ class OffloadRuntime:
         # threads) it runs when the accelerator lane would first wait for a copy, or after it
         # activation transfers are not bookkeeping: with one to make the stopwatch stops here; without (the CPU
         # device) it runs on through the lanes' set-up (the output buffer, the CPU lane's job): two readings less
-        x_dev = x.device  # (a new object per read)
-        on_host, on_accel = x_dev.type == "cpu", x_dev == dev.accel
+        on_host = x.is_cpu  # (x.device is a new object per read)
+        on_accel = on_host if self._accel_is_host else x.device == dev.accel
         moves = bool(cpu_seg.size and not on_host) or bool(lanes.n and not on_accel)
         if moves:
             sw.stop()
@@ -209,7 +216,7 @@ class OffloadRuntime:
                 pos, vals = pos.to(dev.accel, non_blocking=True), vals.to(dev.accel, non_blocking=True)
             out_buf.index_copy_(0, pos, vals)
         out = out_buf.view(T, k, H).sum(dim=1)
-        out = out if on_accel else out.to(x_dev)
+        out = out if on_accel else out.to(x.device)
         sw.start()
 
         if plan.swaps:
@@ -229,8 +236,9 @@ class OffloadRuntime:
         when it has that shape (its sum has been taken: on CUDA the later writes are queued behind it on the
         compute stream), else a new one; ``zeroed`` when not every pair is written."""
         buf = self._out_buf
-        if buf is None or buf.shape[0] != pairs or buf.shape[1] != hidden:
+        if self._out_shape != (pairs, hidden):
             buf = self._out_buf = torch.empty((pairs, hidden), dtype=self.dev.dtype, device=self.dev.accel)
+            self._out_shape = (pairs, hidden)
         return buf.zero_() if zeroed else buf
 
     def _route(self, plan: LayerPlan, ids: np.ndarray, weights: np.ndarray | None):
@@ -241,6 +249,7 @@ class OffloadRuntime:
         pool, layer = self.pool, plan.layer
         kernel = _kernels.compiled("route_partition")
         if kernel is None:
+            self._first = None
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             routing = LayerRouting.group(ids, weights)
@@ -248,14 +257,23 @@ class OffloadRuntime:
         ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
         n = T * k
-        evicted = np.asarray(plan.evicted, np.int64)
+        evicted = np.asarray(plan.evicted, np.int64) if plan.evicted else _EMPTY
         free = pool.cache_free[layer]
         ws = self._route_ws.fit(n, len(evicted))
         wi = ws.wi
-        bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm = kernel(
+        if self._first_in_route:  # (the CPU device: the route call writes the layer's first group)
+            gws = self._group_ws
+            if n > gws.ints.shape[1]:
+                gws.fit(n)
+            gi, gw, go = gws.gi, gws.w, gws.offs
+        else:
+            gi, gw, go = _NO_GROUP
+        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready) = kernel(
             ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
-            pool.row_of[layer], _CODES, evicted, np.fromiter(free, np.int64, len(free)), layer, pool.hold_layer,
-            pool.hold_expert, wi, ws.wb, ws.wf)
+            pool.row_of, evicted, np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi,
+            ws.wf, gi, gw, go)
+        # the first group (the ready and fetched experts), when written and its rows ready: used by _group
+        self._first = (fg_n, fg_lo, fg_span, ready + fetched) if fg_ready and fg_n >= 0 else None
         if bad >= 0:
             raise AssertionError(f"layer {layer} expert {int(evicted[bad])} is not in the slot table's cache")
         if n_ev:
@@ -264,14 +282,12 @@ class OffloadRuntime:
         if status == _kernels.NEGATIVE:
             raise ValueError("expert ids must be >= 0")
         # views of the workspace, used within this layer visit (see .workspace)
-        K = _kernels
-        routing = LayerRouting(T, k, wi[K.W_EXPERTS, :m], wi[K.W_PTR, :m + 1], wi[K.W_ORDER, :n], ws.wf[:n], None,
-                               wi[K.W_PER, :m])
-        self._ws_routing = routing
         cols = 1 if pstatus == 2 else g  # (status 2: column 0 names the expert that is not cached)
-        split = _checked_split(plan, routing, pstatus, wi[K.W_CPU, :c], wi[K.W_LANE:K.W_LANE + 5, :cols],
-                               wi[K.W_LANE_ORDER, :g], hits, ready, fetched)
-        return (routing, *split, adm == K.OK)
+        experts, ptr, per, order, w, cpu, lane, lane_order = ws.layer_views(m, n, c, g, cols)
+        routing = LayerRouting(T, k, experts, ptr, order, w, None, per)
+        self._ws_routing = routing
+        split = _checked_split(plan, routing, pstatus, cpu, lane, lane_order, hits, ready, fetched)
+        return (routing, *split, adm == _kernels.OK)
 
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
@@ -282,7 +298,7 @@ class OffloadRuntime:
         if kernel is not None:
             return _checked_split(plan, routing, *kernel(
                 routing.experts, routing.counts(), plan.experts, plan.counts, plan.source, plan.admitted,
-                self.pool.row_of[layer], _CODES, flag))
+                self.pool.row_of[layer], _kernels.PLAN_CODES, flag))
         if not routing.matches(plan.experts, plan.counts):
             _routing_differs(plan, routing)
         # the same in array operations
@@ -338,7 +354,13 @@ class OffloadRuntime:
         head = staged[:per_turn * halves]
         rows[head] = stage_rows[:len(head)]
         nf = len(lanes.fetched)  # (fetched and staged are consecutive in the lane order)
-        first = np.sort(lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)]) if n_staged else lanes.fetched
+        if n_staged:  # the fetched and the first staged ones (each ascending) merged
+            first = lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)]
+            if nf:
+                first = first.copy()
+                first.sort()
+        else:
+            first = lanes.fetched
         fetched_events = self._copy_now(plan, first, experts, rows, sw)
         # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
         ready = lanes.ready
@@ -557,26 +579,30 @@ class OffloadRuntime:
         sorted, the first row lo of its span, the tokens per row of the span, its index tensors on the
         accelerator (:func:`_device_indices`), its experts and their tokens (lists, for the timeline)). With
         numba written into the group workspace (on the CPU device its tensors are views of it), else a
-        :class:`GroupIndex`."""
+        :class:`GroupIndex`. The layer's first group may have been written by the route call (``_first``)."""
         pool, dev, layer = self.pool, self.dev, plan.layer
-        kernel = _kernels.compiled("group_index_into")
-        if kernel is None:
+        ws = self._group_ws
+        g = len(seg)
+        first = self._first
+        if first is not None and first[3] == g:  # the layer's first group, written (and checked) by the route call
+            self._first = None
+            n, lo, span, ready = first[0], first[1], first[2], True
+        elif (kernel := _kernels.compiled("group_index_into")) is not None:
+            n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
+        else:
             gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
             if not gi.rows_ready:
                 pool.check_rows(gi.rows, layer, gi.experts)  # raises, naming what is wrong (or checks)
             tensors = _device_indices(gi.pairs, gi.token_rows(routing.top_k), gi.offs, gi.row_of_pairs, gi.weights,
                                       dev.accel, dev.dtype, self.layout.bias)
             return gi.rows, gi.lo, gi.table_counts, tensors, gi.experts, gi.counts
-        ws = self._group_ws
-        n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
-        g = len(seg)
         g_rows = ws.small[0, :g]
         if not ready:
             pool.check_rows(g_rows, layer, ws.small[1, :g])  # raises, naming what is wrong
-        if ws.tensors is not None:  # the CPU device: views of the workspace's tensors
-            t_pos, t_tok, t_rows, t_w, t_offs = ws.tensors
-            tensors = (t_pos.narrow(0, 0, n), t_tok.narrow(0, 0, n), t_offs.narrow(0, 0, span),
-                       t_rows.narrow(0, 0, n) if self.layout.bias else None, _as_dtype(t_w.narrow(0, 0, n), dev.dtype))
+        if ws.tensors is not None:  # the CPU device: views of the workspace's tensors (made once per length)
+            t_pos, t_tok, t_rows, t_w, t_offs = ws.views(n, span)
+            tensors = (t_pos, t_tok, t_offs, t_rows if self.layout.bias else None,
+                       t_w if t_w.dtype == dev.dtype else t_w.to(dev.dtype))
         else:
             ints = ws.ints
             tensors = _device_indices(ints[0, :n], ints[1, :n], ws.offs[:span], lambda: ints[2, :n], ws.w[:n],
@@ -590,9 +616,7 @@ class OffloadRuntime:
         if self._droute_of is not routing:
             dev = self.dev
             if routing is self._ws_routing and self._route_ws.tensors is not None:  # the CPU device: views
-                n = len(routing.positions)
-                pos, tok, w = self._route_ws.tensors
-                pos, tok, w = pos.narrow(0, 0, n), tok.narrow(0, 0, n), w.narrow(0, 0, n)
+                pos, tok, w = self._route_ws.views(len(routing.positions))
                 self._droute_list, self._droute_of = [pos, tok, _as_dtype(w, dev.dtype)], routing
                 return self._droute_list
             pos = routing.positions
@@ -689,7 +713,10 @@ class _AccelLane:
            fetched: int, *, admitted: bool = False) -> "_AccelLane":
         """``split``, ``order`` and the counts: the lane split of ``kernels._partition``. ``admitted``: the
         fetched experts hold their cache rows already (``split[2]``, the table set; ``kernels._route_partition``):
-        only the free list and the count are left, after the prefetched experts' adoptions."""
+        only the free list and the count are left, after the prefetched experts' adoptions. Without accelerator
+        experts the one empty lane (nothing reads or writes its arrays)."""
+        if not split.shape[1]:
+            return _NO_LANE
         lane = cls()
         lane.staging_used = 0
         lane.prefetched_in_flight = False
@@ -702,11 +729,9 @@ class _AccelLane:
             return lane
         layer, rows = plan.layer, lane.rows
         lane.ready, lane.fetched, lane.staged = order[:ready], order[ready:ready + fetched], order[ready + fetched:]
-        if ready > hits:  # prefetched ones (at most the prefetch buffers)
-            kinds = split[4]
-            for i in lane.ready.tolist():
-                if kinds[i] != _kernels.PREFETCHED_KIND:
-                    continue
+        if ready > hits:  # prefetched ones (at most the prefetch buffers), in touch order
+            r = lane.ready
+            for i in r[split[4][r] == _kernels.PREFETCHED_KIND].tolist():
                 e = int(lane.experts[i])
                 slot = pool.pop_prefetched(layer, e)
                 if plan.admitted[split[0, i]]:
@@ -720,6 +745,17 @@ class _AccelLane:
         elif fetched:
             rows[lane.fetched] = pool.admit_many(layer, lane.experts[lane.fetched])
         return lane
+
+
+def _empty_lane() -> _AccelLane:
+    lane = _AccelLane()
+    lane.n, lane.staging_used, lane.prefetched_in_flight, lane.all_cached = 0, 0, False, False
+    lane.freed = []
+    lane.experts = lane.seg = lane.rows = lane.order = lane.ready = lane.fetched = lane.staged = _EMPTY
+    return lane
+
+
+_NO_LANE = _empty_lane()  # a layer visit without accelerator experts
 
 
 def _checked_split(plan: LayerPlan, routing: LayerRouting, status: int, cpu_seg, lane, order, hits, ready, fetched):

@@ -106,9 +106,11 @@ class SlotPool:
         self.table = self.buffer  # the rows as a weight table (grouped computation reads [:, :numel])
         self.rows_view = self.buffer[:, :numel]  # the rows without their padding (copies write these)
         self.slots = [Slot(i, self.buffer[i, :numel], self) for i in range(n)]
-        self.hold_layer = np.full(n, -1, np.int64)
-        self.hold_expert = np.full(n, -1, np.int64)
-        self.inflight = np.zeros(n, np.int64)  # copies into each row not yet landed
+        #: per row: the layer and expert it holds (-1: none) and its copies not yet landed, as one array (the
+        #: compiled per-layer loops take it as one argument) and as its three rows
+        self.state = np.zeros((3, n), np.int64)
+        self.state[:2] = -1
+        self.hold_layer, self.hold_expert, self.inflight = self.state
         self.tickets: list[CopyTicket | None] = [None] * n
         self.ticketed: set[int] = set()  # the rows whose ticket is not None
         self.last_use: list = [None] * n
@@ -118,7 +120,8 @@ class SlotPool:
         self.cache_free: list[deque[int]] = [deque(next(it) for _ in range(c)) for c in caps]
         self.prefetch_free: deque[int] = deque(next(it) for _ in range(prefetch_slots))
         self.prefetched: dict[tuple[int, int], int] = {}  # (layer, expert) -> row
-        self.staging_free: deque[int] = deque(next(it) for _ in range(staging_slots))
+        #: free staging buffers, first taken first (a list: a layer takes and returns them by the slice)
+        self.staging_free: list[int] = [next(it) for _ in range(staging_slots)]
         self.n_cached = np.zeros(L, np.int64)
 
     @property
@@ -291,7 +294,7 @@ class SlotPool:
     def take_staging(self, layer: int, expert: int) -> Slot | None:
         if not self.staging_free:
             return None
-        row = self.staging_free.popleft()
+        row = self.staging_free.pop(0)
         self._hold(row, layer, expert)
         return self.slots[row]
 
@@ -305,11 +308,16 @@ class SlotPool:
         if n > len(self.staging_free):
             raise AssertionError(f"{n} staging buffers asked, {len(self.staging_free)} of {self.num_staging} free")
         free = self.staging_free
-        return [free.popleft() for _ in range(n)]
+        rows = free[:n]
+        del free[:n]
+        return rows
 
     def release_staging_rows(self, rows: list[int]) -> None:
-        for r in rows:  # (a few)
-            self.hold_layer[r] = self.hold_expert[r] = -1
+        if len(rows) <= 2:  # (a layer's one-expert turns: two buffers)
+            for r in rows:
+                self.hold_layer[r] = self.hold_expert[r] = -1
+        else:  # (every staged expert of a layer in its own buffer: tens)
+            self.state[:2, np.array(rows, np.int64)] = -1
         self.staging_free.extend(rows)
 
     def hold_rows(self, rows, layer: int, experts) -> None:
@@ -349,8 +357,8 @@ class SlotPool:
     # ---- invariants ---------------------------------------------------------------------------
     def check_layer(self, layer: int, staging_in_use: int = 0) -> None:
         """The cheap per-layer part of :meth:`check`: the layer's cache and the shared buffers keep their counts."""
-        cached, free, cap = int(self.n_cached[layer]), len(self.cache_free[layer]), self.capacities[layer]
-        if cached + free != cap:
+        if self.n_cached[layer] + len(self.cache_free[layer]) != self.capacities[layer]:
+            cached, free, cap = int(self.n_cached[layer]), len(self.cache_free[layer]), self.capacities[layer]
             raise AssertionError(f"layer {layer}: {cached} cached + {free} free slots, capacity {cap}")
         if len(self.prefetched) + len(self.prefetch_free) != self.num_prefetch:
             raise AssertionError(f"{len(self.prefetched)} prefetched + {len(self.prefetch_free)} free buffers, "

@@ -26,14 +26,15 @@ class RouteWorkspace:
     ``device``: the accelerator; on the CPU device ``tensors`` wrap the sorted pairs, their tokens and their
     weights (a column) once, for the layer's routing on the accelerator (``OffloadRuntime._droute``)."""
 
-    __slots__ = ("wi", "wb", "wf", "tensors", "_wrap")
+    __slots__ = ("wi", "wf", "tensors", "_wrap", "_views", "_cached")
 
     def __init__(self, device: torch.device = torch.device("cpu"), pairs: int = 0):
         self._wrap = device.type == "cpu"
         self.wi = np.zeros((_kernels.W_ROWS, 0), np.int64)
-        self.wb = np.zeros((2, 0), bool)
         self.wf = np.zeros(0, np.float32)
         self.tensors = None
+        self._views: dict[int, tuple] = {}
+        self._cached: dict[tuple, tuple] = {}  # layer_views by their lengths
         self.fit(pairs, 0)
 
     def fit(self, pairs: int, evicted: int) -> "RouteWorkspace":
@@ -42,44 +43,86 @@ class RouteWorkspace:
         if need > self.wi.shape[1]:
             cap = 2 * need
             self.wi = np.zeros((_kernels.W_ROWS, cap), np.int64)
-            self.wb = np.zeros((2, cap), bool)
             self.wf = np.zeros(cap, np.float32)
             if self._wrap:
                 self.tensors = (torch.from_numpy(self.wi[_kernels.W_ORDER]), torch.from_numpy(self.wi[_kernels.W_TOKENS]),
                                 torch.from_numpy(self.wf).view(-1, 1))
+            self._views.clear()
+            self._cached.clear()
         return self
+
+    def layer_views(self, m: int, n: int, c: int, g: int, cols: int) -> tuple:
+        """What the route call wrote for ``m`` experts, ``n`` pairs, ``c`` CPU and ``g`` accelerator experts, as
+        views of the buffers: the grouped routing (experts, ptr, pairs per expert, order, sorted weights) and the
+        lane split (CPU experts, the lane's five rows (``cols`` columns), its order); made once per lengths and
+        kept until the buffers grow (the runtime writes the lane's slot rows into them)."""
+        key = (m, n, c, g, cols)
+        v = self._cached.get(key)
+        if v is None:
+            wi, K = self.wi, _kernels
+            v = self._cached[key] = (wi[K.W_EXPERTS, :m], wi[K.W_PTR, :m + 1], wi[K.W_PER, :m], wi[K.W_ORDER, :n],
+                                     self.wf[:n], wi[K.W_CPU, :c], wi[K.W_LANE:K.W_LANE + 5, :cols],
+                                     wi[K.W_LANE_ORDER, :g])
+        return v
+
+    def views(self, n: int) -> tuple:
+        """``tensors``' first ``n`` rows (sorted pairs, their tokens, their weights), made once per ``n`` (a
+        replay's layers have one number of pairs) and kept until the buffers grow."""
+        v = self._views.get(n)
+        if v is None:
+            v = self._views[n] = tuple(t.narrow(0, 0, n) for t in self.tensors)
+        return v
 
 
 class GroupWorkspace:
     """The buffers of ``kernels._group_index_into`` for the accelerator lane's groups: pairs, their tokens
     and rows within the span (``ints``), their gate weights (``w``), the group's sorted rows, experts and
     counts (``small``), the tokens per table row of the span (``table_counts``) and their offsets (``offs``,
-    int32). ``rows``: the slot table's rows (a group's span and experts are at most that many)."""
+    int32). ``rows``: the slot table's rows (a group's span and experts are at most that many). The int64
+    buffers are the rows of one array ``gi`` (``ints`` 0-2, ``small`` 3-5, ``table_counts`` 6), so the route
+    call can write a layer's first group with three arguments (``kernels._route_partition``)."""
 
-    __slots__ = ("rows", "ints", "w", "small", "table_counts", "offs", "tensors", "_wrap")
+    __slots__ = ("rows", "gi", "ints", "w", "small", "table_counts", "offs", "tensors", "_wrap", "_views",
+                 "_offs_views")
 
     def __init__(self, rows: int, device: torch.device, pairs: int = 0):
         self.rows = rows
-        self.small = np.zeros((3, rows), np.int64)
-        self.table_counts = np.zeros(rows, np.int64)
         self.offs = np.zeros(rows, np.int32)
         self.tensors = None
         self._wrap = device.type == "cpu"
-        self.ints = np.zeros((3, 0), np.int64)
-        self.w = np.zeros(0, np.float32)
+        self._views: dict[int, tuple] = {}  # pairs -> the pair tensors' views
+        self._offs_views: dict[int, torch.Tensor] = {}  # span -> the offsets' view
+        self._alloc(0)
         self.fit(pairs)
+
+    def _alloc(self, cap: int) -> None:
+        """Buffers for ``cap`` pairs (and at least the slot table's rows); on the CPU device their tensors."""
+        self.gi = np.zeros((7, max(cap, self.rows)), np.int64)
+        self.ints, self.small, self.table_counts = self.gi[0:3], self.gi[3:6], self.gi[6]
+        self.w = np.zeros(self.gi.shape[1], np.float32)
+        if self._wrap:  # (pairs, tokens, pair rows), weights as a column, offsets
+            ints = torch.from_numpy(self.ints)
+            self.tensors = (ints[0], ints[1], ints[2], torch.from_numpy(self.w).view(-1, 1), torch.from_numpy(self.offs))
+        self._views.clear()
+        self._offs_views.clear()
 
     def fit(self, pairs: int) -> "GroupWorkspace":
         """Room for a group of ``pairs`` pairs (twice the need when it grows; the tensors re-made then)."""
         if pairs > self.ints.shape[1]:
-            cap = 2 * pairs
-            self.ints = np.zeros((3, cap), np.int64)
-            self.w = np.zeros(cap, np.float32)
-            if self._wrap:  # (pairs, tokens, pair rows), weights as a column, offsets
-                ints = torch.from_numpy(self.ints)
-                self.tensors = (ints[0], ints[1], ints[2], torch.from_numpy(self.w).view(-1, 1),
-                                torch.from_numpy(self.offs))
+            self._alloc(2 * pairs)
         return self
+
+    def views(self, n: int, span: int) -> tuple:
+        """On the CPU device, a group of ``n`` pairs over a span of ``span`` rows: ``tensors``' views (pairs,
+        tokens, pair rows, weights: the first ``n``; offsets: the first ``span``), each made once per length
+        and kept until the buffers grow (the tensor objects are reused; their contents are the last build's)."""
+        v = self._views.get(n)
+        if v is None:
+            v = self._views[n] = tuple(t.narrow(0, 0, n) for t in self.tensors[:4])
+        o = self._offs_views.get(span)
+        if o is None:
+            o = self._offs_views[span] = self.tensors[4].narrow(0, 0, span)
+        return (*v, o)
 
     def build(self, kernel, routing, seg: np.ndarray, rows: np.ndarray, layer: int, pool) -> tuple:
         """The group of the experts ``seg`` (indices into ``routing.experts``) in slot ``rows``, checked
@@ -88,8 +131,7 @@ class GroupWorkspace:
         if len(routing.positions) > self.ints.shape[1]:
             self.fit(len(routing.positions))
         return kernel(routing.ptr, routing.positions, routing.weights, routing.experts, seg, rows, routing.top_k,
-                      layer, pool.hold_layer, pool.hold_expert, pool.inflight, self.ints, self.w, self.small,
-                      self.table_counts, self.offs)
+                      layer, pool.state, self.ints, self.w, self.small, self.table_counts, self.offs)
 
 
 __all__ = ["GroupWorkspace", "RouteWorkspace"]
