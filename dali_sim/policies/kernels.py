@@ -147,47 +147,12 @@ def _impact_prefix(pred, cached, gpu_table, cpu_table, xfer):
     return gain, j, experts[cand]
 
 
-def _top_predicted(counts, rank, k):
-    """``prefetch_lookahead.top_predicted`` in one call (compiled only): the experts with a count > 0 by
-    descending count, then ascending ``rank`` (all zeros: no rank), then id; at most ``k`` (0 = all). An
-    insertion sort on those keys (a total order: the same as the NumPy lexsort)."""
-    E = counts.shape[0]
-    order = np.empty(E, np.int64)
-    m = 0
-    for x in range(E):
-        c = counts[x]
-        if not c > 0:
-            continue
-        i = m  # ids come ascending: ties in (count, rank) keep the lower id first
-        while i > 0:
-            o = order[i - 1]
-            if counts[o] > c or (counts[o] == c and rank[o] <= rank[x]):
-                break
-            order[i] = o
-            i -= 1
-        order[i] = x
-        m += 1
-    if 0 < k < m:
-        m = k
-    return order[:m]
-
-
-def _top_pairs(counts, rank, k, target):
-    """:func:`_top_predicted` as the (m, 2) int64 prefetch requests ``(target, expert)`` (compiled only)."""
-    order = _top_predicted_fn(counts, rank, k)
-    pairs = np.empty((order.shape[0], 2), np.int64)
-    for i in range(order.shape[0]):
-        pairs[i, 0] = target
-        pairs[i, 1] = order[i]
-    return pairs
-
-
-def _top_pairs_sparse(experts, counts, ranks, k, target):
-    """:func:`_top_pairs` from the sparse form of the prediction (compiled only): ``experts`` (distinct, any
-    order) with their predicted ``counts`` and best ``ranks``; the experts with a count > 0 by descending
-    count, then ascending rank, then id (an insertion sort on the whole key), at most ``k`` (0 = all)."""
+def _ranked(experts, counts, ranks, k):
+    """Positions of the experts with a count > 0 by descending count, then ascending rank, then id (an
+    insertion sort on that whole key: a total order, the same as the NumPy lexsort); at most ``k`` (0 = all)
+    (compiled only). ``experts`` are distinct, in any order."""
     n = experts.shape[0]
-    order = np.empty(n, np.int64)  # positions in the segment
+    order = np.empty(n, np.int64)
     m = 0
     for j in range(n):
         c = counts[j]
@@ -206,11 +171,33 @@ def _top_pairs_sparse(experts, counts, ranks, k, target):
         m += 1
     if 0 < k < m:
         m = k
-    pairs = np.empty((m, 2), np.int64)
-    for i in range(m):
+    return order[:m]
+
+
+def _top_predicted(counts, rank, k):
+    """``prefetch_lookahead.top_predicted`` in one call (compiled only): :func:`_ranked` over every expert
+    (``rank`` all zeros: no rank)."""
+    return _ranked_fn(np.arange(counts.shape[0]), counts, rank, k)
+
+
+def _as_pairs(experts, target):
+    """The (m, 2) int64 prefetch requests ``(target, expert)`` of ``experts``."""
+    pairs = np.empty((experts.shape[0], 2), np.int64)
+    for i in range(experts.shape[0]):
         pairs[i, 0] = target
-        pairs[i, 1] = experts[order[i]]
+        pairs[i, 1] = experts[i]
     return pairs
+
+
+def _top_pairs(counts, rank, k, target):
+    """:func:`_top_predicted` as prefetch requests (compiled only)."""
+    return _as_pairs_fn(_top_predicted_fn(counts, rank, k), target)
+
+
+def _top_pairs_sparse(experts, counts, ranks, k, target):
+    """:func:`_top_pairs` from the sparse form of the prediction (compiled only): ``experts`` (distinct, any
+    order) with their predicted ``counts`` and best ``ranks``."""
+    return _as_pairs_fn(experts[_ranked_fn(experts, counts, ranks, k)], target)
 
 
 def _impact_requests(preds, distances, seen, layer, gpu_table, cpu_table, xfer, threshold, k):
@@ -283,6 +270,8 @@ _hss_fn = _hss  # what _impact calls: replaced by the compiled _hss before _impa
 _impact_fn = _impact  # what _impact_prefix calls: the compiled _impact
 _impact_prefix_fn = _impact_prefix  # what _impact_requests calls: the compiled _impact_prefix
 _top_predicted_fn = _top_predicted  # what _top_pairs calls: the compiled _top_predicted
+_ranked_fn = _ranked  # what _top_predicted and _top_pairs_sparse call: the compiled _ranked
+_as_pairs_fn = _as_pairs  # what _top_pairs and _top_pairs_sparse call: the compiled _as_pairs
 _impls: dict[str, Callable] | None = None
 _fused: dict[str, Callable] = {}  # kernels with no Python fallback (callers keep a NumPy path)
 
@@ -292,7 +281,7 @@ def _on_lists(fn: Callable) -> Callable:
 
 
 def _load() -> dict[str, Callable]:
-    global _impls, _hss_fn, _impact_fn, _impact_prefix_fn, _top_predicted_fn
+    global _impls, _hss_fn, _impact_fn, _impact_prefix_fn, _top_predicted_fn, _ranked_fn, _as_pairs_fn
     nb = _numba()
     _fused.clear()
     if nb is None:
@@ -304,6 +293,7 @@ def _load() -> dict[str, Callable]:
         _impact_fn = jit(_impact)
         _impls = {"greedy": jit(_greedy), "hss": _hss_fn, "impact": _impact_fn}
         _impact_prefix_fn = _fused["impact_prefix"] = jit(_impact_prefix)
+        _ranked_fn, _as_pairs_fn = jit(_ranked), jit(_as_pairs)
         _top_predicted_fn = _fused["top_predicted"] = jit(_top_predicted)
         for name, fn in (("top_pairs", _top_pairs), ("top_pairs_sparse", _top_pairs_sparse),
                          ("impact_requests", _impact_requests), ("mrs_update", _mrs_update)):
