@@ -750,7 +750,7 @@ class _AccelLane:
 def _empty_lane() -> _AccelLane:
     lane = _AccelLane()
     lane.n, lane.staging_used, lane.prefetched_in_flight, lane.all_cached = 0, 0, False, False
-    lane.freed = []
+    lane.freed = ()  # (shared: nothing may be added)
     lane.experts = lane.seg = lane.rows = lane.order = lane.ready = lane.fetched = lane.staged = _EMPTY
     return lane
 
