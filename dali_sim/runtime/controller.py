@@ -266,8 +266,8 @@ class Controller:
             source, flags, out = ruled[0](experts, counts, tokens, *ruled[1][layer])
             row = out.tolist()  # as the keyed path's below; nothing prefetched, so the victims end it
             if row:  # (empty: the rule left an expert to the placement's place(), nothing changed)
-                if row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch or self.staging_slots < 1 and \
-                        row[TALLY_STAGED]:
+                if (row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch) or \
+                        (self.staging_slots < 1 and row[TALLY_STAGED]):
                     self._refuse(step, layer, experts, row)
                 return LayerPlan(step, layer, phase, tokens, experts, counts, flags[3], source, flags[0], flags[1],
                                  flags[2], row[TALLY_LEN + 1:], [], [], [], [], tuple(row[:TALLY_LEN]))
@@ -287,7 +287,8 @@ class Controller:
             int(self.capacities[layer]), self.n_resident, self.n_pending, bool(accepts), bool(evicts), primary, stamp,
             self._no_clock if clock is None else clock, clock is not None)
         row = out.tolist()  # the tally, the first expert fetched on demand, the lists (plan_kernel)
-        if row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch or self.staging_slots < 1 and row[TALLY_STAGED]:
+        if (row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch) or \
+                (self.staging_slots < 1 and row[TALLY_STAGED]):
             self._refuse(step, layer, experts, row)
         n_evicted, n_used = row[TALLY_EVICTED], row[TALLY_PREFETCH_USED]
         self._pending_total -= n_used + row[TALLY_WASTED]  # the layer's prefetches were used or wasted
