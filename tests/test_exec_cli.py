@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -254,6 +255,73 @@ def test_wake_up_cost_is_the_call_after_a_sleep_minus_the_call_straight_after_an
         worker.close()
     with pytest.raises(ValueError, match="wake_gap_s"):
         MicroSettings(wake_gap_s=-1.0)
+
+
+def test_host_decisions_are_the_median_host_interval_of_a_replay_of_each_named_system(monkeypatch):
+    """The calibrated decision time per layer visit is measured where the executor pays it, inside a replay
+    (caches cold after each layer's work): the median of the replay's ``host`` intervals, one per visit, for
+    exactly the named systems; a named system that cannot run is an error naming it."""
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from dali_exec.calibrate import host
+    from dali_exec.executor.devices import Devices
+    from dali_exec.executor.problem import ReplayOptions, prepare_replay
+    from dali_exec.executor.replay import ExecOptions, Replay
+    from dali_exec.executor.store import HostExpertStore
+
+    seen = {}
+    real_run = Replay.run
+
+    def run(self, *a, **kw):
+        result = real_run(self, *a, **kw)
+        w = self.setup.workload
+        seen[self.setup.sysconf.name] = ([iv.end - iv.start for iv in result.intervals if iv.track == "host"],
+                                         w.num_steps * w.num_layers)
+        return result
+
+    monkeypatch.setattr(Replay, "run", run)
+    s = host.HostSettings(layers=2, sequences=2, prompt_tokens=3, decode_tokens=2, batch_sizes=(1,),
+                          systems=("cpu-only", "dali"))
+    devices = Devices.create("cpu", "fp32")
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = host.workload_trace(get_model("mixtral-8x7b"), s, Path(tmp))
+        opts = ReplayOptions(scale=1 / 64, layers=2, dtype="fp32")
+        store = HostExpertStore.random(prepare_replay(trace, "cpu-only", opts).model, devices.dtype, 0)
+        run_opts = ExecOptions(device="cpu")
+        out = host.decision_seconds(trace, opts, devices, run_opts, store, s)
+        assert set(out) == set(seen) == {"cpu-only", "dali"}
+        for system, (visits, expected) in seen.items():
+            assert len(visits) == expected > 0  # one interval per layer visit
+            assert out[system] == statistics.median(visits) > 0
+        with pytest.raises(ValueError, match="host decisions of system 'no-such-system'"):
+            host.decision_seconds(trace, opts, devices, run_opts, store,
+                                  dataclasses.replace(s, systems=("no-such-system",)))
+
+
+def test_calibrate_systems_option_names_the_presets_whose_decisions_are_measured(monkeypatch, tmp_path):
+    """``--systems`` reaches the host settings (a replay of each named preset only); an unknown name is a
+    one-line usage error naming the option, and nothing is written."""
+    import dali_exec.calibrate as cal
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def calibrate_to(path, cfg, **kw):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(cal, "calibrate_to", calibrate_to)
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(cli, ["exec", "calibrate", "--model-shape", "mixtral-8x7b", "--systems", "dali, cpu-only",
+                                 "-o", str(out)])
+    assert isinstance(r.exception, Stop), r.output
+    assert seen[0].host.systems == ("dali", "cpu-only")
+    r = _invoke("exec", "calibrate", "--model-shape", "mixtral-8x7b", "--systems", "dali,no-such", "-o", str(out))
+    assert r.exit_code == 2 and "--systems" in r.output and "'no-such'" in r.output and not out.exists()
 
 
 def test_host_fit_rows_count_every_on_demand_copy():

@@ -171,8 +171,9 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
                      + (", caches flushed before each run" if cfg.settings.cold else ""),
         "contention": (f"each lane with a {cfg.settings.contention_tokens}-token expert (copy lane: one expert's "
                        "copy) while the other lanes of each combination loop theirs") if cfg.contention else "not measured",
-        "host": "dali_exec/calibrate/host.py (replays of cpu-only and all-resident gpu-static on a random workload; "
-                "Controller.plan per preset)" if cfg.host is not None else "not measured",
+        "host": "dali_exec/calibrate/host.py (replays of cpu-only, all-resident gpu-static and serial gpu-lru on a "
+                "random workload; the decisions per layer visit in a replay of each preset)" if cfg.host is not None
+                else "not measured",
         "dense_part": "dali_exec.executor.dense.DenseBlock (docs/executor.md), decode layout"
                       + (", and prefill layout (*_prefill)" if pqs else ""),
         "lane_wake": (f"a call of 2 one-token experts on the CPU lane after {cfg.settings.wake_gap_s * 1e3:g} ms of "

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate
+from dali_exec.calibrate.host import HostSettings
 from dali_exec.executor.devices import Devices, cpu_name
 from dali_exec.executor.problem import DTYPE_PRECISION, ReplayOptions, ReplaySetup, prepare_replay, scale_model
 from dali_exec.executor.replay import ExecOptions, Replay
@@ -280,7 +281,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         cal = _SpecCalibration(opts.model_shape or setup0.full_model.name, scale=opts.scale, dtype=opts.dtype,
                                device=str(devices.accel), cpu_threads=threads[0], accel_threads=threads[1],
                                settings=cfg.calibration, name=f"validation-{model.name}", spec=setup0.full_model,
-                               **points)
+                               host=HostSettings(systems=tuple(cfg.systems)), **points)
         profile_path = str(write_measured_profile(out / "profile.json", calibrate(cal, command=command)))
     else:
         profile_path = str(cfg.profile)

@@ -160,14 +160,26 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
 @click.option("--warmup", default=2, show_default=True, type=int, help="Untimed runs before each point.")
 @click.option("--rounds", default=3, show_default=True, type=int,
               help="Rounds of the tables (every table in turn); each point keeps its median over the rounds.")
+@click.option("--systems", help="Comma-separated system presets whose decision time per layer visit is measured (a "
+                                 "replay of each; default: every preset that can run). A profile serves only these.")
 @click.option("--name", help="Profile name (default: measured-MODEL-DEVICE).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Profile JSON to write.")
 def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, expert_tokens, dense_tokens,
-                  context_lens, prefill_sequences, prefill_tokens, repeats, warmup, rounds, name, output) -> None:
+                  context_lens, prefill_sequences, prefill_tokens, repeats, warmup, rounds, systems, name, output) -> None:
     """Measure expert, transfer and dense times and write a measured hardware profile (docs/hardware.md)."""
     check_outputs({"profile": output}, [])
     _exec_module()
     from dali_exec.calibrate import CalibrationConfig, calibrate_to
+    from dali_exec.calibrate.host import HostSettings
+    from dali_sim.policies.systems import system_names
+
+    names = None
+    if systems is not None:
+        names = tuple(s.strip() for s in systems.split(",") if s.strip())
+        unknown = [s for s in names if s not in system_names()]
+        if not names or unknown:
+            raise click.BadParameter(f"unknown system {unknown[0]!r} (see `dali sim systems`)" if unknown
+                                     else "give at least one system", param_hint="--systems")
 
     cfg = CalibrationConfig(model_shape, scale=scale, dtype=dtype, device=device, cpu_threads=cpu_threads,
                             accel_threads=accel_threads, expert_tokens=_ints(expert_tokens, "--expert-tokens"),
@@ -175,7 +187,8 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
                             context_lens=_ints(context_lens, "--context-lens"),
                             prefill_sequences=_ints(prefill_sequences, "--prefill-sequences"),
                             prefill_queries=_ints(prefill_tokens, "--prefill-tokens"),
-                            settings=_micro(repeats=repeats, warmup=warmup, table_rounds=rounds), name=name)
+                            settings=_micro(repeats=repeats, warmup=warmup, table_rounds=rounds), name=name,
+                            host=HostSettings(systems=names))
     path = calibrate_to(output, cfg, command=command_line(), progress=True)
     from dali_sim.hardware.profile import load_profile
 

@@ -387,7 +387,8 @@ class CostModel:
                 if self.system not in host.decision_s:
                     known = ", ".join(sorted(host.decision_s)) or "(none)"
                     raise ProfileError(f"{self._where()}: host.decision_s has no measurement for system "
-                                       f"{self.system!r} (measured: {known}); calibrate with this system")
+                                       f"{self.system!r} (measured: {known}); calibrate with it "
+                                       "(`dali exec calibrate --systems` naming it, or without --systems)")
                 decision = host.decision_s[self.system]
             return (host.layer_s + decision, host.gpu_expert_s, host.cpu_expert_s, host.copy_s)
         # launches: every GPU kernel (and copy) costs the host the profile's launch time plus the framework's own
