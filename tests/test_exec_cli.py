@@ -257,6 +257,39 @@ def test_wake_up_cost_is_the_call_after_a_sleep_minus_the_call_straight_after_an
         MicroSettings(wake_gap_s=-1.0)
 
 
+def test_beside_wake_cost_is_the_accelerator_call_as_the_worker_wakes_minus_it_beside_the_sleeping_worker(
+        monkeypatch):
+    """Microbench.beside_wake_seconds: each round times the accelerator lane's call with the CPU lane's worker
+    handed a call just before it and with the worker left asleep, and keeps the median difference, never below
+    0; the real measurement runs the worker's calls to completion."""
+    from dali_exec.calibrate import micro
+    from dali_exec.executor.cpu_worker import CpuWorker
+    from dali_exec.executor.devices import Devices
+
+    model = scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32")
+    worker = CpuWorker(1)
+    try:
+        settings = MicroSettings(repeats=2, warmup=0, contention_rounds=3, wake_gap_s=0.001)
+        bench = micro.Microbench(model, Devices.create("cpu", "fp32"), worker, settings)
+        assert bench.beside_wake_seconds() >= 0.0  # real calls: every submitted job finishes
+        calls = []
+
+        def fake_time_call(woken_s: float):
+            def timed(fn, *, cuda, repeats, warmup, prepare=None):
+                prepare()
+                calls.append(prepare.__name__)
+                return woken_s if prepare.__name__ == "woken" else 1e-3
+            return timed
+
+        monkeypatch.setattr(micro, "time_call", fake_time_call(1.4e-3))
+        assert bench.beside_wake_seconds() == pytest.approx(4e-4)
+        assert calls == ["asleep", "woken"] * 3
+        monkeypatch.setattr(micro, "time_call", fake_time_call(0.8e-3))
+        assert bench.beside_wake_seconds() == 0.0  # (faster beside a woken worker is noise: clipped)
+    finally:
+        worker.close()
+
+
 def test_host_decisions_are_the_median_host_interval_of_a_replay_of_each_named_system(monkeypatch):
     """The calibrated decision time per layer visit is measured where the executor pays it, inside a replay
     (caches cold after each layer's work): the median of the replay's ``host`` intervals, one per visit, for

@@ -239,6 +239,22 @@ def test_a_sleeping_cpu_lane_pays_its_wake_up(tmp_path, overlap_trace, wakes, cp
         dataclasses.replace(impl, cpu_lane_wakes="sometimes")
 
 
+@pytest.mark.parametrize("wakes, cpu_experts, charged", [("never", [0], False), ("always", [0], True),
+                                                         ("beside-gpu", [0], True), ("always", [0, 1, 2], False)])
+@pytest.mark.parametrize("shortcut", [True, False])
+def test_the_accelerator_lane_pays_the_wake_of_the_cpu_lane_beside_it(tmp_path, overlap_trace, wakes, cpu_experts,
+                                                                      charged, shortcut):
+    """A profile whose accelerator call costs 0.125 s more when the CPU lane's sleeping worker is woken as it
+    starts (``lane_wake.gpu``): in step 0 layer 0 (E0 on the CPU, E1 and E2 on the GPU) the GPU lane pays it
+    after the 0.5 s dense part, before its experts, wherever the CPU lane wakes; not without a CPU lane
+    beside GPU experts, nor where nothing wakes."""
+    prof = round_number_profile(tmp_path / "wake.json", OVERLAP_MODEL, lane_wake={"cpu": 0.25, "gpu": 0.125})
+    impl = dataclasses.replace(get_implementation("bare"), name="wake", cpu_lane_wakes=wakes)
+    out = _engine(overlap_trace, split_system(cpu_experts), prof, impl, shortcut)
+    overhead = [s for s in _spans(out) if s[:2] == ("gpu", "overhead L0") and s[2] < 1.0]
+    assert overhead == ([("gpu", "overhead L0", 0.5, 0.625)] if charged else [])
+
+
 def test_the_executor_on_the_cpu_device_wakes_its_cpu_lane_beside_accelerator_experts_only():
     """dali's executor submits the CPU lane to its sleeping worker; on the CPU device with equal lane
     threads a layer without accelerator experts runs it inline (runtime.py run_experts)."""

@@ -170,6 +170,10 @@ class Microbench:
     def _copies(self, nbytes: int) -> int:
         return int(min(self.s.max_copies, max(2, math.ceil(self.s.rotate_bytes / max(nbytes, 1)))))
 
+    def flush(self, lane: str):
+        """The cache flush made before each timed call on ``lane`` (nothing when not ``cold``)."""
+        return self._flush.get(lane) or (lambda: None)
+
     def _timed(self, lane: str, fn, gap_s: float = 0.0) -> float:
         """Median seconds of ``fn`` on ``lane``'s thread, caches flushed before each run (``cold``) and the
         thread then asleep for ``gap_s``."""
@@ -263,6 +267,38 @@ class Microbench:
         op = self.expert_op(lane, 1, min(2, self.model.num_experts))
         gap = self.s.wake_gap_s
         diffs = [self._timed(lane, op, gap) - self._timed(lane, op) for _ in range(max(1, self.s.contention_rounds))]
+        return max(0.0, float(np.median(diffs)))
+
+    def beside_wake_seconds(self) -> float:
+        """What the accelerator lane's call of 2 one-token experts costs more when, as it starts, the CPU lane's
+        worker (asleep ``wake_gap_s``) is handed a call of its own, as a layer with experts on both lanes starts
+        them (dali_exec/executor/runtime.py ``run_experts``), than when it runs beside the sleeping worker: the
+        median over ``contention_rounds`` rounds of the difference, >= 0 (caches flushed before every call).
+        On the 2-core VM (2026-12-02, ``benchmarks/lane_contention.py``) the accelerator's call took 0.2-0.4 ms
+        more for every group size, where the calibration's loops (:meth:`contention`) measured no slowdown."""
+        group = min(2, self.model.num_experts)
+        acc, cpu = self.expert_op("gpu", 1, group), self.expert_op("cpu", 1, group)
+        flush_acc, flush_cpu, gap = self.flush("gpu"), self.flush("cpu"), self.s.wake_gap_s
+        jobs: list = []
+
+        def asleep() -> None:
+            flush_acc()
+            self.worker.run(flush_cpu)  # (after the previous round's job: the worker runs in order)
+            time.sleep(gap)
+
+        def woken() -> None:
+            asleep()
+            jobs.append(self.worker.submit(cpu, len(jobs)))
+
+        kw = dict(cuda=self.cuda, repeats=self.s.repeats, warmup=self.s.warmup)
+        diffs = []
+        for _ in range(max(1, self.s.contention_rounds)):
+            alone = time_call(acc, prepare=asleep, **kw)
+            beside = time_call(acc, prepare=woken, **kw)
+            for job in jobs:
+                job.result()
+            jobs.clear()
+            diffs.append(beside - alone)
         return max(0.0, float(np.median(diffs)))
 
     def transfer_seconds(self, sizes: list[int]) -> list[float]:

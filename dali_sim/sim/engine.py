@@ -148,8 +148,10 @@ class SimEngine:
             logits = workload.step_tokens if impl.lm_head == "all" else workload.step_logit_tokens
             self.lm_head = np.asarray(costs.lm_head_time(dense_device, logits), dtype=float)
         self.lane_overhead = {d: costs.lane_overhead(d) for d in ("gpu", "cpu")}
-        #: what the CPU lane's call costs more when its worker slept, and whether only beside GPU experts
+        #: what the CPU lane's call costs more when its worker slept, and whether only beside GPU experts; what
+        #: the accelerator lane's call costs more when that worker is woken as it starts (a layer on both lanes)
         self.cpu_wake = costs.lane_wake("cpu") if impl.cpu_lane_wakes != "never" else 0.0
+        self.gpu_wake = costs.lane_wake("gpu") if impl.cpu_lane_wakes != "never" else 0.0
         self.cpu_wake_beside_gpu = impl.cpu_lane_wakes == "beside-gpu"
         self.waits_all = impl.compute_waits_copies
         # calls on what has landed: the GPU lane's fixed part per group of experts present when one starts
@@ -302,6 +304,8 @@ class SimEngine:
             out.append((self.costs.activation_copy_time(plan.tokens), Activity("handoff", plan.step, plan.layer)))
         if n_gpu and not self.per_group:  # else paid per call on what has landed (_gpu_lane, _gpu_lane_end)
             out.append((self.lane_overhead["gpu"], Activity("overhead", plan.step, plan.layer)))
+        if self.gpu_wake and plan.on_gpu.any() and (plan.source == CPU).any():  # the CPU lane's worker woken beside
+            out.append((self.gpu_wake, Activity("overhead", plan.step, plan.layer)))
         if self.shared is not None:
             out.append((float(self.shared[plan.step]), Activity("shared", plan.step, plan.layer)))
         return [(d, a) for d, a in out if d > 0]
