@@ -275,7 +275,8 @@ class Microbench:
         them (dali_exec/executor/runtime.py ``run_experts``), than when it runs beside the sleeping worker: the
         median over ``contention_rounds`` rounds of the difference, >= 0 (caches flushed before every call).
         On the 2-core VM (2026-12-02, ``benchmarks/lane_contention.py``) the accelerator's call took 0.2-0.4 ms
-        more for every group size, where the calibration's loops (:meth:`contention`) measured no slowdown."""
+        more for every group size (a time added per call, not a rate), where the calibration's loops
+        (:meth:`contention`: a loop keeps the other vCPU awake) measured 1.0-1.26x for the accelerator."""
         group = min(2, self.model.num_experts)
         acc, cpu = self.expert_op("gpu", 1, group), self.expert_op("cpu", 1, group)
         flush_acc, flush_cpu, gap = self.flush("gpu"), self.flush("cpu"), self.s.wake_gap_s
