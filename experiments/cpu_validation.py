@@ -35,7 +35,7 @@ import common as C  # noqa: E402
 from dali_exec.executor.problem import ReplayOptions  # noqa: E402
 from dali_exec.executor.replay import ExecOptions  # noqa: E402
 from dali_exec.validate import ValidationConfig, validate  # noqa: E402
-from dali_exec.validate.compare import Thresholds  # noqa: E402
+from dali_exec.validate.compare import Thresholds, speedup_error  # noqa: E402
 
 BATCH = 4
 SYSTEMS = ("cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali")
@@ -122,6 +122,7 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
         for r in report.rows:
             rows.append({"shape": shape.model, "repeat": rep, "system": r["system"], "exec_s": r["exec_s"],
                          "exec_s_min": r["exec_s_min"], "exec_s_max": r["exec_s_max"], "sim_s": r["sim_s"], "total_err": r["total_rel_err"],
+                         "speedup_err": speedup_error(r, report.rows[0]),
                          "step_err_median": r["step_abs_err_median"], "step_err_p90": r["step_abs_err_p90"],
                          "counters_exact": r["exact"], "load_before": before, "load_after": after,
                          "probe_before_ms": 1e3 * probe_before, "probe_after_ms": 1e3 * probe_after,
@@ -179,11 +180,14 @@ def main(argv=None) -> int:
                                     load_max=("load_after", "max")).reset_index()
     ok = int((df.groupby(["shape", "repeat"])["verdict_ok"].first()).sum())
     n = df.groupby(["shape", "repeat"]).ngroups
+    others = df[df.system != SYSTEMS[0]]
     summary = (f"{ok} of {n} validations pass (|total error| <= {THRESHOLDS.total:.0%}, step p90 <= "
                f"{THRESHOLDS.step_p90:.0%}, order margin {THRESHOLDS.order_margin:.0%}); largest |total error| "
                + ", ".join(f"{r.shape} {100 * r.max_abs_total:.1f}%" for r in worst.itertuples())
+               + f"; speedups over {SYSTEMS[0]} within {THRESHOLDS.total:.0%} of the measured ones in "
+               f"{int((others.speedup_err.abs() <= THRESHOLDS.total).sum())} of {len(others)} rows"
                + f"; load average up to {df['load_after'].max():.1f} on {os.cpu_count()} cores.")
-    show = df[["shape", "repeat", "system", "exec_s", "sim_s", "total_err", "step_err_p90", "load_before",
+    show = df[["shape", "repeat", "system", "exec_s", "sim_s", "total_err", "speedup_err", "step_err_p90", "load_before",
                "load_after", "machine_drift"]]
     md = ["# The executor against the simulator on this machine (CPU device)", summary,
           f"Each repeat runs every system {args.replays} time(s) on the executor (round by round over the systems; "
@@ -191,7 +195,9 @@ def main(argv=None) -> int:
           "simulator; "
           + ("every repeat calibrates the machine first. " if args.calibrate_each else
              "the first repeat calibrates the machine and the others reuse its profile. ")
-          + "total_err = simulated / measured - 1; step_err = the per-step |relative error|. probe_*_ms: the "
+          + "total_err = simulated / measured - 1; speedup_err = the simulated speedup over "
+          f"{SYSTEMS[0]} / the measured one - 1 (the machine's drift, common to every system, cancels in it); "
+          "step_err = the per-step |relative error|. probe_*_ms: the "
           "calibration's grouped call of one-token experts on each lane, summed (SpeedProbe), before and after "
           "the repeat; "
           "machine_drift = the probe after the repeat over the probe when its profile was calibrated, - 1 "

@@ -28,6 +28,7 @@ from dali_exec.validate.compare import (  # noqa: E402
     idle_seconds,
     rank_agreement,
     rel_err,
+    speedup_error,
 )
 from dali_sim.cli.main import cli  # noqa: E402
 from dali_sim.hardware.measured import prefill_layout  # noqa: E402
@@ -99,12 +100,14 @@ def test_report_files_are_complete(validated):
     assert not any(n.endswith(".partial") for n in names)
     csv = pd.read_csv(out / "validation.csv")
     assert list(csv["system"]) == list(SYSTEMS) and csv["exact"].all()
-    assert {"hits_exec", "hits_sim", "exec_speedup", "sim_speedup", "overhead_us_per_layer"} <= set(csv.columns)
-    assert csv["exec_speedup"].iloc[0] == 1.0
+    assert {"hits_exec", "hits_sim", "exec_speedup", "sim_speedup", "speedup_err", "overhead_us_per_layer"} <= set(csv.columns)
+    assert csv["exec_speedup"].iloc[0] == 1.0 and csv["speedup_err"].iloc[0] == 0.0
+    assert np.allclose(csv["speedup_err"], csv["sim_speedup"] / csv["exec_speedup"] - 1)
     steps = pd.read_csv(out / "per_step.csv")
     assert set(steps["system"]) == set(SYSTEMS) and {"exec_s", "sim_s", "rel_err", "phase"} <= set(steps.columns)
     md = (out / "validation.md").read_text()
     assert "| gpu-lru |" in md and "## Counters" in md and "## Busy time by activity" in md
+    assert f"speedup over {SYSTEMS[0]} exec / sim (err)" in md and "1 (the base)" in md
     data = json.loads((out / "validation.json").read_text())
     assert data["settings"]["calibrated_here"] and data["settings"]["replay_model"] == "mixtral-8x7b-x0.015625-2L"
     assert (out / "validation.png").read_bytes()[:4] == b"\x89PNG"
@@ -363,6 +366,17 @@ def test_activity_kinds_idle_time_and_rank_agreement():
     assert rk["exec_order"] == ["a", "b", "c"] and rk["sim_order"] == ["b", "a", "c"]
     assert rk["discordant_pairs"] == 1 and rk["kendall_tau"] == pytest.approx(1 / 3)
     assert math.isnan(rel_err(1.0, 0.0)) and rel_err(3.0, 2.0) == 0.5 and math.isnan(rel_err(float("nan"), 1.0))
+
+
+
+def test_a_speedup_error_is_the_simulated_over_the_measured_speedup_and_ignores_a_common_drift():
+    """cpu-only 4 s measured, 4.5 s simulated; dali 2 s and 1.5 s: speedups 2 (measured) and 3 (simulated),
+    +50%. The machine 30% slower in every replay (all measured times x1.3) leaves it as it was."""
+    base, row = {"exec_s": 4.0, "sim_s": 4.5}, {"exec_s": 2.0, "sim_s": 1.5}
+    assert speedup_error(row, base) == pytest.approx(0.5) and speedup_error(base, base) == 0.0
+    slow = {k: {"exec_s": r["exec_s"] * 1.3, "sim_s": r["sim_s"]} for k, r in (("b", base), ("r", row))}
+    assert speedup_error(slow["r"], slow["b"]) == pytest.approx(0.5)
+    assert math.isnan(speedup_error({"exec_s": 2.0, "sim_s": 0.0}, base))
 
 
 # ---- per-system --set -------------------------------------------------------------------------------

@@ -293,6 +293,8 @@ def test_cpu_validation_quick(tmp_path):
     assert list(df["system"]) == ["cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali"]
     assert df["counters_exact"].all() and (df["exec_s"] > 0).all() and (df["sim_s"] > 0).all()
     assert np.allclose(df["total_err"], df["sim_s"] / df["exec_s"] - 1)
+    base = df.iloc[0]
+    assert np.allclose(df["speedup_err"], (base.sim_s / df["sim_s"]) / (base.exec_s / df["exec_s"]) - 1)
     assert (df["load_before"] >= 0).all() and "validations pass" in (tmp_path / "cpu_validation.md").read_text()
     # the machine-speed probe: a reading before and after the repeat, the drift against the calibration's
     assert (df["probe_before_ms"] > 0).all() and (df["probe_after_ms"] > 0).all()

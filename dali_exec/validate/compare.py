@@ -39,6 +39,16 @@ def rel_err(sim: float, exe: float) -> float:
     return (sim - exe) / exe
 
 
+def speedup_error(row: dict[str, Any], base: dict[str, Any]) -> float:
+    """How far the simulator's speedup of ``row``'s system over ``base``'s is from the measured one: (sim
+    speedup) / (exec speedup) - 1, both from the rows' total times (0 for the base itself). The machine's
+    drift between the calibration and the replays, which moves every system's error the same way, cancels in
+    it; what is left is the model's error in comparing the two systems."""
+    if not (row["sim_s"] and row["exec_s"]):
+        return float("nan")
+    return rel_err(base["sim_s"] / row["sim_s"], base["exec_s"] / row["exec_s"])
+
+
 def activity_kind(iv: Interval) -> str:
     """The kind of a timeline interval from its track and name (``dense L3``, ``dense block 0``,
     ``L3 E17``, ``fetch L3 E17``, ``prefetch L4 E2``, ``swap L3 +E5 -E9``)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from dali_exec.validate.compare import KINDS, SHOWN_COUNTERS
+from dali_exec.validate.compare import KINDS, SHOWN_COUNTERS, speedup_error
 from dali_sim.files import atomic_output, write_text_atomic
 from dali_sim.jsonsafe import json_safe
 
@@ -34,6 +34,7 @@ def summary_frame(report) -> pd.DataFrame:
         r["overhead_fraction"] = ov.get("fraction_of_layer_time", math.nan)
         r["exec_speedup"] = base["exec_s"] / r["exec_s"] if r["exec_s"] else math.nan
         r["sim_speedup"] = base["sim_s"] / r["sim_s"] if r["sim_s"] else math.nan
+        r["speedup_err"] = speedup_error(r, base)
         for k, v in s["counters"].items():
             r[f"{k}_exec"], r[f"{k}_sim"] = v["exec"], v["sim"]
         rows.append(r)
@@ -86,7 +87,9 @@ def markdown(report) -> str:
         + (f", accelerator lane {st['accel_threads']} threads" if st.get("accel_threads") else "")
         + f". Profile {st['profile']} ({'calibrated here' if st['calibrated_here'] else 'given'}).",
         "",
-        "Errors are (simulated - executed) / executed: negative = the simulator predicts less time."
+        "Errors are (simulated - executed) / executed: negative = the simulator predicts less time. A speedup's "
+        "error is the simulated speedup over the measured one, - 1: a drift of the machine's speed between the "
+        "calibration and the replays moves every system's total error alike and cancels in it."
         + (f" Each system was replayed {st['replays']} times, round by round over the systems: exec s is the "
            "median of its totals (their range in parentheses), each step's time the median of that step's."
            if st.get("replays", 1) > 1 else ""),
@@ -95,17 +98,22 @@ def markdown(report) -> str:
         "",
     ]
     rows = []
+    base = report.rows[0] if report.rows else None
     for s in report.systems:
         r, ov = s["row"], s["overhead"]
         exec_s = _num(r["exec_s"]) + (f" ({_num(r['exec_s_min'])}-{_num(r['exec_s_max'])})"
                                        if r.get("replays", 1) > 1 else "")
-        rows.append([r["system"], exec_s, _num(r["sim_s"]), _pct(r["total_rel_err"]),
+        speedup = ("1 (the base)" if r is base else
+                   f"{_num(base['exec_s'] / r['exec_s'], 2)} / {_num(base['sim_s'] / r['sim_s'], 2)} "
+                   f"({_pct(speedup_error(r, base))})" if r["exec_s"] and r["sim_s"] else "-")
+        rows.append([r["system"], exec_s, _num(r["sim_s"]), _pct(r["total_rel_err"]), speedup,
                      _apct(r["step_abs_err_median"]), _apct(r["step_abs_err_p90"]),
                      f"{_num(r['decode_tokens_per_s_exec'], 1)} / {_num(r['decode_tokens_per_s_sim'], 1)}",
                      f"{_num(ov.get('overhead_us_per_layer'), 0)} ({_apct(ov.get('fraction_of_layer_time'))})",
                      _pct(r["sim_plus_overhead_rel_err"]), f"{_num(r['idle_exec_s'])} / {_num(r['idle_sim_s'])}",
                      "yes" if r["exact"] else ("NO: " + ", ".join(r["counters_differ"]))])
-    lines += _table(["system", "exec s", "sim s", "total err", "step abs err median", "p90",
+    lines += _table(["system", "exec s", "sim s", "total err",
+                     f"speedup over {base['system'] if base else '-'} exec / sim (err)", "step abs err median", "p90",
                      "decode tok/s exec / sim", "overhead us/layer (share)", "err of sim + overhead",
                      "idle s exec / sim",
                      "counters exact"], rows)
