@@ -151,6 +151,20 @@ class PlacementRule:
 NEVER = np.iinfo(np.int64).max
 
 
+@dataclass(frozen=True)
+class GreedyForm:
+    """DALI's greedy assignment as data (:meth:`PlacementPolicy.greedy_form`), for the controller's compiled
+    path: the times of an expert with workload ``c`` are ``gpu[c]`` and ``cpu[c]`` (``c`` below both tables'
+    length; else the controller asks :meth:`~PlacementPolicy.place`), one expert's copy ``transfer``; the
+    flags are ``dali-greedy``'s config (``placement_dali._greedy_place``)."""
+
+    gpu: np.ndarray  # (C,) float64 seconds
+    cpu: np.ndarray  # (C,) float64 seconds
+    transfer: float
+    overlap: bool
+    pending_resident: bool
+
+
 class PlacementPolicy(Policy[C]):
     #: whether this policy can put a non-resident expert on the GPU (then staging buffers are needed)
     may_fetch: ClassVar[bool] = True
@@ -165,6 +179,12 @@ class PlacementPolicy(Policy[C]):
         whether it is resident or pending, and which keeps no state: the controller then plans a layer
         without a :class:`LayerView` in one compiled call. None (the default): no rule form. Must agree
         with :meth:`place` (tests/test_plan_fast.py runs every preset both ways)."""
+        return None
+
+    def greedy_form(self, ctx: "SetupContext") -> GreedyForm | None:
+        """The placement as a :class:`GreedyForm` (after :meth:`setup`; speed only): DALI's Algorithm 1 on the
+        cost model's tables, keeping no state. None (the default): no such form. Must agree with
+        :meth:`place`."""
         return None
 
     @abstractmethod
@@ -183,6 +203,12 @@ class PrefetchPolicy(Policy[C]):
         pairs or an (m, 2) integer array (which the controller issues in one compiled call).
         Targets must be later layers of the same step; the runtime skips resident or pending ones
         and drops what does not fit the prefetch buffers."""
+
+    def top_k_form(self) -> tuple[str, int] | None:
+        """``(column, k)`` when :meth:`prefetch` is exactly the next layer's ``k`` experts (0 = all) with the
+        largest predicted count in lookahead column ``column`` (ties: best rank, then lower id), keeping no
+        state (speed only: the controller then issues them in its compiled call). None (the default)."""
+        return None
 
 
 class CachePolicy(Policy[C]):
@@ -303,6 +329,14 @@ class CachePolicy(Policy[C]):
         """After the layer's touches: (expert_in, expert_out) swaps the policy wants (each a PCIe
         transfer, resident from the next step's visit of this layer). Default: none."""
         return []
+
+    def window_form(self) -> tuple[np.ndarray, int, int] | None:
+        """``(state, w, u)`` when :meth:`observe` and :meth:`rebalance` are DALI's windowed sums
+        (``cache_dali``): ``state`` (L, E + 1) int64, each layer's window sums of workloads and, in the last
+        column, its visits in the window (updated in place by the controller's compiled call); at ``w``
+        visits up to ``u`` swaps (``cache_dali._window_swaps``), then the window restarts. Needs
+        :attr:`keyed_per_layer` and no swap notices. None (the default): no such form (speed only)."""
+        return None
 
 
 def initial_contents(layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:

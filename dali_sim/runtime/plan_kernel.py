@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dali_sim.policies import kernels
+from dali_sim.policies import cache_dali, kernels, placement_dali
 
 # sources, as dali_sim.runtime.controller (repeated: that module imports this one)
 _HIT, _PREFETCHED, _FETCH, _CPU = 0, 1, 2, 3
@@ -244,6 +244,73 @@ def _ruled_plan(experts, counts, tokens, contents, totals, params, primary, stam
     return source, flags, out
 
 
+def _greedy_plan(experts, counts, step, contents, totals, params, primary, stamp, clock, times, xfer, window,
+                 pred_ptr, pred_experts, pred_counts, pred_ranks):
+    """A whole plan of (``step``, layer) for DALI's greedy placement (``PlacementPolicy.greedy_form``): the
+    cache's windowed sums (``CachePolicy.window_form``), the placement (``placement_dali._greedy_place``),
+    :func:`_plan_into`, the next layer's top-k prefetch (``PrefetchPolicy.top_k_form``, from the lookahead
+    column's sparse segments ``pred_*``) issued by :func:`_issue`, and the window's swaps, in the order
+    ``Controller.plan_reference`` runs them. ``contents``, ``totals``, ``primary``, ``stamp`` and ``clock`` as
+    :func:`_ruled_plan`; ``times`` (2, C) float64: the GPU and CPU times by workload, ``xfer`` one copy;
+    ``window`` the cache's (L, E + 1) state; ``params`` the layer's (int64): the layer, its capacity, the keyed
+    form's ``accepts``, ``evicts`` and whether touches set stamps, the greedy's ``overlap`` and
+    ``pending_resident``, the window's ``w`` (0: none) and ``u``, whether to prefetch (a later layer), the top-k's
+    ``k``, the prefetch buffers. Returns (source, (4, n) bool: hit, admitted, staged and on the GPU, the int64
+    answer of :func:`_plan_into` with ``TALLY_PREFETCHES`` and ``TALLY_SWAPS`` filled and, after its lists,
+    the issued prefetches and the swaps, flat pairs; ``TALLY_PREFETCHES`` -1 and the pair: an invalid request),
+    or an empty answer with nothing changed when a workload lies beyond the tables (``place`` decides)."""
+    layer = params[0]
+    n = experts.shape[0]
+    flags = np.zeros((4, n), np.bool_)
+    top = times.shape[1]
+    for i in range(n):
+        if counts[i] < 0 or counts[i] >= top:
+            return np.empty(0, np.int8), flags, np.empty(0, np.int64)  # beyond the tables: nothing changed
+    resident = contents[0, layer]
+    pending = contents[1, layer]
+    w = params[7]
+    if w > 0:
+        _observe_fn(window, layer, experts, counts)
+    on_gpu = flags[3]
+    on_gpu[:] = _greedy_place_fn(experts, counts, resident, pending, times[0], times[1], xfer, params[5] != 0,
+                                 params[6] != 0)
+    source, head = _plan_into_fn(flags, experts, counts, on_gpu, resident, pending, layer, params[1], totals[0],
+                                 totals[1], params[2] != 0, params[3] != 0, primary, stamp, clock, params[4] != 0)
+    issued = np.empty(0, np.int64)
+    bad = -1
+    asked = np.empty((0, 2), np.int64)
+    if params[9]:
+        free = params[11] - totals[1].sum()
+        if free > 0:
+            target = layer + 1
+            i = step * contents.shape[1] + target
+            lo = pred_ptr[i]
+            hi = pred_ptr[i + 1]
+            e = pred_experts[lo:hi]
+            asked = _as_pairs_fn(e[_ranked_fn(e, pred_counts[lo:hi], pred_ranks[lo:hi], params[10])], target)
+            issued, bad = _issue_fn(asked, contents[0], contents[1], totals[1], layer, free)
+    swaps = np.empty(0, np.int64)
+    if w > 0 and bad < 0 and window[layer, window.shape[1] - 1] >= w:
+        E = window.shape[1] - 1
+        swaps = _window_swaps_fn(window[layer, :E], resident, params[8])
+        for j in range(swaps.shape[0] // 2):
+            resident[swaps[2 * j + 1]] = False
+            resident[swaps[2 * j]] = True
+        window[layer, :] = 0
+    m = head.shape[0]
+    out = np.empty(m + issued.shape[0] + swaps.shape[0] + (2 if bad >= 0 else 0), np.int64)
+    out[:m] = head
+    out[m:m + issued.shape[0]] = issued
+    out[m + issued.shape[0]:m + issued.shape[0] + swaps.shape[0]] = swaps
+    out[TALLY_PREFETCHES] = issued.shape[0] // 2
+    out[TALLY_SWAPS] = swaps.shape[0] // 2
+    if bad >= 0:
+        out[TALLY_PREFETCHES] = -1
+        out[m] = asked[bad, 0]
+        out[m + 1] = asked[bad, 1]
+    return source, flags, out
+
+
 def _issue(asked, resident, pending, n_pending, layer, free):
     """``Controller._issue_prefetches`` after the policy's answer ``asked`` ((m, 2) int64: target layer,
     expert), in one call: in order, skipping resident, pending and repeated requests, while fewer than
@@ -275,9 +342,17 @@ def _issue(asked, resident, pending, n_pending, layer, free):
 
 _victims_fn = _victims  # what _plan_into calls: the compiled _victims
 _plan_into_fn = _plan_into  # what _layer_plan and _ruled_plan call: the compiled _plan_into
+# what _greedy_plan calls: the compiled policy kernels and _issue
+_issue_fn = _issue
+_greedy_place_fn = placement_dali._greedy_place
+_observe_fn = cache_dali._observe
+_window_swaps_fn = cache_dali._window_swaps
+_ranked_fn = kernels._ranked
+_as_pairs_fn = kernels._as_pairs
 _COMPILED: list = []
 _COMPILED_ISSUE: list = []
 _COMPILED_RULED: list = []
+_COMPILED_GREEDY: list = []
 
 
 def compiled_issue():
@@ -306,5 +381,20 @@ def compiled_ruled():
     return _COMPILED_RULED[0]
 
 
+def compiled_greedy():
+    """:func:`_greedy_plan` compiled (on the first call), or None without numba (or while :func:`compiled` or a
+    policy kernel it calls is off: the controller then plans with a view)."""
+    if not _COMPILED_GREEDY:
+        global _issue_fn, _greedy_place_fn, _observe_fn, _window_swaps_fn, _ranked_fn, _as_pairs_fn
+        parts = (compiled_issue(), placement_dali._compiled_place(), cache_dali._compiled_observe(),
+                 cache_dali._compiled_swaps(), kernels.fused("top_pairs_sparse"))
+        if compiled() is None or any(f is None for f in parts):
+            return None  # (not kept: a getter switched off for a while, as the tests do, is not the last word)
+        _issue_fn, _greedy_place_fn, _observe_fn, _window_swaps_fn, _ = parts
+        _ranked_fn, _as_pairs_fn = kernels._ranked_fn, kernels._as_pairs_fn  # (compiled by kernels.fused)
+        _COMPILED_GREEDY.append(kernels.jit(_greedy_plan))
+    return _COMPILED_GREEDY[0]
+
+
 __all__ = ["TALLY_EVICTED", "TALLY_FIRST_FETCH", "TALLY_LEN", "TALLY_PREFETCHES", "TALLY_PREFETCH_USED", "TALLY_STAGED",
-           "TALLY_SWAPS", "TALLY_WASTED", "compiled", "compiled_issue", "compiled_ruled"]
+           "TALLY_SWAPS", "TALLY_WASTED", "compiled", "compiled_greedy", "compiled_issue", "compiled_ruled"]
