@@ -18,7 +18,7 @@ import pytest
 from dali_sim.policies import cache_dali, kernels, placement_competitors, placement_dali, resolve_system, system_names
 from dali_sim.policies.base import CachePolicy
 from dali_sim.policies.cache import LRU
-from dali_sim.policies.hybrimoe import mrs_update
+from dali_sim.policies.hybrimoe import HybriMoEPlacement, HybriMoEPrefetch, MRSCache, mrs_update
 from dali_sim.policies.prefetch_lookahead import top_predicted
 from dali_sim.runtime import controller as ctl
 from dali_sim.runtime import plan_kernel
@@ -239,7 +239,7 @@ def _views_per_plan(monkeypatch, trace, system: str, ratio=None) -> tuple[list, 
 
 
 #: presets planned view-free by DALI's greedy form (plan_kernel._greedy_plan)
-GREEDY = {"dali"}
+GREEDY = {"dali", "hybrimoe", "hybrimoe-best"}
 
 
 @pytest.mark.parametrize("system", PRESETS)
@@ -248,13 +248,18 @@ def test_view_free_plans_for_the_simple_presets(monkeypatch, traces, system):
     assert per_plan == (0.0 if system in RULED | GREEDY else 1.0)
 
 
-@pytest.mark.parametrize("over", [
-    {"cache": {"policy": "lru"}}, {"cache": {"policy": "lru"}, "prefetch": {"policy": "none"}},
-    {"cache": {"policy": "static"}, "prefetch": {"policy": "lookahead", "predictor": "next-gate", "k": 0}},
-    {"memory": {"cache_init": "empty"}, "cache": {"u": 2}}, {"placement": {"overlap": False, "pending_resident": False}},
-    {"memory": {"prefetch_slots": 1}, "cache": {"w": 1}}])
-def test_greedy_view_free_plans_are_the_reference_plans(monkeypatch, traces, over):
-    """dali's greedy form with other keyed caches, prefetchers and settings: no view, the reference's plans."""
+@pytest.mark.parametrize("system,over", [
+    ("dali", {"cache": {"policy": "lru"}}), ("dali", {"cache": {"policy": "lru"}, "prefetch": {"policy": "none"}}),
+    ("dali", {"cache": {"policy": "static"}, "prefetch": {"policy": "lookahead", "predictor": "next-gate", "k": 0}}),
+    ("dali", {"memory": {"cache_init": "empty"}, "cache": {"u": 2}}),
+    ("dali", {"placement": {"overlap": False, "pending_resident": False}}),
+    ("dali", {"memory": {"prefetch_slots": 1}, "cache": {"w": 1}}),
+    ("hybrimoe", {"placement": {"hss_steps": "all", "pending_resident": False}, "prefetch": {"k": 2}}),
+    ("hybrimoe", {"cache": {"prefill_evicts": False, "a": 0.25}, "prefetch": {"predictor2": "", "min_gain": -1}}),
+    ("hybrimoe", {"memory": {"cache_init": "empty", "prefetch_slots": 8}, "prefetch": {"predictor1": ""}}),
+    ("hybrimoe", {"prefetch": {"policy": "none"}})])
+def test_fused_view_free_plans_are_the_reference_plans(monkeypatch, traces, system, over):
+    """dali's and HybriMoE's forms with other caches, prefetchers and settings: no view, the reference's plans."""
     for model, seed, _, batch, ratio in CASES[:3]:
         trace = traces[(model, seed)]
         merged = {**over, "memory": {**over.get("memory", {}), **({"cache_ratio": ratio} if ratio else {})}}
@@ -262,31 +267,33 @@ def test_greedy_view_free_plans_are_the_reference_plans(monkeypatch, traces, ove
         view = ctl.Controller.view
         with monkeypatch.context() as m:
             m.setattr(ctl.Controller, "view", lambda self, s, la: views.append(1) or view(self, s, la))
-            fast = _run_over(monkeypatch, trace, batch, merged, seed, compiled=True)
-        ref = _run_over(monkeypatch, trace, batch, merged, seed, compiled=False)
+            fast = _run_over(monkeypatch, trace, system, batch, merged, seed, compiled=True)
+        ref = _run_over(monkeypatch, trace, system, batch, merged, seed, compiled=False)
         assert not views and fast[0] == ref[0] and len(ref[0]) > 0, (model, over)
         assert fast[1].per_layer.equals(ref[1].per_layer)
 
 
-def _run_over(monkeypatch, trace, batch, over, seed, *, compiled):
-    plans, res, _ = _run(monkeypatch, trace, "dali", batch, None, seed, compiled=compiled, over=over)
+def _run_over(monkeypatch, trace, system, batch, over, seed, *, compiled):
+    plans, res, _ = _run(monkeypatch, trace, system, batch, None, seed, compiled=compiled, over=over)
     return plans, res
 
 
-def test_greedy_workloads_beyond_the_tables_leave_the_plan_to_place(monkeypatch, traces):
-    """A workload beyond the greedy form's tables: that plan is made with a view and place(); the plans stay
-    the reference's."""
-    greedy_form = placement_dali.DaliGreedy.greedy_form
+@pytest.mark.parametrize("system,cls,getter", [("dali", placement_dali.DaliGreedy, "greedy_form"),
+                                                ("hybrimoe-best", HybriMoEPlacement, "hss_form")])
+def test_workloads_beyond_the_forms_tables_leave_the_plan_to_the_policies(monkeypatch, traces, system, cls, getter):
+    """A workload (or HybriMoE's prediction) beyond the form's tables: that plan is made with a view and the
+    policies' own code; the plans stay the reference's."""
+    form_of = getattr(cls, getter)
 
     def short(self, ctx):  # the tables of workloads 0..2 only
-        form = greedy_form(self, ctx)
+        form = form_of(self, ctx)
         return dataclasses.replace(form, gpu=form.gpu[:3], cpu=form.cpu[:3])
 
     trace = traces[("qwen3-30b-a3b", 2)]
     with monkeypatch.context() as m:
-        m.setattr(placement_dali.DaliGreedy, "greedy_form", short)
-        plans, per_plan = _views_per_plan(monkeypatch, trace, "dali", "0.25")
-    ref, _, _ = _run(monkeypatch, trace, "dali", 2, "0.25", 0, compiled=False)
+        m.setattr(cls, getter, short)
+        plans, per_plan = _views_per_plan(monkeypatch, trace, system, "0.25")
+    ref, _, _ = _run(monkeypatch, trace, system, 2, "0.25", 0, compiled=False)
     assert 0 < per_plan < 1
     assert plans == ref
 
@@ -311,6 +318,18 @@ def test_forms_are_not_inherited_by_subclasses():
     assert Window().window_form() is None
     assert DaliResidualPrefetch().top_k_form() == ("residual", 1)
     assert Keep().top_k_form() is None and NextGatePrefetch().top_k_form() is None
+
+    class Schedule(HybriMoEPlacement):
+        pass
+
+    class Score(MRSCache):
+        pass
+
+    class Impact(HybriMoEPrefetch):
+        pass
+
+    assert HybriMoEPlacement().hss_form(ctx) is not None and Schedule().hss_form(ctx) is None
+    assert Score().mrs_form() is None and Impact().impact_form(ctx) is None
 
 
 def test_an_undecided_rule_leaves_the_plan_to_place(monkeypatch, traces):

@@ -37,6 +37,7 @@ from dali_sim.runtime.plan_kernel import (
     TALLY_SWAPS,
     TALLY_WASTED,
 )
+from dali_sim.trace.schema import PREFILL
 from dali_sim.workload.builder import Workload
 
 # where the weights of an activated expert come from
@@ -152,8 +153,9 @@ class Controller:
             for name, sc in workload.predicted.items()}
         #: the view-free compiled plan (:meth:`_ruled_args`): the kernel and each layer's arguments, or None
         self._ruled = self._ruled_args()
-        #: likewise for DALI's greedy placement (:meth:`_greedy_args`), or None
-        self._greedy = None if self._ruled is not None else self._greedy_args()
+        #: likewise for DALI's greedy placement (:meth:`_greedy_args`) or HybriMoE (:meth:`_impact_args`): the
+        #: kernel, each layer's arguments and whether the step's phase and tokens come first; or None
+        self._fused = None if self._ruled is not None else (self._greedy_args() or self._impact_args())
 
     @staticmethod
     def _static_segments(w) -> tuple | None:
@@ -242,7 +244,49 @@ class Controller:
             args.append((self._contents, self._totals, params, primary, stamp,
                          self._no_clock if clock is None else clock, times, float(form.transfer), state, *pred))
         kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0) + a for a in args])
-        return kernel, args
+        return kernel, args, False
+
+    def _impact_args(self) -> tuple | None:
+        """The view-free plan for HybriMoE: a placement with an HSS form (``PlacementPolicy.hss_form``), a cache
+        with an MRS form (``CachePolicy.mrs_form``) and no prefetcher or one with an impact form
+        (``PrefetchPolicy.impact_form``): every plan is one compiled call (``plan_kernel._impact_plan``)."""
+        cache, placement, prefetcher = self.cache, self.placement, self.prefetcher
+        seg = self._segments
+        if self._kernel is None or seg is None or placement.reads_future or self._swapping:
+            return None
+        mrs = cache.mrs_form()
+        form = placement.hss_form(self.ctx) if mrs is not None else None
+        prefetching = self._prefetching and type(prefetcher).prefetch is not NoPrefetch.prefetch
+        impact = prefetcher.impact_form(self.ctx) if prefetching and form is not None else None
+        if form is None or (prefetching and impact is None):
+            return None
+        columns = impact[1] if impact is not None else []
+        if len(columns) > 3 or any(name not in self._predictors or self.w.predictor_offsets[name] < d
+                                   for d, name in columns):
+            return None  # (a column not loaded, or not that far ahead: the view path names the error)
+        kernel = plan_kernel.compiled_impact()
+        if kernel is None:
+            return None
+        score, stamp, clock, a, prefill_evicts = mrs
+        C = min(len(form.gpu), len(form.cpu))
+        times = np.stack([np.asarray(form.gpu[:C], np.float64), np.asarray(form.cpu[:C], np.float64)])
+        seen, _, threshold, k = impact if impact is not None else (np.zeros((1, 1), bool), None, 0.0, 0)
+        fparams = np.array([a, threshold, form.transfer], np.float64)
+        act = self.w.actual
+        sparse = []
+        for slot in range(3):  # each column's sparse predictions (unread for an unused slot: the routing's arrays)
+            sc = self.w.predicted[columns[slot][1]] if slot < len(columns) else act
+            sparse += [readonly(x) if x.flags.writeable else x for x in (sc.ptr, sc.expert, sc.count)]
+        L = self._num_layers
+        args = []
+        for layer in range(L):
+            dists = [columns[s][0] if s < len(columns) and layer + columns[s][0] < L else 0 for s in range(3)]
+            params = np.array([layer, self.capacities[layer], True, prefill_evicts, PREFILL, form.pending_resident,
+                               form.single_token, impact is not None, k, self.prefetch_slots, *dists],
+                              np.int64)
+            args.append((self._contents, self._totals, params, fparams, times, score, stamp, clock, seen, *sparse))
+        kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0, 0, 0) + a for a in args])
+        return kernel, args, True
 
     def _lookahead(self, step: int, layer: int, what: str, name: str, target: int) -> np.ndarray:
         """``LayerView.lookahead`` (``what="counts"``), ``lookahead_rank`` (``"ranks"``) and ``lookahead_segment``
@@ -317,13 +361,16 @@ class Controller:
                     self._refuse(step, layer, experts, row)
                 return LayerPlan(step, layer, phase, tokens, experts, counts, flags[3], source, flags[0], flags[1],
                                  flags[2], row[TALLY_LEN + 1:], [], [], [], [], tuple(row[:TALLY_LEN]))
-        greedy = self._greedy
-        if greedy is not None:
+        fused = self._fused
+        if fused is not None:
             experts, counts, _, phase, tokens = self._segment(step, layer)
-            source, flags, out = greedy[0](experts, counts, step, *greedy[1][layer])
+            if fused[2]:
+                source, flags, out = fused[0](experts, counts, step, phase, tokens, *fused[1][layer])
+            else:
+                source, flags, out = fused[0](experts, counts, step, *fused[1][layer])
             row = out.tolist()
-            if row:  # (empty: a workload beyond the cost tables, left to the placement's place(); nothing changed)
-                return self._greedy_plan(step, layer, phase, tokens, experts, counts, source, flags, row)
+            if row:  # (empty: a workload beyond the cost tables, left to the policies with a view; nothing changed)
+                return self._fused_plan(step, layer, phase, tokens, experts, counts, source, flags, row)
         kernel = self._kernel
         if kernel is None:
             return self.plan_reference(step, layer)
@@ -354,8 +401,9 @@ class Controller:
                          flags[1], flags[2], row[TALLY_LEN + 1:lists], prefetches, row[lists:lists + n_used],
                          row[lists + n_used:], swaps, tuple(row[:TALLY_LEN]))
 
-    def _greedy_plan(self, step, layer, phase, tokens, experts, counts, source, flags, row) -> LayerPlan:
-        """The :class:`LayerPlan` of ``plan_kernel._greedy_plan``'s answer (its checks as :meth:`plan`'s)."""
+    def _fused_plan(self, step, layer, phase, tokens, experts, counts, source, flags, row) -> LayerPlan:
+        """The :class:`LayerPlan` of ``plan_kernel._greedy_plan``'s or ``_impact_plan``'s answer (its checks as
+        :meth:`plan`'s)."""
         if (row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch) or \
                 (self.staging_slots < 1 and row[TALLY_STAGED]):
             self._refuse(step, layer, experts, row)
