@@ -228,8 +228,7 @@ class Controller:
         kernel = plan_kernel.compiled_greedy() if form is not None else None
         if kernel is None:
             return None
-        C = min(len(form.gpu), len(form.cpu))
-        times = np.stack([np.asarray(form.gpu[:C], np.float64), np.asarray(form.cpu[:C], np.float64)])
+        times = self._time_tables(form)
         state, w, u = window if window is not None else (np.zeros((1, 1), np.int64), 0, 0)
         a = self.w.actual
         pred = self.w.predicted[top_k[0]] if top_k is not None else a  # (unread without prefetches: same types)
@@ -245,6 +244,12 @@ class Controller:
                          self._no_clock if clock is None else clock, times, float(form.transfer), state, *pred))
         kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0) + a for a in args])
         return kernel, args, False
+
+    @staticmethod
+    def _time_tables(form) -> np.ndarray:
+        """(2, C) float64: a form's GPU and CPU times by workload, cut to the shorter table."""
+        C = min(len(form.gpu), len(form.cpu))
+        return np.stack([np.asarray(form.gpu[:C], np.float64), np.asarray(form.cpu[:C], np.float64)])
 
     def _impact_args(self) -> tuple | None:
         """The view-free plan for HybriMoE: a placement with an HSS form (``PlacementPolicy.hss_form``), a cache
@@ -268,8 +273,7 @@ class Controller:
         if kernel is None:
             return None
         score, stamp, clock, a, prefill_evicts = mrs
-        C = min(len(form.gpu), len(form.cpu))
-        times = np.stack([np.asarray(form.gpu[:C], np.float64), np.asarray(form.cpu[:C], np.float64)])
+        times = self._time_tables(form)
         seen, _, threshold, k = impact if impact is not None else (np.zeros((1, 1), bool), None, 0.0, 0)
         fparams = np.array([a, threshold, form.transfer], np.float64)
         act = self.w.actual
