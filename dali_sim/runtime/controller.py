@@ -222,7 +222,7 @@ class Controller:
         prefetching = self._prefetching and type(prefetcher).prefetch is not NoPrefetch.prefetch
         top_k = prefetcher.top_k_form() if prefetching else None
         if prefetching and (top_k is None or top_k[0] not in self._predictors
-                                  or self.w.predictor_offsets[top_k[0]] < 1):
+                            or self.w.predictor_offsets[top_k[0]] < 1):
             return None  # (a column not loaded or not one layer ahead: the view path names the error)
         form = placement.greedy_form(self.ctx)
         kernel = plan_kernel.compiled_greedy() if form is not None else None
@@ -412,7 +412,7 @@ class Controller:
                 (self.staging_slots < 1 and row[TALLY_STAGED]):
             self._refuse(step, layer, experts, row)
         n_evicted, n_used, n_wasted = row[TALLY_EVICTED], row[TALLY_PREFETCH_USED], row[TALLY_WASTED]
-        n_issued, n_swaps = row[TALLY_PREFETCHES], row[TALLY_SWAPS]
+        n_issued = row[TALLY_PREFETCHES]
         lists = TALLY_LEN + 1 + n_evicted  # where the prefetches used start
         issued = lists + n_used + n_wasted  # where the issued prefetches start
         if n_issued < 0:

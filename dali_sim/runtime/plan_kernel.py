@@ -11,6 +11,11 @@ evictable entries by ascending ``(primary, stamp, id)``, touches renew a use sta
 need no notice): lru, lfu, static, dali-window and hybrimoe-mrs. The controller's NumPy path
 (``Controller.plan_reference``) stays the reference, and the path of every other cache or when numba is
 off (``DALI_NUMBA=0``); both give the same plans (tests/test_plan_fast.py).
+
+Where the policies describe their decisions as data (``PlacementPolicy.rule_form``, ``greedy_form``,
+``hss_form``; ``CachePolicy.window_form``, ``mrs_form``; ``PrefetchPolicy.top_k_form``, ``impact_form``), a
+whole plan is one call without a ``LayerView``: :func:`_ruled_plan` (the simple systems), :func:`_greedy_plan`
+(``dali``) and :func:`_impact_plan` (HybriMoE).
 """
 
 from __future__ import annotations
