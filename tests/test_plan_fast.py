@@ -18,7 +18,7 @@ import pytest
 from dali_sim.policies import cache_dali, kernels, placement_competitors, placement_dali, resolve_system, system_names
 from dali_sim.policies.base import CachePolicy
 from dali_sim.policies.cache import LRU
-from dali_sim.policies.hybrimoe import mrs_update
+from dali_sim.policies.hybrimoe import HybriMoEPlacement, HybriMoEPrefetch, MRSCache, mrs_update
 from dali_sim.policies.prefetch_lookahead import top_predicted
 from dali_sim.runtime import controller as ctl
 from dali_sim.runtime import plan_kernel
@@ -56,7 +56,7 @@ def _fields(p: ctl.LayerPlan) -> tuple:
             p.prefetches, p.prefetch_used, p.prefetch_wasted, p.swaps)
 
 
-def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compiled: bool):
+def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compiled: bool, over=None):
     plans: list[ctl.LayerPlan] = []
     tallied: list[bool] = []
     with monkeypatch.context() as m:
@@ -75,7 +75,8 @@ def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compi
             return p
 
         m.setattr(ctl.Controller, "plan", recorded)
-        over = {"memory": {"cache_ratio": ratio}} if ratio else {}
+        if over is None:
+            over = {"memory": {"cache_ratio": ratio}} if ratio else {}
         future = FutureDemand.from_workload(Workload(trace, WorkloadConfig(batch))) \
             if resolve_system(system).needs_future else None
         res = simulate(trace, system, batch_size=batch, overrides=over, timing=False, seed=seed,
@@ -237,10 +238,98 @@ def _views_per_plan(monkeypatch, trace, system: str, ratio=None) -> tuple[list, 
     return plans, len(built) / len(plans)
 
 
+#: presets planned view-free by DALI's greedy form (plan_kernel._greedy_plan)
+GREEDY = {"dali", "hybrimoe", "hybrimoe-best"}
+
+
 @pytest.mark.parametrize("system", PRESETS)
 def test_view_free_plans_for_the_simple_presets(monkeypatch, traces, system):
     _, per_plan = _views_per_plan(monkeypatch, traces[("qwen3-30b-a3b", 2)], system)
-    assert per_plan == (0.0 if system in RULED else 1.0)
+    assert per_plan == (0.0 if system in RULED | GREEDY else 1.0)
+
+
+@pytest.mark.parametrize("system,over", [
+    ("dali", {"cache": {"policy": "lru"}}), ("dali", {"cache": {"policy": "lru"}, "prefetch": {"policy": "none"}}),
+    ("dali", {"cache": {"policy": "static"}, "prefetch": {"policy": "lookahead", "predictor": "next-gate", "k": 0}}),
+    ("dali", {"memory": {"cache_init": "empty"}, "cache": {"u": 2}}),
+    ("dali", {"placement": {"overlap": False, "pending_resident": False}}),
+    ("dali", {"memory": {"prefetch_slots": 1}, "cache": {"w": 1}}),
+    ("hybrimoe", {"placement": {"hss_steps": "all", "pending_resident": False}, "prefetch": {"k": 2}}),
+    ("hybrimoe", {"cache": {"prefill_evicts": False, "a": 0.25}, "prefetch": {"predictor2": "", "min_gain": -1}}),
+    ("hybrimoe", {"memory": {"cache_init": "empty", "prefetch_slots": 8}, "prefetch": {"predictor1": ""}}),
+    ("hybrimoe", {"prefetch": {"policy": "none"}})])
+def test_fused_view_free_plans_are_the_reference_plans(monkeypatch, traces, system, over):
+    """dali's and HybriMoE's forms with other caches, prefetchers and settings: no view, the reference's plans."""
+    for model, seed, _, batch, ratio in CASES[:3]:
+        trace = traces[(model, seed)]
+        merged = {**over, "memory": {**over.get("memory", {}), **({"cache_ratio": ratio} if ratio else {})}}
+        views = []
+        view = ctl.Controller.view
+        with monkeypatch.context() as m:
+            m.setattr(ctl.Controller, "view", lambda self, s, la: views.append(1) or view(self, s, la))
+            fast = _run_over(monkeypatch, trace, system, batch, merged, seed, compiled=True)
+        ref = _run_over(monkeypatch, trace, system, batch, merged, seed, compiled=False)
+        assert not views and fast[0] == ref[0] and len(ref[0]) > 0, (model, over)
+        assert fast[1].per_layer.equals(ref[1].per_layer)
+
+
+def _run_over(monkeypatch, trace, system, batch, over, seed, *, compiled):
+    plans, res, _ = _run(monkeypatch, trace, system, batch, None, seed, compiled=compiled, over=over)
+    return plans, res
+
+
+@pytest.mark.parametrize("system,cls,getter", [("dali", placement_dali.DaliGreedy, "greedy_form"),
+                                                ("hybrimoe-best", HybriMoEPlacement, "hss_form")])
+def test_workloads_beyond_the_forms_tables_leave_the_plan_to_the_policies(monkeypatch, traces, system, cls, getter):
+    """A workload (or HybriMoE's prediction) beyond the form's tables: that plan is made with a view and the
+    policies' own code; the plans stay the reference's."""
+    form_of = getattr(cls, getter)
+
+    def short(self, ctx):  # the tables of workloads 0..2 only
+        form = form_of(self, ctx)
+        return dataclasses.replace(form, gpu=form.gpu[:3], cpu=form.cpu[:3])
+
+    trace = traces[("qwen3-30b-a3b", 2)]
+    with monkeypatch.context() as m:
+        m.setattr(cls, getter, short)
+        plans, per_plan = _views_per_plan(monkeypatch, trace, system, "0.25")
+    ref, _, _ = _run(monkeypatch, trace, system, 2, "0.25", 0, compiled=False)
+    assert 0 < per_plan < 1
+    assert plans == ref
+
+
+def test_forms_are_not_inherited_by_subclasses():
+    """A subclass may place, observe, swap or prefetch otherwise: it loses the forms."""
+    from dali_sim.policies.prefetch_lookahead import DaliResidualPrefetch, LookaheadPrefetch, NextGatePrefetch
+
+    class Greedier(placement_dali.DaliGreedy):
+        pass
+
+    class Window(cache_dali.DaliWindow):
+        pass
+
+    class Keep(LookaheadPrefetch):
+        def keep(self, view, predicted_tokens):
+            return predicted_tokens > 1
+
+    ctx = SimpleNamespace(costs=SimpleNamespace(expert_time_table=lambda d: np.zeros(4),
+                                                expert_transfer_time=lambda: 1.0))
+    assert placement_dali.DaliGreedy().greedy_form(ctx) is not None and Greedier().greedy_form(ctx) is None
+    assert Window().window_form() is None
+    assert DaliResidualPrefetch().top_k_form() == ("residual", 1)
+    assert Keep().top_k_form() is None and NextGatePrefetch().top_k_form() is None
+
+    class Schedule(HybriMoEPlacement):
+        pass
+
+    class Score(MRSCache):
+        pass
+
+    class Impact(HybriMoEPrefetch):
+        pass
+
+    assert HybriMoEPlacement().hss_form(ctx) is not None and Schedule().hss_form(ctx) is None
+    assert Score().mrs_form() is None and Impact().impact_form(ctx) is None
 
 
 def test_an_undecided_rule_leaves_the_plan_to_place(monkeypatch, traces):

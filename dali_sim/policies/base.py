@@ -151,6 +151,34 @@ class PlacementRule:
 NEVER = np.iinfo(np.int64).max
 
 
+@dataclass(frozen=True)
+class GreedyForm:
+    """DALI's greedy assignment as data (:meth:`PlacementPolicy.greedy_form`), for the controller's compiled
+    path: the times of an expert with workload ``c`` are ``gpu[c]`` and ``cpu[c]`` (``c`` below both tables'
+    length; else the controller asks :meth:`~PlacementPolicy.place`), one expert's copy ``transfer``; the
+    flags are ``dali-greedy``'s config (``placement_dali._greedy_place``)."""
+
+    gpu: np.ndarray  # (C,) float64 seconds
+    cpu: np.ndarray  # (C,) float64 seconds
+    transfer: float
+    overlap: bool
+    pending_resident: bool
+
+
+@dataclass(frozen=True)
+class HSSForm:
+    """HybriMoE's HSS schedule as data (:meth:`PlacementPolicy.hss_form`), for the controller's compiled path:
+    times by workload as :class:`GreedyForm`; ``pending_resident``: a prefetched expert counts as cached;
+    ``single_token``: a step of more than one token runs every activated expert on the GPU
+    (``hybrimoe.HybriMoEPlacement``)."""
+
+    gpu: np.ndarray  # (C,) float64 seconds
+    cpu: np.ndarray  # (C,) float64 seconds
+    transfer: float
+    pending_resident: bool
+    single_token: bool
+
+
 class PlacementPolicy(Policy[C]):
     #: whether this policy can put a non-resident expert on the GPU (then staging buffers are needed)
     may_fetch: ClassVar[bool] = True
@@ -165,6 +193,17 @@ class PlacementPolicy(Policy[C]):
         whether it is resident or pending, and which keeps no state: the controller then plans a layer
         without a :class:`LayerView` in one compiled call. None (the default): no rule form. Must agree
         with :meth:`place` (tests/test_plan_fast.py runs every preset both ways)."""
+        return None
+
+    def greedy_form(self, ctx: "SetupContext") -> GreedyForm | None:
+        """The placement as a :class:`GreedyForm` (after :meth:`setup`; speed only): DALI's Algorithm 1 on the
+        cost model's tables, keeping no state. None (the default): no such form. Must agree with
+        :meth:`place`."""
+        return None
+
+    def hss_form(self, ctx: "SetupContext") -> HSSForm | None:
+        """The placement as an :class:`HSSForm` (after :meth:`setup`; speed only), keeping no state. None (the
+        default): no such form. Must agree with :meth:`place`."""
         return None
 
     @abstractmethod
@@ -183,6 +222,19 @@ class PrefetchPolicy(Policy[C]):
         pairs or an (m, 2) integer array (which the controller issues in one compiled call).
         Targets must be later layers of the same step; the runtime skips resident or pending ones
         and drops what does not fit the prefetch buffers."""
+
+    def top_k_form(self) -> tuple[str, int] | None:
+        """``(column, k)`` when :meth:`prefetch` is exactly the next layer's ``k`` experts (0 = all) with the
+        largest predicted count in lookahead column ``column`` (ties: best rank, then lower id), keeping no
+        state (speed only: the controller then issues them in its compiled call). None (the default)."""
+        return None
+
+    def impact_form(self, ctx: "SetupContext") -> tuple[np.ndarray, list[tuple[int, str]], float, int] | None:
+        """``(seen, columns, threshold, k)`` when :meth:`prefetch` is HybriMoE's impact-driven prefetch under
+        the HSS schedule on the cost model's tables (``kernels._impact_requests``): ``seen`` (L, E) bool, each
+        layer's cache contents at its last visit (set in place at every call), ``columns`` the (distance,
+        lookahead column) pairs. None (the default; speed only)."""
+        return None
 
 
 class CachePolicy(Policy[C]):
@@ -303,6 +355,21 @@ class CachePolicy(Policy[C]):
         """After the layer's touches: (expert_in, expert_out) swaps the policy wants (each a PCIe
         transfer, resident from the next step's visit of this layer). Default: none."""
         return []
+
+    def window_form(self) -> tuple[np.ndarray, int, int] | None:
+        """``(state, w, u)`` when :meth:`observe` and :meth:`rebalance` are DALI's windowed sums
+        (``cache_dali``): ``state`` (L, E + 1) int64, each layer's window sums of workloads and, in the last
+        column, its visits in the window (updated in place by the controller's compiled call); at ``w``
+        visits up to ``u`` swaps (``cache_dali._window_swaps``), then the window restarts. Needs
+        :attr:`keyed_per_layer` and no swap notices. None (the default): no such form (speed only)."""
+        return None
+
+    def mrs_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, bool] | None:
+        """``(score, stamp, clock, a, prefill_evicts)`` when :meth:`observe` is HybriMoE's MRS update of
+        ``score`` (L, E) float64 with weight ``a`` (``kernels._mrs_update``) and the keyed form of a layer is
+        ``(True, not prefill or prefill_evicts, score[layer], stamp[layer], clock)``, with no swaps or swap
+        notices (``hybrimoe-mrs``). None (the default; speed only)."""
+        return None
 
 
 def initial_contents(layer: int, capacity: int, ctx: SetupContext, init: str, rng: np.random.Generator) -> list[int]:

@@ -76,13 +76,13 @@ def _window_swaps(score, resident, u):
     return out[:2 * m]
 
 
-def _observe(score, visits, layer, experts, counts):
+def _observe(state, layer, experts, counts):
     """:meth:`DaliWindow.observe` in one loop (compiled by numba): the visit's workloads added to the layer's
-    window sums (``experts`` are distinct), one more visit counted."""
-    row = score[layer]
+    window sums (``experts`` are distinct), one more visit counted (``state``: ``DaliWindow.state``)."""
+    row = state[layer]
     for i in range(experts.shape[0]):
         row[experts[i]] += counts[i]
-    visits[layer] += 1
+    row[state.shape[1] - 1] += 1
 
 
 _COMPILED: list = []
@@ -138,14 +138,18 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
     Config = DaliWindowConfig
 
     def setup(self, ctx: SetupContext) -> None:
-        self.score = np.zeros((ctx.num_layers, ctx.num_experts), dtype=np.int64)  # the current window's sums
-        self.visits = np.zeros(ctx.num_layers, dtype=np.int64)  # visits of each layer in the current window
-        self._no_key = np.zeros(ctx.num_experts, np.int64)
+        E = ctx.num_experts
+        # one (L, E + 1) array (the controller's compiled plan takes it as one argument): per layer the current
+        # window's sums and, in the last column, its visits in the window
+        self.state = np.zeros((ctx.num_layers, E + 1), dtype=np.int64)
+        self.score = self.state[:, :E]
+        self.visits = self.state[:, E]
+        self._no_key = np.zeros(E, np.int64)
 
     def observe(self, view: LayerView) -> None:
         kernel = _compiled_observe()
         if kernel is not None:  # the same sums in one compiled call (a fancy-indexed add costs several NumPy calls)
-            kernel(self.score, self.visits, view.layer, view.experts, view.counts)
+            kernel(self.state, view.layer, view.experts, view.counts)
             return
         self.score[view.layer, view.experts] += view.counts
         self.visits[view.layer] += 1
@@ -163,6 +167,10 @@ class DaliWindow(CachePolicy[DaliWindowConfig]):
 
     def keyed_form(self, layer: int, view: LayerView):
         return True, False, self._no_key, self._no_key, None  # free slots take fetched experts; no evictions
+
+    def window_form(self) -> tuple[np.ndarray, int, int] | None:
+        own = type(self) is DaliWindow  # (a subclass may observe or swap otherwise)
+        return (self.state, int(self.config.w), int(self.config.u)) if own else None
 
     def window_end(self, layer: int) -> bool:
         """Whether the layer's current visit closes its window (call after ``observe``)."""

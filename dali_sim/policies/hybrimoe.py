@@ -40,6 +40,7 @@ from dali_sim.policies.base import (
     CACHES,
     PLACEMENTS,
     PREFETCHERS,
+    HSSForm,
     LayerView,
     PlacementPolicy,
     PolicyConfig,
@@ -197,6 +198,13 @@ class HybriMoEPlacement(PlacementPolicy[HybriMoEPlacementConfig]):
         t_gpu, t_cpu, xfer = expert_times(view.costs, view.counts)  # HSS alone: no prefix model needed
         return _hss(np.asarray(view.counts), self._cached(view), t_gpu, t_cpu, xfer)[0]
 
+    def hss_form(self, ctx: SetupContext) -> HSSForm | None:
+        tables = kernels.cost_tables(self, ctx.costs)
+        if type(self) is not HybriMoEPlacement or self.config.mode != "hss" or tables is None:
+            return None
+        gpu, cpu, xfer = tables
+        return HSSForm(gpu, cpu, xfer, bool(self.config.pending_resident), self.config.hss_steps == "single-token")
+
     def _cached(self, view: LayerView) -> np.ndarray:
         cached = view.resident[view.experts]
         return cached | view.pending[view.experts] if self.config.pending_resident else cached
@@ -262,6 +270,11 @@ class MRSCache(LRU):
     def keyed_form(self, layer: int, view: LayerView):
         evicts = view.phase != PREFILL or self.config.prefill_evicts
         return True, evicts, self.score[layer], self.stamp[layer], self._clock
+
+    def mrs_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, bool] | None:
+        if type(self) is not MRSCache:  # (a subclass may observe or evict otherwise)
+            return None
+        return self.score, self.stamp, self._clock, float(self.config.a), bool(self.config.prefill_evicts)
 
 
 # ---- prefetch -------------------------------------------------------------------------------------
@@ -403,6 +416,13 @@ class HybriMoEPrefetch(PrefetchPolicy[HybriMoEPrefetchConfig]):
         cands.sort()
         out = [(view.layer + d, e) for _, d, _, e in cands]
         return out[: self.config.k] if self.config.k > 0 else out
+
+    def impact_form(self, ctx: SetupContext) -> tuple[np.ndarray, list[tuple[int, str]], float, int] | None:
+        c = self.config
+        if type(self) is not HybriMoEPrefetch or c.source != "impact" or c.schedule != "hss":
+            return None
+        threshold = float(c.min_gain) if c.min_gain >= 0 else float(ctx.costs.expert_transfer_time())
+        return self.seen, list(self._cols), threshold, int(c.k)
 
     def _compiled(self, view: LayerView, threshold: float) -> list[tuple[int, int]] | None:
         """:meth:`prefetch` after the lookups as one compiled call (``kernels._impact_requests``), for the hss

@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dali_sim.policies import kernels
-from dali_sim.policies.base import PLACEMENTS, LayerView, PlacementPolicy, PolicyConfig, SetupContext, registered
+from dali_sim.policies.base import (
+    PLACEMENTS,
+    GreedyForm,
+    LayerView,
+    PlacementPolicy,
+    PolicyConfig,
+    SetupContext,
+    registered,
+)
 
 SLOT_RULES = ("evictable", "free", "staging")
 
@@ -274,6 +282,15 @@ class DaliGreedy(PlacementPolicy[DaliGreedyConfig]):
 
     def times(self, view: LayerView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return expert_times(view, overlap=self.config.overlap, pending_resident=self.config.pending_resident)
+
+    def greedy_form(self, ctx: SetupContext) -> GreedyForm | None:
+        if type(self) is not DaliGreedy:  # (a subclass may place otherwise)
+            return None
+        tables = kernels.cost_tables(self, ctx.costs)
+        if tables is None:
+            return None
+        gpu, cpu, xfer = tables
+        return GreedyForm(gpu, cpu, xfer, bool(self.config.overlap), bool(self.config.pending_resident))
 
     def place(self, view: LayerView) -> np.ndarray:
         kernel = _compiled_place_checked() if type(self) is DaliGreedy else None

@@ -116,6 +116,11 @@ class LookaheadPrefetch(PrefetchPolicy[LookaheadConfig]):
             return [(target, e) for e in chosen]
         return [(target, e) for e in chosen if self.keep(view, int(counts[e]))]
 
+    def top_k_form(self) -> tuple[str, int] | None:
+        cls = type(self)
+        plain = cls.keep is LookaheadPrefetch.keep and cls.prefetch is LookaheadPrefetch.prefetch
+        return (self.config.predictor, int(self.config.k)) if plain else None
+
     def keep(self, view: LayerView, predicted_tokens: int) -> bool:
         """Whether to copy a chosen expert with this predicted workload (here: always)."""
         return True

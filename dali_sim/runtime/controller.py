@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from dali_sim.policies.base import (
     SetupContext,
     readonly,
 )
+from dali_sim.policies.prefetch import NoPrefetch
 from dali_sim.runtime import plan_kernel
 from dali_sim.runtime.future import FutureDemand
 from dali_sim.runtime.plan_kernel import (
@@ -35,6 +37,7 @@ from dali_sim.runtime.plan_kernel import (
     TALLY_SWAPS,
     TALLY_WASTED,
 )
+from dali_sim.trace.schema import PREFILL
 from dali_sim.workload.builder import Workload
 
 # where the weights of an activated expert come from
@@ -150,6 +153,9 @@ class Controller:
             for name, sc in workload.predicted.items()}
         #: the view-free compiled plan (:meth:`_ruled_args`): the kernel and each layer's arguments, or None
         self._ruled = self._ruled_args()
+        #: likewise for DALI's greedy placement (:meth:`_greedy_args`) or HybriMoE (:meth:`_impact_args`): the
+        #: kernel, each layer's arguments and whether the step's phase and tokens come first; or None
+        self._fused = None if self._ruled is not None else (self._greedy_args() or self._impact_args())
 
     @staticmethod
     def _static_segments(w) -> tuple | None:
@@ -197,6 +203,94 @@ class Controller:
         if seg is not None:  # the arguments' types never change: the compiled function without the dispatcher
             kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0) + a for a in args])
         return kernel, args
+
+    def _greedy_args(self) -> tuple | None:
+        """The view-free plan for a placement with a greedy form (``PlacementPolicy.greedy_form``: DALI's
+        Algorithm 1 on the cost tables), a cache with a keyed form asked once per layer that observes and swaps
+        nothing or has a window form (``CachePolicy.window_form``: dali-window), and no prefetcher or one with a
+        top-k form (``PrefetchPolicy.top_k_form``: lookahead, dali-residual): every plan is one compiled call
+        (``plan_kernel._greedy_plan``) without a :class:`LayerView`, as :meth:`_ruled_args`."""
+        cache, placement, prefetcher = self.cache, self.placement, self.prefetcher
+        seg = self._segments
+        if self._kernel is None or seg is None or not cache.keyed_per_layer or placement.reads_future:
+            return None
+        window = cache.window_form()
+        if window is None and (self._observes or self._swapping):
+            return None
+        if window is not None and self._told_of_swaps:
+            return None
+        prefetching = self._prefetching and type(prefetcher).prefetch is not NoPrefetch.prefetch
+        top_k = prefetcher.top_k_form() if prefetching else None
+        if prefetching and (top_k is None or top_k[0] not in self._predictors
+                            or self.w.predictor_offsets[top_k[0]] < 1):
+            return None  # (a column not loaded or not one layer ahead: the view path names the error)
+        form = placement.greedy_form(self.ctx)
+        kernel = plan_kernel.compiled_greedy() if form is not None else None
+        if kernel is None:
+            return None
+        times = self._time_tables(form)
+        state, w, u = window if window is not None else (np.zeros((1, 1), np.int64), 0, 0)
+        a = self.w.actual
+        pred = self.w.predicted[top_k[0]] if top_k is not None else a  # (unread without prefetches: same types)
+        pred = (pred.ptr, *(readonly(x) if x.flags.writeable else x for x in (pred.expert, pred.count, pred.rank)))
+        args = []
+        L = self._num_layers
+        for layer in range(L):
+            accepts, evicts, primary, stamp, clock = self._keyed_rows[layer]
+            params = np.array([layer, self.capacities[layer], accepts, evicts, clock is not None, form.overlap,
+                               form.pending_resident, w, u, top_k is not None and layer + 1 < L,
+                               top_k[1] if top_k is not None else 0, self.prefetch_slots], np.int64)
+            args.append((self._contents, self._totals, params, primary, stamp,
+                         self._no_clock if clock is None else clock, times, float(form.transfer), state, *pred))
+        kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0) + a for a in args])
+        return kernel, args, False
+
+    @staticmethod
+    def _time_tables(form) -> np.ndarray:
+        """(2, C) float64: a form's GPU and CPU times by workload, cut to the shorter table."""
+        C = min(len(form.gpu), len(form.cpu))
+        return np.stack([np.asarray(form.gpu[:C], np.float64), np.asarray(form.cpu[:C], np.float64)])
+
+    def _impact_args(self) -> tuple | None:
+        """The view-free plan for HybriMoE: a placement with an HSS form (``PlacementPolicy.hss_form``), a cache
+        with an MRS form (``CachePolicy.mrs_form``) and no prefetcher or one with an impact form
+        (``PrefetchPolicy.impact_form``): every plan is one compiled call (``plan_kernel._impact_plan``)."""
+        cache, placement, prefetcher = self.cache, self.placement, self.prefetcher
+        seg = self._segments
+        if self._kernel is None or seg is None or placement.reads_future or self._swapping:
+            return None
+        mrs = cache.mrs_form()
+        form = placement.hss_form(self.ctx) if mrs is not None else None
+        prefetching = self._prefetching and type(prefetcher).prefetch is not NoPrefetch.prefetch
+        impact = prefetcher.impact_form(self.ctx) if prefetching and form is not None else None
+        if form is None or (prefetching and impact is None):
+            return None
+        columns = impact[1] if impact is not None else []
+        if len(columns) > 3 or any(name not in self._predictors or self.w.predictor_offsets[name] < d
+                                   for d, name in columns):
+            return None  # (a column not loaded, or not that far ahead: the view path names the error)
+        kernel = plan_kernel.compiled_impact()
+        if kernel is None:
+            return None
+        score, stamp, clock, a, prefill_evicts = mrs
+        times = self._time_tables(form)
+        seen, _, threshold, k = impact if impact is not None else (np.zeros((1, 1), bool), None, 0.0, 0)
+        fparams = np.array([a, threshold, form.transfer], np.float64)
+        act = self.w.actual
+        sparse = []
+        for slot in range(3):  # each column's sparse predictions (unread for an unused slot: the routing's arrays)
+            sc = self.w.predicted[columns[slot][1]] if slot < len(columns) else act
+            sparse += [readonly(x) if x.flags.writeable else x for x in (sc.ptr, sc.expert, sc.count)]
+        L = self._num_layers
+        args = []
+        for layer in range(L):
+            dists = [columns[s][0] if s < len(columns) and layer + columns[s][0] < L else 0 for s in range(3)]
+            params = np.array([layer, self.capacities[layer], True, prefill_evicts, PREFILL, form.pending_resident,
+                               form.single_token, impact is not None, k, self.prefetch_slots, *dists],
+                              np.int64)
+            args.append((self._contents, self._totals, params, fparams, times, score, stamp, clock, seen, *sparse))
+        kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0, 0, 0) + a for a in args])
+        return kernel, args, True
 
     def _lookahead(self, step: int, layer: int, what: str, name: str, target: int) -> np.ndarray:
         """``LayerView.lookahead`` (``what="counts"``), ``lookahead_rank`` (``"ranks"``) and ``lookahead_segment``
@@ -271,6 +365,16 @@ class Controller:
                     self._refuse(step, layer, experts, row)
                 return LayerPlan(step, layer, phase, tokens, experts, counts, flags[3], source, flags[0], flags[1],
                                  flags[2], row[TALLY_LEN + 1:], [], [], [], [], tuple(row[:TALLY_LEN]))
+        fused = self._fused
+        if fused is not None:
+            experts, counts, _, phase, tokens = self._segment(step, layer)
+            if fused[2]:
+                source, flags, out = fused[0](experts, counts, step, phase, tokens, *fused[1][layer])
+            else:
+                source, flags, out = fused[0](experts, counts, step, *fused[1][layer])
+            row = out.tolist()
+            if row:  # (empty: a workload beyond the cost tables, left to the policies with a view; nothing changed)
+                return self._fused_plan(step, layer, phase, tokens, experts, counts, source, flags, row)
         kernel = self._kernel
         if kernel is None:
             return self.plan_reference(step, layer)
@@ -300,6 +404,26 @@ class Controller:
         return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, flags[0],
                          flags[1], flags[2], row[TALLY_LEN + 1:lists], prefetches, row[lists:lists + n_used],
                          row[lists + n_used:], swaps, tuple(row[:TALLY_LEN]))
+
+    def _fused_plan(self, step, layer, phase, tokens, experts, counts, source, flags, row) -> LayerPlan:
+        """The :class:`LayerPlan` of ``plan_kernel._greedy_plan``'s or ``_impact_plan``'s answer (its checks as
+        :meth:`plan`'s)."""
+        if (row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch) or \
+                (self.staging_slots < 1 and row[TALLY_STAGED]):
+            self._refuse(step, layer, experts, row)
+        n_evicted, n_used, n_wasted = row[TALLY_EVICTED], row[TALLY_PREFETCH_USED], row[TALLY_WASTED]
+        n_issued = row[TALLY_PREFETCHES]
+        lists = TALLY_LEN + 1 + n_evicted  # where the prefetches used start
+        issued = lists + n_used + n_wasted  # where the issued prefetches start
+        if n_issued < 0:
+            self._pending_total -= n_used + n_wasted
+            self._bad_prefetch(SimpleNamespace(layer=layer), row[issued], row[issued + 1])
+        self._pending_total += n_issued - n_used - n_wasted
+        swapped = issued + 2 * n_issued
+        return LayerPlan(step, layer, phase, tokens, experts, counts, flags[3], source, flags[0], flags[1], flags[2],
+                         row[TALLY_LEN + 1:lists], list(zip(row[issued:swapped:2], row[issued + 1:swapped:2])),
+                         row[lists:lists + n_used], row[lists + n_used:issued],
+                         list(zip(row[swapped::2], row[swapped + 1::2])), tuple(row[:TALLY_LEN]))
 
     def _place(self, view: LayerView) -> np.ndarray:
         """The placement's (n,) bool mask, checked."""

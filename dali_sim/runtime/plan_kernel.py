@@ -11,13 +11,18 @@ evictable entries by ascending ``(primary, stamp, id)``, touches renew a use sta
 need no notice): lru, lfu, static, dali-window and hybrimoe-mrs. The controller's NumPy path
 (``Controller.plan_reference``) stays the reference, and the path of every other cache or when numba is
 off (``DALI_NUMBA=0``); both give the same plans (tests/test_plan_fast.py).
+
+Where the policies describe their decisions as data (``PlacementPolicy.rule_form``, ``greedy_form``,
+``hss_form``; ``CachePolicy.window_form``, ``mrs_form``; ``PrefetchPolicy.top_k_form``, ``impact_form``), a
+whole plan is one call without a ``LayerView``: :func:`_ruled_plan` (the simple systems), :func:`_greedy_plan`
+(``dali``) and :func:`_impact_plan` (HybriMoE).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from dali_sim.policies import kernels
+from dali_sim.policies import cache_dali, kernels, placement_dali
 
 # sources, as dali_sim.runtime.controller (repeated: that module imports this one)
 _HIT, _PREFETCHED, _FETCH, _CPU = 0, 1, 2, 3
@@ -244,6 +249,186 @@ def _ruled_plan(experts, counts, tokens, contents, totals, params, primary, stam
     return source, flags, out
 
 
+def _greedy_plan(experts, counts, step, contents, totals, params, primary, stamp, clock, times, xfer, window,
+                 pred_ptr, pred_experts, pred_counts, pred_ranks):
+    """A whole plan of (``step``, layer) for DALI's greedy placement (``PlacementPolicy.greedy_form``): the
+    cache's windowed sums (``CachePolicy.window_form``), the placement (``placement_dali._greedy_place``),
+    :func:`_plan_into`, the next layer's top-k prefetch (``PrefetchPolicy.top_k_form``, from the lookahead
+    column's sparse segments ``pred_*``) issued by :func:`_issue`, and the window's swaps, in the order
+    ``Controller.plan_reference`` runs them. ``contents``, ``totals``, ``primary``, ``stamp`` and ``clock`` as
+    :func:`_ruled_plan`; ``times`` (2, C) float64: the GPU and CPU times by workload, ``xfer`` one copy;
+    ``window`` the cache's (L, E + 1) state; ``params`` the layer's (int64): the layer, its capacity, the keyed
+    form's ``accepts``, ``evicts`` and whether touches set stamps, the greedy's ``overlap`` and
+    ``pending_resident``, the window's ``w`` (0: none) and ``u``, whether to prefetch (a later layer), the top-k's
+    ``k``, the prefetch buffers. Returns (source, (4, n) bool: hit, admitted, staged and on the GPU, the int64
+    answer of :func:`_plan_into` with ``TALLY_PREFETCHES`` and ``TALLY_SWAPS`` filled and, after its lists,
+    the issued prefetches and the swaps, flat pairs; ``TALLY_PREFETCHES`` -1 and the pair: an invalid request),
+    or an empty answer with nothing changed when a workload lies beyond the tables (``place`` decides)."""
+    layer = params[0]
+    n = experts.shape[0]
+    flags = np.zeros((4, n), np.bool_)
+    top = times.shape[1]
+    for i in range(n):
+        if counts[i] < 0 or counts[i] >= top:
+            return np.empty(0, np.int8), flags, np.empty(0, np.int64)  # beyond the tables: nothing changed
+    resident = contents[0, layer]
+    pending = contents[1, layer]
+    w = params[7]
+    if w > 0:
+        _observe_fn(window, layer, experts, counts)
+    on_gpu = flags[3]
+    on_gpu[:] = _greedy_place_fn(experts, counts, resident, pending, times[0], times[1], xfer, params[5] != 0,
+                                 params[6] != 0)
+    source, head = _plan_into_fn(flags, experts, counts, on_gpu, resident, pending, layer, params[1], totals[0],
+                                 totals[1], params[2] != 0, params[3] != 0, primary, stamp, clock, params[4] != 0)
+    issued = np.empty(0, np.int64)
+    bad = -1
+    asked = np.empty((0, 2), np.int64)
+    if params[9]:
+        free = params[11] - totals[1].sum()
+        if free > 0:
+            target = layer + 1
+            i = step * contents.shape[1] + target
+            lo = pred_ptr[i]
+            hi = pred_ptr[i + 1]
+            e = pred_experts[lo:hi]
+            asked = _as_pairs_fn(e[_ranked_fn(e, pred_counts[lo:hi], pred_ranks[lo:hi], params[10])], target)
+            issued, bad = _issue_fn(asked, contents[0], contents[1], totals[1], layer, free)
+    swaps = np.empty(0, np.int64)
+    if w > 0 and bad < 0 and window[layer, window.shape[1] - 1] >= w:
+        E = window.shape[1] - 1
+        swaps = _window_swaps_fn(window[layer, :E], resident, params[8])
+        for j in range(swaps.shape[0] // 2):
+            resident[swaps[2 * j + 1]] = False
+            resident[swaps[2 * j]] = True
+        window[layer, :] = 0
+    return source, flags, _tail_fn(head, issued, bad, asked, swaps)
+
+
+def _tail(head, issued, bad, asked, swaps):
+    """:func:`_plan_into`'s answer ``head`` with the issued prefetches and the swaps after its lists (their
+    counts in the tally), or the invalid request ``asked[bad]`` (``TALLY_PREFETCHES`` -1)."""
+    m = head.shape[0]
+    out = np.empty(m + issued.shape[0] + swaps.shape[0] + (2 if bad >= 0 else 0), np.int64)
+    out[:m] = head
+    out[m:m + issued.shape[0]] = issued
+    out[m + issued.shape[0]:m + issued.shape[0] + swaps.shape[0]] = swaps
+    out[TALLY_PREFETCHES] = issued.shape[0] // 2
+    out[TALLY_SWAPS] = swaps.shape[0] // 2
+    if bad >= 0:
+        out[TALLY_PREFETCHES] = -1
+        out[m] = asked[bad, 0]
+        out[m + 1] = asked[bad, 1]
+    return out
+
+
+def _beyond(ptr, counts, i, top):
+    """Whether a count of segment ``i`` is not below ``top``."""
+    for x in range(ptr[i], ptr[i + 1]):
+        if not counts[x] < top:
+            return True
+    return False
+
+
+def _dense(preds, dists, j, d, ptr, experts, counts, i):
+    """Row ``j`` of ``preds``: segment ``i`` as (E,) float64 counts, its distance ``d``; returns ``j + 1``."""
+    for x in range(ptr[i], ptr[i + 1]):
+        preds[j, experts[x]] = counts[x]
+    dists[j] = d
+    return j + 1
+
+
+def _impact_plan(experts, counts, step, phase, tokens, contents, totals, params, fparams, times, score, stamp, clock,
+                 seen, ptr1, experts1, counts1, ptr2, experts2, counts2, ptr3, experts3, counts3):
+    """A whole plan of (``step``, layer) for HybriMoE (``PlacementPolicy.hss_form``, ``CachePolicy.mrs_form``,
+    ``PrefetchPolicy.impact_form``): the MRS update (``kernels._mrs_update``), the placement (every expert on
+    the GPU at a step of more tokens with ``single_token``, else the HSS schedule, ``kernels._hss``),
+    :func:`_plan_into` keyed by the scores, then the impact-driven requests (``kernels._impact_requests``) from
+    up to three lookahead columns' sparse segments (``ptr*``, ``experts*``, ``counts*``) issued by
+    :func:`_issue`, in the order ``Controller.plan_reference`` runs them. ``contents``, ``totals`` as
+    :func:`_ruled_plan`; ``times`` as :func:`_greedy_plan`; ``fparams``: ``a``, the prefetch threshold, one
+    copy's seconds; ``params`` the layer's (int64): the layer, its capacity, whether a full cache evicts in
+    decode and in prefill, the prefill phase's code, ``pending_resident``, ``single_token``, whether to
+    prefetch (at the last layer too: the prefetcher notes the contents it saw), ``k``, the prefetch buffers,
+    the three columns' distances (0: unused or beyond the last layer). Returns as
+    :func:`_greedy_plan` (no swaps), or an empty answer with nothing changed when a workload or a prediction
+    lies beyond the tables (the policies decide with a view)."""
+    layer = params[0]
+    n = experts.shape[0]
+    E = contents.shape[2]
+    L = contents.shape[1]
+    flags = np.zeros((4, n), np.bool_)
+    top = times.shape[1]
+    hss = not (params[6] != 0 and tokens > 1)
+    if hss:
+        for i in range(n):
+            if counts[i] < 0 or counts[i] >= top:
+                return np.empty(0, np.int8), flags, np.empty(0, np.int64)  # beyond the tables: nothing changed
+    if params[7]:
+        base = step * L + layer
+        d1, d2, d3 = params[10], params[11], params[12]
+        if (d1 and _beyond_fn(ptr1, counts1, base + d1, top)) or (d2 and _beyond_fn(ptr2, counts2, base + d2, top)) or \
+                (d3 and _beyond_fn(ptr3, counts3, base + d3, top)):
+            return np.empty(0, np.int8), flags, np.empty(0, np.int64)
+    resident = contents[0, layer]
+    pending = contents[1, layer]
+    at_start = resident.copy()
+    row = score[layer]
+    _mrs_update_fn(row, experts, counts, tokens, fparams[0])
+    on_gpu = flags[3]
+    xfer = fparams[2]
+    if not hss:
+        on_gpu[:] = True
+    else:
+        cached = np.empty(n, np.bool_)
+        t_gpu = np.empty(n)
+        t_cpu = np.empty(n)
+        neg = np.empty(n, np.int64)
+        for i in range(n):
+            e = experts[i]
+            cached[i] = resident[e] or (params[5] != 0 and pending[e])
+            t_gpu[i] = times[0, counts[i]]
+            t_cpu[i] = times[1, counts[i]]
+            neg[i] = -np.int64(counts[i])
+        by_load = np.argsort(neg, kind="mergesort")  # descending load, ties: index (as the lexsort)
+        order = np.empty(n, np.int64)
+        k = 0
+        for i in by_load:
+            if cached[i]:
+                order[k] = i
+                k += 1
+        for i in by_load:
+            if not cached[i]:
+                order[k] = i
+                k += 1
+        on_gpu[:] = _hss_fn(order, cached, t_gpu, t_cpu, xfer)[0]
+    evicts = params[2] if phase != params[4] else params[3]
+    source, head = _plan_into_fn(flags, experts, counts, on_gpu, resident, pending, layer, params[1], totals[0],
+                                 totals[1], True, evicts != 0, row, stamp[layer], clock, True)
+    issued = np.empty(0, np.int64)
+    bad = -1
+    asked = np.empty((0, 2), np.int64)
+    if params[7]:
+        free = params[9] - totals[1].sum()
+        if free > 0:
+            seen[layer, :] = at_start
+            m = int(d1 > 0) + int(d2 > 0) + int(d3 > 0)
+            preds = np.zeros((m, E))  # each column's prediction of its layer, dense (as predicted_counts)
+            dists = np.empty(m, np.int64)
+            j = 0
+            if d1:
+                j = _dense_fn(preds, dists, j, d1, ptr1, experts1, counts1, base + d1)
+            if d2:
+                j = _dense_fn(preds, dists, j, d2, ptr2, experts2, counts2, base + d2)
+            if d3:
+                j = _dense_fn(preds, dists, j, d3, ptr3, experts3, counts3, base + d3)
+            if m:
+                _, asked = _impact_requests_fn(preds, dists, seen, layer, times[0], times[1], xfer, fparams[1],
+                                               params[8])
+                issued, bad = _issue_fn(asked, contents[0], contents[1], totals[1], layer, free)
+    return source, flags, _tail_fn(head, issued, bad, asked, np.empty(0, np.int64))
+
+
 def _issue(asked, resident, pending, n_pending, layer, free):
     """``Controller._issue_prefetches`` after the policy's answer ``asked`` ((m, 2) int64: target layer,
     expert), in one call: in order, skipping resident, pending and repeated requests, while fewer than
@@ -275,9 +460,24 @@ def _issue(asked, resident, pending, n_pending, layer, free):
 
 _victims_fn = _victims  # what _plan_into calls: the compiled _victims
 _plan_into_fn = _plan_into  # what _layer_plan and _ruled_plan call: the compiled _plan_into
+# what _greedy_plan calls: the compiled policy kernels and _issue
+_issue_fn = _issue
+_greedy_place_fn = placement_dali._greedy_place
+_observe_fn = cache_dali._observe
+_window_swaps_fn = cache_dali._window_swaps
+_ranked_fn = kernels._ranked
+_as_pairs_fn = kernels._as_pairs
+_tail_fn = _tail
+_beyond_fn = _beyond
+_dense_fn = _dense
+_mrs_update_fn = kernels._mrs_update
+_hss_fn = kernels._hss
+_impact_requests_fn = kernels._impact_requests
 _COMPILED: list = []
 _COMPILED_ISSUE: list = []
 _COMPILED_RULED: list = []
+_COMPILED_GREEDY: list = []
+_COMPILED_IMPACT: list = []
 
 
 def compiled_issue():
@@ -306,5 +506,35 @@ def compiled_ruled():
     return _COMPILED_RULED[0]
 
 
+def compiled_greedy():
+    """:func:`_greedy_plan` compiled (on the first call), or None without numba (or while :func:`compiled` or a
+    policy kernel it calls is off: the controller then plans with a view)."""
+    if not _COMPILED_GREEDY:
+        global _issue_fn, _greedy_place_fn, _observe_fn, _window_swaps_fn, _ranked_fn, _as_pairs_fn, _tail_fn
+        parts = (compiled_issue(), placement_dali._compiled_place(), cache_dali._compiled_observe(),
+                 cache_dali._compiled_swaps(), kernels.fused("top_pairs_sparse"))
+        if compiled() is None or any(f is None for f in parts):
+            return None  # (not kept: a getter switched off for a while, as the tests do, is not the last word)
+        _issue_fn, _greedy_place_fn, _observe_fn, _window_swaps_fn, _ = parts
+        _tail_fn = kernels.jit(_tail)
+        _ranked_fn, _as_pairs_fn = kernels._ranked_fn, kernels._as_pairs_fn  # (compiled by kernels.fused)
+        _COMPILED_GREEDY.append(kernels.jit(_greedy_plan))
+    return _COMPILED_GREEDY[0]
+
+
+def compiled_impact():
+    """:func:`_impact_plan` compiled (on the first call), or None as :func:`compiled_greedy`."""
+    if not _COMPILED_IMPACT:
+        global _mrs_update_fn, _hss_fn, _impact_requests_fn, _beyond_fn, _dense_fn
+        parts = (compiled_greedy(), kernels.fused("mrs_update"), kernels.fused("impact_requests"))
+        if any(f is None for f in parts):
+            return None  # (not kept, as compiled_greedy)
+        _mrs_update_fn, _impact_requests_fn, _hss_fn = parts[1], parts[2], kernels._hss_fn
+        _beyond_fn, _dense_fn = kernels.jit(_beyond), kernels.jit(_dense)
+        _COMPILED_IMPACT.append(kernels.jit(_impact_plan))
+    return _COMPILED_IMPACT[0]
+
+
 __all__ = ["TALLY_EVICTED", "TALLY_FIRST_FETCH", "TALLY_LEN", "TALLY_PREFETCHES", "TALLY_PREFETCH_USED", "TALLY_STAGED",
-           "TALLY_SWAPS", "TALLY_WASTED", "compiled", "compiled_issue", "compiled_ruled"]
+           "TALLY_SWAPS", "TALLY_WASTED", "compiled", "compiled_greedy", "compiled_impact", "compiled_issue",
+           "compiled_ruled"]
