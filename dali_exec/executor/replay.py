@@ -156,14 +156,13 @@ class Replay:
                             x, _ = self._dense(block, x, attn, Activity("block", step, b))
                             continue
                         t0 = self.timer.now()
-                        host0 = self.timer.mark()
                         sw = Stopwatch().start()
+                        host0 = sw.at  # (the decision's start and end: the stopwatch's readings)
                         plan = self.controller.plan(step, layer)
                         counters.add(plan)
-                        sw.stop()
-                        self.timer.add_activity("host", "host", step, layer, host0, self.timer.mark())
+                        self.runtime.start_layer(plan, handoff=(sw, None))  # its bookkeeping starts as sw stops
+                        self.timer.add_activity("host", "host", step, layer, host0, sw.at)
                         decision.add(layer, sw)
-                        self.runtime.start_layer(plan)
                         residual, gate_input = self._dense(block, x, attn, Activity("dense", step, layer))
                         ids, weights = w.routing(step, layer)  # the trace's stand-in for the router's output
                         # (grouped by expert and checked against the plan in the runtime's bookkeeping)

@@ -109,8 +109,8 @@ class OffloadRuntime:
     # ---- per layer ----------------------------------------------------------------------------
     def start_layer(self, plan: LayerPlan, handoff: tuple[Stopwatch, Stopwatch] | None = None) -> None:
         """Steps before the dense part: swaps of the last visit land, prefetch buffers freed and issued.
-        ``handoff``: (the caller's running stopwatch, the one to start when this returns), handed over at
-        this call's start and end (:meth:`Stopwatch.hand_to`: the boundaries share their clock readings)."""
+        ``handoff``: (the caller's running stopwatch, the one to start when this returns or None), handed over
+        at this call's start and end (:meth:`Stopwatch.hand_to`: the boundaries share their clock readings)."""
         layer = plan.layer
         sw = handoff[0].hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
         for ticket in self.swaps_landing.pop(layer, ()):
@@ -204,8 +204,9 @@ class OffloadRuntime:
             if moves:
                 sw.start()
             self._accelerator_lane(plan, lanes, routing, x_acc, out_buf, sw, inline, cpu_out)
-            sw.stop()
-        elif not moves:
+        if lanes.n or not moves:
+            # the slot table is settled (the combine below does not touch it; swaps keep every role's count)
+            self._layer_checked(step, layer, lanes.staging_used)
             sw.stop()
         if inline:
             cpu_out.append(inline.pop()())
@@ -217,19 +218,25 @@ class OffloadRuntime:
             out_buf.index_copy_(0, pos, vals)
         out = out_buf.view(T, k, H).sum(dim=1)
         out = out if on_accel else out.to(x.device)
-        sw.start()
 
-        if plan.swaps:
-            ins, outs = [a for a, _ in plan.swaps], [b for _, b in plan.swaps]
-            rows = pool.swap_many(layer, ins, outs)
-            self.swaps_landing[layer] = [self._copy_many(rows, [layer] * len(ins), ins, BACKGROUND, ("swap", step),
-                                                         outs)]
-        pool.check_layer(layer, lanes.staging_used)
-        if self.deferred:
-            raise AssertionError(f"step {step} layer {layer}: prefetches still wait for a buffer at the layer's end")
-        sw.stop()
+        if plan.swaps or (moves and not lanes.n):  # (a segment of its own only where there is work left)
+            sw.start()
+            if plan.swaps:
+                ins, outs = [a for a, _ in plan.swaps], [b for _, b in plan.swaps]
+                rows = pool.swap_many(layer, ins, outs)
+                self.swaps_landing[layer] = [self._copy_many(rows, [layer] * len(ins), ins, BACKGROUND,
+                                                             ("swap", step), outs)]
+            if moves and not lanes.n:
+                self._layer_checked(step, layer, lanes.staging_used)
+            sw.stop()
         self._book(layer, sw)
         return out
+
+    def _layer_checked(self, step: int, layer: int, staging_used: int) -> None:
+        """A layer visit's end: the slot table keeps its counts, and no prefetch waits for a buffer."""
+        self.pool.check_layer(layer, staging_used)
+        if self.deferred:
+            raise AssertionError(f"step {step} layer {layer}: prefetches still wait for a buffer at the layer's end")
 
     def _combine_buffer(self, pairs: int, hidden: int, zeroed: bool) -> torch.Tensor:
         """The (pairs x hidden) buffer a layer's outputs are combined in, on the accelerator: the last layer's
@@ -361,19 +368,21 @@ class OffloadRuntime:
                 first.sort()
         else:
             first = lanes.fetched
-        fetched_events = self._copy_now(plan, first, experts, rows, sw)
         # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
         ready = lanes.ready
-        waiting = ready[:0]
-        if lanes.prefetched_in_flight:
-            landed = self._is_present(rows[ready])
-            if landed is not True:
-                landed = np.asarray(landed, bool)
-                ready, waiting = ready[landed], ready[~landed]
-        after = lanes.fetched
-        if fetched_events is None and len(after):
-            ready = np.concatenate([ready, after]) if len(waiting) else lanes.order[:len(ready) + len(after)]
-            after = after[:0]
+        fg = self._first
+        if fg is not None and len(first) and fg[3] == len(ready) + nf:
+            # the CPU device, the first group written by the route call (the ready and fetched experts, checked
+            # there, no prefetch among them): taken before the copies and computed right after them, the
+            # stopwatch stopped once for both (the group's indices do not depend on the copies' data)
+            g = lanes.order[:len(ready) + nf]
+            group = self._group(plan, routing, seg[g], rows[g])
+            stamps = self._copy_now(plan, first, experts, rows, sw, then=lambda: self._forward_group(group, x, out_buf))
+            self._group_done(plan, group, *stamps)
+            fetched_events, ready, after, waiting = None, ready[:0], lanes.fetched[:0], ready[:0]
+        else:
+            fetched_events = self._copy_now(plan, first, experts, rows, sw)
+            ready, after, waiting = self._ready(lanes, rows, fetched_events)
         if len(ready):
             self._compute(plan, routing, seg[ready], rows[ready], x, out_buf, sw)
         if len(after):
@@ -408,11 +417,28 @@ class OffloadRuntime:
                 pool.release_prefetch(pool.slots[int(rows[i])])
             self._issue_deferred()
 
+    def _ready(self, lanes: "_AccelLane", rows: np.ndarray, fetched_events) -> tuple:
+        """Lane positions: (what is there: hits and landed prefetches, and, without CUDA, the fetched experts just
+        copied; on CUDA the fetched ones, computed after their copies; prefetches still in flight)."""
+        ready = lanes.ready
+        waiting = ready[:0]
+        if lanes.prefetched_in_flight:
+            landed = self._is_present(rows[ready])
+            if landed is not True:
+                landed = np.asarray(landed, bool)
+                ready, waiting = ready[landed], ready[~landed]
+        after = lanes.fetched
+        if fetched_events is None and len(after):
+            ready = np.concatenate([ready, after]) if len(waiting) else lanes.order[:len(ready) + len(after)]
+            after = after[:0]
+        return ready, after, waiting
+
     def _copy_now(self, plan: LayerPlan, idx: np.ndarray, experts: np.ndarray, rows: np.ndarray, sw: Stopwatch,
-                  after: list | None = None, staging: bool = False):
+                  after: list | None = None, staging: bool = False, then=None):
         """On-demand copies of lane positions ``idx`` into their rows, from this thread; on CUDA their end
         events (aligned with ``idx``), else None (done). ``staging``: the rows are staging buffers, which
-        no background copy writes."""
+        no background copy writes. ``then`` (the CPU device): device work run right after the copies, before the
+        stopwatch restarts; its (start, end) host stamps are returned."""
         if not len(idx):
             return None if not self.dev.is_cuda else []
         pool, layer = self.pool, plan.layer
@@ -424,14 +450,20 @@ class OffloadRuntime:
         previous = [t for i in held if not (t := tickets[i]).done]
         if self.dev.is_cuda and after is None:
             after = [pool.last_use[i] for i in r]
-        w0 = time.perf_counter()
-        ends = self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, plan.step, after=after,
-                                     previous=previous, pause=sw)
-        if ends is None:  # the CPU device: the lane waited for its copies while they were made
-            self._wait[layer] += time.perf_counter() - w0
         for i in held:
             tickets[i] = None
-        pool.ticketed.difference_update(held)
+        if held:
+            pool.ticketed.difference_update(held)
+        w0 = time.perf_counter()
+        ends = self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, plan.step, after=after,
+                                     previous=previous, pause=sw, resume=then is None)
+        if then is not None:  # the CPU device: the lane waited for its copies until then's start
+            stamps = then()
+            sw.start()
+            self._wait[layer] += stamps[0] - w0
+            return stamps
+        if ends is None:  # the CPU device: the lane waited for its copies while they were made
+            self._wait[layer] += time.perf_counter() - w0
         return ends
 
     def _wait_events(self, events, issued: np.ndarray, idx: np.ndarray) -> None:
@@ -552,27 +584,39 @@ class OffloadRuntime:
             end = self.timer.mark(stream)
             sw.start()
             self.timer.add_group("gpu", plan.step, plan.layer, (e,), (b - a,), start, end)
-            n = 1
             if stream is not None:
                 pool.last_use[row] = end
         else:
-            g_rows, lo, table_counts, (pos, tok, offs, pair_rows, w), experts, counts = self._group(plan, routing, seg,
-                                                                                                   rows)
+            group = self._group(plan, routing, seg, rows)
             sw.stop()
-            start = self.timer.mark(stream)
-            y = self.layout.forward_grouped(pool.table[lo:lo + len(table_counts)], x.index_select(0, tok), offs,
-                                            table_counts, pair_rows)
-            out_buf.index_copy_(0, pos, y * w)
-            end = self.timer.mark(stream)
+            start, end = self._forward_group(group, x, out_buf)
             sw.start()
-            self.timer.add_group("gpu", plan.step, plan.layer, experts, counts, start, end)
-            n = len(g_rows)
-            if stream is not None:
-                for r in g_rows.tolist():
-                    pool.last_use[r] = end  # a later copy into this slot waits for this compute
+            return self._group_done(plan, group, start, end)
         self.groups["gpu"] += 1
-        self.grouped_experts["gpu"] += n
+        self.grouped_experts["gpu"] += 1
         return end if stream is not None else None
+
+    def _forward_group(self, group: tuple, x: torch.Tensor, out_buf: torch.Tensor) -> tuple:
+        """The device work of a group (:meth:`_group`): its outputs into ``out_buf``; its (start, end) stamps."""
+        _, lo, table_counts, (pos, tok, offs, pair_rows, w), _, _ = group
+        stream = self.compute_stream
+        start = self.timer.mark(stream)
+        y = self.layout.forward_grouped(self.pool.table[lo:lo + len(table_counts)], x.index_select(0, tok), offs,
+                                        table_counts, pair_rows)
+        out_buf.index_copy_(0, pos, y * w)
+        return start, self.timer.mark(stream)
+
+    def _group_done(self, plan: LayerPlan, group: tuple, start, end):
+        """A group's records once computed; on CUDA its end event (:meth:`_compute`'s return value), else None."""
+        g_rows, experts, counts = group[0], group[4], group[5]
+        self.timer.add_group("gpu", plan.step, plan.layer, experts, counts, start, end)
+        self.groups["gpu"] += 1
+        self.grouped_experts["gpu"] += len(g_rows)
+        if self.compute_stream is None:
+            return None
+        for r in g_rows.tolist():
+            self.pool.last_use[r] = end  # a later copy into this slot waits for this compute
+        return end
 
     def _group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> tuple:
         """A group of the accelerator lane (the experts ``seg`` in slot ``rows``), its rows checked: (its rows
