@@ -146,7 +146,7 @@ class CopyEngine:
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(f"copy {what.name()}: shapes/dtypes differ ({tuple(src.shape)} {src.dtype} -> "
                              f"{tuple(dst.shape)} {dst.dtype})")
-        rows = None if row is None else np.array([row])
+        rows = None if row is None else [row]
         return self._queue([dst], [src], priority, what, None if after is None else [after], rows, inflight,
                            None, [previous] if previous is not None else [])
 
@@ -173,7 +173,8 @@ class CopyEngine:
                     prev.priority = priority
                     heapq.heappush(self._heap, (priority, prev.seq, prev))
             if inflight is not None:
-                inflight[rows] += 1
+                for r in rows:  # (a few rows: cheaper than a fancy-indexed add with cold caches)
+                    inflight[r] += 1
             heapq.heappush(self._heap, (priority, t.seq, t))
             self._open += 1
             self._wake_loop()
