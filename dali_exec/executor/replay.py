@@ -156,11 +156,12 @@ class Replay:
                             x, _ = self._dense(block, x, attn, Activity("block", step, b))
                             continue
                         t0 = self.timer.now()
-                        sw = Stopwatch().start()
-                        host0 = sw.at  # (the decision's start and end: the stopwatch's readings)
+                        sw, book = Stopwatch(), Stopwatch()
+                        host0 = sw.start().at  # (the decision's start and end: the stopwatch's readings)
                         plan = self.controller.plan(step, layer)
                         counters.add(plan)
-                        self.runtime.start_layer(plan, handoff=(sw, None))  # its bookkeeping starts as sw stops
+                        sw.hand_to(book)  # the layer's bookkeeping starts as the decision ends (one reading)
+                        self.runtime.start_layer(plan, running=book)
                         self.timer.add_activity("host", "host", step, layer, host0, sw.at)
                         decision.add(layer, sw)
                         residual, gate_input = self._dense(block, x, attn, Activity("dense", step, layer))

@@ -107,12 +107,17 @@ class OffloadRuntime:
         return self.pool.nbytes
 
     # ---- per layer ----------------------------------------------------------------------------
-    def start_layer(self, plan: LayerPlan, handoff: tuple[Stopwatch, Stopwatch] | None = None) -> None:
+    def start_layer(self, plan: LayerPlan, handoff: tuple[Stopwatch, Stopwatch] | None = None, *,
+                    running: Stopwatch | None = None) -> None:
         """Steps before the dense part: swaps of the last visit land, prefetch buffers freed and issued.
-        ``handoff``: (the caller's running stopwatch, the one to start when this returns or None), handed over
-        at this call's start and end (:meth:`Stopwatch.hand_to`: the boundaries share their clock readings)."""
+        ``handoff``: (the caller's running stopwatch, the one to start when this returns), handed over at
+        this call's start and end (:meth:`Stopwatch.hand_to`: the boundaries share their clock readings).
+        ``running``: a started stopwatch (the caller handed over to it), this call's own, stopped at its end."""
         layer = plan.layer
-        sw = handoff[0].hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
+        if running is not None:
+            sw = running
+        else:
+            sw = handoff[0].hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
         for ticket in self.swaps_landing.pop(layer, ()):
             if not ticket.is_done():
                 sw.stop()

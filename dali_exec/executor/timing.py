@@ -281,12 +281,9 @@ class Stopwatch:
         self.cpu += time.thread_time() - self._cpu0
         self.at = wall
 
-    def hand_to(self, other: "Stopwatch | None") -> "Stopwatch | None":
+    def hand_to(self, other: "Stopwatch") -> "Stopwatch":
         """Stop this one and start ``other`` at the same instant, from one reading of each clock (the thread-CPU
-        clock is a system call: adjacent segments share their boundary). Returns ``other``; None: only stop."""
-        if other is None:
-            self.stop()
-            return None
+        clock is a system call: adjacent segments share their boundary). Returns ``other``."""
         wall, cpu = time.perf_counter(), time.thread_time()
         self.wall += wall - self.at
         self.cpu += cpu - self._cpu0
