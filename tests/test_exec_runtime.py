@@ -277,3 +277,41 @@ def test_stopwatch_hand_to_splits_one_span_at_one_reading(monkeypatch):
     a.stop()
     assert reads == {"wall": 5, "cpu": 5}  # start, three hand-overs, stop
     assert (a.wall, b.wall, c.wall) == (2.0, 1.0, 1.0) and (a.cpu, b.cpu, c.cpu) == (4.0, 2.0, 2.0)
+    assert a.at == 5.0 and b.at == 3.0  # the wall reading of each one's last boundary
+    d = Stopwatch().start()
+    d.stop()
+    assert reads == {"wall": 7, "cpu": 7} and d.wall == 1.0 and d.at == 7.0
+
+
+def test_copy_engine_wakes_from_idle_and_releases_every_waiter():
+    """The copy thread sleeps when it has nothing to do and a submission wakes it; every waiting thread (a ticket,
+    a row's copies, the end) is released once what it waits for has landed; an idle engine closes."""
+    engine = CopyEngine(None, Timer(), delay_s=0.02)
+    try:
+        for _ in range(3):  # idle between requests: each wakes the sleeping copy thread
+            time.sleep(0.03)
+            dst, src = torch.zeros(4), torch.arange(4.0)
+            engine.submit(dst, src, BACKGROUND, Activity("prefetch", 0, 1, 0)).wait()
+            assert torch.equal(dst, src)
+        dst = torch.zeros(3, 2)
+        inflight = np.zeros(3, np.int64)
+        tickets = [engine.submit(dst[i], torch.full((2,), float(i + 1)), BACKGROUND, Activity("prefetch", 0, 1, i),
+                                 row=i, inflight=inflight) for i in range(3)]
+        assert inflight.tolist() == [1, 1, 1]
+        seen = []
+        waiters = [threading.Thread(target=lambda t=t: (t.wait(), seen.append(t.done))) for t in tickets]
+        waiters += [threading.Thread(target=lambda: (engine.wait_rows(inflight, [2]), seen.append(inflight[2] == 0))),
+                    threading.Thread(target=lambda: (engine.wait_any(tickets[1:]), seen.append(tickets[1].done))),
+                    threading.Thread(target=lambda: (engine.drain(), seen.append(all(t.done for t in tickets))))]
+        for w in waiters:
+            w.start()
+        for w in waiters:
+            w.join(timeout=10)
+        assert not any(w.is_alive() for w in waiters) and seen == [True] * 6
+        assert inflight.tolist() == [0, 0, 0] and dst[:, 0].tolist() == [1.0, 2.0, 3.0]
+    finally:
+        engine.close()
+    idle = CopyEngine(None, Timer())
+    time.sleep(0.01)
+    idle.close()  # wakes the sleeping copy thread, which ends
+    assert not idle._thread.is_alive()

@@ -216,3 +216,39 @@ def test_a_group_in_the_workspace_equals_group_index_and_grows():
 def test_group_workspace_without_tensors_off_the_cpu():
     ws = GroupWorkspace(6, torch.device("meta"), pairs=3)
     assert ws.tensors is None and ws.ints.shape == (3, 6) and ws.small.shape == (3, 6)
+
+
+def test_a_visit_reads_the_thread_cpu_clock_a_few_times(traces, monkeypatch):
+    """The stopwatches' segments per layer visit: the decision hands over to the layer's start; without swaps the
+    visit's bookkeeping ends with the accelerator lane; on the CPU device the first copies, the first group and
+    one-expert staging turns run in one pause (the NumPy code, which builds the first group at compute time,
+    pauses for each)."""
+    import time as _time
+
+    import dali_exec.executor.timing as timing
+
+    reads = [0]
+
+    class Clocks:
+        perf_counter = staticmethod(_time.perf_counter)
+
+        @staticmethod
+        def thread_time():
+            reads[0] += 1
+            return _time.thread_time()
+
+    monkeypatch.setattr(timing, "time", Clocks())
+    trace, opts, batch = traces["qwen"]
+
+    def per_visit(system):
+        reads[0] = 0
+        result = execute(trace, system, opts, RUN, batch_size=batch)
+        return reads[0] / result.summary["overhead"]["layer_visits"]
+
+    # cpu-only: the decision's start, its hand-over to start_layer, start_layer's end, run_experts' start and end
+    assert per_visit("cpu-only") == 5
+    fused = per_visit("gpu-lru")
+    with monkeypatch.context() as m:
+        m.setattr(K, "compiled", lambda name: None)
+        plain = per_visit("gpu-lru")
+    assert fused < plain

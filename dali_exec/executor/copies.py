@@ -16,6 +16,14 @@ swaps that have not started; a started copy is never preempted.
   layer's on-demand copies are queued together, behind at most the one background copy that has started.
   On the CPU device a background request whose copies all come from one layer is one gather and scatter.
 
+The hand-overs use C-level primitives only, as the CPU lane's worker does (``cpu_worker.py``): one
+``threading.Lock`` guards the queue and the tickets' state; the copy thread, when it finds nothing to do,
+sleeps on a ``queue.SimpleQueue`` that a submission rings only then (a busy copy thread is not signalled);
+a thread that waits (for a ticket, a row's copy, the end) parks on a lock of its own, registered under the
+engine's lock and released by the copy thread at the next landing (it then checks again). A
+``threading.Condition`` runs Python code in ``threading`` for each ``notify_all`` and wait: per request on
+the computing thread, with cold caches, several microseconds of its CPU.
+
 ``delay_s`` (tests) holds every copy back that long before it is issued, to check that nothing computes
 from a slot whose copy has not landed.
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import queue
 import threading
 import time
 
@@ -96,9 +105,7 @@ class CopyTicket:
 
     def wait(self) -> None:
         if not self.done:
-            with self.engine._cond:
-                while not self.done:
-                    self.engine._cond.wait()
+            self.engine._wait_until(lambda: self.done, errors=False)
         if self.error is not None:
             raise RuntimeError(f"copy {self.activity(0).name()} failed: {self.error}") from self.error
 
@@ -112,7 +119,11 @@ class CopyEngine:
         self.timer = timer
         self.delay_s = delay_s
         self.device = device
-        self._cond = threading.Condition()
+        #: guards the queue, the tickets' state (taken, priority, landed, done), the in-flight counts and _waiters
+        self._lock = threading.Lock()
+        self._bell: queue.SimpleQueue = queue.SimpleQueue()  # wakes the copy thread, rung only while it sleeps
+        self._idle = False  # the copy thread found nothing to do and sleeps on _bell (under _lock)
+        self._waiters: list = []  # locks held by waiting threads, released at the next landing (under _lock)
         #: held while copies are queued on the copy stream (by this thread or :meth:`issue_now`), so a
         #: layer's on-demand copies are queued together
         self._stream_lock = threading.Lock()
@@ -135,7 +146,7 @@ class CopyEngine:
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(f"copy {what.name()}: shapes/dtypes differ ({tuple(src.shape)} {src.dtype} -> "
                              f"{tuple(dst.shape)} {dst.dtype})")
-        rows = None if row is None else np.array([row])
+        rows = None if row is None else [row]
         return self._queue([dst], [src], priority, what, None if after is None else [after], rows, inflight,
                            None, [previous] if previous is not None else [])
 
@@ -151,7 +162,7 @@ class CopyEngine:
                            previous or [])
 
     def _queue(self, dsts, srcs, priority, what, after, rows, inflight, src_table, previous) -> CopyTicket:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError("copy engine is closed")
             t = CopyTicket(dsts, srcs, priority, next(self._seq), what, after, src_table=src_table, rows=rows,
@@ -162,15 +173,41 @@ class CopyEngine:
                     prev.priority = priority
                     heapq.heappush(self._heap, (priority, prev.seq, prev))
             if inflight is not None:
-                inflight[rows] += 1
+                for r in rows:  # (a few rows: cheaper than a fancy-indexed add with cold caches)
+                    inflight[r] += 1
             heapq.heappush(self._heap, (priority, t.seq, t))
             self._open += 1
-            self._cond.notify_all()
+            self._wake_loop()
         return t
+
+    def _wake_loop(self) -> None:
+        """The copy thread, if it sleeps, is woken (under ``_lock``: it sets ``_idle`` under it before it sleeps,
+        so no ring is lost and at most one is pending)."""
+        if self._idle:
+            self._idle = False
+            self._bell.put(None)
+
+    def _notify(self) -> None:
+        """Every waiting thread checks its condition again (under ``_lock``)."""
+        if self._waiters:
+            for w in self._waiters:
+                w.release()
+            self._waiters.clear()
+
+    def _wait_until(self, ready, errors: bool = True) -> None:
+        """Block until ``ready()`` (checked under ``_lock``) or, with ``errors``, a copy has failed."""
+        while True:
+            with self._lock:
+                if ready() or (errors and self.error is not None):
+                    return
+                w = threading.Lock()
+                w.acquire()
+                self._waiters.append(w)
+            w.acquire()  # released by the copy thread at its next landing
 
     def issue_now(self, dst_table: torch.Tensor, src_table: torch.Tensor, rows: list[int], layer: int,
                   experts: list[int], step: int, *, after: list | None = None, previous: list | None = None,
-                  pause=None) -> list | None:
+                  pause=None, resume: bool = True) -> list | None:
         """On-demand copies ``dst_table[rows[i]].copy_(src_table[layer, experts[i]])`` issued by the calling
         thread, in this order, ahead of every background copy that has not started (nothing is queued:
         the accelerator lane issues them when their buffers are free, with no hand-over to the copy thread).
@@ -181,14 +218,15 @@ class CopyEngine:
         (no DMA engine: the host copies) they are done now, in one gather and scatter when there are
         several (:func:`copy_rows`), and None is returned. ``previous``: background copies into these rows that may still be
         queued; they are promoted and waited for first, so copies into a row land in order. ``pause``:
-        a stopwatch, stopped while the copies themselves run (they are not bookkeeping)."""
+        a stopwatch, stopped while the copies themselves run (they are not bookkeeping), and started again after
+        them unless ``resume`` is false (the caller runs device work next, then starts it)."""
         for t in previous or ():
             if not t.done:
-                with self._cond:
+                with self._lock:
                     if not t.taken and t.priority > ON_DEMAND:
                         t.priority = ON_DEMAND
                         heapq.heappush(self._heap, (ON_DEMAND, t.seq, t))
-                        self._cond.notify_all()
+                        self._wake_loop()
                 t.wait()
         n = len(rows)
         self.copies += n
@@ -198,7 +236,7 @@ class CopyEngine:
             if self.stream is None:
                 if self.delay_s:
                     time.sleep(self.delay_s * n)
-                start = self.timer.mark()
+                start = pause.at if pause is not None and not self.delay_s else self.timer.mark()  # (the same instant)
                 copy_rows(dst_table, src_table, layer, rows, experts)
                 self.timer.add_copies("fetch", step, layer, experts, start, self.timer.mark())
                 return None
@@ -216,7 +254,7 @@ class CopyEngine:
                     ends.append(end)
             return ends
         finally:
-            if pause is not None:
+            if pause is not None and resume:
                 pause.start()
 
     def copy_one(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> tuple:
@@ -241,16 +279,12 @@ class CopyEngine:
 
     def wait_any(self, tickets: list[CopyTicket]) -> None:
         """Block until at least one of ``tickets`` is done."""
-        with self._cond:
-            while not any(t.done for t in tickets) and self.error is None:
-                self._cond.wait()
+        self._wait_until(lambda: any(t.done for t in tickets))
         self._raise()
 
     def wait_rows(self, inflight, rows) -> None:
         """Block until a copy into one of ``rows`` (a few row indices) lands and leaves it with none in flight."""
-        with self._cond:
-            while all(inflight[r] > 0 for r in rows) and self.error is None:
-                self._cond.wait()
+        self._wait_until(lambda: not all(inflight[r] > 0 for r in rows))
         self._raise()
 
     def _raise(self) -> None:
@@ -258,8 +292,8 @@ class CopyEngine:
             raise RuntimeError(f"a copy failed: {self.error}") from self.error
 
     def _next(self) -> CopyTicket | None:
-        with self._cond:
-            while True:
+        while True:
+            with self._lock:
                 while self._heap:
                     _, _, t = heapq.heappop(self._heap)
                     if not t.taken:  # a promoted ticket is queued twice
@@ -267,20 +301,21 @@ class CopyEngine:
                         return t
                 if self._closed:
                     return None
-                self._cond.wait()
+                self._idle = True
+            self._bell.get()  # rung by the next submission (or close)
 
     def _land(self, t: CopyTicket, i: int) -> None:
         self.timer.add_copy(t, i)
-        with self._cond:
+        with self._lock:
             if t.inflight is not None:
                 t.inflight[t.rows[i]] -= 1
             t.landed += 1
-            self._cond.notify_all()
+            self._notify()
 
     def _preempted(self, t: CopyTicket) -> bool:
         """Between two copies of a background request: is a higher-priority request waiting? Then the
         rest of ``t`` goes back to the queue (in its place) and the waiting one goes first."""
-        with self._cond:
+        with self._lock:
             if not (self._heap and self._heap[0][0] < t.priority):
                 return False
             t.taken = False
@@ -304,14 +339,14 @@ class CopyEngine:
             except BaseException as exc:  # reported to whoever waits for the ticket
                 t.error = exc
                 self.error = self.error or exc
-            with self._cond:
+            with self._lock:
                 self._done(t)
 
     def _done(self, t: CopyTicket) -> None:
-        """``t`` is done (under ``_cond``)."""
+        """``t`` is done (under ``_lock``)."""
         t.done = True
         self._open -= 1
-        self._cond.notify_all()
+        self._notify()
 
     def _copy_at_once(self, t: CopyTicket, first: int, n: int) -> bool:
         """The CPU device: the rest of a background request whose copies all come from one layer of the host
@@ -324,7 +359,7 @@ class CopyEngine:
         layer = layers[first]
         if layers[first:n].count(layer) != n - first:  # copies from another layer too
             return False
-        with self._cond:
+        with self._lock:
             if self._heap and self._heap[0][0] < t.priority:
                 return False
         dst_table, src_table = t.src_table
@@ -336,7 +371,7 @@ class CopyEngine:
         t.next = n
         self.timer.add_copy_range(t, first, n)
         self.copies += n
-        with self._cond:
+        with self._lock:
             if t.inflight is not None:
                 np.subtract.at(t.inflight, t.rows[first:n], 1)
             t.landed += n - first
@@ -381,13 +416,11 @@ class CopyEngine:
 
     def drain(self) -> None:
         """Wait until every submitted copy has landed."""
-        with self._cond:
-            while self._open:
-                self._cond.wait()
+        self._wait_until(lambda: not self._open, errors=False)
         self._raise()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            self._wake_loop()
         self._thread.join()

@@ -107,12 +107,17 @@ class OffloadRuntime:
         return self.pool.nbytes
 
     # ---- per layer ----------------------------------------------------------------------------
-    def start_layer(self, plan: LayerPlan, handoff: tuple[Stopwatch, Stopwatch] | None = None) -> None:
+    def start_layer(self, plan: LayerPlan, handoff: tuple[Stopwatch, Stopwatch] | None = None, *,
+                    running: Stopwatch | None = None) -> None:
         """Steps before the dense part: swaps of the last visit land, prefetch buffers freed and issued.
         ``handoff``: (the caller's running stopwatch, the one to start when this returns), handed over at
-        this call's start and end (:meth:`Stopwatch.hand_to`: the boundaries share their clock readings)."""
+        this call's start and end (:meth:`Stopwatch.hand_to`: the boundaries share their clock readings).
+        ``running``: a started stopwatch (the caller handed over to it), this call's own, stopped at its end."""
         layer = plan.layer
-        sw = handoff[0].hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
+        if running is not None:
+            sw = running
+        else:
+            sw = handoff[0].hand_to(Stopwatch()) if handoff is not None else Stopwatch().start()
         for ticket in self.swaps_landing.pop(layer, ()):
             if not ticket.is_done():
                 sw.stop()
@@ -204,8 +209,9 @@ class OffloadRuntime:
             if moves:
                 sw.start()
             self._accelerator_lane(plan, lanes, routing, x_acc, out_buf, sw, inline, cpu_out)
-            sw.stop()
-        elif not moves:
+        if lanes.n or not moves:
+            # the slot table is settled (the combine below does not touch it; swaps keep every role's count)
+            self._layer_checked(step, layer, lanes.staging_used)
             sw.stop()
         if inline:
             cpu_out.append(inline.pop()())
@@ -217,19 +223,25 @@ class OffloadRuntime:
             out_buf.index_copy_(0, pos, vals)
         out = out_buf.view(T, k, H).sum(dim=1)
         out = out if on_accel else out.to(x.device)
-        sw.start()
 
-        if plan.swaps:
-            ins, outs = [a for a, _ in plan.swaps], [b for _, b in plan.swaps]
-            rows = pool.swap_many(layer, ins, outs)
-            self.swaps_landing[layer] = [self._copy_many(rows, [layer] * len(ins), ins, BACKGROUND, ("swap", step),
-                                                         outs)]
-        pool.check_layer(layer, lanes.staging_used)
-        if self.deferred:
-            raise AssertionError(f"step {step} layer {layer}: prefetches still wait for a buffer at the layer's end")
-        sw.stop()
+        if plan.swaps or (moves and not lanes.n):  # (a segment of its own only where there is work left)
+            sw.start()
+            if plan.swaps:
+                ins, outs = [a for a, _ in plan.swaps], [b for _, b in plan.swaps]
+                rows = pool.swap_many(layer, ins, outs)
+                self.swaps_landing[layer] = [self._copy_many(rows, [layer] * len(ins), ins, BACKGROUND,
+                                                             ("swap", step), outs)]
+            if moves and not lanes.n:
+                self._layer_checked(step, layer, lanes.staging_used)
+            sw.stop()
         self._book(layer, sw)
         return out
+
+    def _layer_checked(self, step: int, layer: int, staging_used: int) -> None:
+        """A layer visit's end: the slot table keeps its counts, and no prefetch waits for a buffer."""
+        self.pool.check_layer(layer, staging_used)
+        if self.deferred:
+            raise AssertionError(f"step {step} layer {layer}: prefetches still wait for a buffer at the layer's end")
 
     def _combine_buffer(self, pairs: int, hidden: int, zeroed: bool) -> torch.Tensor:
         """The (pairs x hidden) buffer a layer's outputs are combined in, on the accelerator: the last layer's
@@ -361,28 +373,49 @@ class OffloadRuntime:
                 first.sort()
         else:
             first = lanes.fetched
-        fetched_events = self._copy_now(plan, first, experts, rows, sw)
         # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
         ready = lanes.ready
-        waiting = ready[:0]
-        if lanes.prefetched_in_flight:
-            landed = self._is_present(rows[ready])
-            if landed is not True:
-                landed = np.asarray(landed, bool)
-                ready, waiting = ready[landed], ready[~landed]
-        after = lanes.fetched
-        if fetched_events is None and len(after):
-            ready = np.concatenate([ready, after]) if len(waiting) else lanes.order[:len(ready) + len(after)]
-            after = after[:0]
+        fg = self._first
+        singles = None  # one-expert staging turns run in the same pause (below)
+        if fg is not None and len(first) and fg[3] == len(ready) + nf:
+            # the CPU device, the first group written by the route call (the ready and fetched experts, checked
+            # there, no prefetch among them): taken before the copies and computed right after them, the
+            # stopwatch stopped once for both (the group's indices do not depend on the copies' data), and so
+            # are one-expert staging turns (set up once their first copies are issued, run after the group)
+            g = lanes.order[:len(ready) + nf]
+            group = self._group(plan, routing, seg[g], rows[g])
+            box = []
+            prepare = None
+            if n_staged and per_turn == 1:
+                def prepare():
+                    box.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
+
+            def run():
+                stamps = self._forward_group(group, x, out_buf)
+                if box:
+                    box.append(self._single_loop(box[0], x, out_buf))
+                return stamps
+
+            stamps = self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare)
+            self._group_done(plan, group, *stamps)
+            if box:
+                singles = box
+            fetched_events, ready, after, waiting = None, ready[:0], lanes.fetched[:0], ready[:0]
+        else:
+            fetched_events = self._copy_now(plan, first, experts, rows, sw)
+            ready, after, waiting = self._ready(lanes, rows, fetched_events)
         if len(ready):
             self._compute(plan, routing, seg[ready], rows[ready], x, out_buf, sw)
         if len(after):
             self._wait_events(fetched_events, first, after)
             self._compute(plan, routing, seg[after], rows[after], x, out_buf, sw)
         # 3. staging turns
-        if n_staged:
+        if singles is not None:  # (done with the first group)
+            self._single_done(plan, *singles)
+        elif n_staged:
             turns = self._single_turns if per_turn == 1 else self._staging_turns
             turns(plan, routing, lanes, stage_rows, per_turn, halves, fetched_events, first, x, out_buf, sw)
+        if n_staged:
             pool.release_staging_rows(stage_rows)
             lanes.staging_used = 0
         # 4. prefetches still in flight
@@ -408,11 +441,29 @@ class OffloadRuntime:
                 pool.release_prefetch(pool.slots[int(rows[i])])
             self._issue_deferred()
 
+    def _ready(self, lanes: "_AccelLane", rows: np.ndarray, fetched_events) -> tuple:
+        """Lane positions: (what is there: hits and landed prefetches, and, without CUDA, the fetched experts just
+        copied; on CUDA the fetched ones, computed after their copies; prefetches still in flight)."""
+        ready = lanes.ready
+        waiting = ready[:0]
+        if lanes.prefetched_in_flight:
+            landed = self._is_present(rows[ready])
+            if landed is not True:
+                landed = np.asarray(landed, bool)
+                ready, waiting = ready[landed], ready[~landed]
+        after = lanes.fetched
+        if fetched_events is None and len(after):
+            ready = np.concatenate([ready, after]) if len(waiting) else lanes.order[:len(ready) + len(after)]
+            after = after[:0]
+        return ready, after, waiting
+
     def _copy_now(self, plan: LayerPlan, idx: np.ndarray, experts: np.ndarray, rows: np.ndarray, sw: Stopwatch,
-                  after: list | None = None, staging: bool = False):
+                  after: list | None = None, staging: bool = False, then=None, prepare=None):
         """On-demand copies of lane positions ``idx`` into their rows, from this thread; on CUDA their end
         events (aligned with ``idx``), else None (done). ``staging``: the rows are staging buffers, which
-        no background copy writes."""
+        no background copy writes. ``then`` (the CPU device): device work run right after the copies, before the
+        stopwatch restarts; its (start, end) host stamps are returned. ``prepare``: called (bookkeeping) once the
+        rows hold their experts, before the copies are issued."""
         if not len(idx):
             return None if not self.dev.is_cuda else []
         pool, layer = self.pool, plan.layer
@@ -424,14 +475,22 @@ class OffloadRuntime:
         previous = [t for i in held if not (t := tickets[i]).done]
         if self.dev.is_cuda and after is None:
             after = [pool.last_use[i] for i in r]
-        w0 = time.perf_counter()
-        ends = self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, plan.step, after=after,
-                                     previous=previous, pause=sw)
-        if ends is None:  # the CPU device: the lane waited for its copies while they were made
-            self._wait[layer] += time.perf_counter() - w0
         for i in held:
             tickets[i] = None
-        pool.ticketed.difference_update(held)
+        if held:
+            pool.ticketed.difference_update(held)
+        if prepare is not None:
+            prepare()
+        w0 = time.perf_counter()
+        ends = self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, plan.step, after=after,
+                                     previous=previous, pause=sw, resume=then is None)
+        if then is not None:  # the CPU device: the lane waited for its copies until then's start
+            stamps = then()
+            sw.start()
+            self._wait[layer] += stamps[0] - w0
+            return stamps
+        if ends is None:  # the CPU device: the lane waited for its copies while they were made
+            self._wait[layer] += time.perf_counter() - w0
         return ends
 
     def _wait_events(self, events, issued: np.ndarray, idx: np.ndarray) -> None:
@@ -471,11 +530,21 @@ class OffloadRuntime:
                       per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
                       out_buf: torch.Tensor, sw: Stopwatch) -> None:
         """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts). The slot table
-        is checked and settled in array operations around one loop that issues nothing but the device work
-        (per turn: the compute from buffer ``t % halves``, then the copy of turn t + ``halves`` into it) and
-        keeps its stamps; the stopwatch is stopped across that loop and the intervals are recorded as one
-        series per track (:meth:`Timer.add_series`)."""
-        pool, layer, step, cuda = self.pool, plan.layer, plan.step, self.dev.is_cuda
+        is checked and settled in array operations (:meth:`_single_setup`, :meth:`_single_done`) around one loop
+        that issues nothing but the device work (:meth:`_single_loop`) and keeps its stamps; the stopwatch is
+        stopped across that loop and the intervals are recorded as one series per track (:meth:`Timer.add_series`)."""
+        turns = self._single_setup(plan, routing, lanes, stage_rows, halves, first_events, first)
+        sw.stop()  # the device work of every turn
+        stamps = self._single_loop(turns, x, out_buf)
+        sw.start()
+        self._single_done(plan, turns, stamps)
+
+    def _single_setup(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
+                      halves: int, first_events, first: np.ndarray) -> tuple:
+        """What the loop of one-expert turns needs, the first turns' buffers checked (after their copies are issued:
+        they hold their experts, with no copy in flight; the later turns' copies are the loop's own, as no
+        background copy writes a staging buffer)."""
+        pool, layer = self.pool, plan.layer
         idx = lanes.staged
         n = len(idx)
         if routing is self._ws_routing:  # the turns' experts and slices, written by the route's compiled call
@@ -487,21 +556,22 @@ class OffloadRuntime:
             lo, hi = routing.ptr[sg], routing.ptr[sg + 1]
             A, B, tokens = lo.tolist(), hi.tolist(), (hi - lo).tolist()
         R = stage_rows[:halves]  # turn t's buffer: R[t % halves]
-        # the first turns' buffers hold their experts, copied by _copy_now with no copy in flight; the later
-        # turns' copies are this loop's own (no background copy writes a staging buffer)
-        head = min(n, halves)
         hold_l, hold_e, inflight = pool.hold_layer, pool.hold_expert, pool.inflight
-        for j in range(head):
+        for j in range(min(n, halves)):
             r = R[j]
             if hold_l[r] != layer or hold_e[r] != E[j] or inflight[r]:
                 pool.check_rows(np.array([r]), layer, np.array([E[j]]))  # raises, naming what is wrong
-        bufs = [pool.slots[r].data for r in R]
-        src = self._host_layers[layer]
-        pos_d, tok_d, w_d = self._droute(routing)
-        events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if cuda else None
+        events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if self.dev.is_cuda else None
+        return E, A, B, tokens, R, halves, [pool.slots[r].data for r in R], self._host_layers[layer], \
+            self._droute(routing), events
+
+    def _single_loop(self, turns: tuple, x: torch.Tensor, out_buf: torch.Tensor) -> tuple:
+        """The device work of the one-expert turns (per turn: the compute from buffer ``t % halves``, then the copy
+        of turn t + ``halves`` into it); their stamps (compute starts and ends, copy starts and ends)."""
+        E, A, B, _, _, halves, bufs, src, (pos_d, tok_d, w_d), events = turns
+        cuda, n = events is not None, len(E)
         stream, mark, forward, copy_one = self.compute_stream, self.timer.mark, self.layout.forward, self.copies.copy_one
         starts, ends, c0s, c1s = [], [], [], []
-        sw.stop()  # the device work of every turn
         for t in range(n):
             buf, a, b = bufs[t % halves], A[t], B[t]
             if cuda:
@@ -517,8 +587,16 @@ class OffloadRuntime:
                 c1s.append(c1)
                 if cuda:
                     events.append(c1)
-        sw.start()
-        for j, r in enumerate(R[:head]):  # each buffer holds the expert of its last turn
+        return starts, ends, c0s, c1s
+
+    def _single_done(self, plan: LayerPlan, turns: tuple, stamps: tuple) -> None:
+        """After the loop: each buffer holds the expert of its last turn; the turns' intervals as one series each."""
+        pool, layer, step = self.pool, plan.layer, plan.step
+        E, tokens, R, halves, cuda = turns[0], turns[3], turns[4], turns[5], turns[9] is not None
+        starts, ends, c0s, c1s = stamps
+        n = len(E)
+        hold_e = pool.hold_expert
+        for j, r in enumerate(R[:min(n, halves)]):
             last = j + (n - 1 - j) // halves * halves
             hold_e[r] = E[last]
             if cuda:
@@ -552,27 +630,39 @@ class OffloadRuntime:
             end = self.timer.mark(stream)
             sw.start()
             self.timer.add_group("gpu", plan.step, plan.layer, (e,), (b - a,), start, end)
-            n = 1
             if stream is not None:
                 pool.last_use[row] = end
         else:
-            g_rows, lo, table_counts, (pos, tok, offs, pair_rows, w), experts, counts = self._group(plan, routing, seg,
-                                                                                                   rows)
+            group = self._group(plan, routing, seg, rows)
             sw.stop()
-            start = self.timer.mark(stream)
-            y = self.layout.forward_grouped(pool.table[lo:lo + len(table_counts)], x.index_select(0, tok), offs,
-                                            table_counts, pair_rows)
-            out_buf.index_copy_(0, pos, y * w)
-            end = self.timer.mark(stream)
+            start, end = self._forward_group(group, x, out_buf)
             sw.start()
-            self.timer.add_group("gpu", plan.step, plan.layer, experts, counts, start, end)
-            n = len(g_rows)
-            if stream is not None:
-                for r in g_rows.tolist():
-                    pool.last_use[r] = end  # a later copy into this slot waits for this compute
+            return self._group_done(plan, group, start, end)
         self.groups["gpu"] += 1
-        self.grouped_experts["gpu"] += n
+        self.grouped_experts["gpu"] += 1
         return end if stream is not None else None
+
+    def _forward_group(self, group: tuple, x: torch.Tensor, out_buf: torch.Tensor) -> tuple:
+        """The device work of a group (:meth:`_group`): its outputs into ``out_buf``; its (start, end) stamps."""
+        _, lo, table_counts, (pos, tok, offs, pair_rows, w), _, _ = group
+        stream = self.compute_stream
+        start = self.timer.mark(stream)
+        y = self.layout.forward_grouped(self.pool.table[lo:lo + len(table_counts)], x.index_select(0, tok), offs,
+                                        table_counts, pair_rows)
+        out_buf.index_copy_(0, pos, y * w)
+        return start, self.timer.mark(stream)
+
+    def _group_done(self, plan: LayerPlan, group: tuple, start, end):
+        """A group's records once computed; on CUDA its end event (:meth:`_compute`'s return value), else None."""
+        g_rows, experts, counts = group[0], group[4], group[5]
+        self.timer.add_group("gpu", plan.step, plan.layer, experts, counts, start, end)
+        self.groups["gpu"] += 1
+        self.grouped_experts["gpu"] += len(g_rows)
+        if self.compute_stream is None:
+            return None
+        for r in g_rows.tolist():
+            self.pool.last_use[r] = end  # a later copy into this slot waits for this compute
+        return end
 
     def _group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> tuple:
         """A group of the accelerator lane (the experts ``seg`` in slot ``rows``), its rows checked: (its rows
@@ -637,17 +727,17 @@ class OffloadRuntime:
         :meth:`SlotPool.check_rows` catches a compute from a slot whose copy is still in flight.)"""
         return self.pool.landed(rows)
 
-    def _copy_many(self, rows: np.ndarray, layers: list[int], experts: list[int], priority: int, what: tuple,
-                   others: list[int] | None = None) -> CopyTicket:
+    def _copy_many(self, rows: "np.ndarray | list[int]", layers: list[int], experts: list[int], priority: int,
+                   what: tuple, others: list[int] | None = None) -> CopyTicket:
         """One request: ``experts`` (of ``layers``) from the host store into slot ``rows``, in this order."""
         pool = self.pool
-        r = rows.tolist()
+        r = rows if type(rows) is list else rows.tolist()
         tickets = pool.tickets
         after = [pool.last_use[i] for i in r] if self.dev.is_cuda else None
         previous = [t for i in r if (t := tickets[i]) is not None and not t.taken]
         ticket = self.copies.submit_many(pool.rows_view, self.store.weights, r, (layers, experts), priority,
                                          (*what, layers, experts, others), after=after, previous=previous,
-                                         rows=rows, inflight=pool.inflight)
+                                         rows=r, inflight=pool.inflight)
         for i in r:
             tickets[i] = ticket
         pool.ticketed.update(r)
@@ -663,7 +753,7 @@ class OffloadRuntime:
         if not (todo and pool.prefetch_free):
             return
         take = [todo.popleft() for _ in range(min(len(todo), len(pool.prefetch_free)))]
-        rows = np.array([pool.take_prefetch(t, e).index for t, e, _ in take], np.int64)
+        rows = [pool.take_prefetch(t, e).index for t, e, _ in take]
         self._copy_many(rows, [t for t, _, _ in take], [e for _, e, _ in take], BACKGROUND, ("prefetch", take[0][2]))
 
     def _cpu_lane(self, step: int, layer: int, seg: np.ndarray, x: torch.Tensor, r: LayerRouting):

@@ -261,27 +261,32 @@ class LayerSeconds:
 class Stopwatch:
     """Wall-clock and thread-CPU seconds accumulated while running; stopped around work that is not
     being measured (computes, copies, waits). CPU time is what the measured code itself costs; wall
-    time also counts the thread being descheduled or waiting for the GIL (on a busy machine: more)."""
+    time also counts the thread being descheduled or waiting for the GIL (on a busy machine: more).
+    ``at``: the wall-clock reading (``perf_counter``, the host stamps' clock) of its last start, stop or
+    hand-over, for a caller that stamps the same instant (a timeline interval) without another reading."""
 
-    __slots__ = ("wall", "cpu", "_wall0", "_cpu0")
+    __slots__ = ("wall", "cpu", "at", "_cpu0")
 
     def __init__(self) -> None:
         self.wall = self.cpu = 0.0
-        self._wall0 = self._cpu0 = 0.0
+        self.at = self._cpu0 = 0.0
 
     def start(self) -> "Stopwatch":
-        self._wall0, self._cpu0 = time.perf_counter(), time.thread_time()
+        self.at, self._cpu0 = time.perf_counter(), time.thread_time()
         return self
 
     def stop(self) -> None:
-        self.wall += time.perf_counter() - self._wall0
+        wall = time.perf_counter()
+        self.wall += wall - self.at
         self.cpu += time.thread_time() - self._cpu0
+        self.at = wall
 
     def hand_to(self, other: "Stopwatch") -> "Stopwatch":
         """Stop this one and start ``other`` at the same instant, from one reading of each clock (the thread-CPU
         clock is a system call: adjacent segments share their boundary). Returns ``other``."""
         wall, cpu = time.perf_counter(), time.thread_time()
-        self.wall += wall - self._wall0
+        self.wall += wall - self.at
         self.cpu += cpu - self._cpu0
-        other._wall0, other._cpu0 = wall, cpu
+        self.at = other.at = wall
+        other._cpu0 = cpu
         return other
