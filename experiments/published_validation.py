@@ -35,6 +35,7 @@ from dali_sim.workload.profiling import ProfileSpec  # noqa: E402
 ROWS = Path(__file__).resolve().parent / "published" / "rows.toml"
 BAND = (0.75, 1.33)  # the acceptance band for simulated / published
 MISS = 2.0  # no row may be off by more than this factor
+METRICS = ("decode", "prefill", "request")
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Row:
     offload: str
     test: str
     published: float
-    metric: str  # decode | prefill
+    metric: str  # decode | prefill | request (generated tokens / the whole request: prefill + decode)
     model: str
     precision: str
     hardware: str
@@ -70,8 +71,11 @@ class Row:
             unknown = sorted(set(raw) - known)
             if unknown:
                 raise ValueError(f"{path}: row {i} ({raw.get('id')}): unknown field(s) {unknown}")
-            if raw["metric"] not in ("decode", "prefill"):
-                raise ValueError(f"{path}: row {raw['id']}: metric must be decode or prefill, got {raw['metric']!r}")
+            if raw["metric"] not in METRICS:
+                raise ValueError(f"{path}: row {raw['id']}: metric must be one of {list(METRICS)}, "
+                                 f"got {raw['metric']!r}")
+            if raw["metric"] == "request" and raw.get("gen", 0) <= 0:
+                raise ValueError(f"{path}: row {raw['id']}: metric request needs gen > 0")
             rows.append(cls(**{**raw, "set": tuple(raw.get("set", ()))}))
         ids = [r.id for r in rows]
         if len(set(ids)) != len(ids):
@@ -113,7 +117,10 @@ def simulate_row(row: Row) -> dict:
     r = simulate(trace_for(row), row.system, hardware=row.hardware, batch_size=1, prefill_chunk=row.chunk,
                  overrides=row.overrides(), profiling=ProfileSpec(share=0.0))
     s = r.summary
-    sim = float(s[f"{row.metric}_tokens_per_s"])
+    if row.metric == "request":  # a client's rate: generated tokens over the whole request (one sequence)
+        sim = row.gen / float(s["makespan_s"])
+    else:
+        sim = float(s[f"{row.metric}_tokens_per_s"])
     ratio = sim / row.published
     return {
         "id": row.id, "machine": row.machine, "model": row.model, "weights": row.precision, "offload": row.offload,
