@@ -284,6 +284,32 @@ def test_published_validation(tmp_path):
     assert "What this shows" in md and "dali trace synth" in md
 
 
+def test_published_request_metric_and_bad_rows(tmp_path, monkeypatch):
+    """metric = request (llmfit bench's rate) counts the prompt's time too: below the same row's decode rate;
+    an unknown metric, or request without generated tokens, is a one-line error naming the row."""
+    import dataclasses
+
+    sys.path.insert(0, str(EXP))
+    import published_validation as PV
+
+    monkeypatch.setenv("DALI_EXP_CACHE", str(tmp_path / "cache"))
+    row = next(r for r in PV.Row.load() if r.metric == "request")
+    request = PV.simulate_row(row)["simulated_tok_s"]
+    decode = PV.simulate_row(dataclasses.replace(row, metric="decode"))["simulated_tok_s"]
+    assert 0 < request < decode
+    text = (EXP / "published" / "rows.toml").read_text()
+    start = text.index("\n[[row]]\n")
+    first = text[start:text.index("\n[[row]]\n", start + 1)]
+    for old, new, message in (('metric = "decode"', 'metric = "e2e"', "metric must be one of"),
+                              ('metric = "decode"\n', 'metric = "request"\n', "request needs gen > 0")):
+        bad = tmp_path / "rows.toml"
+        body = first.replace(old, new).replace("gen = 128", "gen = 0")
+        bad.write_text(body)
+        with pytest.raises(ValueError, match=message) as err:
+            PV.Row.load(bad)
+        assert "lcpp16834-4090-gptoss20b-tg128" in str(err.value)
+
+
 @pytest.mark.slow
 def test_cpu_validation_quick(tmp_path):
     """The executor-vs-simulator script on the CPU device (quick: one shape, two layers, one repeat):
