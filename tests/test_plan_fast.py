@@ -433,3 +433,75 @@ def test_rule_forms_agree_with_place(name, config):
         if got is not None:
             assert got == np.asarray(policy.place(v), bool).tolist(), (name, config, trial)
     assert (undecided > 0) == (name == "fiddler")  # only fiddler's table ends (at 64 tokens here)
+
+
+#: presets a running model can run (not a bound, no policy reading the future)
+ONLINE = [n for n in PRESETS if n != "oracle-heuristic"]
+
+
+def _run_online(monkeypatch, trace, system: str, batch: int, ratio, *, compiled: bool) -> tuple[list, list, int]:
+    """``system``'s plans on an :class:`OnlineWorkload` fed ``trace``'s routing and lookahead columns step by
+    step and layer by layer, as ``dali exec generate`` feeds it; with the compiled paths off as :func:`_run`.
+    Returns the plans, their tallies and the LayerViews built."""
+    from dali_sim.hardware.cost import CostModel
+    from dali_sim.hardware.profile import load_profile
+    from dali_sim.runtime.memory import plan_memory
+    from dali_sim.workload.online import OnlineWorkload, check_online
+
+    ref = Workload(trace, WorkloadConfig(batch))
+    over = {"memory": {"cache_ratio": ratio}} if ratio else {}
+    sysconf = resolve_system(system, over, trace.model)
+    check_online(sysconf)
+    placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
+    profile = load_profile("rtx3090-epyc7532")
+    L, E = ref.num_layers, ref.num_experts
+    mem = plan_memory(trace.model, sysconf.memory, profile.gpu_memory_bytes, ref.max_batch_context,
+                      required=placement.required_capacities(L, E))
+    names = prefetch.required_predictors()
+    online = OnlineWorkload(trace.model, names, frequencies=ref.frequencies(), config=WorkloadConfig(batch))
+    costs = CostModel(profile, trace.model, implementation=sysconf.implementation, system=sysconf.name)
+    logits = {n: ref._sorted.lookahead(n) for n in names}
+    views = []
+    with monkeypatch.context() as m:
+        if not compiled:
+            m.setattr(plan_kernel, "compiled", lambda: None)
+            m.setattr(kernels, "fused", lambda name: None)
+            for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
+                                   (cache_dali, "_compiled_swaps"), (cache_dali, "_compiled_observe")):
+                m.setattr(module, getter, lambda: None)
+        view = ctl.Controller.view
+        m.setattr(ctl.Controller, "view", lambda self, s, la: views.append(1) or view(self, s, la))
+        c = ctl.Controller(online, costs, placement, cache, prefetch, mem.capacities,
+                           cache_init=sysconf.memory.cache_init, prefetch_slots=mem.prefetch_slots,
+                           staging_slots=sysconf.memory.staging_slots)
+        plans = []
+        for step in range(ref.num_steps):
+            seq, pos = ref.step_positions(step)
+            online.begin_step("prefill" if ref.step_phase[step] == 0 else "decode", len(seq),
+                              batch=int(ref.step_batch[step]), seq_ids=seq, positions=pos)
+            tokens = ref.step_token_ids(step)
+            for layer in range(L):
+                ids, _ = ref.routing(step, layer)
+                pred = {n: logits[n][tokens * L + layer] for n in names if layer + online.predictor_offsets[n] < L}
+                online.set_layer(layer, ids, pred)
+                plans.append(c.plan(step, layer))
+    return [_fields(p) for p in plans], [p.tally is not None for p in plans], len(views)
+
+
+@pytest.mark.parametrize("system", ONLINE)
+def test_online_plans_are_the_reference_plans(monkeypatch, traces, system):
+    """On an online workload (the current step's routing and predictions only) the compiled paths give the
+    reference's plans, and the presets planned view-free on a trace's workload are planned view-free here too
+    (the prediction columns read from the step's segments)."""
+    for model, seed, _, batch, ratio in CASES[:3]:
+        trace = traces[(model, seed)]
+        fast, tallied, views = _run_online(monkeypatch, trace, system, batch, ratio, compiled=True)
+        ref, ref_tallied, _ = _run_online(monkeypatch, trace, system, batch, ratio, compiled=False)
+        assert not any(ref_tallied) and len(fast) == len(ref) > 0
+        for a, b in zip(fast, ref):
+            assert a == b, (model, seed, ratio, a[:2])
+        assert any(tallied) == resolve_cache(system).keyed
+        if system in RULED | GREEDY:
+            assert views == 0, (model, system)
+        if system in ("dali", "hybrimoe"):  # the prefetches read from the step's segments were issued
+            assert any(p[13] for p in fast), (model, system)

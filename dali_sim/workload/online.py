@@ -33,7 +33,7 @@ from dali_sim.models.spec import ModelSpec
 from dali_sim.policies import kernels
 from dali_sim.trace.reader import read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
-from dali_sim.workload.builder import WorkloadConfig, predicted_top_k
+from dali_sim.workload.builder import SparseCounts, WorkloadConfig, predicted_top_k
 from dali_sim.workload.profiling import trace_frequencies
 
 #: lookahead predictors a running model can compute at MoE layer l from its gate input x_l
@@ -161,6 +161,35 @@ class _Growing:
         return self.data[: self.n]
 
 
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class _StepColumn:
+    """One predictor's predictions of the current step as sparse segments, segment ``i`` = target MoE layer
+    ``i`` (:class:`~dali_sim.workload.builder.SparseCounts`' layout for one step): fixed buffers, filled as
+    the layers are set, emptied at each step. ``sparse`` holds read-only views of them (the controller binds
+    them once; they show the current step's content)."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        n = num_layers * num_experts  # each target layer predicts at most every expert once
+        self.ptr = np.zeros(num_layers + 1, np.int64)
+        self.expert, self.count, self.rank = np.zeros(n, np.int16), np.zeros(n, np.int32), np.zeros(n, np.int8)
+        self.sparse = SparseCounts(*(_readonly(a) for a in (self.ptr, self.expert, self.count, self.rank)))
+
+    def set(self, target: int, experts: np.ndarray, counts: np.ndarray, ranks: np.ndarray) -> None:
+        """The segment of ``target`` (targets are set in ascending order within a step); every later
+        segment reads empty until set."""
+        lo = int(self.ptr[target])
+        hi = lo + len(experts)
+        self.expert[lo:hi] = experts
+        self.count[lo:hi] = counts
+        self.rank[lo:hi] = ranks
+        self.ptr[target + 1:] = hi
+
+
 class OnlineWorkload:
     """The workload of a model that is running: steps begin one after another, the routing of each MoE
     layer is set when its router has run (module docstring). Read it like a
@@ -191,6 +220,11 @@ class OnlineWorkload:
         self.predictor_offsets: dict[str, int] = offsets
         #: the predictors, as the controller lists them (``tuple(workload.predicted)``)
         self.predicted: dict[str, int] = dict(offsets)
+        self._columns = {name: _StepColumn(L, E) for name in offsets}
+        #: per predictor, the current step's predictions as read-only sparse segments, segment ``i`` = target
+        #: MoE layer ``i`` (a trace workload's ``predicted`` layout for one step; the views stay valid, their
+        #: content follows the step): what the controller's compiled plans read
+        self.step_predicted: dict[str, SparseCounts] = {name: c.sparse for name, c in self._columns.items()}
         if frequencies is None:
             self._freq = np.ones((L, E), np.int64)
             frequencies_source = "uniform"
@@ -202,6 +236,7 @@ class OnlineWorkload:
         self._phase, self._tokens, self._batch = _Growing(np.int8), _Growing(np.int64), _Growing(np.int64)
         self._context, self._kv = _Growing(np.float64), _Growing(np.int64)
         self._step = -1
+        self._now = (-1, 0, 0)  # the open step: (index, phase, tokens)
         self._next_layer = L  # no step open
         self._act: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._pred: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -264,6 +299,9 @@ class OnlineWorkload:
         self._next_layer = 0
         self._act = []
         self._pred = {}
+        for column in self._columns.values():
+            column.ptr[:] = 0
+        self._now = (s, ph, tokens)
         return s
 
     def set_layer(self, layer: int, ids: np.ndarray, predicted: Mapping[str, np.ndarray] | None = None) -> None:
@@ -285,11 +323,14 @@ class OnlineWorkload:
             ok, experts, cnt, best, counts, _ = kernel(ids, E)
             if not ok:
                 raise ValueError(f"{_where(where)}: expert ids must lie in 0..{E - 1}")
-            self._act.append((experts, cnt, best))
+            segment = (experts, cnt, best)
         else:
             ids = self._ids(ids, T, where)
             counts = np.bincount(ids.reshape(-1), minlength=E)
-            self._act.append(self._segment(ids, counts))
+            segment = self._segment(ids, counts)
+        for a in segment:  # (fresh arrays: read-only as a trace workload's, without a view)
+            a.flags.writeable = False
+        self._act.append(segment)
         self._observed[layer] += counts
         predicted = predicted or {}
         unknown = [name for name in predicted if name not in self.predictor_offsets]
@@ -315,13 +356,15 @@ class OnlineWorkload:
                 arr = predicted_top_k(arr[keep], k)
             where = ("step {} layer {}: {!r} prediction", self._step, layer, name)
             if kernel is not None:
-                ok, experts, _, _, pcounts, ranks = kernel(self._ids_shape(arr, None, where), E)
+                ok, experts, cnt, best, pcounts, ranks = kernel(self._ids_shape(arr, None, where), E)
                 if not ok:
                     raise ValueError(f"{_where(where)}: expert ids must lie in 0..{E - 1}")
                 self._pred[(name, target)] = (pcounts.astype(np.float64), ranks)
+                self._columns[name].set(target, experts, cnt, best)
                 continue
             pred = self._ids(arr, None, where)
             sc = self._segment(pred)
+            self._columns[name].set(target, *sc)
             counts = np.zeros(E, np.float64)
             counts[sc[0]] = sc[1]
             ranks = np.full(E, k, np.int64)
@@ -372,6 +415,15 @@ class OnlineWorkload:
         """(expert ids in touch order, workloads, best ranks) of MoE layer ``layer`` at ``step``."""
         self._check(step, layer, "routing")
         return self._act[layer]
+
+    def layer_segment(self, step: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        """(expert ids in touch order, workloads, best ranks, phase, tokens) of MoE layer ``layer`` at ``step``,
+        the arrays read-only: the controller's read of a layer in one call."""
+        s, phase, tokens = self._now
+        if step != s or not 0 <= layer < self._next_layer:
+            self._check(step, layer, "routing")
+        experts, counts, ranks = self._act[layer]
+        return experts, counts, ranks, phase, tokens
 
     def _prediction(self, name: str, step: int, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
         if name not in self.predictor_offsets:
