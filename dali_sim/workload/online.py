@@ -127,7 +127,32 @@ def _segment_rule(ids, num_experts):
             best)
 
 
-_SEGMENT: list = []
+def _routing_rule(ids, observed):
+    """:func:`_segment_rule` of a layer's routing, its counts added to the layer's (E,) ``observed`` workloads
+    (compiled): (ok, experts, workloads, best ranks)."""
+    ok, experts, cnt, best, counts, _ = _segment_rule_fn(ids, observed.shape[0])
+    if ok:
+        observed += counts
+    return ok, experts, cnt, best
+
+
+def _prediction_rule(ids, num_experts, target, ptr, expert, count, rank):
+    """:func:`_segment_rule` of a prediction, written as segment ``target`` of a step's buffers
+    (:class:`_StepColumn`, :meth:`_StepColumn.set`'s rule; compiled); False, nothing written, for an id out
+    of range."""
+    ok, experts, cnt, best, _, _ = _segment_rule_fn(ids, num_experts)
+    if ok:
+        lo = ptr[target]
+        hi = lo + experts.shape[0]
+        expert[lo:hi] = experts
+        count[lo:hi] = cnt
+        rank[lo:hi] = best
+        ptr[target + 1:] = hi
+    return ok
+
+
+_segment_rule_fn = _segment_rule  # what _routing_rule and _prediction_rule call: the compiled _segment_rule
+_SEGMENT: list = []  # the compiled _segment_rule, _routing_rule and _prediction_rule (or None)
 
 
 def _where(where) -> str:
@@ -137,9 +162,15 @@ def _where(where) -> str:
 
 
 def _segment_kernel():
-    """The compiled :func:`_segment_rule`, or None without numba."""
+    """The compiled :func:`_segment_rule` (and, in ``_SEGMENT``, :func:`_routing_rule` and
+    :func:`_prediction_rule`), or None without numba."""
     if not _SEGMENT:
-        _SEGMENT.append(kernels.jit(_segment_rule))
+        global _segment_rule_fn
+        rule = kernels.jit(_segment_rule)
+        if rule is not None:
+            _segment_rule_fn = rule
+        _SEGMENT.extend([rule, *(kernels.jit(f) if rule is not None else None
+                                 for f in (_routing_rule, _prediction_rule))])
     return _SEGMENT[0]
 
 
@@ -239,7 +270,6 @@ class OnlineWorkload:
         self._now = (-1, 0, 0)  # the open step: (index, phase, tokens)
         self._next_layer = L  # no step open
         self._act: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._pred: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._observed = np.zeros((L, E), np.int64)
         self._seqs: dict[int, list[int]] = {}  # seq_id -> [batch, prefill, decode, first/last prefill, first/last decode]
 
@@ -298,7 +328,6 @@ class OnlineWorkload:
         self._kv.append(kv)
         self._next_layer = 0
         self._act = []
-        self._pred = {}
         for column in self._columns.values():
             column.ptr[:] = 0
         self._now = (s, ph, tokens)
@@ -317,21 +346,19 @@ class OnlineWorkload:
             raise ValueError(f"online workload: step {self._step} expects MoE layer {self._next_layer}, got {layer}")
         T, k, E = int(self._tokens.view[-1]), self.top_k, self.num_experts
         where = ("step {} layer {}: routing", self._step, layer)  # formatted only for an error
-        kernel = _segment_kernel()
-        if kernel is not None:  # the checks, the counts and the segment in one compiled loop
-            ids = self._ids_shape(ids, T, where)
-            ok, experts, cnt, best, counts, _ = kernel(ids, E)
+        compiled = _segment_kernel() is not None
+        if compiled:  # the checks, the counts and the segment in one compiled loop
+            ok, *segment = _SEGMENT[1](self._ids_shape(ids, T, where), self._observed[layer])
             if not ok:
                 raise ValueError(f"{_where(where)}: expert ids must lie in 0..{E - 1}")
-            segment = (experts, cnt, best)
         else:
             ids = self._ids(ids, T, where)
             counts = np.bincount(ids.reshape(-1), minlength=E)
             segment = self._segment(ids, counts)
+            self._observed[layer] += counts
         for a in segment:  # (fresh arrays: read-only as a trace workload's, without a view)
             a.flags.writeable = False
-        self._act.append(segment)
-        self._observed[layer] += counts
+        self._act.append(tuple(segment))
         predicted = predicted or {}
         unknown = [name for name in predicted if name not in self.predictor_offsets]
         if unknown:
@@ -355,21 +382,13 @@ class OnlineWorkload:
                 keep = ~np.isnan(arr).all(axis=1)
                 arr = predicted_top_k(arr[keep], k)
             where = ("step {} layer {}: {!r} prediction", self._step, layer, name)
-            if kernel is not None:
-                ok, experts, cnt, best, pcounts, ranks = kernel(self._ids_shape(arr, None, where), E)
-                if not ok:
+            column = self._columns[name]
+            if compiled:
+                if not _SEGMENT[2](self._ids_shape(arr, None, where), E, target, column.ptr, column.expert,
+                                   column.count, column.rank):
                     raise ValueError(f"{_where(where)}: expert ids must lie in 0..{E - 1}")
-                self._pred[(name, target)] = (pcounts.astype(np.float64), ranks)
-                self._columns[name].set(target, experts, cnt, best)
-                continue
-            pred = self._ids(arr, None, where)
-            sc = self._segment(pred)
-            self._columns[name].set(target, *sc)
-            counts = np.zeros(E, np.float64)
-            counts[sc[0]] = sc[1]
-            ranks = np.full(E, k, np.int64)
-            ranks[sc[0]] = sc[2]
-            self._pred[(name, target)] = (counts, ranks)
+            else:
+                column.set(target, *self._segment(self._ids(arr, None, where)))
         self._next_layer += 1
 
     def _ids_shape(self, ids: np.ndarray, tokens: int | None, where) -> np.ndarray:
@@ -425,24 +444,34 @@ class OnlineWorkload:
         experts, counts, ranks = self._act[layer]
         return experts, counts, ranks, phase, tokens
 
-    def _prediction(self, name: str, step: int, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def _prediction(self, name: str, step: int, layer: int) -> SparseCounts | None:
+        """The step's segments of predictor ``name`` once its prediction of ``layer`` is known (None: nothing
+        predicts ``layer``)."""
         if name not in self.predictor_offsets:
             raise KeyError(f"predictor {name!r} was not loaded into this workload")
         source = layer - self.predictor_offsets[name]
         if source < 0:
             return None  # nothing predicts this layer (as a trace's workload: all zeros)
         self._check(step, source, f"{name!r} prediction (made at layer {source})")
-        return self._pred[(name, layer)]
+        return self.step_predicted[name]
 
     def predicted_counts(self, name: str, step: int, layer: int) -> np.ndarray:
         """(E,) number of the step's tokens whose predicted top-k for MoE layer ``layer`` holds each expert."""
         p = self._prediction(name, step, layer)
-        return np.zeros(self.num_experts, np.float64) if p is None else p[0].copy()
+        out = np.zeros(self.num_experts, np.float64)
+        if p is not None:
+            seg = p.segment(layer)
+            out[p.expert[seg]] = p.count[seg]
+        return out
 
     def predicted_ranks(self, name: str, step: int, layer: int) -> np.ndarray:
         """(E,) best predicted rank of each expert for MoE layer ``layer``; ``top_k`` where not predicted."""
         p = self._prediction(name, step, layer)
-        return np.full(self.num_experts, self.top_k, np.int64) if p is None else p[1].copy()
+        out = np.full(self.num_experts, self.top_k, np.int64)
+        if p is not None:
+            seg = p.segment(layer)
+            out[p.expert[seg]] = p.rank[seg]
+        return out
 
     def frequencies(self) -> np.ndarray:
         """(L, E) prior workloads for frequency-based choices: a prior trace's, or uniform."""
