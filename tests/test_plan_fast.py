@@ -29,6 +29,8 @@ from dali_sim.trace.synth import SynthConfig, synthesize
 from dali_sim.workload.builder import Workload, WorkloadConfig
 from dali_sim.workload.profiling import ProfileSpec
 
+from conftest import feed_online
+
 pytestmark = pytest.mark.skipif(kernels.fused("impact_prefix") is None, reason="numba is off: no compiled path")
 
 LOOKAHEAD = ("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")
@@ -56,16 +58,21 @@ def _fields(p: ctl.LayerPlan) -> tuple:
             p.prefetches, p.prefetch_used, p.prefetch_wasted, p.swaps)
 
 
+def _compiled_off(m) -> None:
+    """Every compiled path off (on the monkeypatch context ``m``): each plan takes the NumPy reference path."""
+    m.setattr(plan_kernel, "compiled", lambda: None)
+    m.setattr(kernels, "fused", lambda name: None)
+    for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
+                           (cache_dali, "_compiled_swaps"), (cache_dali, "_compiled_observe")):
+        m.setattr(module, getter, lambda: None)
+
+
 def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compiled: bool, over=None):
     plans: list[ctl.LayerPlan] = []
     tallied: list[bool] = []
     with monkeypatch.context() as m:
         if not compiled:
-            m.setattr(plan_kernel, "compiled", lambda: None)
-            m.setattr(kernels, "fused", lambda name: None)
-            for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
-                                   (cache_dali, "_compiled_swaps"), (cache_dali, "_compiled_observe")):
-                m.setattr(module, getter, lambda: None)
+            _compiled_off(m)
         plan = ctl.Controller.plan
 
         def recorded(self, step, layer):
@@ -440,51 +447,15 @@ ONLINE = [n for n in PRESETS if n != "oracle-heuristic"]
 
 
 def _run_online(monkeypatch, trace, system: str, batch: int, ratio, *, compiled: bool) -> tuple[list, list, int]:
-    """``system``'s plans on an :class:`OnlineWorkload` fed ``trace``'s routing and lookahead columns step by
-    step and layer by layer, as ``dali exec generate`` feeds it; with the compiled paths off as :func:`_run`.
-    Returns the plans, their tallies and the LayerViews built."""
-    from dali_sim.hardware.cost import CostModel
-    from dali_sim.hardware.profile import load_profile
-    from dali_sim.runtime.memory import plan_memory
-    from dali_sim.workload.online import OnlineWorkload, check_online
-
-    ref = Workload(trace, WorkloadConfig(batch))
-    over = {"memory": {"cache_ratio": ratio}} if ratio else {}
-    sysconf = resolve_system(system, over, trace.model)
-    check_online(sysconf)
-    placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
-    profile = load_profile("rtx3090-epyc7532")
-    L, E = ref.num_layers, ref.num_experts
-    mem = plan_memory(trace.model, sysconf.memory, profile.gpu_memory_bytes, ref.max_batch_context,
-                      required=placement.required_capacities(L, E))
-    names = prefetch.required_predictors()
-    online = OnlineWorkload(trace.model, names, frequencies=ref.frequencies(), config=WorkloadConfig(batch))
-    costs = CostModel(profile, trace.model, implementation=sysconf.implementation, system=sysconf.name)
-    logits = {n: ref._sorted.lookahead(n) for n in names}
+    """``system``'s plans on an online workload fed ``trace`` (``conftest.feed_online``), with the compiled
+    paths off as :func:`_run`. Returns the plans, whether each was tallied and the LayerViews built."""
     views = []
     with monkeypatch.context() as m:
         if not compiled:
-            m.setattr(plan_kernel, "compiled", lambda: None)
-            m.setattr(kernels, "fused", lambda name: None)
-            for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
-                                   (cache_dali, "_compiled_swaps"), (cache_dali, "_compiled_observe")):
-                m.setattr(module, getter, lambda: None)
+            _compiled_off(m)
         view = ctl.Controller.view
         m.setattr(ctl.Controller, "view", lambda self, s, la: views.append(1) or view(self, s, la))
-        c = ctl.Controller(online, costs, placement, cache, prefetch, mem.capacities,
-                           cache_init=sysconf.memory.cache_init, prefetch_slots=mem.prefetch_slots,
-                           staging_slots=sysconf.memory.staging_slots)
-        plans = []
-        for step in range(ref.num_steps):
-            seq, pos = ref.step_positions(step)
-            online.begin_step("prefill" if ref.step_phase[step] == 0 else "decode", len(seq),
-                              batch=int(ref.step_batch[step]), seq_ids=seq, positions=pos)
-            tokens = ref.step_token_ids(step)
-            for layer in range(L):
-                ids, _ = ref.routing(step, layer)
-                pred = {n: logits[n][tokens * L + layer] for n in names if layer + online.predictor_offsets[n] < L}
-                online.set_layer(layer, ids, pred)
-                plans.append(c.plan(step, layer))
+        _, _, plans = feed_online(trace, system, {"memory": {"cache_ratio": ratio}} if ratio else {}, batch=batch)
     return [_fields(p) for p in plans], [p.tally is not None for p in plans], len(views)
 
 

@@ -31,6 +31,7 @@ import pandas as pd
 
 from dali_sim.models.spec import ModelSpec
 from dali_sim.policies import kernels
+from dali_sim.policies.base import readonly
 from dali_sim.trace.reader import read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
 from dali_sim.workload.builder import SparseCounts, WorkloadConfig, predicted_top_k
@@ -192,12 +193,6 @@ class _Growing:
         return self.data[: self.n]
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
 class _StepColumn:
     """One predictor's predictions of the current step as sparse segments, segment ``i`` = target MoE layer
     ``i`` (:class:`~dali_sim.workload.builder.SparseCounts`' layout for one step): fixed buffers, filled as
@@ -208,7 +203,7 @@ class _StepColumn:
         n = num_layers * num_experts  # each target layer predicts at most every expert once
         self.ptr = np.zeros(num_layers + 1, np.int64)
         self.expert, self.count, self.rank = np.zeros(n, np.int16), np.zeros(n, np.int32), np.zeros(n, np.int8)
-        self.sparse = SparseCounts(*(_readonly(a) for a in (self.ptr, self.expert, self.count, self.rank)))
+        self.sparse = SparseCounts(*(readonly(a) for a in (self.ptr, self.expert, self.count, self.rank)))
 
     def set(self, target: int, experts: np.ndarray, counts: np.ndarray, ranks: np.ndarray) -> None:
         """The segment of ``target`` (targets are set in ascending order within a step); every later
