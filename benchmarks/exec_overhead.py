@@ -150,11 +150,12 @@ def main(argv=None) -> int:
                          "benchmarks/README.md were measured: at a model's 4-bit default the Qwen3 shape's experts "
                          "all fit the GPU and nothing is staged)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="scale 1/16, 4 layers, 2 sequences x 16 tokens, 1 repeat")
+    ap.add_argument("--quick", action="store_true", help="scale 1/16, 4 layers, 2 sequences x 16 tokens, batch 2 at most, 1 repeat")
     ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
     a = ap.parse_args(argv)
     if a.quick:
         a.scale, a.layers, a.sequences, a.max_tokens, a.repeats = 1 / 16, 4, 2, 16, 1
+        a.batch_size = min(a.batch_size, a.sequences)  # (the default batch of 4 exceeds the 2 sequences)
     device = resolve_device(a.device)
     dtype = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
     opts = ReplayOptions(layers=a.layers, scale=a.scale, sequences=a.sequences, max_tokens=a.max_tokens, dtype=dtype,

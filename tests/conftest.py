@@ -131,6 +131,50 @@ TIMING_KEYS = {"makespan_s", "prefill_s", "decode_s", "prefill_tokens_per_s", "d
                "prefill_throughput", "decode_throughput", "ttft_s", "tpot_s", "busy", "events"}
 
 
+def feed_online(trace, system: str, overrides=None, *, batch: int, frequencies: bool = True):
+    """Feed ``trace``'s routing and lookahead columns into an ``OnlineWorkload`` step by step and layer by layer,
+    as ``dali exec generate`` feeds it, and plan every layer with ``system``'s controller (frequencies: the
+    trace's, or uniform). Returns (the online workload, the
+    trace's workload, the plans in order)."""
+    from dali_sim.hardware.cost import CostModel
+    from dali_sim.hardware.profile import load_profile
+    from dali_sim.policies import resolve_system
+    from dali_sim.runtime.controller import Controller
+    from dali_sim.runtime.memory import plan_memory
+    from dali_sim.workload import Workload, WorkloadConfig
+    from dali_sim.workload.online import OnlineWorkload, check_online
+
+    ref = Workload(trace, WorkloadConfig(batch))
+    sysconf = resolve_system(system, overrides, trace.model)
+    check_online(sysconf)
+    placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
+    profile = load_profile("rtx3090-epyc7532")
+    L, E = ref.num_layers, ref.num_experts
+    mem = plan_memory(trace.model, sysconf.memory, profile.gpu_memory_bytes, ref.max_batch_context,
+                      required=placement.required_capacities(L, E))
+    names = prefetch.required_predictors()
+    online = OnlineWorkload(trace.model, names, frequencies=ref.frequencies() if frequencies else None,
+                            config=WorkloadConfig(batch))
+    # the system's implementation, as simulate() prices it (policies such as hybrimoe's prefetch read the costs)
+    costs = CostModel(profile, trace.model, implementation=sysconf.implementation, system=sysconf.name)
+    ctl = Controller(online, costs, placement, cache, prefetch, mem.capacities, cache_init=sysconf.memory.cache_init,
+                     prefetch_slots=mem.prefetch_slots, staging_slots=sysconf.memory.staging_slots)
+    logits = {n: ref._sorted.lookahead(n) for n in names}
+    plans = []
+    for step in range(ref.num_steps):
+        seq, pos = ref.step_positions(step)
+        s = online.begin_step("prefill" if ref.step_phase[step] == 0 else "decode", len(seq),
+                              batch=int(ref.step_batch[step]), seq_ids=seq, positions=pos)
+        assert s == step
+        tokens = ref.step_token_ids(step)
+        for layer in range(L):
+            ids, _ = ref.routing(step, layer)
+            pred = {n: logits[n][tokens * L + layer] for n in names if layer + online.predictor_offsets[n] < L}
+            online.set_layer(layer, ids, pred)
+            plans.append(ctl.plan(step, layer))
+    return online, ref, plans
+
+
 def _same(a, b) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 

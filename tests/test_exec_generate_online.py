@@ -9,11 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dali_sim.hardware.cost import CostModel
-from dali_sim.hardware.profile import load_profile
 from dali_sim.policies import resolve_system, system_names
-from dali_sim.runtime.controller import Controller
-from dali_sim.runtime.memory import plan_memory
 from dali_sim.sim import simulate
 from dali_sim.sim.counters import COUNTERS, PlanCounters
 from dali_sim.trace import read_trace
@@ -21,7 +17,7 @@ from dali_sim.trace.synth import SynthConfig, synthesize
 from dali_sim.workload import Workload, WorkloadConfig
 from dali_sim.workload.online import OnlineWorkload, check_online, frequencies_from_trace, predictor_offset
 
-from conftest import WHOLE, tiny_model
+from conftest import WHOLE, feed_online, tiny_model
 
 BATCH = 2
 BOUNDS = {"oracle-heuristic", "lower-bound"}
@@ -45,36 +41,10 @@ def _over(system):
 
 def run_online(trace, system, overrides=None, *, frequencies=True):
     """Feed ``trace``'s routing into an OnlineWorkload as a running model would, and plan every layer."""
-    ref = Workload(trace, WorkloadConfig(BATCH))
-    sysconf = resolve_system(system, overrides, trace.model)
-    check_online(sysconf)
-    placement, cache, prefetch = (c.build() for c in (sysconf.placement, sysconf.cache, sysconf.prefetch))
-    profile = load_profile("rtx3090-epyc7532")
-    L, E = ref.num_layers, ref.num_experts
-    mem = plan_memory(trace.model, sysconf.memory, profile.gpu_memory_bytes, ref.max_batch_context,
-                      required=placement.required_capacities(L, E))
-    names = prefetch.required_predictors()
-    online = OnlineWorkload(trace.model, names, frequencies=ref.frequencies() if frequencies else None,
-                            config=WorkloadConfig(BATCH))
-    # the system's implementation, as simulate() prices it (policies such as hybrimoe's prefetch read the costs)
-    costs = CostModel(profile, trace.model, implementation=sysconf.implementation, system=sysconf.name)
-    ctl = Controller(online, costs, placement, cache, prefetch, mem.capacities,
-                     cache_init=sysconf.memory.cache_init, prefetch_slots=mem.prefetch_slots,
-                     staging_slots=sysconf.memory.staging_slots)
-    counters = PlanCounters(L)
-    rows_sorted = ref._sorted
-    logits = {n: rows_sorted.lookahead(n) for n in names}
-    for step in range(ref.num_steps):
-        seq, pos = ref.step_positions(step)
-        s = online.begin_step("prefill" if ref.step_phase[step] == 0 else "decode", len(seq),
-                              batch=int(ref.step_batch[step]), seq_ids=seq, positions=pos)
-        assert s == step
-        tokens = ref.step_token_ids(step)
-        for layer in range(L):
-            ids, _ = ref.routing(step, layer)
-            pred = {n: logits[n][tokens * L + layer] for n in names if layer + online.predictor_offsets[n] < L}
-            online.set_layer(layer, ids, pred)
-            counters.add(ctl.plan(step, layer))
+    online, ref, plans = feed_online(trace, system, overrides, batch=BATCH, frequencies=frequencies)
+    counters = PlanCounters(ref.num_layers)
+    for plan in plans:
+        counters.add(plan)
     return online, ref, counters
 
 

@@ -29,6 +29,8 @@ from dali_sim.trace.synth import SynthConfig, synthesize
 from dali_sim.workload.builder import Workload, WorkloadConfig
 from dali_sim.workload.profiling import ProfileSpec
 
+from conftest import feed_online
+
 pytestmark = pytest.mark.skipif(kernels.fused("impact_prefix") is None, reason="numba is off: no compiled path")
 
 LOOKAHEAD = ("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")
@@ -56,16 +58,21 @@ def _fields(p: ctl.LayerPlan) -> tuple:
             p.prefetches, p.prefetch_used, p.prefetch_wasted, p.swaps)
 
 
+def _compiled_off(m) -> None:
+    """Every compiled path off (on the monkeypatch context ``m``): each plan takes the NumPy reference path."""
+    m.setattr(plan_kernel, "compiled", lambda: None)
+    m.setattr(kernels, "fused", lambda name: None)
+    for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
+                           (cache_dali, "_compiled_swaps"), (cache_dali, "_compiled_observe")):
+        m.setattr(module, getter, lambda: None)
+
+
 def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compiled: bool, over=None):
     plans: list[ctl.LayerPlan] = []
     tallied: list[bool] = []
     with monkeypatch.context() as m:
         if not compiled:
-            m.setattr(plan_kernel, "compiled", lambda: None)
-            m.setattr(kernels, "fused", lambda name: None)
-            for module, getter in ((placement_dali, "_compiled_place"), (placement_competitors, "_compiled_fiddler"),
-                                   (cache_dali, "_compiled_swaps"), (cache_dali, "_compiled_observe")):
-                m.setattr(module, getter, lambda: None)
+            _compiled_off(m)
         plan = ctl.Controller.plan
 
         def recorded(self, step, layer):
@@ -433,3 +440,39 @@ def test_rule_forms_agree_with_place(name, config):
         if got is not None:
             assert got == np.asarray(policy.place(v), bool).tolist(), (name, config, trial)
     assert (undecided > 0) == (name == "fiddler")  # only fiddler's table ends (at 64 tokens here)
+
+
+#: presets a running model can run (not a bound, no policy reading the future)
+ONLINE = [n for n in PRESETS if n != "oracle-heuristic"]
+
+
+def _run_online(monkeypatch, trace, system: str, batch: int, ratio, *, compiled: bool) -> tuple[list, list, int]:
+    """``system``'s plans on an online workload fed ``trace`` (``conftest.feed_online``), with the compiled
+    paths off as :func:`_run`. Returns the plans, whether each was tallied and the LayerViews built."""
+    views = []
+    with monkeypatch.context() as m:
+        if not compiled:
+            _compiled_off(m)
+        view = ctl.Controller.view
+        m.setattr(ctl.Controller, "view", lambda self, s, la: views.append(1) or view(self, s, la))
+        _, _, plans = feed_online(trace, system, {"memory": {"cache_ratio": ratio}} if ratio else {}, batch=batch)
+    return [_fields(p) for p in plans], [p.tally is not None for p in plans], len(views)
+
+
+@pytest.mark.parametrize("system", ONLINE)
+def test_online_plans_are_the_reference_plans(monkeypatch, traces, system):
+    """On an online workload (the current step's routing and predictions only) the compiled paths give the
+    reference's plans, and the presets planned view-free on a trace's workload are planned view-free here too
+    (the prediction columns read from the step's segments)."""
+    for model, seed, _, batch, ratio in CASES[:3]:
+        trace = traces[(model, seed)]
+        fast, tallied, views = _run_online(monkeypatch, trace, system, batch, ratio, compiled=True)
+        ref, ref_tallied, _ = _run_online(monkeypatch, trace, system, batch, ratio, compiled=False)
+        assert not any(ref_tallied) and len(fast) == len(ref) > 0
+        for a, b in zip(fast, ref):
+            assert a == b, (model, seed, ratio, a[:2])
+        assert any(tallied) == resolve_cache(system).keyed
+        if system in RULED | GREEDY:
+            assert views == 0, (model, system)
+        if system in ("dali", "hybrimoe"):  # the prefetches read from the step's segments were issued
+            assert any(p[13] for p in fast), (model, system)

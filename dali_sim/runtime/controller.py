@@ -38,7 +38,8 @@ from dali_sim.runtime.plan_kernel import (
     TALLY_WASTED,
 )
 from dali_sim.trace.schema import PREFILL
-from dali_sim.workload.builder import Workload
+from dali_sim.workload.builder import SparseCounts, Workload
+from dali_sim.workload.online import OnlineWorkload
 
 # where the weights of an activated expert come from
 HIT, PREFETCHED, FETCH, CPU = 0, 1, 2, 3
@@ -151,6 +152,12 @@ class Controller:
         self._predicted = None if self._segments is None else {
             name: (sc.ptr.tolist(), *(readonly(a) for a in (sc.expert, sc.count, sc.rank)))
             for name, sc in workload.predicted.items()}
+        self._online = isinstance(workload, OnlineWorkload)
+        #: each lookahead column's sparse predictions as the compiled plans read them: a built workload's
+        #: (segment ``step * L + layer``) or an online one's current step (segment ``layer``: the plans are
+        #: given step 0); None (another workload): the plans that read them take a view
+        self._columns = workload.predicted if self._segments is not None else \
+            workload.step_predicted if self._online else None
         #: the view-free compiled plan (:meth:`_ruled_args`): the kernel and each layer's arguments, or None
         self._ruled = self._ruled_args()
         #: likewise for DALI's greedy placement (:meth:`_greedy_args`) or HybriMoE (:meth:`_impact_args`): the
@@ -174,6 +181,8 @@ class Controller:
             lo, hi = ptr[i], ptr[i + 1]
             return seg[1][lo:hi], seg[2][lo:hi], seg[3][lo:hi], seg[4][step], seg[5][step]
         w = self.w
+        if self._online:
+            return w.layer_segment(step, layer)
         experts, counts, ranks = w.activated(step, layer)
         if experts.flags.writeable or counts.flags.writeable or ranks.flags.writeable:
             experts, counts, ranks = readonly(experts), readonly(counts), readonly(ranks)
@@ -199,10 +208,27 @@ class Controller:
                                rule.pending, rule.gpu_layer[layer], rule.min_tokens[layer]], np.int64)
             args.append((self._contents, self._totals, params, primary, stamp,
                          self._no_clock if clock is None else clock, by_count))
-        seg = self._segments
-        if seg is not None:  # the arguments' types never change: the compiled function without the dispatcher
-            kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0) + a for a in args])
+        examples = self._segment_examples()
+        if examples is not None:  # the arguments' types never change: the compiled function without the dispatcher
+            kernel = kernels.entry(kernel, [examples + (0,) + a for a in args])
         return kernel, args
+
+    def _segment_examples(self) -> tuple | None:
+        """Empty arrays of the types of every plan's experts and counts (for ``kernels.entry``): a built
+        workload's, or an online one's (read-only int16 and int32, as a built one's); None for another."""
+        seg = self._segments
+        if seg is not None:
+            return seg[1][:0], seg[2][:0]
+        if self._online:
+            return readonly(np.zeros(0, np.int16)), readonly(np.zeros(0, np.int32))
+        return None
+
+    def _no_column(self) -> SparseCounts:
+        """Sparse predictions of the types of a real column, for an unused argument of a compiled plan."""
+        if self._segments is not None:
+            return self.w.actual
+        return SparseCounts(*(readonly(np.zeros(n, t)) for n, t in
+                              ((self._num_layers + 1, np.int64), (0, np.int16), (0, np.int32), (0, np.int8))))
 
     def _greedy_args(self) -> tuple | None:
         """The view-free plan for a placement with a greedy form (``PlacementPolicy.greedy_form``: DALI's
@@ -211,8 +237,7 @@ class Controller:
         top-k form (``PrefetchPolicy.top_k_form``: lookahead, dali-residual): every plan is one compiled call
         (``plan_kernel._greedy_plan``) without a :class:`LayerView`, as :meth:`_ruled_args`."""
         cache, placement, prefetcher = self.cache, self.placement, self.prefetcher
-        seg = self._segments
-        if self._kernel is None or seg is None or not cache.keyed_per_layer or placement.reads_future:
+        if self._kernel is None or self._columns is None or not cache.keyed_per_layer or placement.reads_future:
             return None
         window = cache.window_form()
         if window is None and (self._observes or self._swapping):
@@ -230,8 +255,7 @@ class Controller:
             return None
         times = self._time_tables(form)
         state, w, u = window if window is not None else (np.zeros((1, 1), np.int64), 0, 0)
-        a = self.w.actual
-        pred = self.w.predicted[top_k[0]] if top_k is not None else a  # (unread without prefetches: same types)
+        pred = self._columns[top_k[0]] if top_k is not None else self._no_column()  # (unread without prefetches)
         pred = (pred.ptr, *(readonly(x) if x.flags.writeable else x for x in (pred.expert, pred.count, pred.rank)))
         args = []
         L = self._num_layers
@@ -242,7 +266,7 @@ class Controller:
                                top_k[1] if top_k is not None else 0, self.prefetch_slots], np.int64)
             args.append((self._contents, self._totals, params, primary, stamp,
                          self._no_clock if clock is None else clock, times, float(form.transfer), state, *pred))
-        kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0) + a for a in args])
+        kernel = kernels.entry(kernel, [self._segment_examples() + (0,) + a for a in args])
         return kernel, args, False
 
     @staticmethod
@@ -256,8 +280,7 @@ class Controller:
         with an MRS form (``CachePolicy.mrs_form``) and no prefetcher or one with an impact form
         (``PrefetchPolicy.impact_form``): every plan is one compiled call (``plan_kernel._impact_plan``)."""
         cache, placement, prefetcher = self.cache, self.placement, self.prefetcher
-        seg = self._segments
-        if self._kernel is None or seg is None or placement.reads_future or self._swapping:
+        if self._kernel is None or self._columns is None or placement.reads_future or self._swapping:
             return None
         mrs = cache.mrs_form()
         form = placement.hss_form(self.ctx) if mrs is not None else None
@@ -276,10 +299,10 @@ class Controller:
         times = self._time_tables(form)
         seen, _, threshold, k = impact if impact is not None else (np.zeros((1, 1), bool), None, 0.0, 0)
         fparams = np.array([a, threshold, form.transfer], np.float64)
-        act = self.w.actual
+        unused = self._no_column()
         sparse = []
-        for slot in range(3):  # each column's sparse predictions (unread for an unused slot: the routing's arrays)
-            sc = self.w.predicted[columns[slot][1]] if slot < len(columns) else act
+        for slot in range(3):  # each column's sparse predictions (unread for an unused slot)
+            sc = self._columns[columns[slot][1]] if slot < len(columns) else unused
             sparse += [readonly(x) if x.flags.writeable else x for x in (sc.ptr, sc.expert, sc.count)]
         L = self._num_layers
         args = []
@@ -289,7 +312,7 @@ class Controller:
                                form.single_token, impact is not None, k, self.prefetch_slots, *dists],
                               np.int64)
             args.append((self._contents, self._totals, params, fparams, times, score, stamp, clock, seen, *sparse))
-        kernel = kernels.entry(kernel, [(seg[1][:0], seg[2][:0], 0, 0, 0) + a for a in args])
+        kernel = kernels.entry(kernel, [self._segment_examples() + (0, 0, 0) + a for a in args])
         return kernel, args, True
 
     def _lookahead(self, step: int, layer: int, what: str, name: str, target: int) -> np.ndarray:
@@ -368,10 +391,11 @@ class Controller:
         fused = self._fused
         if fused is not None:
             experts, counts, _, phase, tokens = self._segment(step, layer)
+            row_step = 0 if self._online else step  # (the step's segments of the prediction columns)
             if fused[2]:
-                source, flags, out = fused[0](experts, counts, step, phase, tokens, *fused[1][layer])
+                source, flags, out = fused[0](experts, counts, row_step, phase, tokens, *fused[1][layer])
             else:
-                source, flags, out = fused[0](experts, counts, step, *fused[1][layer])
+                source, flags, out = fused[0](experts, counts, row_step, *fused[1][layer])
             row = out.tolist()
             if row:  # (empty: a workload beyond the cost tables, left to the policies with a view; nothing changed)
                 return self._fused_plan(step, layer, phase, tokens, experts, counts, source, flags, row)

@@ -15,7 +15,9 @@ off (``DALI_NUMBA=0``); both give the same plans (tests/test_plan_fast.py).
 Where the policies describe their decisions as data (``PlacementPolicy.rule_form``, ``greedy_form``,
 ``hss_form``; ``CachePolicy.window_form``, ``mrs_form``; ``PrefetchPolicy.top_k_form``, ``impact_form``), a
 whole plan is one call without a ``LayerView``: :func:`_ruled_plan` (the simple systems), :func:`_greedy_plan`
-(``dali``) and :func:`_impact_plan` (HybriMoE).
+(``dali``) and :func:`_impact_plan` (HybriMoE). Their ``step`` only places the lookahead columns' segments
+(segment ``step * L + layer``): a trace workload's step, or 0 for an online workload, whose columns hold the
+current step only (``OnlineWorkload.step_predicted``).
 """
 
 from __future__ import annotations

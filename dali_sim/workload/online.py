@@ -31,9 +31,10 @@ import pandas as pd
 
 from dali_sim.models.spec import ModelSpec
 from dali_sim.policies import kernels
+from dali_sim.policies.base import readonly
 from dali_sim.trace.reader import read_trace
 from dali_sim.trace.schema import DECODE, PREFILL
-from dali_sim.workload.builder import WorkloadConfig, predicted_top_k
+from dali_sim.workload.builder import SparseCounts, WorkloadConfig, predicted_top_k
 from dali_sim.workload.profiling import trace_frequencies
 
 #: lookahead predictors a running model can compute at MoE layer l from its gate input x_l
@@ -127,7 +128,32 @@ def _segment_rule(ids, num_experts):
             best)
 
 
-_SEGMENT: list = []
+def _routing_rule(ids, observed):
+    """:func:`_segment_rule` of a layer's routing, its counts added to the layer's (E,) ``observed`` workloads
+    (compiled): (ok, experts, workloads, best ranks)."""
+    ok, experts, cnt, best, counts, _ = _segment_rule_fn(ids, observed.shape[0])
+    if ok:
+        observed += counts
+    return ok, experts, cnt, best
+
+
+def _prediction_rule(ids, num_experts, target, ptr, expert, count, rank):
+    """:func:`_segment_rule` of a prediction, written as segment ``target`` of a step's buffers
+    (:class:`_StepColumn`, :meth:`_StepColumn.set`'s rule; compiled); False, nothing written, for an id out
+    of range."""
+    ok, experts, cnt, best, _, _ = _segment_rule_fn(ids, num_experts)
+    if ok:
+        lo = ptr[target]
+        hi = lo + experts.shape[0]
+        expert[lo:hi] = experts
+        count[lo:hi] = cnt
+        rank[lo:hi] = best
+        ptr[target + 1:] = hi
+    return ok
+
+
+_segment_rule_fn = _segment_rule  # what _routing_rule and _prediction_rule call: the compiled _segment_rule
+_SEGMENT: list = []  # the compiled _segment_rule, _routing_rule and _prediction_rule (or None)
 
 
 def _where(where) -> str:
@@ -137,9 +163,15 @@ def _where(where) -> str:
 
 
 def _segment_kernel():
-    """The compiled :func:`_segment_rule`, or None without numba."""
+    """The compiled :func:`_segment_rule` (and, in ``_SEGMENT``, :func:`_routing_rule` and
+    :func:`_prediction_rule`), or None without numba."""
     if not _SEGMENT:
-        _SEGMENT.append(kernels.jit(_segment_rule))
+        global _segment_rule_fn
+        rule = kernels.jit(_segment_rule)
+        if rule is not None:
+            _segment_rule_fn = rule
+        _SEGMENT.extend([rule, *(kernels.jit(f) if rule is not None else None
+                                 for f in (_routing_rule, _prediction_rule))])
     return _SEGMENT[0]
 
 
@@ -159,6 +191,29 @@ class _Growing:
     @property
     def view(self) -> np.ndarray:
         return self.data[: self.n]
+
+
+class _StepColumn:
+    """One predictor's predictions of the current step as sparse segments, segment ``i`` = target MoE layer
+    ``i`` (:class:`~dali_sim.workload.builder.SparseCounts`' layout for one step): fixed buffers, filled as
+    the layers are set, emptied at each step. ``sparse`` holds read-only views of them (the controller binds
+    them once; they show the current step's content)."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        n = num_layers * num_experts  # each target layer predicts at most every expert once
+        self.ptr = np.zeros(num_layers + 1, np.int64)
+        self.expert, self.count, self.rank = np.zeros(n, np.int16), np.zeros(n, np.int32), np.zeros(n, np.int8)
+        self.sparse = SparseCounts(*(readonly(a) for a in (self.ptr, self.expert, self.count, self.rank)))
+
+    def set(self, target: int, experts: np.ndarray, counts: np.ndarray, ranks: np.ndarray) -> None:
+        """The segment of ``target`` (targets are set in ascending order within a step); every later
+        segment reads empty until set."""
+        lo = int(self.ptr[target])
+        hi = lo + len(experts)
+        self.expert[lo:hi] = experts
+        self.count[lo:hi] = counts
+        self.rank[lo:hi] = ranks
+        self.ptr[target + 1:] = hi
 
 
 class OnlineWorkload:
@@ -191,6 +246,11 @@ class OnlineWorkload:
         self.predictor_offsets: dict[str, int] = offsets
         #: the predictors, as the controller lists them (``tuple(workload.predicted)``)
         self.predicted: dict[str, int] = dict(offsets)
+        self._columns = {name: _StepColumn(L, E) for name in offsets}
+        #: per predictor, the current step's predictions as read-only sparse segments, segment ``i`` = target
+        #: MoE layer ``i`` (a trace workload's ``predicted`` layout for one step; the views stay valid, their
+        #: content follows the step): what the controller's compiled plans read
+        self.step_predicted: dict[str, SparseCounts] = {name: c.sparse for name, c in self._columns.items()}
         if frequencies is None:
             self._freq = np.ones((L, E), np.int64)
             frequencies_source = "uniform"
@@ -202,9 +262,9 @@ class OnlineWorkload:
         self._phase, self._tokens, self._batch = _Growing(np.int8), _Growing(np.int64), _Growing(np.int64)
         self._context, self._kv = _Growing(np.float64), _Growing(np.int64)
         self._step = -1
+        self._now = (-1, 0, 0)  # the open step: (index, phase, tokens)
         self._next_layer = L  # no step open
         self._act: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._pred: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._observed = np.zeros((L, E), np.int64)
         self._seqs: dict[int, list[int]] = {}  # seq_id -> [batch, prefill, decode, first/last prefill, first/last decode]
 
@@ -263,7 +323,9 @@ class OnlineWorkload:
         self._kv.append(kv)
         self._next_layer = 0
         self._act = []
-        self._pred = {}
+        for column in self._columns.values():
+            column.ptr[:] = 0
+        self._now = (s, ph, tokens)
         return s
 
     def set_layer(self, layer: int, ids: np.ndarray, predicted: Mapping[str, np.ndarray] | None = None) -> None:
@@ -279,18 +341,19 @@ class OnlineWorkload:
             raise ValueError(f"online workload: step {self._step} expects MoE layer {self._next_layer}, got {layer}")
         T, k, E = int(self._tokens.view[-1]), self.top_k, self.num_experts
         where = ("step {} layer {}: routing", self._step, layer)  # formatted only for an error
-        kernel = _segment_kernel()
-        if kernel is not None:  # the checks, the counts and the segment in one compiled loop
-            ids = self._ids_shape(ids, T, where)
-            ok, experts, cnt, best, counts, _ = kernel(ids, E)
+        compiled = _segment_kernel() is not None
+        if compiled:  # the checks, the counts and the segment in one compiled loop
+            ok, *segment = _SEGMENT[1](self._ids_shape(ids, T, where), self._observed[layer])
             if not ok:
                 raise ValueError(f"{_where(where)}: expert ids must lie in 0..{E - 1}")
-            self._act.append((experts, cnt, best))
         else:
             ids = self._ids(ids, T, where)
             counts = np.bincount(ids.reshape(-1), minlength=E)
-            self._act.append(self._segment(ids, counts))
-        self._observed[layer] += counts
+            segment = self._segment(ids, counts)
+            self._observed[layer] += counts
+        for a in segment:  # (fresh arrays: read-only as a trace workload's, without a view)
+            a.flags.writeable = False
+        self._act.append(tuple(segment))
         predicted = predicted or {}
         unknown = [name for name in predicted if name not in self.predictor_offsets]
         if unknown:
@@ -314,19 +377,13 @@ class OnlineWorkload:
                 keep = ~np.isnan(arr).all(axis=1)
                 arr = predicted_top_k(arr[keep], k)
             where = ("step {} layer {}: {!r} prediction", self._step, layer, name)
-            if kernel is not None:
-                ok, experts, _, _, pcounts, ranks = kernel(self._ids_shape(arr, None, where), E)
-                if not ok:
+            column = self._columns[name]
+            if compiled:
+                if not _SEGMENT[2](self._ids_shape(arr, None, where), E, target, column.ptr, column.expert,
+                                   column.count, column.rank):
                     raise ValueError(f"{_where(where)}: expert ids must lie in 0..{E - 1}")
-                self._pred[(name, target)] = (pcounts.astype(np.float64), ranks)
-                continue
-            pred = self._ids(arr, None, where)
-            sc = self._segment(pred)
-            counts = np.zeros(E, np.float64)
-            counts[sc[0]] = sc[1]
-            ranks = np.full(E, k, np.int64)
-            ranks[sc[0]] = sc[2]
-            self._pred[(name, target)] = (counts, ranks)
+            else:
+                column.set(target, *self._segment(self._ids(arr, None, where)))
         self._next_layer += 1
 
     def _ids_shape(self, ids: np.ndarray, tokens: int | None, where) -> np.ndarray:
@@ -373,24 +430,43 @@ class OnlineWorkload:
         self._check(step, layer, "routing")
         return self._act[layer]
 
-    def _prediction(self, name: str, step: int, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def layer_segment(self, step: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        """(expert ids in touch order, workloads, best ranks, phase, tokens) of MoE layer ``layer`` at ``step``,
+        the arrays read-only: the controller's read of a layer in one call."""
+        s, phase, tokens = self._now
+        if step != s or not 0 <= layer < self._next_layer:
+            self._check(step, layer, "routing")
+        experts, counts, ranks = self._act[layer]
+        return experts, counts, ranks, phase, tokens
+
+    def _prediction(self, name: str, step: int, layer: int) -> SparseCounts | None:
+        """The step's segments of predictor ``name`` once its prediction of ``layer`` is known (None: nothing
+        predicts ``layer``)."""
         if name not in self.predictor_offsets:
             raise KeyError(f"predictor {name!r} was not loaded into this workload")
         source = layer - self.predictor_offsets[name]
         if source < 0:
             return None  # nothing predicts this layer (as a trace's workload: all zeros)
         self._check(step, source, f"{name!r} prediction (made at layer {source})")
-        return self._pred[(name, layer)]
+        return self.step_predicted[name]
 
     def predicted_counts(self, name: str, step: int, layer: int) -> np.ndarray:
         """(E,) number of the step's tokens whose predicted top-k for MoE layer ``layer`` holds each expert."""
         p = self._prediction(name, step, layer)
-        return np.zeros(self.num_experts, np.float64) if p is None else p[0].copy()
+        out = np.zeros(self.num_experts, np.float64)
+        if p is not None:
+            seg = p.segment(layer)
+            out[p.expert[seg]] = p.count[seg]
+        return out
 
     def predicted_ranks(self, name: str, step: int, layer: int) -> np.ndarray:
         """(E,) best predicted rank of each expert for MoE layer ``layer``; ``top_k`` where not predicted."""
         p = self._prediction(name, step, layer)
-        return np.full(self.num_experts, self.top_k, np.int64) if p is None else p[1].copy()
+        out = np.full(self.num_experts, self.top_k, np.int64)
+        if p is not None:
+            seg = p.segment(layer)
+            out[p.expert[seg]] = p.rank[seg]
+        return out
 
     def frequencies(self) -> np.ndarray:
         """(L, E) prior workloads for frequency-based choices: a prior trace's, or uniform."""
