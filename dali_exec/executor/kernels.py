@@ -153,33 +153,72 @@ def _group_index_into(ptr, positions, weights, experts, seg, rows, k, layer, sta
     inflight) rows (``SlotPool.state``: one argument, not three). ``ints`` rows 0-2 the pairs, their tokens and rows
     within the span, ``w`` their weights (each at least the group's pairs long), ``small`` rows 0-2 the
     sorted rows, experts and counts (at least g), ``table_counts`` and ``offs`` (int32; at least the span).
-    Returns (pairs, lo, span, ready)."""
-    order = np.argsort(rows, kind="mergesort")
+    Returns (pairs, lo, span, ready).
+
+    The rows are sorted by a pass over the span (``table_counts`` holds each row's position in the group until
+    the pass reaches it; no array is allocated: a cold allocation is the dearest part of a small call), or, when a
+    row repeats (an error the readiness check reports), by the stable argsort: the same order either way."""
     g = seg.shape[0]
     rows_s, experts_s, counts = small[0], small[1], small[2]
-    total = 0
+    pairs, tok, pair_rows = ints[0], ints[1], ints[2]
+    lo = rows[0]
+    hi = rows[0]
     for i in range(g):
-        s = seg[order[i]]
-        rows_s[i] = rows[order[i]]
-        experts_s[i] = experts[s]
-        counts[i] = ptr[s + 1] - ptr[s]
-        total += counts[i]
-    lo = rows_s[0]
-    span = rows_s[g - 1] - lo + 1
+        lo = min(lo, rows[i])
+        hi = max(hi, rows[i])
+    span = hi - lo + 1
     for r in range(span):
         table_counts[r] = 0
-    pairs, tok, pair_rows = ints[0], ints[1], ints[2]
-    a = 0
+    unique = True
     for i in range(g):
-        s = seg[order[i]]
-        table_counts[rows_s[i] - lo] = counts[i]
-        for j in range(ptr[s], ptr[s + 1]):
-            p = positions[j]
-            pairs[a] = p
-            w[a] = weights[j]
-            tok[a] = p // k
-            pair_rows[a] = rows_s[i] - lo
-            a += 1
+        r = rows[i] - lo
+        if table_counts[r] != 0:
+            unique = False
+            break
+        table_counts[r] = i + 1
+    total = 0
+    a = 0
+    if unique:  # rows ascending: the span's rows in turn, each computing its expert's pairs or none
+        i = 0
+        for r in range(span):
+            q = table_counts[r]
+            if q == 0:
+                continue
+            s = seg[q - 1]
+            rows_s[i] = r + lo
+            experts_s[i] = experts[s]
+            c = ptr[s + 1] - ptr[s]
+            counts[i] = c
+            table_counts[r] = c
+            total += c
+            for j in range(ptr[s], ptr[s + 1]):
+                p = positions[j]
+                pairs[a] = p
+                w[a] = weights[j]
+                tok[a] = p // k
+                pair_rows[a] = r
+                a += 1
+            i += 1
+    else:
+        order = np.argsort(rows, kind="mergesort")
+        for i in range(g):
+            s = seg[order[i]]
+            rows_s[i] = rows[order[i]]
+            experts_s[i] = experts[s]
+            counts[i] = ptr[s + 1] - ptr[s]
+            total += counts[i]
+        for r in range(span):
+            table_counts[r] = 0
+        for i in range(g):
+            s = seg[order[i]]
+            table_counts[rows_s[i] - lo] = counts[i]
+            for j in range(ptr[s], ptr[s + 1]):
+                p = positions[j]
+                pairs[a] = p
+                w[a] = weights[j]
+                tok[a] = p // k
+                pair_rows[a] = rows_s[i] - lo
+                a += 1
     acc = 0
     for r in range(span):
         acc += table_counts[r]
@@ -422,14 +461,15 @@ def _rank_order(ids, weights, rows):
 
 #: rows of the int64 workspace of :func:`_route_partition` (see ``workspace.RouteWorkspace``)
 W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKENS, W_TURNS = 0, 1, 2, 3, 4, 5, 10, 11, 12, 13
-W_ROWS = 17
+W_FIRST, W_STAGED, W_FLAGS = 17, 19, 21  # the first and the staged group's experts and rows; scratch (two rows each)
+W_ROWS = 23
 #: the plan's source codes in the order :func:`_partition` takes them (CPU, HIT, PREFETCHED, FETCH); a global
 #: array, which numba compiles in as a constant
 PLAN_CODES = np.array([_CPU, _HIT, _PREFETCHED, _FETCH], np.int64)
 
 
 def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of_all, evicted, free, layer,
-                     state, wi, wf, gi, gw, goffs):
+                     state, wi, wf, gi, gw, goffs, staging, si, sw, soffs):
     """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of_all[layer]`` is the layer's
     row of the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
     :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
@@ -455,19 +495,26 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     the slot table's rows wide; empty to skip) is given, the lane split holds no prefetched expert and the
     fetched ones are admitted, the group of the ready and fetched experts (at least two; what the CPU
     device's accelerator lane computes first, :func:`_group_index_into` of them, their rows checked now)
-    is written there: one compiled call per layer instead of two."""
+    is written there: one compiled call per layer instead of two.
+
+    The staged group: when ``si`` (a second ``GroupWorkspace.gi``, with ``sw`` and ``soffs``; empty to skip) is
+    given and the lane's staged experts (at least two) fit the free staging buffers ``staging`` (their rows, in
+    the order ``SlotPool.take_staging_rows`` takes them): their one staging turn, the staging buffers held
+    for them (``SlotPool.hold_rows``, as their copies' issue does) and :func:`_group_index_into` of them
+    written there; its (pairs, lo, span, ready) or (-1, 0, 0, False)."""
     row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
-    wb = np.zeros((2, flat.shape[0]), np.bool_)  # scratch (made in compiled code: no Python object)
+    wb = wi[W_FLAGS:W_FLAGS + 2]  # scratch (the workspace's: nothing is allocated in this call)
+    none = wi[W_EVICTED, :0]  # (no given order, every token counted)
     codes = PLAN_CODES
     ev_rows = wi[W_EVICTED]
     n_ev = evicted.shape[0]
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
-        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
-    status, m = _group_routing_into_fn(flat, np.zeros(0, np.int64), weights, np.zeros(0, np.bool_), k, wi[W_ORDER],
-                                       wi[W_PTR], wi[W_EXPERTS], wf, wb[0], wi[W_PER])
+        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, -1, 0, 0, False
+    status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf, wb[0],
+                                       wi[W_PER])
     if status != OK:
-        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
+        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, -1, 0, 0, False
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
     for j in range(flat.shape[0]):
         tokens[j] = order[j] // k
@@ -513,14 +560,29 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     fg_n, fg_lo, fg_span, fg_ready = -1, 0, 0, False
     nf = ready + fetched
     if pstatus == 0 and adm == OK and ready == hits and nf >= 2 and gi.shape[1] >= flat.shape[0]:
-        seg = np.empty(nf, np.int64)
-        rows = np.empty(nf, np.int64)
+        seg = wi[W_FIRST]
+        rows = wi[W_FIRST + 1]
         for i in range(nf):
             seg[i] = lane[1, lorder[i]]
             rows[i] = lane[2, lorder[i]]
-        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg, rows, k, layer,
-                                                              state, gi[0:3], gw, gi[3:6], gi[6], goffs)
-    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready
+        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg[:nf], rows[:nf], k,
+                                                              layer, state, gi[0:3], gw, gi[3:6], gi[6], goffs)
+    sg_n, sg_lo, sg_span, sg_ready = -1, 0, 0, False
+    n_st = g - nf
+    if pstatus == 0 and adm == OK and 2 <= n_st <= staging.shape[0] and si.shape[1] >= flat.shape[0]:
+        seg = wi[W_STAGED]
+        rows = wi[W_STAGED + 1]
+        for t in range(n_st):
+            i = lorder[nf + t]
+            row = staging[t]
+            seg[t] = lane[1, i]
+            rows[t] = row
+            hold_layer[row] = layer
+            hold_expert[row] = lane[3, i]
+        sg_n, sg_lo, sg_span, sg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg[:n_st], rows[:n_st],
+                                                              k, layer, state, si[0:3], sw, si[3:6], si[6], soffs)
+    return (-1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, sg_n, sg_lo,
+            sg_span, sg_ready)
 
 
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves
