@@ -396,8 +396,7 @@ class OffloadRuntime:
             # there, no prefetch among them): taken before the copies and computed right after them, the
             # stopwatch stopped once for both (the group's indices do not depend on the copies' data), and so
             # are one-expert staging turns (set up once their first copies are issued, run after the group)
-            g = lanes.order[:len(ready) + nf]
-            group = self._group(plan, routing, seg[g], rows[g])
+            group = self._written(plan, False, len(ready) + nf)  # (checked above: it is this group)
             box = []
             prepare = None
             if n_staged and per_turn == 1:
@@ -688,16 +687,12 @@ class OffloadRuntime:
         :class:`GroupIndex`. The layer's first group may have been written by the route call (``_first``), and
         so may its one staging turn of several experts (``staged``: this is that turn; ``_staged``)."""
         pool, dev, layer = self.pool, self.dev, plan.layer
-        ws = self._group_ws
         g = len(seg)
         first = self._staged if staged else self._first
         if first is not None and first[3] == g:  # written (and checked) by the route call
-            if staged:
-                self._staged, ws = None, self._staged_ws
-            else:
-                self._first = None
-            n, lo, span, ready = first[0], first[1], first[2], True
-        elif (kernel := _kernels.compiled("group_index_into")) is not None:
+            return self._written(plan, staged, g)
+        ws = self._group_ws
+        if (kernel := _kernels.compiled("group_index_into")) is not None:
             n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
         else:
             gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
@@ -719,6 +714,22 @@ class OffloadRuntime:
                                       dev.accel, dev.dtype, self.layout.bias)
         experts, counts = ws.small[1:, :g].tolist()
         return g_rows, lo, ws.table_counts[:span], tensors, experts, counts
+
+    def _written(self, plan: LayerPlan, staged: bool, g: int) -> tuple:
+        """:meth:`_group` of the group of ``g`` experts the route call wrote and checked (the CPU device: its tensors are
+        views of the workspace's), taken: the first group, or with ``staged`` the staged group."""
+        if staged:
+            (n, lo, span, _), ws = self._staged, self._staged_ws
+            self._staged = None
+        else:
+            (n, lo, span, _), ws = self._first, self._group_ws
+            self._first = None
+        t_pos, t_tok, t_rows, t_w, t_offs = ws.views(n, span)
+        dtype = self.dev.dtype
+        tensors = (t_pos, t_tok, t_offs, t_rows if self.layout.bias else None,
+                   t_w if t_w.dtype == dtype else t_w.to(dtype))
+        experts, counts = ws.small[1:, :g].tolist()
+        return ws.small[0, :g], lo, ws.table_counts[:span], tensors, experts, counts
 
     def _droute(self, routing: LayerRouting) -> list:
         """The layer's routing on the accelerator (flat positions, token rows, weights), made once per layer
