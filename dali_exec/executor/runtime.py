@@ -728,8 +728,8 @@ class OffloadRuntime:
         dtype = self.dev.dtype
         tensors = (t_pos, t_tok, t_offs, t_rows if self.layout.bias else None,
                    t_w if t_w.dtype == dtype else t_w.to(dtype))
-        experts, counts = ws.small[1:, :g].tolist()
-        return ws.small[0, :g], lo, ws.table_counts[:span], tensors, experts, counts
+        small = ws.small[:, :g].copy()  # (rows, experts, tokens: the timeline keeps the last two)
+        return small[0], lo, ws.table_counts[:span], tensors, small[1], small[2]
 
     def _droute(self, routing: LayerRouting) -> list:
         """The layer's routing on the accelerator (flat positions, token rows, weights), made once per layer
