@@ -84,11 +84,11 @@ def test_a_replay_through_the_workspaces_equals_the_numpy_code(traces, shape, sy
     assert intervals == plain_intervals
 
 
-def _runtime(capacity=30, experts=30, staging=0):
-    pool = SlotPool(np.array([capacity]), 0, staging, 4, torch.float32, torch.device("cpu"), num_experts=experts)
+def _runtime(capacity=30, experts=30):
+    pool = SlotPool(np.array([capacity]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=experts)
     return SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _ws_routing=None,
                            _group_ws=GroupWorkspace(len(pool.slots), torch.device("cpu")), _first_in_route=True,
-                           _first=None, _staged_ws=GroupWorkspace(len(pool.slots), torch.device("cpu")), _staged=None)
+                           _first=None)
 
 
 def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give():
@@ -130,51 +130,6 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         assert np.array_equal(gws.small[:, :g], np.stack([gi.rows, gi.experts, gi.counts]))
         assert np.array_equal(gws.table_counts[:span], gi.table_counts)
 
-
-
-def test_the_route_call_writes_the_one_staging_turn_as_the_arrays_give():
-    """Staged experts (two or more) that fit the free staging buffers: their group over the buffers the lane
-    takes (in the pool's order), the buffers held for them; more than fit (one-expert turns) or one: none."""
-    if K.compiled("route_partition") is None:
-        pytest.skip("the route call is compiled code (numba)")
-    rng = np.random.default_rng(11)
-    written = 0
-    for trial in range(60):
-        T, k, E = int(rng.integers(1, 30)), int(rng.integers(1, 5)), 24
-        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
-        w = rng.random((T, k)).astype(np.float32)
-        r = LayerRouting.group(ids, w)
-        touch = rng.permutation(len(r.experts))
-        experts = r.experts[touch]
-        source = rng.choice([HIT, FETCH, CPU], len(experts)).astype(np.int8)
-        runtime = _runtime(staging=int(rng.integers(2, 12)))
-        pool = runtime.pool
-        pool.take_staging_rows(int(rng.integers(0, 2)))  # (rotated: the free list's order is the pool's)
-        pool.release_staging_rows(pool.take_staging_rows(1) if rng.random() < 0.5 else [])
-        pool.admit_many(0, experts[source == HIT].astype(np.int64))
-        plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=r.counts()[touch],
-                               source=source, admitted=(source == FETCH) & (rng.random(len(experts)) < 0.5),
-                               evicted=[])
-        free = list(pool.staging_free)
-        _, _, split, _ = OffloadRuntime._route(runtime, plan, ids, w)
-        lane, order, hits, ready, fetched = split
-        staged = order[ready + fetched:]
-        if not 2 <= len(staged) <= len(free):
-            assert runtime._staged is None
-            continue
-        rows = np.array(free[:len(staged)], np.int64)
-        assert np.array_equal(pool.hold_layer[rows], np.zeros(len(rows))) and np.array_equal(
-            pool.hold_expert[rows], lane[3, staged])
-        gi = GroupIndex.build(r, lane[1, staged], rows, (0, *pool.state))
-        pairs, lo, span, g = runtime._staged
-        sws = runtime._staged_ws
-        assert (pairs, lo, span, g) == (len(gi.pairs), gi.lo, len(gi.table_counts), len(staged)) and gi.rows_ready
-        assert np.array_equal(sws.ints[:, :pairs], np.stack([gi.pairs, gi.pairs // k, gi.row_of_pairs()]))
-        assert np.array_equal(sws.w[:pairs], gi.weights) and np.array_equal(sws.offs[:span], gi.offs)
-        assert np.array_equal(sws.small[:, :g], np.stack([gi.rows, gi.experts, gi.counts]))
-        assert np.array_equal(sws.table_counts[:span], gi.table_counts)
-        written += 1
-    assert written >= 10
 
 def test_the_route_call_writes_the_first_group_only_when_its_rows_are_ready():
     if K.compiled("route_partition") is None:

@@ -461,15 +461,15 @@ def _rank_order(ids, weights, rows):
 
 #: rows of the int64 workspace of :func:`_route_partition` (see ``workspace.RouteWorkspace``)
 W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKENS, W_TURNS = 0, 1, 2, 3, 4, 5, 10, 11, 12, 13
-W_FIRST, W_STAGED, W_FLAGS = 17, 19, 21  # the first and the staged group's experts and rows; scratch (two rows each)
-W_ROWS = 23
+W_FIRST, W_FLAGS = 17, 19  # the first group's experts and rows; scratch flags (two rows each)
+W_ROWS = 21
 #: the plan's source codes in the order :func:`_partition` takes them (CPU, HIT, PREFETCHED, FETCH); a global
 #: array, which numba compiles in as a constant
 PLAN_CODES = np.array([_CPU, _HIT, _PREFETCHED, _FETCH], np.int64)
 
 
 def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of_all, evicted, free, layer,
-                     state, wi, wf, gi, gw, goffs, staging, si, sw, soffs):
+                     state, wi, wf, gi, gw, goffs):
     """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of_all[layer]`` is the layer's
     row of the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
     :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
@@ -495,13 +495,7 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     the slot table's rows wide; empty to skip) is given, the lane split holds no prefetched expert and the
     fetched ones are admitted, the group of the ready and fetched experts (at least two; what the CPU
     device's accelerator lane computes first, :func:`_group_index_into` of them, their rows checked now)
-    is written there: one compiled call per layer instead of two.
-
-    The staged group: when ``si`` (a second ``GroupWorkspace.gi``, with ``sw`` and ``soffs``; empty to skip) is
-    given and the lane's staged experts (at least two) fit the free staging buffers ``staging`` (their rows, in
-    the order ``SlotPool.take_staging_rows`` takes them): their one staging turn, the staging buffers held
-    for them (``SlotPool.hold_rows``, as their copies' issue does) and :func:`_group_index_into` of them
-    written there; its (pairs, lo, span, ready) or (-1, 0, 0, False)."""
+    is written there: one compiled call per layer instead of two."""
     row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
     wb = wi[W_FLAGS:W_FLAGS + 2]  # scratch (the workspace's: nothing is allocated in this call)
     none = wi[W_EVICTED, :0]  # (no given order, every token counted)
@@ -510,11 +504,11 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     n_ev = evicted.shape[0]
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
-        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, -1, 0, 0, False
+        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
     status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf, wb[0],
                                        wi[W_PER])
     if status != OK:
-        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, -1, 0, 0, False
+        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
     for j in range(flat.shape[0]):
         tokens[j] = order[j] // k
@@ -567,22 +561,7 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
             rows[i] = lane[2, lorder[i]]
         fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg[:nf], rows[:nf], k,
                                                               layer, state, gi[0:3], gw, gi[3:6], gi[6], goffs)
-    sg_n, sg_lo, sg_span, sg_ready = -1, 0, 0, False
-    n_st = g - nf
-    if pstatus == 0 and adm == OK and 2 <= n_st <= staging.shape[0] and si.shape[1] >= flat.shape[0]:
-        seg = wi[W_STAGED]
-        rows = wi[W_STAGED + 1]
-        for t in range(n_st):
-            i = lorder[nf + t]
-            row = staging[t]
-            seg[t] = lane[1, i]
-            rows[t] = row
-            hold_layer[row] = layer
-            hold_expert[row] = lane[3, i]
-        sg_n, sg_lo, sg_span, sg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg[:n_st], rows[:n_st],
-                                                              k, layer, state, si[0:3], sw, si[3:6], si[6], soffs)
-    return (-1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, sg_n, sg_lo,
-            sg_span, sg_ready)
+    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready
 
 
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves

@@ -82,10 +82,6 @@ class OffloadRuntime:
         #: (pairs, lo, span, experts) of the one it wrote for this layer visit, until _group takes it
         self._first_in_route = not devices.is_cuda
         self._first: tuple | None = None
-        #: on the CPU device the route call also writes a layer's one staging turn of several experts (the
-        #: staged group) into a second workspace: its (pairs, lo, span, experts), until _group takes it
-        self._staged_ws = GroupWorkspace(len(self.pool.slots), devices.accel) if self._first_in_route else None
-        self._staged: tuple | None = None
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
@@ -175,7 +171,7 @@ class OffloadRuntime:
         layer, step = plan.layer, plan.step
         dev, pool = self.dev, self.pool
         if isinstance(routing, LayerRouting):
-            self._first = self._staged = None
+            self._first = None
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
@@ -265,7 +261,7 @@ class OffloadRuntime:
         pool, layer = self.pool, plan.layer
         kernel = _kernels.compiled("route_partition")
         if kernel is None:
-            self._first = self._staged = None
+            self._first = None
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             routing = LayerRouting.group(ids, weights)
@@ -284,22 +280,12 @@ class OffloadRuntime:
             gi, gw, go = gws.gi, gws.w, gws.offs
         else:
             gi, gw, go = _NO_GROUP
-        staging, (si, sw, so) = _EMPTY, _NO_GROUP
-        if self._first_in_route and pool.num_staging >= 2:  # (and the staged group)
-            sws = self._staged_ws
-            if n > sws.ints.shape[1]:
-                sws.fit(n)
-            staging, si, sw, so = np.array(pool.staging_free, np.int64), sws.gi, sws.w, sws.offs
-        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, sg_n, sg_lo,
-         sg_span, sg_ready) = kernel(
+        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready) = kernel(
             ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
             pool.row_of, evicted, np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi,
-            ws.wf, gi, gw, go, staging, si, sw, so)
-        # the first group (the ready and fetched experts) and the staged group, when written and their rows ready:
-        # used by _group
-        nf = ready + fetched
-        self._first = (fg_n, fg_lo, fg_span, nf) if fg_ready and fg_n >= 0 else None
-        self._staged = (sg_n, sg_lo, sg_span, g - nf) if sg_ready and sg_n >= 0 else None
+            ws.wf, gi, gw, go)
+        # the first group (the ready and fetched experts), when written and its rows ready: used by _group
+        self._first = (fg_n, fg_lo, fg_span, ready + fetched) if fg_ready and fg_n >= 0 else None
         if bad >= 0:
             raise AssertionError(f"layer {layer} expert {int(evicted[bad])} is not in the slot table's cache")
         if n_ev:
@@ -396,7 +382,7 @@ class OffloadRuntime:
             # there, no prefetch among them): taken before the copies and computed right after them, the
             # stopwatch stopped once for both (the group's indices do not depend on the copies' data), and so
             # are one-expert staging turns (set up once their first copies are issued, run after the group)
-            group = self._written(plan, False, len(ready) + nf)  # (checked above: it is this group)
+            group = self._written(len(ready) + nf)  # (checked above: it is this group)
             box = []
             prepare = None
             if n_staged and per_turn == 1:
@@ -529,7 +515,7 @@ class OffloadRuntime:
         for t, idx in enumerate(turns):
             if events.get(t):
                 self.compute_stream.wait_event(events[t][-1])
-            end = self._compute(plan, routing, seg[idx], rows[idx], x, out_buf, sw, staged=len(turns) == 1)
+            end = self._compute(plan, routing, seg[idx], rows[idx], x, out_buf, sw)
             nxt = t + halves
             if nxt < len(turns):
                 half = (t % halves) * per_turn
@@ -624,10 +610,9 @@ class OffloadRuntime:
         self.grouped_experts["gpu"] += n
 
     def _compute(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray, x: torch.Tensor,
-                 out_buf: torch.Tensor, sw: Stopwatch, staged: bool = False):
+                 out_buf: torch.Tensor, sw: Stopwatch):
         """The experts ``seg`` (indices into the routing's experts) from slot ``rows`` as one group; returns the
-        compute's end event on CUDA (a later copy into these rows waits for it), else None. ``staged``: the
-        layer's one staging turn (:meth:`_group`)."""
+        compute's end event on CUDA (a later copy into these rows waits for it), else None."""
         pool, dev = self.pool, self.dev
         stream = self.compute_stream
         if len(seg) == 1:  # one expert (a staging turn): slices of the layer's routing, sent once per layer
@@ -647,7 +632,7 @@ class OffloadRuntime:
             if stream is not None:
                 pool.last_use[row] = end
         else:
-            group = self._group(plan, routing, seg, rows, staged)
+            group = self._group(plan, routing, seg, rows)
             sw.stop()
             start, end = self._forward_group(group, x, out_buf)
             sw.start()
@@ -678,19 +663,17 @@ class OffloadRuntime:
             self.pool.last_use[r] = end  # a later copy into this slot waits for this compute
         return end
 
-    def _group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray,
-               staged: bool = False) -> tuple:
+    def _group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> tuple:
         """A group of the accelerator lane (the experts ``seg`` in slot ``rows``), its rows checked: (its rows
         sorted, the first row lo of its span, the tokens per row of the span, its index tensors on the
         accelerator (:func:`_device_indices`), its experts and their tokens (lists, for the timeline)). With
         numba written into the group workspace (on the CPU device its tensors are views of it), else a
-        :class:`GroupIndex`. The layer's first group may have been written by the route call (``_first``), and
-        so may its one staging turn of several experts (``staged``: this is that turn; ``_staged``)."""
+        :class:`GroupIndex`. The layer's first group may have been written by the route call (``_first``)."""
         pool, dev, layer = self.pool, self.dev, plan.layer
         g = len(seg)
-        first = self._staged if staged else self._first
-        if first is not None and first[3] == g:  # written (and checked) by the route call
-            return self._written(plan, staged, g)
+        first = self._first
+        if first is not None and first[3] == g:  # the layer's first group, written (and checked) by the route call
+            return self._written(g)
         ws = self._group_ws
         if (kernel := _kernels.compiled("group_index_into")) is not None:
             n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
@@ -715,15 +698,11 @@ class OffloadRuntime:
         experts, counts = ws.small[1:, :g].tolist()
         return g_rows, lo, ws.table_counts[:span], tensors, experts, counts
 
-    def _written(self, plan: LayerPlan, staged: bool, g: int) -> tuple:
-        """:meth:`_group` of the group of ``g`` experts the route call wrote and checked (the CPU device: its tensors are
-        views of the workspace's), taken: the first group, or with ``staged`` the staged group."""
-        if staged:
-            (n, lo, span, _), ws = self._staged, self._staged_ws
-            self._staged = None
-        else:
-            (n, lo, span, _), ws = self._first, self._group_ws
-            self._first = None
+    def _written(self, g: int) -> tuple:
+        """:meth:`_group` of the layer's first group (``g`` experts), as the route call wrote and checked it (the CPU
+        device: its tensors are views of the workspace's), taken."""
+        (n, lo, span, _), ws = self._first, self._group_ws
+        self._first = None
         t_pos, t_tok, t_rows, t_w, t_offs = ws.views(n, span)
         dtype = self.dev.dtype
         tensors = (t_pos, t_tok, t_offs, t_rows if self.layout.bias else None,
