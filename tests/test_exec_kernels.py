@@ -87,8 +87,7 @@ def test_matches_partition_and_group_indices_equal_the_numpy_code(monkeypatch):
 
 
 def test_group_indices_with_a_repeated_row_equal_the_numpy_code(monkeypatch):
-    """The kernel sorts a group's rows by a pass over its span; a repeated row (an error the readiness check
-    reports) takes the stable argsort instead, as the NumPy code does."""
+    """A repeated row (an error the readiness check reports): the same indices as the NumPy code's stable sort."""
     rng = np.random.default_rng(2)
     tried = 0
     for _ in range(RNG_TRIALS):

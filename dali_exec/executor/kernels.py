@@ -153,72 +153,33 @@ def _group_index_into(ptr, positions, weights, experts, seg, rows, k, layer, sta
     inflight) rows (``SlotPool.state``: one argument, not three). ``ints`` rows 0-2 the pairs, their tokens and rows
     within the span, ``w`` their weights (each at least the group's pairs long), ``small`` rows 0-2 the
     sorted rows, experts and counts (at least g), ``table_counts`` and ``offs`` (int32; at least the span).
-    Returns (pairs, lo, span, ready).
-
-    The rows are sorted by a pass over the span (``table_counts`` holds each row's position in the group until
-    the pass reaches it; no array is allocated: a cold allocation is the dearest part of a small call), or, when a
-    row repeats (an error the readiness check reports), by the stable argsort: the same order either way."""
+    Returns (pairs, lo, span, ready)."""
+    order = np.argsort(rows, kind="mergesort")
     g = seg.shape[0]
     rows_s, experts_s, counts = small[0], small[1], small[2]
-    pairs, tok, pair_rows = ints[0], ints[1], ints[2]
-    lo = rows[0]
-    hi = rows[0]
+    total = 0
     for i in range(g):
-        lo = min(lo, rows[i])
-        hi = max(hi, rows[i])
-    span = hi - lo + 1
+        s = seg[order[i]]
+        rows_s[i] = rows[order[i]]
+        experts_s[i] = experts[s]
+        counts[i] = ptr[s + 1] - ptr[s]
+        total += counts[i]
+    lo = rows_s[0]
+    span = rows_s[g - 1] - lo + 1
     for r in range(span):
         table_counts[r] = 0
-    unique = True
-    for i in range(g):
-        r = rows[i] - lo
-        if table_counts[r] != 0:
-            unique = False
-            break
-        table_counts[r] = i + 1
-    total = 0
+    pairs, tok, pair_rows = ints[0], ints[1], ints[2]
     a = 0
-    if unique:  # rows ascending: the span's rows in turn, each computing its expert's pairs or none
-        i = 0
-        for r in range(span):
-            q = table_counts[r]
-            if q == 0:
-                continue
-            s = seg[q - 1]
-            rows_s[i] = r + lo
-            experts_s[i] = experts[s]
-            c = ptr[s + 1] - ptr[s]
-            counts[i] = c
-            table_counts[r] = c
-            total += c
-            for j in range(ptr[s], ptr[s + 1]):
-                p = positions[j]
-                pairs[a] = p
-                w[a] = weights[j]
-                tok[a] = p // k
-                pair_rows[a] = r
-                a += 1
-            i += 1
-    else:
-        order = np.argsort(rows, kind="mergesort")
-        for i in range(g):
-            s = seg[order[i]]
-            rows_s[i] = rows[order[i]]
-            experts_s[i] = experts[s]
-            counts[i] = ptr[s + 1] - ptr[s]
-            total += counts[i]
-        for r in range(span):
-            table_counts[r] = 0
-        for i in range(g):
-            s = seg[order[i]]
-            table_counts[rows_s[i] - lo] = counts[i]
-            for j in range(ptr[s], ptr[s + 1]):
-                p = positions[j]
-                pairs[a] = p
-                w[a] = weights[j]
-                tok[a] = p // k
-                pair_rows[a] = rows_s[i] - lo
-                a += 1
+    for i in range(g):
+        s = seg[order[i]]
+        table_counts[rows_s[i] - lo] = counts[i]
+        for j in range(ptr[s], ptr[s + 1]):
+            p = positions[j]
+            pairs[a] = p
+            w[a] = weights[j]
+            tok[a] = p // k
+            pair_rows[a] = rows_s[i] - lo
+            a += 1
     acc = 0
     for r in range(span):
         acc += table_counts[r]
