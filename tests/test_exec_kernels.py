@@ -85,6 +85,28 @@ def test_matches_partition_and_group_indices_equal_the_numpy_code(monkeypatch):
         _same(a.row_of_pairs(), np.repeat(b.rows - b.lo, b.counts))
 
 
+
+def test_group_indices_with_a_repeated_row_equal_the_numpy_code(monkeypatch):
+    """A repeated row (an error the readiness check reports): the same indices as the NumPy code's stable sort."""
+    rng = np.random.default_rng(2)
+    tried = 0
+    for _ in range(RNG_TRIALS):
+        ids, w, _, _ = _layer(rng, counted=False, order=False)
+        r = LayerRouting.group(ids, w)
+        if len(r.experts) < 2:
+            continue
+        seg = np.sort(rng.choice(len(r.experts), int(rng.integers(2, len(r.experts) + 1)), replace=False))
+        rows = rng.choice(40, len(seg), replace=False).astype(np.int64)
+        rows[int(rng.integers(1, len(seg)))] = rows[0]
+        a = GroupIndex.build(r, seg, rows)
+        with monkeypatch.context() as m:
+            m.setattr(K, "compiled", lambda name: None)
+            b = GroupIndex.build(r, seg, rows)
+        for field in ("pairs", "weights", "rows", "experts", "counts", "table_counts", "offs"):
+            _same(getattr(a, field), getattr(b, field))
+        tried += 1
+    assert tried > RNG_TRIALS // 2
+
 def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
     from types import SimpleNamespace
 

@@ -422,7 +422,8 @@ def _rank_order(ids, weights, rows):
 
 #: rows of the int64 workspace of :func:`_route_partition` (see ``workspace.RouteWorkspace``)
 W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKENS, W_TURNS = 0, 1, 2, 3, 4, 5, 10, 11, 12, 13
-W_ROWS = 17
+W_FIRST, W_FLAGS = 17, 19  # the first group's experts and rows; scratch flags (two rows each)
+W_ROWS = 21
 #: the plan's source codes in the order :func:`_partition` takes them (CPU, HIT, PREFETCHED, FETCH); a global
 #: array, which numba compiles in as a constant
 PLAN_CODES = np.array([_CPU, _HIT, _PREFETCHED, _FETCH], np.int64)
@@ -457,15 +458,16 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     device's accelerator lane computes first, :func:`_group_index_into` of them, their rows checked now)
     is written there: one compiled call per layer instead of two."""
     row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
-    wb = np.zeros((2, flat.shape[0]), np.bool_)  # scratch (made in compiled code: no Python object)
+    wb = wi[W_FLAGS:W_FLAGS + 2]  # scratch (the workspace's: nothing is allocated in this call)
+    none = wi[W_EVICTED, :0]  # (no given order, every token counted)
     codes = PLAN_CODES
     ev_rows = wi[W_EVICTED]
     n_ev = evicted.shape[0]
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
         return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
-    status, m = _group_routing_into_fn(flat, np.zeros(0, np.int64), weights, np.zeros(0, np.bool_), k, wi[W_ORDER],
-                                       wi[W_PTR], wi[W_EXPERTS], wf, wb[0], wi[W_PER])
+    status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf, wb[0],
+                                       wi[W_PER])
     if status != OK:
         return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
@@ -513,13 +515,13 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     fg_n, fg_lo, fg_span, fg_ready = -1, 0, 0, False
     nf = ready + fetched
     if pstatus == 0 and adm == OK and ready == hits and nf >= 2 and gi.shape[1] >= flat.shape[0]:
-        seg = np.empty(nf, np.int64)
-        rows = np.empty(nf, np.int64)
+        seg = wi[W_FIRST]
+        rows = wi[W_FIRST + 1]
         for i in range(nf):
             seg[i] = lane[1, lorder[i]]
             rows[i] = lane[2, lorder[i]]
-        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg, rows, k, layer,
-                                                              state, gi[0:3], gw, gi[3:6], gi[6], goffs)
+        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg[:nf], rows[:nf], k,
+                                                              layer, state, gi[0:3], gw, gi[3:6], gi[6], goffs)
     return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready
 
 

@@ -382,8 +382,7 @@ class OffloadRuntime:
             # there, no prefetch among them): taken before the copies and computed right after them, the
             # stopwatch stopped once for both (the group's indices do not depend on the copies' data), and so
             # are one-expert staging turns (set up once their first copies are issued, run after the group)
-            g = lanes.order[:len(ready) + nf]
-            group = self._group(plan, routing, seg[g], rows[g])
+            group = self._written(len(ready) + nf)  # (checked above: it is this group)
             box = []
             prepare = None
             if n_staged and per_turn == 1:
@@ -671,13 +670,12 @@ class OffloadRuntime:
         numba written into the group workspace (on the CPU device its tensors are views of it), else a
         :class:`GroupIndex`. The layer's first group may have been written by the route call (``_first``)."""
         pool, dev, layer = self.pool, self.dev, plan.layer
-        ws = self._group_ws
         g = len(seg)
         first = self._first
         if first is not None and first[3] == g:  # the layer's first group, written (and checked) by the route call
-            self._first = None
-            n, lo, span, ready = first[0], first[1], first[2], True
-        elif (kernel := _kernels.compiled("group_index_into")) is not None:
+            return self._written(g)
+        ws = self._group_ws
+        if (kernel := _kernels.compiled("group_index_into")) is not None:
             n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
         else:
             gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
@@ -699,6 +697,18 @@ class OffloadRuntime:
                                       dev.accel, dev.dtype, self.layout.bias)
         experts, counts = ws.small[1:, :g].tolist()
         return g_rows, lo, ws.table_counts[:span], tensors, experts, counts
+
+    def _written(self, g: int) -> tuple:
+        """:meth:`_group` of the layer's first group (``g`` experts), as the route call wrote and checked it (the CPU
+        device: its tensors are views of the workspace's), taken."""
+        (n, lo, span, _), ws = self._first, self._group_ws
+        self._first = None
+        t_pos, t_tok, t_rows, t_w, t_offs = ws.views(n, span)
+        dtype = self.dev.dtype
+        tensors = (t_pos, t_tok, t_offs, t_rows if self.layout.bias else None,
+                   t_w if t_w.dtype == dtype else t_w.to(dtype))
+        small = ws.small[:, :g].copy()  # (rows, experts, tokens: the timeline keeps the last two)
+        return small[0], lo, ws.table_counts[:span], tensors, small[1], small[2]
 
     def _droute(self, routing: LayerRouting) -> list:
         """The layer's routing on the accelerator (flat positions, token rows, weights), made once per layer
