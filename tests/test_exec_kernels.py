@@ -74,16 +74,21 @@ def test_matches_partition_and_group_indices_equal_the_numpy_code(monkeypatch):
             assert not K.compiled("matches")(r.experts, own, experts[p], bad)
         seg = np.sort(rng.choice(len(r.experts), int(rng.integers(1, len(r.experts) + 1)), replace=False))
         rows = rng.choice(40, len(seg), replace=False).astype(np.int64)
-        a = GroupIndex.build(r, seg, rows)
-        with monkeypatch.context() as m:
-            m.setattr(K, "compiled", lambda name: None)
-            b = GroupIndex.build(r, seg, rows)
-        for field in ("pairs", "weights", "rows", "experts", "counts", "table_counts", "offs"):
-            _same(getattr(a, field), getattr(b, field))
+        a, b = _compiled_and_numpy_groups(monkeypatch, r, seg, rows)
         assert a.lo == b.lo
         _same(a.token_rows(r.top_k), b.pairs // r.top_k)
         _same(a.row_of_pairs(), np.repeat(b.rows - b.lo, b.counts))
 
+
+def _compiled_and_numpy_groups(monkeypatch, r, seg, rows):
+    """GroupIndex.build with the compiled kernel and with the NumPy code: (compiled, numpy), their arrays equal."""
+    a = GroupIndex.build(r, seg, rows)
+    with monkeypatch.context() as m:
+        m.setattr(K, "compiled", lambda name: None)
+        b = GroupIndex.build(r, seg, rows)
+    for field in ("pairs", "weights", "rows", "experts", "counts", "table_counts", "offs"):
+        _same(getattr(a, field), getattr(b, field))
+    return a, b
 
 
 def test_group_indices_with_a_repeated_row_equal_the_numpy_code(monkeypatch):
@@ -98,14 +103,10 @@ def test_group_indices_with_a_repeated_row_equal_the_numpy_code(monkeypatch):
         seg = np.sort(rng.choice(len(r.experts), int(rng.integers(2, len(r.experts) + 1)), replace=False))
         rows = rng.choice(40, len(seg), replace=False).astype(np.int64)
         rows[int(rng.integers(1, len(seg)))] = rows[0]
-        a = GroupIndex.build(r, seg, rows)
-        with monkeypatch.context() as m:
-            m.setattr(K, "compiled", lambda name: None)
-            b = GroupIndex.build(r, seg, rows)
-        for field in ("pairs", "weights", "rows", "experts", "counts", "table_counts", "offs"):
-            _same(getattr(a, field), getattr(b, field))
+        a, b = _compiled_and_numpy_groups(monkeypatch, r, seg, rows)
         tried += 1
     assert tried > RNG_TRIALS // 2
+
 
 def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
     from types import SimpleNamespace
