@@ -11,7 +11,7 @@ round over the systems and compared by the medians (its total, each step); the f
 the machine; with ``--calibrate-each`` every repeat calibrates first, as three separate `dali exec
 validate` runs do, and the repeats show the spread of the whole procedure. Per system and repeat:
 measured and simulated seconds, the total error, the per-step |error| median and 90th percentile, the
-machine's drift since the calibration (:class:`SpeedProbe`), and the verdict (|total error| <= 15%, order of systems that differ by
+machine's drift since the calibration (`dali_exec.validate.drift.SpeedProbe`, timed by each validation), and the verdict (|total error| <= 15%, order of systems that differ by
 more than 10%). Load averages before and after each repeat are recorded: on a loaded machine the
 measured times are not the machine's, and the table says so.
 """
@@ -19,7 +19,6 @@ measured times are not the machine's, and the table says so.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -59,42 +58,6 @@ def loadavg() -> float:
     return os.getloadavg()[0]
 
 
-class SpeedProbe:
-    """The machine's speed right now, to tell model error from a machine that changed speed: the median
-    seconds of the calibration's own grouped call of one-token experts (``Microbench.expert_op``, caches
-    flushed; 2 experts, or as many as make 32 MiB of weights, at most 16) on each lane, summed, the
-    median of 3 rounds. A diagnostic only: no simulated time is scaled by it."""
-
-    def __init__(self, shape: Shape, scale: float, layers: int):
-        import torch
-
-        from dali_exec.calibrate.micro import Microbench, MicroSettings
-        from dali_exec.executor.cpu_worker import CpuWorker
-        from dali_exec.executor.devices import Devices
-        from dali_exec.executor.problem import scale_model
-        from dali_sim.models.presets import get_model
-
-        self._torch = torch
-        self.worker = CpuWorker(1)
-        model = scale_model(get_model(shape.model), scale, layers, "bf16")
-        self.bench = Microbench(model, Devices.create("cpu", "bf16"), self.worker, MicroSettings(repeats=15, warmup=2))
-        group = int(min(16, model.num_experts, max(2, math.ceil((32 << 20) / model.expert_bytes))))
-        self.ops = {lane: self.bench.expert_op(lane, 1, group) for lane in ("gpu", "cpu")}
-        self.seconds()  # (the process's first calls are slower: not a reading)
-
-    def seconds(self) -> float:
-        prev = self._torch.get_num_threads()
-        self._torch.set_num_threads(1)
-        try:
-            return float(np.median([sum(self.bench._timed(lane, op) for lane, op in self.ops.items())
-                                    for _ in range(3)]))
-        finally:
-            self._torch.set_num_threads(prev)
-
-    def close(self) -> None:
-        self.worker.close()
-
-
 def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, calibrate_each: bool,
               replays: int) -> list[dict]:
     spec = C.TraceSpec(shape.model, sequences=C.total_sequences(BATCH), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
@@ -103,22 +66,20 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
     replay = ReplayOptions(model_shape=shape.model, layers=2 if quick else shape.layers, scale=scale,
                            dtype="bf16")
     rows, profile = [], None
-    probe = SpeedProbe(shape, scale, replay.layers)
     reference = None  # the probe when the profile in use was calibrated
     for rep in range(repeats):
         folder = out / f"{shape.model}-r{rep}"
         before = loadavg()
-        probe_before = probe.seconds()
-        if reference is None or calibrate_each:
-            reference = probe_before
         cfg = ValidationConfig(systems=SYSTEMS, replay=replay, run=ExecOptions(device="cpu"), profile=profile,
                                batch_size=BATCH, gpu_memory_gib=shape.gpu_memory_gib, timelines=False, plot=False,
                                thresholds=THRESHOLDS, replays=replays)
         report = validate(trace, cfg, folder, command=f"experiments/cpu_validation.py ({shape.model}, repeat {rep})",
                           log=C.progress)
+        probe_before, probe_after = report.settings["probe_before_s"], report.settings["probe_after_s"]
+        if reference is None or calibrate_each:
+            reference = probe_before
         profile = None if calibrate_each else profile or report.settings["profile"]
         after = loadavg()
-        probe_after = probe.seconds()
         for r in report.rows:
             rows.append({"shape": shape.model, "repeat": rep, "system": r["system"], "exec_s": r["exec_s"],
                          "exec_s_min": r["exec_s_min"], "exec_s_max": r["exec_s_max"], "sim_s": r["sim_s"], "total_err": r["total_rel_err"],
@@ -128,8 +89,8 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
                          "probe_before_ms": 1e3 * probe_before, "probe_after_ms": 1e3 * probe_after,
                          "machine_drift": probe_after / reference - 1,
                          "calibrated": calibrate_each or rep == 0, "verdict_ok": report.ok,
-                         "failures": "; ".join(report.verdict.get("failures", []))})
-    probe.close()
+                         "failures": "; ".join(report.verdict.get("failures", [])),
+                         "warnings": "; ".join(report.warnings)})
     return rows
 
 
@@ -198,14 +159,15 @@ def main(argv=None) -> int:
           + "total_err = simulated / measured - 1; speedup_err = the simulated speedup over "
           f"{SYSTEMS[0]} / the measured one - 1 (the machine's drift, common to every system, cancels in it); "
           "step_err = the per-step |relative error|. probe_*_ms: the "
-          "calibration's grouped call of one-token experts on each lane, summed (SpeedProbe), before and after "
-          "the repeat; "
+          "calibration's grouped call of one-token experts on each lane, summed (SpeedProbe), before the "
+          "repeat's calibration (or first replay) and after its last replay; "
           "machine_drift = the probe after the repeat over the probe when its profile was calibrated, - 1 "
           "(a diagnostic: > 0 means the machine ran slower than when it was calibrated, and simulated times "
-          "then come out fast).", C.markdown_table(df.drop(columns=["failures"])),
-          "Failures:\n\n" + ("\n".join(f"- {s} r{r}: {f}" for s, r, f in
-                                        df[df.failures != ""][["shape", "repeat", "failures"]]
-                                        .drop_duplicates().itertuples(index=False)) or "none")]
+          "then come out fast).", C.markdown_table(df.drop(columns=["failures", "warnings"])),
+          *(f"{title}:\n\n" + ("\n".join(f"- {s} r{r}: {f}" for s, r, f in
+                                          df[df[col] != ""][["shape", "repeat", col]]
+                                          .drop_duplicates().itertuples(index=False)) or "none")
+            for title, col in (("Failures", "failures"), ("Warnings (`dali exec validate`'s)", "warnings")))]
     manifest = C.base_manifest("cpu_validation", args, [], systems=list(SYSTEMS), shapes=args.shapes,
                                thresholds=dataclasses.asdict(THRESHOLDS),
                                cpu_count=os.cpu_count(), summary=summary)

@@ -19,6 +19,8 @@ torch = pytest.importorskip("torch")
 from dali_exec.calibrate import MicroSettings  # noqa: E402
 from dali_exec.executor import ExecOptions, ReplayOptions, prepare_replay  # noqa: E402
 from dali_exec.validate import ValidationConfig, calibration_points, validate  # noqa: E402
+from dali_exec.validate.drift import drift_warning, spread_warnings  # noqa: E402
+from dali_exec.validate.run import CACHE_CAUTION_FACTOR, cache_caution  # noqa: E402
 from dali_exec.validate.compare import (  # noqa: E402
     Thresholds,
     verdict,
@@ -111,6 +113,42 @@ def test_report_files_are_complete(validated):
     data = json.loads((out / "validation.json").read_text())
     assert data["settings"]["calibrated_here"] and data["settings"]["replay_model"] == "mixtral-8x7b-x0.015625-2L"
     assert (out / "validation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_weights_that_fit_a_few_caches_are_a_warning_not_a_failure(validated):
+    report, out, lines = validated
+    st = report.settings
+    llc = st["host_llc_bytes"]
+    # the tiny replay: 2 layers x 8 experts of hidden 64 x ffn 224 x 3 matrices in fp32 (2.6 MiB)
+    assert st["host_expert_bytes"] == 2 * 8 * 3 * 64 * 224 * 4 < CACHE_CAUTION_FACTOR * llc
+    assert report.warnings[0] == cache_caution(st["host_expert_bytes"], llc)  # (then any of the machine's drift)
+    assert all(w.startswith(("the machine's speed changed", "cpu-only:", "gpu-lru:", "dali:")) for w in report.warnings[1:])
+    assert any(x.startswith("WARNING: the replay's expert weights") for x in lines)
+    md = (out / "validation.md").read_text()
+    assert "## Warnings" in md and "- WARNING the replay's expert weights (3 MiB)" in md
+    assert json.loads((out / "validation.json").read_text())["warnings"] == report.warnings
+    assert cache_caution(CACHE_CAUTION_FACTOR * llc, llc) is None
+    text = cache_caution(3 << 30, 1 << 30, "GPU")
+    assert "(3,072 MiB) are less than 4x the GPU's last-level cache (1,024 MiB)" in text
+
+
+def test_the_machine_drift_probe_and_the_replays_spread_warn():
+    assert drift_warning(2e-3, 2.19e-3, 0.10) is None and drift_warning(2e-3, 1.81e-3, 0.10) is None
+    text = drift_warning(2e-3, 2.5e-3, 0.10)
+    assert "took 2.000 ms before and 2.500 ms after (+25.0%, more than +-10%)" in text
+    assert "(-30.0%" in drift_warning(2e-3, 1.4e-3, 0.2)
+    rows = [{"system": "cpu-only", "replays": 3, "exec_s_min": 1.0, "exec_s_max": 1.09},
+            {"system": "dali", "replays": 3, "exec_s_min": 1.0, "exec_s_max": 1.5},
+            {"system": "gpu-lru", "replays": 1, "exec_s_min": 1.0, "exec_s_max": 1.0}]
+    (only,) = spread_warnings(rows, 0.10)
+    assert only.startswith("dali: its 3 replays took 1.000-1.500 s (50% apart, more than 10%)")
+    assert spread_warnings(rows, 0.6) == []
+
+
+def test_validate_records_the_probe_before_and_after(validated):
+    st = validated[0].settings
+    assert st["probe_before_s"] > 0 and st["probe_after_s"] > 0
+    assert math.isclose(st["machine_drift"], st["probe_after_s"] / st["probe_before_s"] - 1)
 
 
 def test_the_calibrated_profile_covers_the_workload(validated, mix_path):
@@ -297,12 +335,12 @@ def test_cli_exits_nonzero_and_prints_fail_when_a_threshold_is_exceeded(mix_path
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.md").write_text("# Executor vs simulator\n")
         rows = [_verdict_row("cpu-only", 2.0, 1.0), _verdict_row("dali", 1.0, 1.05)]
-        return types.SimpleNamespace(failed=[], verdict=verdict(rows, cfg.thresholds))
+        return types.SimpleNamespace(failed=[], verdict=verdict(rows, cfg.thresholds), warnings=["weights fit"])
 
     monkeypatch.setattr(V, "validate", fake_validate)
     args = ["exec", "validate", "--trace", str(mix_path), "--systems", "cpu-only,dali", "-o", str(tmp_path / "v")]
     r = CliRunner().invoke(cli, args)
-    assert r.exit_code == 1
+    assert r.exit_code == 1 and "WARNING weights fit" in r.stderr
     assert "FAIL cpu-only: total time error -50.0% exceeds +-15%" in r.stderr
     assert "FAIL order: dali is faster than cpu-only measured" in r.stderr  # and simulated slower
     assert "validation failed: 2 problem(s)" in r.stderr

@@ -72,6 +72,11 @@ class HostExpertStore:
         return self.weights.shape[2] * self.weights.element_size()
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of every expert's weights."""
+        return self.num_layers * self.num_experts * self.expert_nbytes
+
+    @property
     def pinned(self) -> bool:
         return self.weights.is_pinned()
 

@@ -131,6 +131,8 @@ def markdown(report) -> str:
                   "counters exact where they must be")
         lines += ["", "## Verdict", "", f"**{'OK' if v['ok'] else 'FAIL'}** ({rule})."]
         lines += [f"- FAIL {f}" for f in v["failures"]]
+    if report.warnings:
+        lines += ["", "## Warnings", "", *(f"- WARNING {w}" for w in report.warnings)]
     lines += ["", "## Counters (executor / simulator where they differ)", ""]
     rows = []
     for s in report.systems:
@@ -167,7 +169,7 @@ def to_json(report) -> dict[str, Any]:
         systems.append({**{k: v for k, v in s.items() if k != "steps"},
                         "steps": s["steps"].reset_index().to_dict(orient="list")})
     return {"settings": report.settings, "systems": systems, "skipped": report.skipped, "failed": report.failed,
-            "ranking": report.ranking, "verdict": report.verdict}
+            "ranking": report.ranking, "verdict": report.verdict, "warnings": report.warnings}
 
 
 def write_tables(report, out: Path) -> list[Path]:

@@ -25,11 +25,13 @@ import numpy as np
 
 from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate
 from dali_exec.calibrate.host import HostSettings
+from dali_exec.calibrate.micro import llc_bytes
 from dali_exec.executor.devices import Devices, cpu_name
-from dali_exec.executor.problem import DTYPE_PRECISION, ReplayOptions, ReplaySetup, prepare_replay, scale_model
+from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_replay
 from dali_exec.executor.replay import ExecOptions, Replay
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.validate.compare import Thresholds, compare, rank_agreement, verdict
+from dali_exec.validate.drift import SpeedProbe, drift_warning, spread_warnings
 from dali_sim import __version__
 from dali_sim.hardware.measured import MeasuredProfile, ModelShape, prefill_layout, write_measured_profile
 from dali_sim.hardware.profile import load_profile
@@ -46,6 +48,10 @@ from dali_sim.workload.profiling import ProfileSpec
 #: calibration settings of a validation (fewer repeats than `dali exec calibrate`'s default: the points
 #: are those the workload needs, see :func:`calibration_points`)
 VALIDATION_MICRO = MicroSettings(repeats=3, warmup=1)
+
+#: below this many last-level caches of expert weights a replay's expert calls can find their weights in
+#: the cache, which the calibration's calls (caches flushed) never do: the caution of :func:`cache_caution`
+CACHE_CAUTION_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,11 @@ class ValidationConfig:
     thresholds: Thresholds = Thresholds()  # when the validation fails (docs/validation.md, "Verdict")
     #: the profiling input of frequency choices (as `dali sim`'s); None = the first 25% of the sequences
     profiling: ProfileSpec | None = None
+    #: time a probe (:class:`~dali_exec.validate.drift.SpeedProbe`) before the calibration (or the first replay)
+    #: and after the last replay; a warning when it moved by more than ``max_drift``, or when a system's
+    #: replays spread by more than that
+    drift_probe: bool = True
+    max_drift: float = 0.10
 
     def __post_init__(self) -> None:
         if not self.systems:
@@ -82,6 +93,8 @@ class ValidationConfig:
             raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
         if isinstance(self.replays, bool) or not isinstance(self.replays, int) or self.replays < 1:
             raise ValueError(f"replays must be an integer >= 1, got {self.replays!r}")
+        if not self.max_drift > 0:
+            raise ValueError(f"max_drift must be > 0, got {self.max_drift}")
 
 
 @dataclass
@@ -95,6 +108,7 @@ class ValidationReport:
     ranking: dict[str, Any] = field(default_factory=dict)
     verdict: dict[str, Any] = field(default_factory=dict)  # ok, failures, thresholds
     files: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # cautions that do not change the verdict
 
     @property
     def ok(self) -> bool:
@@ -104,6 +118,21 @@ class ValidationReport:
     @property
     def rows(self) -> list[dict[str, Any]]:
         return [s["row"] for s in self.systems]
+
+
+def cache_caution(expert_bytes: int, cache_bytes: int, device: str = "host") -> str | None:
+    """A warning when a replay's expert weights (``expert_bytes``) are less than
+    :data:`CACHE_CAUTION_FACTOR` times the last-level cache that serves them (``cache_bytes``), else None.
+    The calibration times each expert call after flushing that cache; a replay whose weights are a few
+    caches large can read part of them from it (measured on a host with a 480 MiB L3: one-token calls of
+    DeepSeek-V2-Lite's experts 1.42x faster warm than after a flush; docs/validation.md, "A run on another
+    host"), so its measured times can be shorter than the simulator's for a reason no profile models."""
+    if expert_bytes >= CACHE_CAUTION_FACTOR * cache_bytes:
+        return None
+    return (f"the replay's expert weights ({expert_bytes / 2**20:,.0f} MiB) are less than {CACHE_CAUTION_FACTOR}x the "
+            f"{device}'s last-level cache ({cache_bytes / 2**20:,.0f} MiB): its expert calls can read weights from the "
+            "cache, which the calibration's (caches flushed) do not; measured times may be shorter than simulated "
+            "(more layers, --layers, or a larger --scale make the replay's weights larger)")
 
 
 def _pow2_points(top: int) -> tuple[int, ...]:
@@ -272,6 +301,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
     devices = Devices.create(run.device, opts.dtype)
     threads = run.threads(devices)
     model = setup0.model
+    probe_before = _probe(model, devices) if cfg.drift_probe else None
 
     if cfg.profile is None:
         points = calibration_points(setup0.workload)
@@ -304,7 +334,12 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         "profiling": setup0.profiled.record,
         "calibrated_here": cfg.profile is None, "warmup": cfg.warmup, "replays": cfg.replays,
         "systems": list(cfg.systems),
+        "host_expert_bytes": store.nbytes, "host_llc_bytes": llc_bytes(),
     })
+    caution = cache_caution(store.nbytes, llc_bytes())
+    if caution is not None:
+        report.warnings.append(caution)
+        say(f"WARNING: {caution}")
     longest = 0.0  # the slowest replay of a system so far (warm-up, replay and, in the first round, simulation)
     runs: dict[str, list] = {}  # system -> its executed results, round by round
     simulated: dict[str, Any] = {}
@@ -356,11 +391,27 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                     path = write_timeline(out / f"{system}.{which}.timeline.json", res.intervals,
                                           f"dali {which} {system} on {model.name}")
                     report.files.append(path.name)
+    late = spread_warnings(report.rows, cfg.max_drift)
+    if probe_before is not None:
+        after = _probe(model, devices)
+        report.settings.update(probe_before_s=probe_before, probe_after_s=after,
+                               machine_drift=after / probe_before - 1)
+        late[:0] = [w for w in (drift_warning(probe_before, after, cfg.max_drift),) if w is not None]
+    for w in late:
+        say(f"WARNING: {w}")
+    report.warnings += late
     if cfg.plot and report.systems:
         write_plot(report, out / "validation.png")
     report.settings["elapsed_s"] = time.perf_counter() - t_start
     write_tables(report, out)
     return report
+
+
+def _probe(model: ModelSpec, devices: Devices) -> float:
+    """One reading of a fresh :class:`SpeedProbe` (made and freed around it: its weights do not take the replays'
+    memory)."""
+    with SpeedProbe(model, devices) as probe:
+        return probe.seconds()
 
 
 def _report_systems(report: ValidationReport, cfg: ValidationConfig, runs: dict[str, list],
@@ -380,5 +431,5 @@ def _report_systems(report: ValidationReport, cfg: ValidationConfig, runs: dict[
     report.verdict = verdict(report.rows, cfg.thresholds)
 
 
-__all__ = ["VALIDATION_MICRO", "ValidationConfig", "ValidationReport", "calibration_points", "check_profile",
-           "validate"]
+__all__ = ["CACHE_CAUTION_FACTOR", "VALIDATION_MICRO", "ValidationConfig", "ValidationReport", "cache_caution",
+           "calibration_points", "check_profile", "validate"]

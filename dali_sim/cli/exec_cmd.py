@@ -234,10 +234,15 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @click.option("--order-margin", default=0.10, show_default=True, type=click.FloatRange(min=0),
               help="Fail when two systems whose measured times differ by more than this are ordered the other way "
                    "round by the simulator.")
+@click.option("--max-drift", default=0.10, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Warn when the machine's speed (a cold grouped expert call, timed before and after) or a system's "
+                   "replays moved by more than this (relative).")
+@click.option("--no-drift-probe", is_flag=True, help="Do not time the speed probe before and after.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of the markdown table.")
 def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, scale, sequences, max_tokens, device,
                  dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, rounds, no_warmup,
-                 replays, time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, as_json, **kw) -> None:
+                 replays, time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, max_drift,
+                 no_drift_probe, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
     profiling = profile_spec(kw)
     check_output(out_dir, [trace_path, profile, kw["profile_trace"]], "report folder", folder=True)
@@ -257,10 +262,12 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
         time_budget_s=time_budget,
         timelines=not no_timelines, plot=not no_plot,
         thresholds=Thresholds(total=max_total_error, step_p90=max_step_p90, order_margin=order_margin),
-        profiling=profiling)
+        profiling=profiling, drift_probe=not no_drift_probe, max_drift=max_drift)
     report = validate(trace_path, cfg, out_dir, command=command_line(), log=lambda m: click.echo(m, err=True),
                       progress=True)
     click.echo((out_dir / (JSON if as_json else MARKDOWN)).read_text())
+    for w in report.warnings:
+        click.echo(f"WARNING {w}", err=True)
     problems = [f"{f['system']} did not run ({f['error']})" for f in report.failed]
     problems += report.verdict.get("failures", [])
     if problems:
