@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             fails += [f"FAIL {w}: {f}" for f in v["failures"]]
         for sk in data.get("skipped", []):
             notes.append(f"- {w}: {sk['system']} skipped ({sk['reason']})")
+        notes += [f"- {w}: WARNING {x}" for x in data.get("warnings", [])]  # (the machine's, not the verdict's)
         rk = data.get("ranking") or {}
         if rk.get("pairs"):
             notes.append(f"- {w}: order by total time, executor {', '.join(rk['exec_order'])}; simulator "
