@@ -243,6 +243,8 @@ def test_replays_are_round_by_round_and_compared_by_their_medians(mix_path, vali
     assert "replayed 3 times" in (tmp_path / "validation.md").read_text()
     with pytest.raises(ValueError, match="replays must be an integer >= 1, got 0"):
         ValidationConfig(systems=("cpu-only",), replays=0)
+    with pytest.raises(ValueError, match="max_drift must be > 0, got -0.1"):
+        ValidationConfig(systems=("cpu-only",), max_drift=-0.1)
 
 
 # ---- the profile must be this machine's, for this replay ---------------------------------------------
@@ -286,9 +288,11 @@ def test_cli_prints_the_table_and_writes_the_report(mix_path, validated, tmp_pat
     assert (tmp_path / "o" / "gpu-lru.sim.timeline.json").exists()
     at = args.index(str(tmp_path / "o"))
     r = CliRunner().invoke(cli, args[:at] + [str(tmp_path / "j")] + args[at + 1:] + ["--json", "--no-timelines",
-                                                                                     "--replays", "2"],
+                                                                                     "--replays", "2",
+                                                                                     "--no-drift-probe"],
                            catch_exceptions=False)
     data = json.loads(r.stdout[r.stdout.index("{"):])
+    assert "probe_before_s" not in data["settings"] and "machine_drift" not in data["settings"]
     assert [s["row"]["system"] for s in data["systems"]] == ["gpu-lru", "dali"]
     assert [s["row"]["replays"] for s in data["systems"]] == [2, 2] and data["settings"]["replays_done"] == 2
     assert not (tmp_path / "j" / "dali.exec.timeline.json").exists()
@@ -297,6 +301,8 @@ def test_cli_prints_the_table_and_writes_the_report(mix_path, validated, tmp_pat
     assert r.exit_code == 1 and r.output.startswith("Error: system nope")
     r = CliRunner().invoke(cli, args[:at] + [str(tmp_path / "z")] + args[at + 1:] + ["--replays", "0"])
     assert r.exit_code == 2 and "--replays" in r.output and not (tmp_path / "z").exists()
+    r = CliRunner().invoke(cli, args[:at] + [str(tmp_path / "z")] + args[at + 1:] + ["--max-drift", "0"])
+    assert r.exit_code == 2 and "--max-drift" in r.output and not (tmp_path / "z").exists()
 
 
 def _verdict_row(system, exec_s, sim_s, *, p90=0.05, exact=True, expected=True):
