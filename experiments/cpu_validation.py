@@ -11,8 +11,9 @@ round over the systems and compared by the medians (its total, each step); the f
 the machine; with ``--calibrate-each`` every repeat calibrates first, as three separate `dali exec
 validate` runs do, and the repeats show the spread of the whole procedure. Per system and repeat:
 measured and simulated seconds, the total error, the per-step |error| median and 90th percentile, the
-machine's drift since the calibration (`dali_exec.validate.drift.SpeedProbe`, timed by each validation), and the verdict (|total error| <= 15%, order of systems that differ by
-more than 10%). Load averages before and after each repeat are recorded: on a loaded machine the
+machine's drift since the calibration (`dali_exec.validate.drift.SpeedProbe`, timed by each validation
+before and after), the validation's warnings, and the verdict (|total error| <= 15%, order of systems that
+differ by more than 10%). Load averages before and after each repeat are recorded: on a loaded machine the
 measured times are not the machine's, and the table says so.
 """
 
