@@ -102,7 +102,7 @@ def test_one_workload_runs_on_the_cpu(tmp_path):
     assert r.stdout.rstrip().splitlines()[-1].startswith("| mixtral  | gpu-lru")
     summary = (out / "summary.md").read_text()
     assert "## Verdict\n\nOK" in summary
-    assert "- mixtral: WARNING the replay's expert weights" in summary  # (quick shapes fit the host's cache)
+    assert "- mixtral: WARNING the expert weights a replay step reads" in summary  # (quick shapes fit the host's cache)
     r = _run("--device", "cpu", "--quick", "--workloads", "mixtral", "--systems", "gpu-lru", "--max-total-error", "0",
              "--out", str(tmp_path / "out0"), "--work", str(tmp_path / "work0"), "--python", sys.executable)
     assert r.returncode == 1, r.stdout + r.stderr

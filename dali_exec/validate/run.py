@@ -49,9 +49,9 @@ from dali_sim.workload.profiling import ProfileSpec
 #: are those the workload needs, see :func:`calibration_points`)
 VALIDATION_MICRO = MicroSettings(repeats=3, warmup=1)
 
-#: below this many last-level caches of expert weights a replay's expert calls can find their weights in
-#: the cache, which the calibration's calls (caches flushed) never do: the caution of :func:`cache_caution`
-CACHE_CAUTION_FACTOR = 4
+#: below this many last-level caches of expert weights read per step, a replay's expert calls can find their
+#: weights in the cache, which the calibration's calls (caches flushed) never do: :func:`cache_caution`
+CACHE_CAUTION_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -120,19 +120,29 @@ class ValidationReport:
         return [s["row"] for s in self.systems]
 
 
-def cache_caution(expert_bytes: int, cache_bytes: int, device: str = "host") -> str | None:
-    """A warning when a replay's expert weights (``expert_bytes``) are less than
-    :data:`CACHE_CAUTION_FACTOR` times the last-level cache that serves them (``cache_bytes``), else None.
-    The calibration times each expert call after flushing that cache; a replay whose weights are a few
-    caches large can read part of them from it (measured on a host with a 480 MiB L3: one-token calls of
-    DeepSeek-V2-Lite's experts 1.42x faster warm than after a flush; docs/validation.md, "A run on another
-    host"), so its measured times can be shorter than the simulator's for a reason no profile models."""
-    if expert_bytes >= CACHE_CAUTION_FACTOR * cache_bytes:
+def step_expert_bytes(w: Workload, expert_bytes: int) -> float:
+    """Bytes of the distinct experts one step of ``w`` reads, the median over its steps: how much other expert
+    data passes through the cache between two reads of an expert that consecutive steps use."""
+    ptr, L = w.actual.ptr, w.num_layers
+    per_step = ptr[L::L][:w.num_steps] - ptr[:-1:L][:w.num_steps]
+    return float(np.median(per_step)) * expert_bytes
+
+
+def cache_caution(step_bytes: float, cache_bytes: int, device: str = "host") -> str | None:
+    """A warning when the expert weights a replay's step reads (``step_bytes``, :func:`step_expert_bytes`) are
+    less than :data:`CACHE_CAUTION_FACTOR` times the last-level cache that serves them (``cache_bytes``), else
+    None. The calibration times each expert call after flushing that cache; a replay's expert reused by the
+    next step comes back after one step's other weights, and part of it can still be in the cache. Measured
+    on a host with a 480 MiB L3 (docs/validation.md, "A run on another host"): one-token DeepSeek-V2-Lite
+    calls 1.42x faster warm than flushed, and replays whose steps read 117 and 468 MiB simulated 33-50% slow,
+    one whose steps read 945 MiB (Mixtral) within 15%; on a host with 32 MiB, 117 MiB per step showed no
+    common error."""
+    if step_bytes >= CACHE_CAUTION_FACTOR * cache_bytes:
         return None
-    return (f"the replay's expert weights ({expert_bytes / 2**20:,.0f} MiB) are less than {CACHE_CAUTION_FACTOR}x the "
-            f"{device}'s last-level cache ({cache_bytes / 2**20:,.0f} MiB): its expert calls can read weights from the "
-            "cache, which the calibration's (caches flushed) do not; measured times may be shorter than simulated "
-            "(more layers, --layers, or a larger --scale make the replay's weights larger)")
+    return (f"the expert weights a replay step reads ({step_bytes / 2**20:,.0f} MiB, the median) are less than "
+            f"{CACHE_CAUTION_FACTOR}x the {device}'s last-level cache ({cache_bytes / 2**20:,.0f} MiB): experts reused by "
+            "the next step can be read from the cache, which the calibration's calls (caches flushed) are not; measured "
+            "times may be shorter than simulated (more layers, --layers, or a larger --scale make a step read more)")
 
 
 def _pow2_points(top: int) -> tuple[int, ...]:
@@ -334,9 +344,10 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         "profiling": setup0.profiled.record,
         "calibrated_here": cfg.profile is None, "warmup": cfg.warmup, "replays": cfg.replays,
         "systems": list(cfg.systems),
-        "host_expert_bytes": store.nbytes, "host_llc_bytes": llc_bytes(),
+        "host_expert_bytes": store.nbytes, "step_expert_bytes": step_expert_bytes(setup0.workload, model.expert_bytes),
+        "host_llc_bytes": llc_bytes(),
     })
-    caution = cache_caution(store.nbytes, llc_bytes())
+    caution = cache_caution(report.settings["step_expert_bytes"], llc_bytes())
     if caution is not None:
         report.warnings.append(caution)
         say(f"WARNING: {caution}")
@@ -432,4 +443,4 @@ def _report_systems(report: ValidationReport, cfg: ValidationConfig, runs: dict[
 
 
 __all__ = ["CACHE_CAUTION_FACTOR", "VALIDATION_MICRO", "ValidationConfig", "ValidationReport", "cache_caution",
-           "calibration_points", "check_profile", "validate"]
+           "calibration_points", "check_profile", "step_expert_bytes", "validate"]
