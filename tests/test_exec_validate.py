@@ -134,8 +134,8 @@ def test_weights_that_fit_a_few_caches_are_a_warning_not_a_failure(validated, mi
     assert "## Warnings" in md and "- WARNING the expert weights a replay step reads" in md
     assert json.loads((out / "validation.json").read_text())["warnings"] == report.warnings
     assert cache_caution(CACHE_CAUTION_FACTOR * llc, llc) is None
-    text = cache_caution(1.5 * 2**30, 1 << 30, "GPU")
-    assert "(1,536 MiB, the median) are less than 2x the GPU's last-level cache (1,024 MiB)" in text
+    text = cache_caution(1.5 * 2**30, 1 << 30)
+    assert "(1,536 MiB, the median) are less than 2x the host's last-level cache (1,024 MiB)" in text
 
 
 def test_the_machine_drift_probe_and_the_replays_spread_warn():

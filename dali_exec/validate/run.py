@@ -128,7 +128,7 @@ def step_expert_bytes(w: Workload, expert_bytes: int) -> float:
     return float(np.median(per_step)) * expert_bytes
 
 
-def cache_caution(step_bytes: float, cache_bytes: int, device: str = "host") -> str | None:
+def cache_caution(step_bytes: float, cache_bytes: int) -> str | None:
     """A warning when the expert weights a replay's step reads (``step_bytes``, :func:`step_expert_bytes`) are
     less than :data:`CACHE_CAUTION_FACTOR` times the last-level cache that serves them (``cache_bytes``), else
     None. The calibration times each expert call after flushing that cache; a replay's expert reused by the
@@ -140,7 +140,7 @@ def cache_caution(step_bytes: float, cache_bytes: int, device: str = "host") -> 
     if step_bytes >= CACHE_CAUTION_FACTOR * cache_bytes:
         return None
     return (f"the expert weights a replay step reads ({step_bytes / 2**20:,.0f} MiB, the median) are less than "
-            f"{CACHE_CAUTION_FACTOR}x the {device}'s last-level cache ({cache_bytes / 2**20:,.0f} MiB): experts reused by "
+            f"{CACHE_CAUTION_FACTOR}x the host's last-level cache ({cache_bytes / 2**20:,.0f} MiB): experts reused by "
             "the next step can be read from the cache, which the calibration's calls (caches flushed) are not; measured "
             "times may be shorter than simulated (more layers, --layers, or a larger --scale make a step read more)")
 
@@ -347,8 +347,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         "host_expert_bytes": store.nbytes, "step_expert_bytes": step_expert_bytes(setup0.workload, model.expert_bytes),
         "host_llc_bytes": llc_bytes(),
     })
-    caution = cache_caution(report.settings["step_expert_bytes"], llc_bytes())
-    if caution is not None:
+    if (caution := cache_caution(report.settings["step_expert_bytes"], report.settings["host_llc_bytes"])) is not None:
         report.warnings.append(caution)
         say(f"WARNING: {caution}")
     longest = 0.0  # the slowest replay of a system so far (warm-up, replay and, in the first round, simulation)
@@ -402,12 +401,14 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                     path = write_timeline(out / f"{system}.{which}.timeline.json", res.intervals,
                                           f"dali {which} {system} on {model.name}")
                     report.files.append(path.name)
-    late = spread_warnings(report.rows, cfg.max_drift)
+    late = []
     if probe_before is not None:
         after = _probe(model, devices)
         report.settings.update(probe_before_s=probe_before, probe_after_s=after,
                                machine_drift=after / probe_before - 1)
-        late[:0] = [w for w in (drift_warning(probe_before, after, cfg.max_drift),) if w is not None]
+        if (drifted := drift_warning(probe_before, after, cfg.max_drift)) is not None:
+            late.append(drifted)
+    late += spread_warnings(report.rows, cfg.max_drift)
     for w in late:
         say(f"WARNING: {w}")
     report.warnings += late
