@@ -11,8 +11,8 @@ round over the systems and compared by the medians (its total, each step); the f
 the machine; with ``--calibrate-each`` every repeat calibrates first, as three separate `dali exec
 validate` runs do, and the repeats show the spread of the whole procedure. Per system and repeat:
 measured and simulated seconds, the total error, the per-step |error| median and 90th percentile, the
-machine's drift since the calibration (`dali_exec.validate.drift.SpeedProbe`, timed by each validation
-before and after), the validation's warnings, and the verdict (|total error| <= 15%, order of systems that
+machine's drift since the calibration and the change of its lanes' overlap
+(`dali_exec.validate.drift.SpeedProbe`, timed by each validation before and after), the validation's warnings, and the verdict (|total error| <= 15%, order of systems that
 differ by more than 10%). Load averages before and after each repeat are recorded: on a loaded machine the
 measured times are not the machine's, and the table says so.
 """
@@ -76,9 +76,10 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
                                thresholds=THRESHOLDS, replays=replays)
         report = validate(trace, cfg, folder, command=f"experiments/cpu_validation.py ({shape.model}, repeat {rep})",
                           log=C.progress)
-        probe_before, probe_after = report.settings["probe_before_s"], report.settings["probe_after_s"]
+        st = report.settings
+        probe_before, probe_after = st["probe_before_s"], st["probe_after_s"]
         if reference is None or calibrate_each:
-            reference = probe_before
+            reference = (probe_before, st["overlap_before"])
         profile = None if calibrate_each else profile or report.settings["profile"]
         after = loadavg()
         for r in report.rows:
@@ -88,7 +89,9 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
                          "step_err_median": r["step_abs_err_median"], "step_err_p90": r["step_abs_err_p90"],
                          "counters_exact": r["exact"], "load_before": before, "load_after": after,
                          "probe_before_ms": 1e3 * probe_before, "probe_after_ms": 1e3 * probe_after,
-                         "machine_drift": probe_after / reference - 1,
+                         "machine_drift": probe_after / reference[0] - 1,
+                         "overlap_before": st["overlap_before"], "overlap_after": st["overlap_after"],
+                         "overlap_drift": st["overlap_after"] / reference[1] - 1,
                          "calibrated": calibrate_each or rep == 0, "verdict_ok": report.ok,
                          "failures": "; ".join(report.verdict.get("failures", [])),
                          "warnings": "; ".join(report.warnings)})
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
                f"{int((others.speedup_err.abs() <= THRESHOLDS.total).sum())} of {len(others)} rows"
                + f"; load average up to {df['load_after'].max():.1f} on {os.cpu_count()} cores.")
     show = df[["shape", "repeat", "system", "exec_s", "sim_s", "total_err", "speedup_err", "step_err_p90", "load_before",
-               "load_after", "machine_drift"]]
+               "load_after", "machine_drift", "overlap_drift"]]
     md = ["# The executor against the simulator on this machine (CPU device)", summary,
           f"Each repeat runs every system {args.replays} time(s) on the executor (round by round over the systems; "
           "exec_s is the median total, exec_s_min/max the range, steps the per-step medians) and once in the "
@@ -164,7 +167,9 @@ def main(argv=None) -> int:
           "repeat's calibration (or first replay) and after its last replay; "
           "machine_drift = the probe after the repeat over the probe when its profile was calibrated, - 1 "
           "(a diagnostic: > 0 means the machine ran slower than when it was calibrated, and simulated times "
-          "then come out fast).", C.markdown_table(df.drop(columns=["failures", "warnings"])),
+          "then come out fast); overlap_*: both lanes' probe calls started together over the slower one alone "
+          "(1 = the lanes ran side by side, 2 = one after the other), overlap_drift its change since the "
+          "calibration (> 0: systems that compute on both lanes at once, e.g. dali, come out fast).", C.markdown_table(df.drop(columns=["failures", "warnings"])),
           *(f"{title}:\n\n" + ("\n".join(f"- {s} r{r}: {f}" for s, r, f in
                                           df[df[col] != ""][["shape", "repeat", col]]
                                           .drop_duplicates().itertuples(index=False)) or "none")

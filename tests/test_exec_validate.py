@@ -5,6 +5,7 @@ on hand-made results."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import types
@@ -19,7 +20,7 @@ torch = pytest.importorskip("torch")
 from dali_exec.calibrate import MicroSettings  # noqa: E402
 from dali_exec.executor import ExecOptions, ReplayOptions, prepare_replay  # noqa: E402
 from dali_exec.validate import ValidationConfig, calibration_points, validate  # noqa: E402
-from dali_exec.validate.drift import drift_warning, spread_warnings  # noqa: E402
+from dali_exec.validate.drift import SpeedProbe, drift_warning, overlap_warning, spread_warnings  # noqa: E402
 from dali_exec.validate.run import CACHE_CAUTION_FACTOR, cache_caution, step_expert_bytes  # noqa: E402
 from dali_exec.validate.compare import (  # noqa: E402
     Thresholds,
@@ -128,7 +129,8 @@ def test_weights_that_fit_a_few_caches_are_a_warning_not_a_failure(validated, mi
     assert st["step_expert_bytes"] == step_expert_bytes(w, expert) == np.median(per_step) * expert
     assert 2 <= np.median(per_step) <= 16 and st["step_expert_bytes"] < CACHE_CAUTION_FACTOR * llc
     assert report.warnings[0] == cache_caution(st["step_expert_bytes"], llc)  # (then any of the machine's drift)
-    assert all(w.startswith(("the machine's speed changed", "cpu-only:", "gpu-lru:", "dali:")) for w in report.warnings[1:])
+    assert all(w.startswith(("the machine's speed changed", "the two lanes overlapped", "cpu-only:", "gpu-lru:", "dali:"))
+               for w in report.warnings[1:])
     assert any(x.startswith("WARNING: the expert weights a replay step reads") for x in lines)
     md = (out / "validation.md").read_text()
     assert "## Warnings" in md and "- WARNING the expert weights a replay step reads" in md
@@ -151,10 +153,50 @@ def test_the_machine_drift_probe_and_the_replays_spread_warn():
     assert spread_warnings(rows, 0.6) == []
 
 
+def test_the_lanes_overlap_warns_only_when_it_moved_and_some_system_used_both_lanes():
+    assert overlap_warning(1.05, 1.14, 0.10, ["dali"]) is None and overlap_warning(1.05, 0.96, 0.10, ["dali"]) is None
+    text = overlap_warning(1.05, 1.40, 0.10, ["dali", "hybrimoe"])
+    assert "took 1.05x the slower one alone before and 1.40x after (+33.3%, more than +-10%)" in text
+    assert "computed on both lanes (dali, hybrimoe)" in text
+    assert "(-20.0%" in overlap_warning(1.5, 1.2, 0.10, ["dali"])
+    assert overlap_warning(1.05, 1.40, 0.10, []) is None  # (no system ran both lanes: nothing it could move)
+
+
+def test_the_probe_times_both_lanes_at_once_on_the_cpu_worker():
+    """Lanes whose calls run side by side overlap at about 1, lanes that wait for each other (one lock) at about
+    2: the probe's together reading starts the CPU lane's call on its worker while the accelerator's runs."""
+    import threading
+    import time
+
+    from dali_exec.executor.devices import Devices
+    from dali_exec.executor.problem import scale_model
+    from dali_sim.models import get_model
+
+    with SpeedProbe(scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32"), Devices.create("cpu", "fp32"),
+                    rounds=1, repeats=5) as probe:
+        probe.bench._flush = {}  # (no cache flush: the calls below read no weights)
+        lock = threading.Lock()
+
+        def call(shared: bool):
+            def op(i: int) -> None:
+                with lock if shared else contextlib.nullcontext():
+                    time.sleep(0.01)
+            return op
+        probe.ops = {"gpu": call(False), "cpu": call(False)}
+        side_by_side = probe.read()
+        probe.ops = {"gpu": call(True), "cpu": call(True)}
+        serial = probe.read()
+    assert 0.015 < side_by_side.seconds < 0.03 and 0.015 < serial.seconds < 0.03  # (two 10 ms calls, summed)
+    assert side_by_side.overlap < 1.5 < 1.7 < serial.overlap
+
+
 def test_validate_records_the_probe_before_and_after(validated):
     st = validated[0].settings
     assert st["probe_before_s"] > 0 and st["probe_after_s"] > 0
     assert math.isclose(st["machine_drift"], st["probe_after_s"] / st["probe_before_s"] - 1)
+    # both lanes at once take at least as long as the slower alone (within the noise of medians), at most
+    # one after the other (the sum of both, plus the worker's hand-over): about 1-2.2
+    assert 0.7 < st["overlap_before"] < 2.5 and 0.7 < st["overlap_after"] < 2.5
 
 
 def test_the_calibrated_profile_covers_the_workload(validated, mix_path):

@@ -325,3 +325,4 @@ def test_cpu_validation_quick(tmp_path):
     # the machine-speed probe: a reading before and after the repeat, the drift against the calibration's
     assert (df["probe_before_ms"] > 0).all() and (df["probe_after_ms"] > 0).all()
     assert np.allclose(df["machine_drift"], df["probe_after_ms"] / df["probe_before_ms"] - 1)  # (one repeat)
+    assert np.allclose(df["overlap_drift"], df["overlap_after"] / df["overlap_before"] - 1)

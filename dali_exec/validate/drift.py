@@ -1,14 +1,19 @@
 """The machine's speed before and after a validation, so a user can tell model error from a machine that
 changed speed (docs/validation.md, "Verdict"): :class:`SpeedProbe` and the warnings it and the replays'
-spread give. A diagnostic only: no simulated time is scaled by it."""
+spread give. The probe reads two things: each lane's speed alone, and how well the two lanes overlap
+when they compute at once (on a 2-vCPU VM the second of these moved by itself, and only the systems
+that use both lanes at once, such as ``dali``, felt it). A diagnostic only: no simulated time is scaled
+by it."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from dali_exec.calibrate.bench import time_call
 from dali_exec.calibrate.micro import Microbench, MicroSettings
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices
@@ -18,10 +23,21 @@ from dali_sim.models.spec import ModelSpec
 PROBE_BYTES = 32 << 20
 
 
+@dataclass(frozen=True)
+class ProbeReading:
+    """One reading of :class:`SpeedProbe`: ``seconds``, each lane's call alone, summed; ``overlap``, both
+    lanes' calls started together over the slower of them alone (1 = the lanes run side by side as if
+    alone; 2 = one waits for the other, e.g. both on one core)."""
+
+    seconds: float
+    overlap: float
+
+
 class SpeedProbe:
-    """The median seconds of the calibration's own grouped call of one-token experts
-    (:meth:`Microbench.expert_op`, caches flushed; as many experts as make :data:`PROBE_BYTES` of weights,
-    2 to 16) on each lane, summed, the median of ``rounds`` rounds, with one torch thread per lane."""
+    """The calibration's own grouped call of one-token experts (:meth:`Microbench.expert_op`, caches flushed;
+    as many experts as make :data:`PROBE_BYTES` of weights, 2 to 16) on each lane, with one torch thread per
+    lane: alone on each lane, and on both lanes at once (the CPU lane's on its worker, as a replay runs them).
+    Each figure is the median of ``rounds`` rounds of medians of ``repeats`` calls."""
 
     def __init__(self, model: ModelSpec, devices: Devices, rounds: int = 3, repeats: int = 15):
         self.worker = CpuWorker(1)
@@ -29,16 +45,37 @@ class SpeedProbe:
         group = int(min(16, model.num_experts, max(2, math.ceil(PROBE_BYTES / max(model.expert_bytes, 1)))))
         self.ops = {lane: self.bench.expert_op(lane, 1, group) for lane in ("gpu", "cpu")}
         self.rounds = rounds
-        self.seconds()  # (a process's first calls are slower: not a reading)
+        self.read()  # (a process's first calls are slower: not a reading)
 
-    def seconds(self) -> float:
+    def read(self) -> ProbeReading:
         prev = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return float(np.median([sum(self.bench._timed(lane, op) for lane, op in self.ops.items())
-                                    for _ in range(self.rounds)]))
+            sums, overlaps = [], []
+            for _ in range(self.rounds):
+                alone = [self.bench._timed(lane, op) for lane, op in self.ops.items()]
+                sums.append(sum(alone))
+                overlaps.append(self._together() / max(alone))
+            return ProbeReading(float(np.median(sums)), float(np.median(overlaps)))
         finally:
             torch.set_num_threads(prev)
+
+    def _together(self) -> float:
+        """Median wall seconds of both lanes' calls started at once (the CPU lane's handed to its worker first)."""
+        b, gpu, cpu = self.bench, self.ops["gpu"], self.ops["cpu"]
+        flush_gpu, flush_cpu = b.flush("gpu"), b.flush("cpu")
+        sync = (lambda: torch.cuda.synchronize(b.cuda)) if b.cuda is not None else (lambda: None)
+
+        def cold() -> None:
+            flush_gpu()
+            self.worker.run(flush_cpu)
+
+        def both(i: int) -> None:
+            job = self.worker.submit(cpu, i)
+            gpu(i)
+            sync()
+            job.result()
+        return time_call(both, cuda=None, repeats=b.s.repeats, warmup=b.s.warmup, prepare=cold)
 
     def close(self) -> None:
         self.worker.close()
@@ -62,6 +99,18 @@ def drift_warning(before_s: float, after_s: float, limit: float) -> str | None:
             "quiet machine")
 
 
+def overlap_warning(before: float, after: float, limit: float, systems: list[str]) -> str | None:
+    """A warning when the lanes' overlap (:attr:`ProbeReading.overlap`) moved by more than ``limit`` (a fraction)
+    and some ``systems`` computed on both lanes, else None."""
+    change = after / before - 1
+    if abs(change) <= limit or not systems:
+        return None
+    return (f"the two lanes overlapped differently at the end than at the start: both lanes' probe calls at once "
+            f"took {before:.2f}x the slower one alone before and {after:.2f}x after ({100 * change:+.1f}%, more than "
+            f"+-{100 * limit:.0f}%): the times of the systems that computed on both lanes ({', '.join(systems)}) mix the "
+            "model's error with the machine's change; rerun on a quiet machine")
+
+
 def spread_warnings(rows: list[dict], limit: float) -> list[str]:
     """Per system replayed more than once: a warning when its slowest replay took more than ``limit`` (a
     fraction) longer than its fastest."""
@@ -74,4 +123,4 @@ def spread_warnings(rows: list[dict], limit: float) -> list[str]:
     return out
 
 
-__all__ = ["PROBE_BYTES", "SpeedProbe", "drift_warning", "spread_warnings"]
+__all__ = ["PROBE_BYTES", "ProbeReading", "SpeedProbe", "drift_warning", "overlap_warning", "spread_warnings"]

@@ -31,7 +31,7 @@ from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_repla
 from dali_exec.executor.replay import ExecOptions, Replay
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.validate.compare import Thresholds, compare, rank_agreement, verdict
-from dali_exec.validate.drift import SpeedProbe, drift_warning, spread_warnings
+from dali_exec.validate.drift import ProbeReading, SpeedProbe, drift_warning, overlap_warning, spread_warnings
 from dali_sim import __version__
 from dali_sim.hardware.measured import MeasuredProfile, ModelShape, prefill_layout, write_measured_profile
 from dali_sim.hardware.profile import load_profile
@@ -79,8 +79,8 @@ class ValidationConfig:
     #: the profiling input of frequency choices (as `dali sim`'s); None = the first 25% of the sequences
     profiling: ProfileSpec | None = None
     #: time a probe (:class:`~dali_exec.validate.drift.SpeedProbe`) before the calibration (or the first replay)
-    #: and after the last replay; a warning when it moved by more than ``max_drift``, or when a system's
-    #: replays spread by more than that
+    #: and after the last replay; a warning when its speed or its lanes' overlap moved by more than ``max_drift``,
+    #: or when a system's replays spread by more than that
     drift_probe: bool = True
     max_drift: float = 0.10
 
@@ -404,10 +404,13 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
     late = []
     if probe_before is not None:
         after = _probe(model, devices)
-        report.settings.update(probe_before_s=probe_before, probe_after_s=after,
-                               machine_drift=after / probe_before - 1)
-        if (drifted := drift_warning(probe_before, after, cfg.max_drift)) is not None:
-            late.append(drifted)
+        report.settings.update(probe_before_s=probe_before.seconds, probe_after_s=after.seconds,
+                               machine_drift=after.seconds / probe_before.seconds - 1,
+                               overlap_before=probe_before.overlap, overlap_after=after.overlap)
+        both = [s["row"]["system"] for s in report.systems
+                if s["counters"]["cpu_experts"]["exec"] and s["counters"]["gpu_experts"]["exec"]]
+        late += [w for w in (drift_warning(probe_before.seconds, after.seconds, cfg.max_drift),
+                             overlap_warning(probe_before.overlap, after.overlap, cfg.max_drift, both)) if w is not None]
     late += spread_warnings(report.rows, cfg.max_drift)
     for w in late:
         say(f"WARNING: {w}")
@@ -419,11 +422,11 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
     return report
 
 
-def _probe(model: ModelSpec, devices: Devices) -> float:
+def _probe(model: ModelSpec, devices: Devices) -> ProbeReading:
     """One reading of a fresh :class:`SpeedProbe` (made and freed around it: its weights do not take the replays'
     memory)."""
     with SpeedProbe(model, devices) as probe:
-        return probe.seconds()
+        return probe.read()
 
 
 def _report_systems(report: ValidationReport, cfg: ValidationConfig, runs: dict[str, list],

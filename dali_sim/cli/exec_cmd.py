@@ -235,8 +235,8 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
               help="Fail when two systems whose measured times differ by more than this are ordered the other way "
                    "round by the simulator.")
 @click.option("--max-drift", default=0.10, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Warn when the machine's speed (a cold grouped expert call, timed before and after) or a system's "
-                   "replays moved by more than this (relative).")
+              help="Warn when the machine's speed (a cold grouped expert call per lane, timed before and after), its "
+                   "lanes' overlap (both lanes' calls at once) or a system's replays moved by more than this (relative).")
 @click.option("--no-drift-probe", is_flag=True, help="Do not time the speed probe before and after.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of the markdown table.")
 def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, scale, sequences, max_tokens, device,
