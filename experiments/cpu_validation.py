@@ -12,8 +12,8 @@ the machine; with ``--calibrate-each`` every repeat calibrates first, as three s
 validate` runs do, and the repeats show the spread of the whole procedure. Per system and repeat:
 measured and simulated seconds, the total error, the per-step |error| median and 90th percentile, the
 machine's drift since the calibration and the change of its lanes' overlap
-(`dali_exec.validate.drift.SpeedProbe`, timed by each validation before and after), the validation's warnings, and the verdict (|total error| <= 15%, order of systems that
-differ by more than 10%). Load averages before and after each repeat are recorded: on a loaded machine the
+(`dali_exec.validate.drift.SpeedProbe`, timed by each validation before and after), the validation's
+warnings, and the verdict (|total error| <= 15%, order of systems that differ by more than 10%). Load averages before and after each repeat are recorded: on a loaded machine the
 measured times are not the machine's, and the table says so.
 """
 
