@@ -29,6 +29,7 @@ from dali_exec.validate.compare import (  # noqa: E402
     busy_by_kind,
     compare,
     idle_seconds,
+    lanes_overlap_seconds,
     rank_agreement,
     rel_err,
     speedup_error,
@@ -160,6 +161,16 @@ def test_the_lanes_overlap_warns_only_when_it_moved_and_some_system_used_both_la
     assert "computed on both lanes (dali, hybrimoe)" in text
     assert "(-20.0%" in overlap_warning(1.5, 1.2, 0.10, ["dali"])
     assert overlap_warning(1.05, 1.40, 0.10, []) is None  # (no system ran both lanes: nothing it could move)
+
+
+def test_the_lanes_overlap_is_the_time_both_lanes_were_busy_at_once():
+    iv = [Interval("gpu", "dense", 0.0, 1.0), Interval("cpu", "e1", 0.5, 2.0), Interval("gpu", "e2", 1.5, 3.0),
+          Interval("gpu", "e3", 2.5, 2.8), Interval("cpu", "e4", 4.0, 5.0), Interval("host", "h", 0.0, 9.0),
+          Interval("pcie", "copy", 4.0, 5.0)]
+    # cpu [0.5, 2.0] and [4, 5] against gpu [0, 1] and [1.5, 3.0] (e3 inside e2): 0.5 + 0.5
+    assert lanes_overlap_seconds(iv) == pytest.approx(1.0)
+    assert lanes_overlap_seconds([Interval("cpu", "a", 0, 1), Interval("gpu", "b", 1, 2)]) == 0.0  # one after the other
+    assert lanes_overlap_seconds([Interval("gpu", "a", 0, 1)]) == 0.0
 
 
 def test_the_probe_times_both_lanes_at_once_on_the_cpu_worker():

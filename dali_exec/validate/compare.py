@@ -75,6 +75,35 @@ def busy_by_kind(intervals: Iterable[Interval]) -> dict[str, tuple[int, float]]:
     return {k: (int(n), float(s)) for k, (n, s) in out.items()}
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def lanes_overlap_seconds(intervals: Iterable[Interval]) -> float:
+    """Seconds during which the CPU lane (track ``cpu``) and the accelerator lane (track ``gpu``) were busy at
+    once: the time a change in how the machine runs two threads side by side can move."""
+    spans = {"cpu": [], "gpu": []}
+    for iv in intervals:
+        if iv.track in spans and iv.end > iv.start:
+            spans[iv.track].append((iv.start, iv.end))
+    cpu, gpu = _union(spans["cpu"]), _union(spans["gpu"])
+    total, j = 0.0, 0
+    for a, b in cpu:
+        while j < len(gpu) and gpu[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(gpu) and gpu[k][0] < b:
+            total += min(b, gpu[k][1]) - max(a, gpu[k][0])
+            k += 1
+    return total
+
+
 def idle_seconds(intervals: Iterable[Interval], makespan: float) -> float:
     """Time within ``[0, makespan]`` when no track (GPU, CPU, PCIe) is busy: in a simulation only waits
     the model has (none, in most layers); in an executed run also the host's own work between them."""
@@ -238,4 +267,4 @@ def rank_agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 __all__ = ["KINDS", "RATES", "SHOWN_COUNTERS", "Thresholds", "activity_kind", "busy_by_kind", "compare",
-           "counters_equal", "expected_exact", "idle_seconds", "rank_agreement", "rel_err", "step_table", "verdict"]
+           "counters_equal", "expected_exact", "idle_seconds", "lanes_overlap_seconds", "rank_agreement", "rel_err", "step_table", "verdict"]

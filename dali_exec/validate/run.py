@@ -30,7 +30,7 @@ from dali_exec.executor.devices import Devices, cpu_name
 from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_replay
 from dali_exec.executor.replay import ExecOptions, Replay
 from dali_exec.executor.store import HostExpertStore
-from dali_exec.validate.compare import Thresholds, compare, rank_agreement, verdict
+from dali_exec.validate.compare import Thresholds, compare, lanes_overlap_seconds, rank_agreement, verdict
 from dali_exec.validate.drift import ProbeReading, SpeedProbe, drift_warning, overlap_warning, spread_warnings
 from dali_sim import __version__
 from dali_sim.hardware.measured import MeasuredProfile, ModelShape, prefill_layout, write_measured_profile
@@ -407,8 +407,9 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         report.settings.update(probe_before_s=probe_before.seconds, probe_after_s=after.seconds,
                                machine_drift=after.seconds / probe_before.seconds - 1,
                                overlap_before=probe_before.overlap, overlap_after=after.overlap)
-        both = [s["row"]["system"] for s in report.systems
-                if s["counters"]["cpu_experts"]["exec"] and s["counters"]["gpu_experts"]["exec"]]
+        both = [system for system, system_runs in runs.items()  # (1% of its time or more with both lanes busy)
+                if lanes_overlap_seconds((r := _median_run(system_runs)[0]).intervals)
+                > 0.01 * float(r.summary["makespan_s"])]
         late += [w for w in (drift_warning(probe_before.seconds, after.seconds, cfg.max_drift),
                              overlap_warning(probe_before.overlap, after.overlap, cfg.max_drift, both)) if w is not None]
     late += spread_warnings(report.rows, cfg.max_drift)
