@@ -267,4 +267,5 @@ def rank_agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 __all__ = ["KINDS", "RATES", "SHOWN_COUNTERS", "Thresholds", "activity_kind", "busy_by_kind", "compare",
-           "counters_equal", "expected_exact", "idle_seconds", "lanes_overlap_seconds", "rank_agreement", "rel_err", "step_table", "verdict"]
+           "counters_equal", "expected_exact", "idle_seconds", "lanes_overlap_seconds", "rank_agreement", "rel_err",
+           "step_table", "verdict"]
