@@ -158,7 +158,7 @@ def test_the_lanes_overlap_warns_only_when_it_moved_and_some_system_used_both_la
     assert overlap_warning(1.05, 1.14, 0.10, ["dali"]) is None and overlap_warning(1.05, 0.96, 0.10, ["dali"]) is None
     text = overlap_warning(1.05, 1.40, 0.10, ["dali", "hybrimoe"])
     assert "took 1.05x the slower one alone before and 1.40x after (+33.3%, more than +-10%)" in text
-    assert "computed on both lanes (dali, hybrimoe)" in text
+    assert "whose two lanes computed at once (dali, hybrimoe)" in text
     assert "(-20.0%" in overlap_warning(1.5, 1.2, 0.10, ["dali"])
     assert overlap_warning(1.05, 1.40, 0.10, []) is None  # (no system ran both lanes: nothing it could move)
 

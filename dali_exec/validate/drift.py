@@ -101,14 +101,14 @@ def drift_warning(before_s: float, after_s: float, limit: float) -> str | None:
 
 def overlap_warning(before: float, after: float, limit: float, systems: list[str]) -> str | None:
     """A warning when the lanes' overlap (:attr:`ProbeReading.overlap`) moved by more than ``limit`` (a fraction)
-    and some ``systems`` computed on both lanes, else None."""
+    and there are ``systems`` whose two lanes computed at once, else None."""
     change = after / before - 1
     if abs(change) <= limit or not systems:
         return None
     return (f"the two lanes overlapped differently at the end than at the start: both lanes' probe calls at once "
             f"took {before:.2f}x the slower one alone before and {after:.2f}x after ({100 * change:+.1f}%, more than "
-            f"+-{100 * limit:.0f}%): the times of the systems that computed on both lanes ({', '.join(systems)}) mix the "
-            "model's error with the machine's change; rerun on a quiet machine")
+            f"+-{100 * limit:.0f}%): the times of the systems whose two lanes computed at once "
+            f"({', '.join(systems)}) mix the model's error with the machine's change; rerun on a quiet machine")
 
 
 def spread_warnings(rows: list[dict], limit: float) -> list[str]:

@@ -410,8 +410,9 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         both = [system for system, system_runs in runs.items()  # (1% of its time or more with both lanes busy)
                 if lanes_overlap_seconds((r := _median_run(system_runs)[0]).intervals)
                 > 0.01 * float(r.summary["makespan_s"])]
-        late += [w for w in (drift_warning(probe_before.seconds, after.seconds, cfg.max_drift),
-                             overlap_warning(probe_before.overlap, after.overlap, cfg.max_drift, both)) if w is not None]
+        warned = (drift_warning(probe_before.seconds, after.seconds, cfg.max_drift),
+                  overlap_warning(probe_before.overlap, after.overlap, cfg.max_drift, both))
+        late += [w for w in warned if w is not None]
     late += spread_warnings(report.rows, cfg.max_drift)
     for w in late:
         say(f"WARNING: {w}")
