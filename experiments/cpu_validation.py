@@ -13,8 +13,9 @@ validate` runs do, and the repeats show the spread of the whole procedure. Per s
 measured and simulated seconds, the total error, the per-step |error| median and 90th percentile, the
 machine's drift since the calibration and the change of its lanes' overlap
 (`dali_exec.validate.drift.SpeedProbe`, timed by each validation before and after), the validation's
-warnings, and the verdict (|total error| <= 15%, order of systems that differ by more than 10%). Load averages before and after each repeat are recorded: on a loaded machine the
-measured times are not the machine's, and the table says so.
+warnings, and the verdict (|total error| <= 15%, order of systems that differ by more than 10%). Load
+averages before and after each repeat are recorded: on a loaded machine the measured times are not the
+machine's, and the table says so.
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ def main(argv=None) -> int:
           "(a diagnostic: > 0 means the machine ran slower than when it was calibrated, and simulated times "
           "then come out fast); overlap_*: both lanes' probe calls started together over the slower one alone "
           "(1 = the lanes ran side by side, 2 = one after the other), overlap_drift its change since the "
-          "calibration (> 0: systems that compute on both lanes at once, e.g. dali, come out fast).", C.markdown_table(df.drop(columns=["failures", "warnings"])),
+          "calibration (> 0: systems that compute on both lanes at once, e.g. dali, come out fast).",
+          C.markdown_table(df.drop(columns=["failures", "warnings"])),
           *(f"{title}:\n\n" + ("\n".join(f"- {s} r{r}: {f}" for s, r, f in
                                           df[df[col] != ""][["shape", "repeat", col]]
                                           .drop_duplicates().itertuples(index=False)) or "none")

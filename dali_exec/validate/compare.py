@@ -75,45 +75,31 @@ def busy_by_kind(intervals: Iterable[Interval]) -> dict[str, tuple[int, float]]:
     return {k: (int(n), float(s)) for k, (n, s) in out.items()}
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
+def _covered_seconds(spans: Iterable[tuple[float, float]], since: float = -math.inf,
+                     until: float = math.inf) -> float:
+    """Length of the union of ``(start, end)`` spans within ``[since, until]``."""
+    covered, end = 0.0, since
     for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
+        a, b = max(a, end), min(b, until)
+        if b > a:
+            covered += b - a
+        end = max(end, min(b, until))
+    return covered
 
 
 def lanes_overlap_seconds(intervals: Iterable[Interval]) -> float:
     """Seconds during which the CPU lane (track ``cpu``) and the accelerator lane (track ``gpu``) were busy at
     once: the time a change in how the machine runs two threads side by side can move."""
-    spans = {"cpu": [], "gpu": []}
-    for iv in intervals:
-        if iv.track in spans and iv.end > iv.start:
-            spans[iv.track].append((iv.start, iv.end))
-    cpu, gpu = _union(spans["cpu"]), _union(spans["gpu"])
-    total, j = 0.0, 0
-    for a, b in cpu:
-        while j < len(gpu) and gpu[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(gpu) and gpu[k][0] < b:
-            total += min(b, gpu[k][1]) - max(a, gpu[k][0])
-            k += 1
-    return total
+    ivs = list(intervals)
+    cpu = [(iv.start, iv.end) for iv in ivs if iv.track == "cpu"]
+    gpu = [(iv.start, iv.end) for iv in ivs if iv.track == "gpu"]
+    return max(0.0, _covered_seconds(cpu) + _covered_seconds(gpu) - _covered_seconds(cpu + gpu))
 
 
 def idle_seconds(intervals: Iterable[Interval], makespan: float) -> float:
     """Time within ``[0, makespan]`` when no track (GPU, CPU, PCIe) is busy: in a simulation only waits
     the model has (none, in most layers); in an executed run also the host's own work between them."""
-    busy, end = 0.0, 0.0
-    for iv in sorted(intervals, key=lambda iv: iv.start):
-        a, b = max(iv.start, end), min(iv.end, makespan)
-        if b > a:
-            busy += b - a
-        end = max(end, min(iv.end, makespan))
-    return max(0.0, makespan - busy)
+    return max(0.0, makespan - _covered_seconds(((iv.start, iv.end) for iv in intervals), 0.0, makespan))
 
 
 def _quantile(x: np.ndarray, q: float) -> float:
