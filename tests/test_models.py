@@ -13,13 +13,14 @@ from dali_sim.models.spec import AttentionSpec, ModelSpec
 from dali_sim.registry import UnknownNameError
 
 # (total, active) parameters published by the model authors, in billions. Active counts here include
-# both embedding matrices; gpt-oss's model card counts the unembedding only (3.61B), hence 4.19.
+# both embedding matrices; gpt-oss's model card counts the unembedding only (3.61B and 5.13B), hence 4.19 and 5.71.
 PUBLISHED = {
     "mixtral-8x7b": (46.7, 12.9),
     "deepseek-v2-lite": (15.7, None),
     "qwen3-30b-a3b": (30.5, 3.3),
     "qwen1.5-moe-a2.7b": (14.3, 2.7),
     "gpt-oss-20b": (20.9, 3.61 + 201088 * 2880 / 1e9),
+    "gpt-oss-120b": (116.8, 5.13 + 201088 * 2880 / 1e9),
     "olmoe-1b-7b": (6.9, 1.3),
 }
 
