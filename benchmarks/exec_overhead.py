@@ -27,6 +27,13 @@ that model preset (decode only, lookahead columns residual, next-gate, gate2 and
 ``--trace``. ``limit_us`` is the target of the runtime issue for the thread-CPU overhead per layer visit
 (decision + bookkeeping): 60 us for cpu-only, gpu-lru, llamacpp, fiddler and ktransformers, 100 us for
 dali and hybrimoe; ``ok`` says whether the measured median meets it.
+
+``--no-tensor-work`` replaces the expert computes, the dense blocks and the expert copies by no-ops
+(the layouts return their input, the copies copy nothing) and leaves every decision and every line of
+bookkeeping as it is: what the host work costs when the core that runs it does not also run the tensor
+work, as on an accelerator that computes and copies by itself. On the CPU device the difference from a
+normal run is the cost of the caches the tensor work evicts (benchmarks/README.md, "Executor overhead").
+Its layer times and tokens/s mean nothing.
 """
 
 from __future__ import annotations
@@ -38,12 +45,15 @@ import platform
 import sys
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pandas as pd
 import torch
 
+from dali_exec.executor import copies, dense, ffn
 from dali_exec.executor import Devices, ExecOptions, HostExpertStore, Replay, ReplayOptions, prepare_replay
 from dali_exec.executor.devices import cpu_name, resolve_device
 from dali_sim.runtime.controller import Controller
@@ -81,6 +91,23 @@ def plan_only_us(setup, seed: int = 0) -> float:
             counters.add(ctl.plan(step, layer))
             n += 1
     return 1e6 * (time.perf_counter() - t0) / n
+
+
+@contextmanager
+def no_tensor_work():
+    """Expert computes, dense blocks and expert copies as no-ops (``--no-tensor-work``); the host work
+    around them is unchanged (the outputs are the inputs, so shapes and dtypes still match)."""
+    patches = [
+        mock.patch.object(ffn.ExpertLayout, "forward_grouped", lambda self, table, x, *a, **k: x),
+        mock.patch.object(ffn.ExpertLayout, "forward", lambda self, flat, x: x),
+        mock.patch.object(dense.DenseBlock, "__call__", lambda self, x, a, kv: (x, x if self.moe else None)),
+        mock.patch.object(copies, "copy_rows", lambda *a, **k: None),
+        mock.patch.object(copies.CopyEngine, "copy_one", lambda self, dst, src, after=None: (0.0, 0.0)),
+    ]
+    with ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
 
 
 def run_once(setup, devices, run: ExecOptions, store):
@@ -151,6 +178,9 @@ def main(argv=None) -> int:
                          "all fit the GPU and nothing is staged)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="scale 1/16, 4 layers, 2 sequences x 16 tokens, batch 2 at most, 1 repeat")
+    ap.add_argument("--no-tensor-work", action="store_true",
+                    help="expert computes, dense blocks and expert copies as no-ops: the host work alone, without "
+                         "the caches the tensor work evicts (layer times then mean nothing)")
     ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
     a = ap.parse_args(argv)
     if a.quick:
@@ -164,7 +194,7 @@ def main(argv=None) -> int:
     stores: dict = {}
     plain = [n for n in a.systems.split(",") if n]
     look = [n for n in a.lookahead_systems.split(",") if n]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, (no_tensor_work() if a.no_tensor_work else ExitStack()):
         def synthetic(model: str):
             path = Path(tmp) / f"{model}.parquet"
             synthesize(SynthConfig(model=model, sequences=a.sequences, prompt_len=0, gen_len=a.max_tokens,
@@ -189,7 +219,8 @@ def main(argv=None) -> int:
     print(f"machine: {machine}")
     source = f"synthetic {a.shape} trace" if a.shape else Path(a.trace).name
     print(f"replay: {source}, {a.layers} MoE layers at scale {a.scale:g}, {a.sequences} sequences x "
-          f"{a.max_tokens} tokens, batch {a.batch_size}, {dtype}; median of {a.repeats} runs per system")
+          f"{a.max_tokens} tokens, batch {a.batch_size}, {dtype}; median of {a.repeats} runs per system"
+          + ("; NO TENSOR WORK (computes and copies are no-ops: layer times mean nothing)" if a.no_tensor_work else ""))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table[PRINTED].round(1).to_string())
     print(f"DALI paper: {100 * PAPER_OVERHEAD:.1f}% scheduling overhead (for comparison)")
