@@ -45,7 +45,7 @@ import platform
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     stores: dict = {}
     plain = [n for n in a.systems.split(",") if n]
     look = [n for n in a.lookahead_systems.split(",") if n]
-    with tempfile.TemporaryDirectory() as tmp, (no_tensor_work() if a.no_tensor_work else ExitStack()):
+    with tempfile.TemporaryDirectory() as tmp, (no_tensor_work() if a.no_tensor_work else nullcontext()):
         def synthetic(model: str):
             path = Path(tmp) / f"{model}.parquet"
             synthesize(SynthConfig(model=model, sequences=a.sequences, prompt_len=0, gen_len=a.max_tokens,

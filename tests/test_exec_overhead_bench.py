@@ -46,5 +46,5 @@ def test_no_tensor_work_keeps_every_count_and_skips_the_computes(system, tmp_pat
         torch.testing.assert_close(r.output, hollow_output(r))
     assert not any(torch.allclose(r.output, hollow_output(r)) for r in computed)
     # and the patches are gone afterwards
-    again, recomputed = replay()
+    _, recomputed = replay()
     assert all(torch.equal(a.output, b.output) for a, b in zip(recomputed, computed))
