@@ -118,6 +118,10 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
     from dali_exec.executor.workspace import RouteWorkspace
     from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED
     rng = np.random.default_rng(2)
+    entries = K.Entries("route_partition")  # (shared: the plans' arrays alternate between contiguous and strided)
+
+    def strided(a):  # the same values in a view with a step (read by its strides)
+        return np.repeat(a, 2)[::2]
     for trial in range(RNG_TRIALS):
         ids, w, mask, _ = _layer(rng, counted=trial % 2 == 1, order=False)
         r = LayerRouting.group(ids, w, counted=mask)
@@ -129,7 +133,11 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
         pool.admit_many(0, experts[source == HIT].astype(np.int64))
         plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=own[own > 0][touch].astype(
             np.int32), source=source, admitted=rng.random(len(experts)) < 0.5)
-        runtime = SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _first_in_route=False, _first=None)
+        if trial % 3 == 2:
+            plan.experts, plan.counts, plan.source, plan.admitted = map(
+                strided, (plan.experts, plan.counts, plan.source, plan.admitted))
+        runtime = SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _first_in_route=False, _first=None,
+                                  _route_entries=entries)
         flag = trial % 4 == 1
         got = OffloadRuntime._partition(runtime, plan, r, flag)
         with monkeypatch.context() as m:
@@ -340,7 +348,8 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
         monkeypatch.setattr(K, "compiled", lambda name: None)
     ids, w = np.array([[1, 4], [4, 2]]), np.full((2, 2), 0.5, np.float32)
     runtime = SimpleNamespace(pool=SlotPool(np.array([4]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=8),
-                              _route_ws=RouteWorkspace(), _first_in_route=False, _first=None)
+                              _route_ws=RouteWorkspace(), _first_in_route=False, _first=None,
+                              _route_entries=K.Entries("route_partition"))
     runtime._partition = lambda *args: OffloadRuntime._partition(runtime, *args)
 
     def plan(experts, counts, source):
@@ -372,3 +381,21 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
     assert not admitted and (runtime.pool.row_of[0] >= 0).sum() == 2
     with pytest.raises(AssertionError, match="layer 0: all 4 cache slots are taken"):
         _AccelLane.of(five, runtime.pool, *split)
+
+
+def test_entries_type_each_key_once_and_a_strided_argument_gets_its_own_entry():
+    """An entry point reads its arguments as the types it was compiled for, without checking them: a strided array
+    passed to the entry of a contiguous one would be misread (here: rows 0, 5, 1 instead of 0, 1, 2, a wrong
+    False). The key is (dtype, C-contiguity), not the strides: a one-element slice with a step is contiguous and
+    shares the contiguous arrays' entry, a longer slice with the same strides gets its own."""
+    entries = K.Entries("rows_ready")
+    hold_layer, hold_expert, inflight = np.zeros(8, np.int64), np.arange(8, dtype=np.int64), np.zeros(8, np.int64)
+    base = np.array([0, 5, 1, 6, 2, 7], np.int64)
+    for rows in (base[::2][:1], base[::2].copy(), base[::2]):  # [0] strided; [0, 1, 2] contiguous; the same strided
+        experts = rows.copy()
+        args = (rows, experts, 0, hold_layer, hold_expert, inflight)
+        fn = entries.get((rows.dtype, rows.flags.c_contiguous), args)
+        assert fn(*args) is True
+        assert fn(*args) == K._rows_ready(*args)
+    assert len(entries._by_key) == 2
+    assert entries.get((base.dtype, False), args) is fn  # (typed once per key)

@@ -88,7 +88,7 @@ def _runtime(capacity=30, experts=30):
     pool = SlotPool(np.array([capacity]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=experts)
     return SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _ws_routing=None,
                            _group_ws=GroupWorkspace(len(pool.slots), torch.device("cpu")), _first_in_route=True,
-                           _first=None)
+                           _first=None, _route_entries=K.Entries("route_partition"))
 
 
 def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give():

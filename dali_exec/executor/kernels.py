@@ -549,5 +549,33 @@ def compiled(name: str):
     return _compiled[name]
 
 
-__all__ = ["FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY", "STAGED",
+class Entries:
+    """Kernel ``name`` called through its compiled entry points (``dali_sim.policies.kernels.entry``), one per
+    type key: the dispatcher types all of a call's arguments, about a microsecond each with cold caches (a
+    17-argument call measured 11-14 us of dispatch after a pass over 32 MiB on the 2-core VM, against 5-7 us
+    through the entry point; ``benchmarks/kernel_calls.py``). An entry point checks nothing: a caller passes
+    as ``key`` the dtype and C-contiguity (``flags.c_contiguous``) of every array whose type may change
+    between calls (any other argument must keep its type: the caller's own buffers), and each new key is
+    typed and compiled once by the dispatcher. Contiguity, not strides: numba reads a contiguous array by
+    its item size and any other by its strides, and the strides alone do not say which (a one-element slice
+    with a step is contiguous, a longer one with the same strides is not)."""
+
+    __slots__ = ("name", "_by_key")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._by_key: dict = {}
+
+    def get(self, key: tuple, args: tuple):
+        """The entry point for ``key`` (made from ``args``, an example call with that key), or None without numba."""
+        fn = self._by_key.get(key)
+        if fn is None:
+            kernel = compiled(self.name)
+            if kernel is None:
+                return None
+            fn = self._by_key[key] = _policy_kernels.entry(kernel, [args])
+        return fn
+
+
+__all__ = ["Entries", "FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY", "STAGED",
            "TOO_WIDE", "compiled"]

@@ -73,6 +73,7 @@ class OffloadRuntime:
         self._wait = [0.0] * L  # seconds the accelerator lane waited for weights, per layer
         self._bookkeeping = LayerSeconds(L)
         self._route_ws = RouteWorkspace(devices.accel)
+        self._route_entries = _kernels.Entries("route_partition")
         self._ws_routing: LayerRouting | None = None  # the routing made of the route workspace's views
         self._out_buf: torch.Tensor | None = None  # the last layer's combine buffer (_combine_buffer)
         self._out_shape: tuple[int, int] = (-1, -1)  # its shape
@@ -259,8 +260,7 @@ class OffloadRuntime:
         (``kernels._route_partition``; without numba :meth:`SlotPool.evict_many`, :meth:`LayerRouting.group`
         and :meth:`_partition`)."""
         pool, layer = self.pool, plan.layer
-        kernel = _kernels.compiled("route_partition")
-        if kernel is None:
+        if _kernels.compiled("route_partition") is None:
             self._first = None
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
@@ -269,7 +269,7 @@ class OffloadRuntime:
         ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
         n = T * k
-        evicted = np.asarray(plan.evicted, np.int64) if plan.evicted else _EMPTY
+        evicted = np.array(plan.evicted, np.int64) if len(plan.evicted) else _EMPTY  # (a new, contiguous array)
         free = pool.cache_free[layer]
         ws = self._route_ws.fit(n, len(evicted))
         wi = ws.wi
@@ -280,10 +280,14 @@ class OffloadRuntime:
             gi, gw, go = gws.gi, gws.w, gws.offs
         else:
             gi, gw, go = _NO_GROUP
-        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready) = kernel(
-            ids.reshape(-1), weights.reshape(-1), k, plan.experts, plan.counts, plan.source, plan.admitted,
-            pool.row_of, evicted, np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi,
-            ws.wf, gi, gw, go)
+        flat, pe, pc, ps, pa = ids.reshape(-1), plan.experts, plan.counts, plan.source, plan.admitted
+        args = (flat, weights.reshape(-1), k, pe, pc, ps, pa, pool.row_of, evicted,
+                np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi, ws.wf, gi, gw, go)
+        # the types of the arguments the runtime does not fix (both reshapes are contiguous; weights float32)
+        key = (flat.dtype, pe.dtype, pe.flags.c_contiguous, pc.dtype, pc.flags.c_contiguous, ps.dtype,
+               ps.flags.c_contiguous, pa.dtype, pa.flags.c_contiguous)
+        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready) = \
+            self._route_entries.get(key, args)(*args)
         # the first group (the ready and fetched experts), when written and its rows ready: used by _group
         self._first = (fg_n, fg_lo, fg_span, ready + fetched) if fg_ready and fg_n >= 0 else None
         if bad >= 0:
@@ -675,8 +679,8 @@ class OffloadRuntime:
         if first is not None and first[3] == g:  # the layer's first group, written (and checked) by the route call
             return self._written(g)
         ws = self._group_ws
-        if (kernel := _kernels.compiled("group_index_into")) is not None:
-            n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
+        if _kernels.compiled("group_index_into") is not None:
+            n, lo, span, ready = ws.build(routing, seg, rows, layer, pool)
         else:
             gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
             if not gi.rows_ready:
