@@ -4,15 +4,18 @@
     python benchmarks/kernel_calls.py --systems dali --calls 64 --rounds 9 --json out.json
 
 A replay of the exec_overhead benchmark's Qwen3 command (``--shape``, 4 MoE layers at scale 1/16, 32 x 32
-decode tokens, batch 32, CPU device) runs once per system, and the arguments of every call the runtime makes
-through ``kernels.Entries`` (``route_partition``: a layer's routing grouped, checked and split;
-``group_index_into``: a later group's indices) are kept as they were before the call. Each kept call is then
-made again on fresh copies of its arguments, round by round and interleaved: through the dispatcher
-(``kernels.compiled(name)``, which types every argument at every call) and through the entry point the runtime
-uses (``Entries``: compiled for the argument types once), each **warm** (its arguments just copied, the code
-run the moment before) and **cold** (a pass over ``--flush-mib`` of memory between the copy and the call, as
-a layer's tensor work leaves the caches). Thread CPU of the calling thread, in microseconds: the median over
-calls and rounds; ``clock_us`` is the same measurement around an empty Python call (the two clock readings).
+decode tokens, batch 32, CPU device) runs once per system, and the arguments of every compiled per-layer call
+(``route_partition``: a layer's routing grouped, checked and split, which the runtime makes through
+``kernels.Entries``; ``group_index_into``: a later group's indices, which it makes through the dispatcher) are
+kept as they were before the call. Each kept call is then made again on fresh copies of its arguments, round by
+round and interleaved: through the dispatcher (``kernels.compiled(name)``, which types every argument at every
+call) and through an entry point (``Entries``: compiled for the argument types once), alone (``entry``) and with
+its key built from the arguments' dtypes and looked up first, as the runtime does for the route call
+(``lookup``), each **warm** (its arguments just
+copied, the code run the moment before) and **cold** (a pass over ``--flush-mib`` of memory between the copy
+and the call, as a layer's tensor work leaves the caches). Thread CPU of the calling thread, in microseconds:
+the median over calls and rounds; ``clock_us`` is the same measurement around an empty Python call (the two
+clock readings); ``saved_*_us`` is dispatcher minus lookup.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import exec_overhead as X  # noqa: E402
 from dali_exec.executor import Devices, ExecOptions, HostExpertStore, ReplayOptions, prepare_replay  # noqa: E402
 from dali_exec.executor import kernels as K  # noqa: E402
 from dali_exec.executor.devices import cpu_name  # noqa: E402
+from dali_exec.executor.workspace import GroupWorkspace  # noqa: E402
 from dali_sim.trace import read_trace  # noqa: E402
 from dali_sim.trace.synth import SynthConfig, synthesize  # noqa: E402
 from dali_sim.workload.profiling import ProfileSpec  # noqa: E402
@@ -51,13 +55,21 @@ def capture(trace, system: str, opts: ReplayOptions, batch: int, store_cache: di
     if setup.model.name not in store_cache:
         store_cache[setup.model.name] = HostExpertStore.random(setup.model, devices.dtype, 0)
     calls: list[tuple] = []
-    get = K.Entries.get
+    get, build = K.Entries.get, GroupWorkspace.build
+    groups = K.Entries("group_index_into", range(6))  # (what the runtime's group call would use: its first six)
 
     def kept(self, key, args):
         fn = get(self, key, args)
-        calls.append((self.name, fn, _copy(args)))
+        calls.append((self.name, fn, _copy(args), self))
         return fn
-    with mock.patch.object(K.Entries, "get", kept):
+
+    def built(self, kernel, routing, seg, rows, layer, pool):
+        args = (routing.ptr, routing.positions, routing.weights, routing.experts, seg, rows, routing.top_k, layer,
+                pool.state, self.ints, self.w, self.small, self.table_counts, self.offs)
+        key = tuple(a.dtype for a in args[:6])
+        calls.append(("group_index_into", get(groups, key, args), _copy(args), groups))
+        return build(self, kernel, routing, seg, rows, layer, pool)
+    with mock.patch.object(K.Entries, "get", kept), mock.patch.object(GroupWorkspace, "build", built):
         X.run_once(setup, devices, ExecOptions(device="cpu"), store_cache[setup.model.name])
     return calls
 
@@ -67,8 +79,15 @@ def time_calls(calls: list[tuple], rounds: int, flush: np.ndarray) -> pd.DataFra
     rows = []
     empty = lambda *a: None  # noqa: E731
     for r in range(rounds):
-        for i, (name, entry, args) in enumerate(calls):
-            for via, fn in (("dispatcher", K.compiled(name)), ("entry", entry), ("clock", empty)):
+        for i, (name, entry, args, entries) in enumerate(calls):
+            if name == "route_partition":  # the key built as the runtime builds it, looked up, then the call
+                def looked_up(*a, entries=entries):
+                    return entries.get((a[0].dtype, a[3].dtype, a[4].dtype, a[5].dtype, a[6].dtype), a)(*a)
+            else:
+                def looked_up(*a, entries=entries):
+                    return entries.get((a[0].dtype, a[1].dtype, a[2].dtype, a[3].dtype, a[4].dtype, a[5].dtype), a)(*a)
+            for via, fn in (("dispatcher", K.compiled(name)), ("entry", entry), ("lookup", looked_up),
+                            ("clock", empty)):
                 for state in ("warm", "cold"):
                     a = _copy(args)
                     if state == "warm":
@@ -119,7 +138,7 @@ def main(argv=None) -> int:
     table = df.pivot_table(index=["system", "kernel"], columns=["via", "state"], values="us", aggfunc="median")
     table.columns = [f"{via}_{state}_us" for via, state in table.columns]
     for state in ("warm", "cold"):
-        table[f"saved_{state}_us"] = table[f"dispatcher_{state}_us"] - table[f"entry_{state}_us"]
+        table[f"saved_{state}_us"] = table[f"dispatcher_{state}_us"] - table[f"lookup_{state}_us"]
     counts = df[df.via == "entry"].groupby(["system", "kernel"])["call"].nunique()
     table.insert(0, "calls", counts)
     machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "load_average": os.getloadavg()}

@@ -113,12 +113,12 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
 
     import torch
 
-    from dali_exec.executor.runtime import OffloadRuntime
+    from dali_exec.executor.runtime import _ROUTE_LOOSE, OffloadRuntime
     from dali_exec.executor.slots import SlotPool
     from dali_exec.executor.workspace import RouteWorkspace
     from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED
     rng = np.random.default_rng(2)
-    entries = K.Entries("route_partition")  # (shared: the plans' arrays alternate between contiguous and strided)
+    entries = K.Entries("route_partition", _ROUTE_LOOSE)  # (shared: the plans' arrays contiguous or strided)
 
     def strided(a):  # the same values in a view with a step (read by its strides)
         return np.repeat(a, 2)[::2]
@@ -339,7 +339,7 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
 
     import torch
 
-    from dali_exec.executor.runtime import OffloadRuntime, _AccelLane
+    from dali_exec.executor.runtime import _ROUTE_LOOSE, OffloadRuntime, _AccelLane
     from dali_exec.executor.slots import SlotPool
     from dali_exec.executor.workspace import RouteWorkspace
     from dali_sim.runtime.controller import CPU, FETCH, HIT
@@ -349,7 +349,7 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
     ids, w = np.array([[1, 4], [4, 2]]), np.full((2, 2), 0.5, np.float32)
     runtime = SimpleNamespace(pool=SlotPool(np.array([4]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=8),
                               _route_ws=RouteWorkspace(), _first_in_route=False, _first=None,
-                              _route_entries=K.Entries("route_partition"))
+                              _route_entries=K.Entries("route_partition", _ROUTE_LOOSE))
     runtime._partition = lambda *args: OffloadRuntime._partition(runtime, *args)
 
     def plan(experts, counts, source):
@@ -383,19 +383,23 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
         _AccelLane.of(five, runtime.pool, *split)
 
 
-def test_entries_type_each_key_once_and_a_strided_argument_gets_its_own_entry():
+def test_entries_read_loose_arrays_by_their_strides_and_type_each_dtype_once():
     """An entry point reads its arguments as the types it was compiled for, without checking them: a strided array
-    passed to the entry of a contiguous one would be misread (here: rows 0, 5, 1 instead of 0, 1, 2, a wrong
-    False). The key is (dtype, C-contiguity), not the strides: a one-element slice with a step is contiguous and
-    shares the contiguous arrays' entry, a longer slice with the same strides gets its own."""
-    entries = K.Entries("rows_ready")
+    read as a contiguous one would give rows 0, 5, 1 instead of 0, 1, 2 (a wrong False). Loose arguments are
+    compiled as read-only arrays of any layout, so one entry per dtype reads contiguous, strided, one-element
+    and read-only arrays alike; a new dtype gets its own."""
+    entries = K.Entries("rows_ready", (0, 1))
     hold_layer, hold_expert, inflight = np.zeros(8, np.int64), np.arange(8, dtype=np.int64), np.zeros(8, np.int64)
     base = np.array([0, 5, 1, 6, 2, 7], np.int64)
-    for rows in (base[::2][:1], base[::2].copy(), base[::2]):  # [0] strided; [0, 1, 2] contiguous; the same strided
-        experts = rows.copy()
+    frozen = base[::2].copy()
+    frozen.flags.writeable = False
+    fns = set()
+    for rows in (base[::2][:1], base[::2].copy(), base[::2], frozen, base[::2].astype(np.int32)):
+        experts = rows[::-1].copy()[::-1]  # (the same values, contiguous)
         args = (rows, experts, 0, hold_layer, hold_expert, inflight)
-        fn = entries.get((rows.dtype, rows.flags.c_contiguous), args)
-        assert fn(*args) is True
-        assert fn(*args) == K._rows_ready(*args)
-    assert len(entries._by_key) == 2
-    assert entries.get((base.dtype, False), args) is fn  # (typed once per key)
+        fn = entries.get((rows.dtype, experts.dtype), args)
+        fns.add(fn)
+        assert fn(*args) is True and K._rows_ready(*args) is True
+        wrong = (rows, experts + 1, 0, hold_layer, hold_expert, inflight)
+        assert fn(*wrong) is False
+    assert len(fns) == 2 and len(entries._by_key) == 2  # int64, int32

@@ -18,7 +18,7 @@ from dali_exec.executor import kernels as K  # noqa: E402
 from dali_exec.executor.devices import Devices  # noqa: E402
 from dali_exec.executor.grouped import GroupIndex  # noqa: E402
 from dali_exec.executor.routing import LayerRouting  # noqa: E402
-from dali_exec.executor.runtime import OffloadRuntime, _device_indices  # noqa: E402
+from dali_exec.executor.runtime import _ROUTE_LOOSE, OffloadRuntime, _device_indices  # noqa: E402
 from dali_exec.executor.slots import SlotPool  # noqa: E402
 from dali_exec.executor.store import HostExpertStore  # noqa: E402
 from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace  # noqa: E402
@@ -88,7 +88,7 @@ def _runtime(capacity=30, experts=30):
     pool = SlotPool(np.array([capacity]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=experts)
     return SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _ws_routing=None,
                            _group_ws=GroupWorkspace(len(pool.slots), torch.device("cpu")), _first_in_route=True,
-                           _first=None, _route_entries=K.Entries("route_partition"))
+                           _first=None, _route_entries=K.Entries("route_partition", _ROUTE_LOOSE))
 
 
 def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give():

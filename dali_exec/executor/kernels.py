@@ -550,30 +550,38 @@ def compiled(name: str):
 
 
 class Entries:
-    """Kernel ``name`` called through its compiled entry points (``dali_sim.policies.kernels.entry``), one per
-    type key: the dispatcher types all of a call's arguments, about a microsecond each with cold caches (a
-    17-argument call measured 11-14 us of dispatch after a pass over 32 MiB on the 2-core VM, against 5-7 us
-    through the entry point; ``benchmarks/kernel_calls.py``). An entry point checks nothing: a caller passes
-    as ``key`` the dtype and C-contiguity (``flags.c_contiguous``) of every array whose type may change
-    between calls (any other argument must keep its type: the caller's own buffers), and each new key is
-    typed and compiled once by the dispatcher. Contiguity, not strides: numba reads a contiguous array by
-    its item size and any other by its strides, and the strides alone do not say which (a one-element slice
-    with a step is contiguous, a longer one with the same strides is not)."""
+    """Kernel ``name`` called through its compiled entry points, one per combination of the dtypes of its
+    ``loose`` arguments (positions of arrays whose type the caller does not fix: a trace's ids, a plan's
+    arrays), without numba's dispatcher, which types every argument at every call (about a microsecond each
+    with cold caches; ``benchmarks/kernel_calls.py`` measures what that saves once the caller has built the
+    key: 2-5 us per route call of 17 arguments, nothing for a group's call of 14). An entry point checks nothing and
+    reads its arguments as the types it was compiled for, so the loose arguments are compiled as read-only
+    arrays of any layout (numba's ``A``: read by their strides, whatever they are; the caller passes their
+    dtypes as ``key``) and every other argument must keep its type from call to call (the caller's own
+    buffers). A new key is typed and compiled once; the last one is found by a comparison of its dtypes (no
+    hashing: the key is built and compared while the caches are cold)."""
 
-    __slots__ = ("name", "_by_key")
+    __slots__ = ("name", "loose", "_by_key", "_last_key", "_last")
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, loose: tuple[int, ...]):
+        self.name, self.loose = name, frozenset(loose)
         self._by_key: dict = {}
+        self._last_key: tuple | None = None
+        self._last = None
 
     def get(self, key: tuple, args: tuple):
         """The entry point for ``key`` (made from ``args``, an example call with that key), or None without numba."""
+        if key == self._last_key:
+            return self._last
         fn = self._by_key.get(key)
         if fn is None:
             kernel = compiled(self.name)
             if kernel is None:
                 return None
-            fn = self._by_key[key] = _policy_kernels.entry(kernel, [args])
+            sig = tuple(kernel.typeof_pyval(a).copy(layout="A", readonly=True) if i in self.loose
+                        else kernel.typeof_pyval(a) for i, a in enumerate(args))
+            fn = self._by_key[key] = kernel.compile(sig)
+        self._last_key, self._last = key, fn
         return fn
 
 

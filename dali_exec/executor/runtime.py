@@ -40,6 +40,8 @@ from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
 
 _EMPTY = np.zeros(0, np.int64)
 _NO_GROUP = (np.zeros((7, 0), np.int64), np.zeros(0, np.float32), np.zeros(0, np.int32))  # (the route call's)
+#: the route call's arguments whose types the runtime does not fix: the trace's ids and the plan's four arrays
+_ROUTE_LOOSE = (0, 3, 4, 5, 6)
 
 
 class OffloadRuntime:
@@ -73,7 +75,7 @@ class OffloadRuntime:
         self._wait = [0.0] * L  # seconds the accelerator lane waited for weights, per layer
         self._bookkeeping = LayerSeconds(L)
         self._route_ws = RouteWorkspace(devices.accel)
-        self._route_entries = _kernels.Entries("route_partition")
+        self._route_entries = _kernels.Entries("route_partition", _ROUTE_LOOSE)
         self._ws_routing: LayerRouting | None = None  # the routing made of the route workspace's views
         self._out_buf: torch.Tensor | None = None  # the last layer's combine buffer (_combine_buffer)
         self._out_shape: tuple[int, int] = (-1, -1)  # its shape
@@ -283,9 +285,7 @@ class OffloadRuntime:
         flat, pe, pc, ps, pa = ids.reshape(-1), plan.experts, plan.counts, plan.source, plan.admitted
         args = (flat, weights.reshape(-1), k, pe, pc, ps, pa, pool.row_of, evicted,
                 np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi, ws.wf, gi, gw, go)
-        # the types of the arguments the runtime does not fix (both reshapes are contiguous; weights float32)
-        key = (flat.dtype, pe.dtype, pe.flags.c_contiguous, pc.dtype, pc.flags.c_contiguous, ps.dtype,
-               ps.flags.c_contiguous, pa.dtype, pa.flags.c_contiguous)
+        key = (flat.dtype, pe.dtype, pc.dtype, ps.dtype, pa.dtype)  # (_ROUTE_LOOSE's; the weights are float32)
         (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready) = \
             self._route_entries.get(key, args)(*args)
         # the first group (the ready and fetched experts), when written and its rows ready: used by _group
@@ -679,8 +679,8 @@ class OffloadRuntime:
         if first is not None and first[3] == g:  # the layer's first group, written (and checked) by the route call
             return self._written(g)
         ws = self._group_ws
-        if _kernels.compiled("group_index_into") is not None:
-            n, lo, span, ready = ws.build(routing, seg, rows, layer, pool)
+        if (kernel := _kernels.compiled("group_index_into")) is not None:
+            n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
         else:
             gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
             if not gi.rows_ready:

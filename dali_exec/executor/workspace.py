@@ -83,7 +83,7 @@ class GroupWorkspace:
     call can write a layer's first group with three arguments (``kernels._route_partition``)."""
 
     __slots__ = ("rows", "gi", "ints", "w", "small", "table_counts", "offs", "tensors", "_wrap", "_views",
-                 "_offs_views", "_entries")
+                 "_offs_views")
 
     def __init__(self, rows: int, device: torch.device, pairs: int = 0):
         self.rows = rows
@@ -92,7 +92,6 @@ class GroupWorkspace:
         self._wrap = device.type == "cpu"
         self._views: dict[int, tuple] = {}  # pairs -> the pair tensors' views
         self._offs_views: dict[int, torch.Tensor] = {}  # span -> the offsets' view
-        self._entries = _kernels.Entries("group_index_into")
         self._alloc(0)
         self.fit(pairs)
 
@@ -125,20 +124,14 @@ class GroupWorkspace:
             o = self._offs_views[span] = self.tensors[4].narrow(0, 0, span)
         return (*v, o)
 
-    def build(self, routing, seg: np.ndarray, rows: np.ndarray, layer: int, pool) -> tuple:
+    def build(self, kernel, routing, seg: np.ndarray, rows: np.ndarray, layer: int, pool) -> tuple:
         """The group of the experts ``seg`` (indices into ``routing.experts``) in slot ``rows``, checked
-        against ``pool``'s table in the same loop by the compiled ``kernels._group_index_into`` (numba must be
-        on): (pairs, lo, span, ready)."""
+        against ``pool``'s table in the same loop by ``kernel`` (the compiled ``kernels._group_index_into``):
+        (pairs, lo, span, ready)."""
         if len(routing.positions) > self.ints.shape[1]:
             self.fit(len(routing.positions))
-        ptr, pos, w, experts = routing.ptr, routing.positions, routing.weights, routing.experts
-        args = (ptr, pos, w, experts, seg, rows, routing.top_k, layer, pool.state, self.ints, self.w, self.small,
-                self.table_counts, self.offs)
-        # through an entry point (``kernels.Entries``), keyed by the arguments that are not this workspace's
-        key = (ptr.dtype, ptr.flags.c_contiguous, pos.dtype, pos.flags.c_contiguous, w.dtype, w.flags.c_contiguous,
-               experts.dtype, experts.flags.c_contiguous, seg.dtype, seg.flags.c_contiguous, rows.dtype,
-               rows.flags.c_contiguous)
-        return self._entries.get(key, args)(*args)
+        return kernel(routing.ptr, routing.positions, routing.weights, routing.experts, seg, rows, routing.top_k,
+                      layer, pool.state, self.ints, self.w, self.small, self.table_counts, self.offs)
 
 
 __all__ = ["GroupWorkspace", "RouteWorkspace"]
