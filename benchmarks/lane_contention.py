@@ -2,6 +2,7 @@
 
     python benchmarks/lane_contention.py                                   # DeepSeek-V2-Lite shape, scale 1/4, bf16
     python benchmarks/lane_contention.py --shape mixtral-8x7b --groups 1,2,3 --rounds 24 --json out.json
+    python benchmarks/lane_contention.py --groups 10 --rounds 40 --blocks 6 --gap-ms 0.5   # the patterns in blocks
 
 A layer of a system with experts on both lanes (``dali``) starts them together: the CPU lane's grouped call
 goes to its worker, which has slept since the last layer, and the accelerator lane's call runs in this
@@ -66,6 +67,42 @@ def measure(bench: Microbench, worker: CpuWorker, tokens: int, group: int, round
             "gpu_slowdown": med["gpu_together"] / med["gpu_alone"], "cpu_slowdown": med["cpu_together"] / med["cpu_alone"]}
 
 
+def blocks(bench: Microbench, worker: CpuWorker, tokens: int, group: int, rounds: int, gap_s: float,
+           n_blocks: int) -> list[dict]:
+    """``n_blocks`` blocks of ``rounds`` layers of each pattern in turn (the accelerator lane alone, the worker
+    asleep; the CPU lane alone on its worker, woken each layer, this thread waiting; both, as the runtime starts
+    them): the median of each per block. Each layer: a cache flush, then this thread busy for ``gap_s`` (the
+    dense part, which a layer runs on the accelerator lane while the worker sleeps), then the call(s). Where the
+    machine changes speed over seconds, one pattern's block may run at another speed than the next one's,
+    which :func:`measure`'s interleaving (the three patterns in every round) hides."""
+    acc, cpu = bench.expert_op("gpu", tokens, group), bench.expert_op("cpu", tokens, group)
+    flush = bench.flush("gpu")
+    out = []
+    for b in range(n_blocks):
+        runs: dict[str, list[float]] = {"gpu_alone": [], "cpu_alone": [], "gpu_together": [], "cpu_together": []}
+        for pattern in ("gpu", "cpu", "both"):
+            for r in range(rounds + 2):
+                flush()
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < gap_s:
+                    pass
+                job = worker.submit(_elapsed, cpu, r) if pattern != "gpu" else None
+                g = _elapsed(acc, r) if pattern != "cpu" else None
+                c = job.result() if job is not None else None
+                if r < 2:
+                    continue
+                if pattern == "both":
+                    runs["gpu_together"].append(g)
+                    runs["cpu_together"].append(c)
+                else:
+                    runs[f"{pattern}_alone"].append(g if pattern == "gpu" else c)
+        med = {k: float(np.median(v)) for k, v in runs.items()}
+        out.append({"block": b, "group": group, "tokens": tokens, **{f"{k}_ms": 1e3 * v for k, v in med.items()},
+                    "gpu_slowdown": med["gpu_together"] / med["gpu_alone"],
+                    "cpu_slowdown": med["cpu_together"] / med["cpu_alone"]})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="deepseek-v2-lite")
@@ -75,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--groups", default="1,4,10", help="experts per grouped call, comma-separated")
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--gap-ms", type=float, default=2.0, help="the worker's sleep before each call (between layers)")
+    p.add_argument("--blocks", type=int, default=0,
+                   help="instead: this many blocks of --rounds layers per pattern (blocks()), for the first group size")
     p.add_argument("--json", help="write the rows, the calibration's factors and the machine here")
     a = p.parse_args(argv)
     groups = [int(g) for g in a.groups.split(",") if g.strip()]
@@ -89,7 +128,17 @@ def main(argv=None) -> int:
         rows = []
         print(f"{model.name} ({a.dtype}), {a.tokens} token(s) per expert, medians of {a.rounds} rounds; load average "
               f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        print(f"{'experts':>7s} {'accel alone ms':>14s} {'cpu alone ms':>12s} {'accel together':>14s} {'cpu together':>12s}")
+        if a.blocks:
+            print(f"blocks of {a.rounds} layers per pattern, {groups[0]} experts per call (ms)")
+            print(f"{'block':>7s} {'accel alone':>11s} {'cpu alone':>9s} {'accel together':>14s} {'cpu together':>12s}")
+            rows = blocks(bench, worker, a.tokens, groups[0], a.rounds, a.gap_ms / 1e3, a.blocks)
+            for row in rows:
+                print(f"{row['block']:7d} {row['gpu_alone_ms']:11.3f} {row['cpu_alone_ms']:9.3f} "
+                      f"{row['gpu_together_ms']:14.3f} {row['cpu_together_ms']:12.3f}", flush=True)
+            groups = []
+        else:
+            print(f"{'experts':>7s} {'accel alone ms':>14s} {'cpu alone ms':>12s} {'accel together':>14s} "
+                  f"{'cpu together':>12s}")
         for g in groups:
             row = measure(bench, worker, a.tokens, g, a.rounds, a.gap_ms / 1e3)
             rows.append(row)
