@@ -48,3 +48,36 @@ def test_no_tensor_work_keeps_every_count_and_skips_the_computes(system, tmp_pat
     # and the patches are gone afterwards
     _, recomputed = replay()
     assert all(torch.equal(a.output, b.output) for a, b in zip(recomputed, computed))
+
+
+def test_kernel_calls_keeps_calls_whose_entry_points_answer_as_the_dispatcher(tmp_path):
+    """benchmarks/kernel_calls.py: every kept call, made through its entry point and through numba's dispatcher on
+    copies of the same arguments, returns the same values and writes the same arrays; the script's table has
+    both kernels."""
+    import json
+
+    import numpy as np
+
+    import kernel_calls
+    from dali_exec.executor import kernels as K
+    if K.compiled("route_partition") is None:
+        pytest.skip("numba is off")
+    path = tmp_path / "qwen.parquet"
+    synthesize(SynthConfig(model="qwen3-30b-a3b", sequences=8, prompt_len=0, gen_len=4, seed=1,
+                           lookahead=exec_overhead.LOOKAHEAD), path)
+    opts = ReplayOptions(layers=2, scale=1 / 32, sequences=8, max_tokens=4, dtype="fp32", precision="bf16")
+    calls = kernel_calls.capture(read_trace(path), "dali", opts, 8, {})  # (landed prefetches: later groups)
+    assert {name for name, *_ in calls} == {"route_partition", "group_index_into"}
+    for name, entry, args, _ in calls:
+        a, b = kernel_calls._copy(args), kernel_calls._copy(args)
+        assert entry(*a) == K.compiled(name)(*b)
+        for x, y in zip(a, b):
+            if isinstance(x, np.ndarray):
+                assert np.array_equal(x, y)
+    out = tmp_path / "calls.json"
+    assert kernel_calls.main(["--systems", "dali", "--layers", "2", "--scale", str(1 / 32), "--sequences", "8",
+                              "--max-tokens", "4", "--batch-size", "8", "--calls", "2", "--rounds", "1",
+                              "--flush-mib", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kernel"] for r in rows} == {"route_partition", "group_index_into"}
+    assert all(r["lookup_cold_us"] > 0 and r["dispatcher_warm_us"] > 0 for r in rows)
