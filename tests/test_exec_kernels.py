@@ -395,7 +395,7 @@ def test_entries_read_loose_arrays_by_their_strides_and_type_each_dtype_once():
     frozen.flags.writeable = False
     fns = set()
     for rows in (base[::2][:1], base[::2].copy(), base[::2], frozen, base[::2].astype(np.int32)):
-        experts = rows[::-1].copy()[::-1]  # (the same values, contiguous)
+        experts = rows[::-1].copy()[::-1]  # (the same values, in a view with a negative step)
         args = (rows, experts, 0, hold_layer, hold_expert, inflight)
         fn = entries.get((rows.dtype, experts.dtype), args)
         fns.add(fn)

@@ -554,10 +554,10 @@ class Entries:
     ``loose`` arguments (positions of arrays whose type the caller does not fix: a trace's ids, a plan's
     arrays), without numba's dispatcher, which types every argument at every call (about a microsecond each
     with cold caches; ``benchmarks/kernel_calls.py`` measures what that saves once the caller has built the
-    key: 2-5 us per route call of 17 arguments, nothing for a group's call of 14). An entry point checks nothing and
-    reads its arguments as the types it was compiled for, so the loose arguments are compiled as read-only
-    arrays of any layout (numba's ``A``: read by their strides, whatever they are; the caller passes their
-    dtypes as ``key``) and every other argument must keep its type from call to call (the caller's own
+    key: 2-5 us per route call of 17 arguments, nothing for a group's call of 14). An entry point checks
+    nothing and reads its arguments as the types it was compiled for, so the loose arguments are compiled as
+    read-only arrays of any layout (numba's ``A``: read by their strides, whatever they are; the caller passes
+    their dtypes as ``key``) and every other argument must keep its type from call to call (the caller's own
     buffers). A new key is typed and compiled once; the last one is found by a comparison of its dtypes (no
     hashing: the key is built and compared while the caches are cold)."""
 
@@ -585,5 +585,5 @@ class Entries:
         return fn
 
 
-__all__ = ["Entries", "FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY", "STAGED",
-           "TOO_WIDE", "compiled"]
+__all__ = ["Entries", "FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY",
+           "STAGED", "TOO_WIDE", "compiled"]
