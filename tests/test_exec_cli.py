@@ -197,6 +197,43 @@ def test_expert_share_and_fixed_part_of_a_grouped_call(monkeypatch):
     assert lsq_slope > 1.08e-5  # (what the old fit made of it)
 
 
+def test_both_lanes_expert_tables_are_timed_point_by_point_in_turn(monkeypatch):
+    """Microbench.lanes_expert_seconds times each (tokens, group size) point on every lane before the next point,
+    and fits each lane's line as expert_seconds does for that lane alone: a machine that slows down halfway
+    through slows both lanes' tables alike (here the second half of the calls 1.5x, and both lanes' share and
+    fixed part come out equal, where timing one lane's table after the other's would set them 1.5x apart)."""
+    from dali_exec.calibrate import micro
+    from dali_exec.executor.cpu_worker import CpuWorker
+    from dali_exec.executor.devices import Devices
+
+    model = scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32")
+    worker = CpuWorker(1)
+    order = []
+
+    def timed(self, lane, op):
+        order.append((lane, op))
+        slow = 1.5 if len(order) > 8 else 1.0  # (16 calls: 2 token counts x 4 group sizes x 2 lanes)
+        return slow * (7e-5 + op[1] * 1e-5 * op[0])
+    try:
+        bench = micro.Microbench(model, Devices.create("cpu", "fp32"), worker, MicroSettings(repeats=1, warmup=0))
+        monkeypatch.setattr(micro.Microbench, "expert_op", lambda self, lane, n, group=1: (n, group))
+        monkeypatch.setattr(micro.Microbench, "_timed", timed)
+        (gpu, gpu_fixed), (cpu, cpu_fixed) = bench.lanes_expert_seconds(("gpu", "cpu"), [1, 4])
+        order.clear()
+        alone = bench.expert_seconds("cpu", [1, 4])
+    finally:
+        worker.close()
+    assert gpu == pytest.approx(cpu) and gpu_fixed == pytest.approx(cpu_fixed)
+    assert gpu == pytest.approx([1e-5, 6e-5])  # (1 token at full speed, 4 tokens at 1.5x)
+    assert gpu_fixed == pytest.approx(7e-5 * 1.25)  # (the median of the two lines' intercepts)
+    assert alone == (pytest.approx([1e-5, 4e-5]), pytest.approx(7e-5))  # (its 8 calls all before the slowdown)
+    order.clear()
+    monkeypatch.setattr(micro.Microbench, "_timed", lambda self, lane, op: order.append(lane) or 1e-4)
+    monkeypatch.setattr(micro.Microbench, "expert_op", lambda self, lane, n, group=1: (n, group))
+    bench.lanes_expert_seconds(("gpu", "cpu"), [1])
+    assert order == ["gpu", "cpu"] * 4
+
+
 def test_tables_are_measured_in_rounds_and_each_point_keeps_its_median(monkeypatch):
     """Every table is measured once per round, round after round; a point slowed in one round of three (a
     spike of the shared machine) keeps the other rounds' value."""
@@ -207,17 +244,17 @@ def test_tables_are_measured_in_rounds_and_each_point_keeps_its_median(monkeypat
     assert profile.median_of_rounds([[[1.0, 5.0]], [[1.1, 50.0]], [[0.9, 5.5]]]) == [pytest.approx([1.0, 5.5])]
     calls = []
 
-    def expert_seconds(self, lane, tokens):
-        calls.append(lane)
-        spike = 4.0 if (lane == "cpu" and calls.count("cpu") == 2) else 1.0
-        return [1e-4 * n * spike for n in tokens], 1e-5
+    def lanes_expert_seconds(self, lanes, tokens):
+        calls.append(lanes)
+        spike = [4.0 if (lane == "cpu" and len(calls) == 2) else 1.0 for lane in lanes]
+        return tuple(([1e-4 * n * f for n in tokens], 1e-5) for f in spike)
 
-    monkeypatch.setattr(micro.Microbench, "expert_seconds", expert_seconds)
+    monkeypatch.setattr(micro.Microbench, "lanes_expert_seconds", lanes_expert_seconds)
     cfg = CalibrationConfig("mixtral-8x7b", scale=1 / 64, dtype="fp32", device="cpu", cpu_threads=1,
                             accel_threads=1, expert_tokens=(1, 2), dense_tokens=(1, 2), context_lens=(4,),
                             settings=MicroSettings(repeats=1, warmup=0, table_rounds=3), contention=False, host=None)
     p = calibrate(cfg)
-    assert calls == ["gpu", "cpu"] * 3  # round by round, not one table three times in a row
+    assert calls == [("gpu", "cpu")] * 3  # round by round, not one table three times in a row
     assert p.cpu_expert.seconds == pytest.approx((1e-4, 2e-4))
     with pytest.raises(ValueError, match="table_rounds must be >= 1"):
         MicroSettings(table_rounds=0)

@@ -244,17 +244,29 @@ class Microbench:
         a call of 3 simulated 9% slow, one of 1 1% fast); the repeated-medians line has 1.38 ms and 0.14 ms,
         within 1.2% of the measured calls of 1, 2, 3, 4 and 6 in that run (docs/hardware.md). A slope below zero (noise
         at tiny sizes) falls back to the largest call's mean per expert, a negative intercept to zero."""
+        return self.lanes_expert_seconds((lane,), tokens)[0]
+
+    def lanes_expert_seconds(self, lanes: tuple[str, ...], tokens: list[int]) -> tuple[tuple[list[float], float], ...]:
+        """:meth:`expert_seconds` of each of ``lanes`` (in that order), their calls interleaved: every (tokens,
+        group size) point is timed on each lane in turn, so the lanes' tables see the machine at the same moments
+        and a drift of its speed between two tables, a second or two apart, does not become a difference between
+        the lanes (docs/hardware.md, "The measured model")."""
         sizes = self.group_sizes()
         g = np.asarray(sizes, float)
-        per, fixed = [], []
-        for n in tokens:
-            t = np.asarray([self._timed(lane, self.expert_op(lane, n, size)) for size in sizes])
-            slope, intercept = robust_line(g, t)
-            if slope <= 0:
-                slope, intercept = t[-1] / g[-1], 0.0
-            per.append(float(slope))
-            fixed.append(max(float(intercept), 0.0))
-        return per, float(np.median(fixed))
+        out = []
+        times = [[[self._timed(lane, self.expert_op(lane, n, size)) for lane in lanes] for size in sizes]
+                 for n in tokens]  # [n][size][lane]
+        for j in range(len(lanes)):
+            per, fixed = [], []
+            for by_size in times:
+                t = np.asarray([point[j] for point in by_size])
+                slope, intercept = robust_line(g, t)
+                if slope <= 0:
+                    slope, intercept = t[-1] / g[-1], 0.0
+                per.append(float(slope))
+                fixed.append(max(float(intercept), 0.0))
+            out.append((per, float(np.median(fixed))))
+        return tuple(out)
 
     def wake_seconds(self, lane: str) -> float:
         """What a call of 2 one-token experts on ``lane`` costs more when the lane's thread slept

@@ -102,8 +102,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     elem = torch.empty((), dtype=devices.dtype).element_size()
     sizes = sorted({max(elem, int(f * xb) // elem * elem) for f in cfg.transfer_sizes})
     toks, dtoks, ctxs = list(cfg.expert_tokens), list(cfg.dense_tokens), list(cfg.context_lens)
-    tables = [("gpu_expert", lambda: bench.expert_seconds("gpu", toks)),
-              ("cpu_expert", lambda: bench.expert_seconds("cpu", toks)),
+    tables = [("experts", lambda: bench.lanes_expert_seconds(("gpu", "cpu"), toks)),  # (both lanes interleaved)
               ("h2d", lambda: bench.transfer_seconds(sizes)),
               ("gpu_dense", lambda: bench.dense_seconds("gpu", dtoks, ctxs)),
               ("cpu_dense", lambda: bench.dense_seconds("cpu", dtoks, ctxs))]
@@ -136,7 +135,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         worker.close()
     for key, _ in tables:
         results[key] = median_of_rounds([results.pop(f"{key}#{r}") for r in range(rounds)])
-    (gpu_expert, gpu_fixed), (cpu_expert, cpu_fixed) = results["gpu_expert"], results["cpu_expert"]
+    (gpu_expert, gpu_fixed), (cpu_expert, cpu_fixed) = results.pop("experts")
     tables = {
         "gpu_expert": CurveTable(tuple(map(float, toks)), tuple(gpu_expert)),
         "cpu_expert": CurveTable(tuple(map(float, toks)), tuple(cpu_expert)),
@@ -165,7 +164,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads},
         "experts": f"each expert's share of a grouped call: the slope of a repeated-medians (Siegel) line through calls of "
                    f"{', '.join(map(str, bench.group_sizes()))} experts; its intercept is the lane's fixed part "
-                   "per layer (lanes)",
+                   "per layer (lanes); the two lanes' calls interleaved, point by point",
         "statistic": f"per point the median over {cfg.settings.table_rounds} rounds (every table in turn) of the "
                      f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs"
                      + (", caches flushed before each run" if cfg.settings.cold else ""),
