@@ -62,6 +62,11 @@ def measure(bench: Microbench, worker: CpuWorker, tokens: int, group: int, round
         if r >= 2:
             for key, v in zip(runs, (ga, ca, gt, ct)):
                 runs[key].append(v)
+    return _row(runs, group, tokens)
+
+
+def _row(runs: dict[str, list[float]], group: int, tokens: int) -> dict:
+    """The medians (ms) of each lane alone and together, and the ratios together / alone."""
     med = {k: float(np.median(v)) for k, v in runs.items()}
     return {"group": group, "tokens": tokens, **{f"{k}_ms": 1e3 * v for k, v in med.items()},
             "gpu_slowdown": med["gpu_together"] / med["gpu_alone"], "cpu_slowdown": med["cpu_together"] / med["cpu_alone"]}
@@ -96,10 +101,7 @@ def blocks(bench: Microbench, worker: CpuWorker, tokens: int, group: int, rounds
                     runs["cpu_together"].append(c)
                 else:
                     runs[f"{pattern}_alone"].append(g if pattern == "gpu" else c)
-        med = {k: float(np.median(v)) for k, v in runs.items()}
-        out.append({"block": b, "group": group, "tokens": tokens, **{f"{k}_ms": 1e3 * v for k, v in med.items()},
-                    "gpu_slowdown": med["gpu_together"] / med["gpu_alone"],
-                    "cpu_slowdown": med["cpu_together"] / med["cpu_alone"]})
+        out.append({"block": b} | _row(runs, group, tokens))
     return out
 
 
