@@ -81,3 +81,29 @@ def test_kernel_calls_keeps_calls_whose_entry_points_answer_as_the_dispatcher(tm
     rows = json.loads(out.read_text())["rows"]
     assert {r["kernel"] for r in rows} == {"route_partition", "group_index_into"}
     assert all(r["lookup_cold_us"] > 0 and r["dispatcher_warm_us"] > 0 for r in rows)
+
+
+def test_cold_host_times_every_case_after_every_condition(tmp_path):
+    """benchmarks/cold_host.py: one row per (case, condition), the warm ratio 1, each spin as long as asked
+    and a pass over a buffer that adds to it; the JSON holds the same rows."""
+    import json
+
+    import cold_host
+
+    spun = []
+    conditions = cold_host.conditions([2.0], [1])
+    assert list(conditions) == ["warm", "spin 2 ms", "sleep 2 ms", "pass 1 MiB"]
+    conditions["count"] = lambda: spun.append(1)
+    table = cold_host.measure({"python call": lambda: None}, conditions, trials=3)
+    assert len(spun) == 3 and len(table) == 5
+    by = table.set_index("condition")
+    assert by.loc["warm", "ratio"] == 1.0
+    assert by.loc["spin 2 ms", "condition_ms"] >= 2.0 and by.loc["sleep 2 ms", "condition_ms"] >= 2.0
+    assert (table["us"] > 0).all()
+    out = tmp_path / "cold.json"
+    assert cold_host.main(["--trials", "2", "--spin-ms", "0.5", "--pass-mib", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["condition"] for r in rows} == {"warm", "spin 0.5 ms", "sleep 0.5 ms", "pass 1 MiB"}
+    assert {r["case"] for r in rows} >= {"python call", "Tensor.index_select", "time.thread_time"}
+    with pytest.raises(SystemExit):
+        cold_host.main(["--spin-ms", "0"])
