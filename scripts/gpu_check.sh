@@ -23,8 +23,8 @@
 #                       order is the other way round (default: 0.10)
 #   --python PY         interpreter (default: $PYTHON, else python3, else python)
 #   --no-runtime        skip the runtime step (host overhead per MoE layer, generate speed against plain
-#                       transformers: benchmarks/exec_overhead.py and generate_speed.py; 60 s, quick: 30 s,
-#                       printed to the log only)
+#                       transformers: benchmarks/exec_overhead.py and generate_speed.py, after
+#                       benchmarks/cold_host.py --quick; 60 s, quick: 30 s, printed to the log only)
 #   --dry-run           check the environment and print the commands, run nothing, write nothing
 #   -h, --help          this text
 # Exit status: 0 when every workload ran at least one system, every counter matched where it must and
@@ -193,6 +193,9 @@ if (( RUNTIME )); then
     case "$s" in dali|dali-plus|hybrimoe|mixtral-offloading) RT_LOOK+=("$s") ;; *) RT_PLAIN+=("$s") ;; esac
   done
   rt_plain=$(IFS=,; echo "${RT_PLAIN[*]}"); rt_look=$(IFS=,; echo "${RT_LOOK[*]}")
+  # does time alone empty this machine's caches (a shared core)? Then the overhead below reads the machine
+  run timeout --signal=INT --kill-after=5 10 "$PY" "$REPO/benchmarks/cold_host.py" --quick --json "$WORK/runtime-cold-host.json"
+  echo "runtime cold host: exit $? after $(( SECONDS - rt0 )) s"
   run timeout --signal=INT --kill-after=5 "$(( rt_share * 2 / 3 ))" "$PY" "$REPO/benchmarks/exec_overhead.py" \
     --device "$DEVICE" "${RT_OVERHEAD[@]}" --systems "$rt_plain" --lookahead-systems "$rt_look" \
     --json "$WORK/runtime-overhead.json"

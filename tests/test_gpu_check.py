@@ -74,6 +74,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert "--gpu-memory 24" in validate[0] and "--gpu-memory 12" in validate[1]
     assert re.search(r"--systems cpu-only\\?,gpu-lru\\?,dali", validate[0])
     assert any("gpu_check_summary.py" in c for c in cmds)
+    runtime = [c for c in cmds if "benchmarks/" in c]
+    assert [c.split("benchmarks/")[1].split()[0] for c in runtime] == ["cold_host.py", "exec_overhead.py",
+                                                                      "generate_speed.py"]
     assert "budget 300 s" in r.stdout and not out.exists()
     full = _run("--dry-run", "--device", "cpu", "--python", sys.executable, "--workloads", "deepseek")
     assert "--scale 1 --layers 6" in full.stderr and "mixtral" not in full.stderr
