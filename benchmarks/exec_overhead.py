@@ -37,8 +37,9 @@ dali and hybrimoe; ``ok`` says whether the measured median meets it.
 (the layouts return their input, the copies copy nothing) and leaves every decision and every line of
 bookkeeping as it is: what the host work costs when the core that runs it does not also run the tensor
 work, as on an accelerator that computes and copies by itself. On the CPU device the difference from a
-normal run is the cost of the caches the tensor work evicts (benchmarks/README.md, "Executor overhead").
-Its layer times and tokens/s mean nothing.
+normal run is the cost of the caches the tensor work evicts, or, on a machine whose core is shared, that
+the time it takes lets the machine evict (benchmarks/README.md, "Executor overhead" and "Time alone
+empties the caches here"). Its layer times and tokens/s mean nothing.
 """
 
 from __future__ import annotations
