@@ -128,6 +128,8 @@ def main(argv=None) -> int:
         ap.error(f"--spin-ms / --pass-mib: {e}")
     if a.trials < 1 or any(v <= 0 for v in spin_ms + pass_mib):
         ap.error("--trials, --spin-ms and --pass-mib must be positive")
+    if a.json is not None and not a.json.parent.is_dir():
+        ap.error(f"--json {a.json}: no such directory {a.json.parent}")
     torch.set_num_threads(1)
     table = measure(cases(), conditions(spin_ms, pass_mib), a.trials)
     machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "load_average": os.getloadavg(),

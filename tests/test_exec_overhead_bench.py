@@ -105,5 +105,7 @@ def test_cold_host_times_every_case_after_every_condition(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["condition"] for r in rows} == {"warm", "spin 0.5 ms", "sleep 0.5 ms", "pass 1 MiB"}
     assert {r["case"] for r in rows} >= {"python call", "Tensor.index_select", "time.thread_time"}
-    with pytest.raises(SystemExit):
-        cold_host.main(["--spin-ms", "0"])
+    for bad in (["--spin-ms", "0"], ["--pass-mib", "x"], ["--json", str(tmp_path / "no" / "cold.json")]):
+        with pytest.raises(SystemExit) as e:
+            cold_host.main(bad)
+        assert e.value.code == 2
