@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from dali_exec.executor.devices import cpu_name
-from dali_sim.policies.kernels import _numba
+from dali_sim.policies.kernels import jit
 
 
 def spin(seconds: float) -> None:
@@ -58,15 +58,16 @@ def cases() -> dict:
         "Tensor.index_select": lambda: x.index_select(0, index),
         "time.thread_time": time.thread_time,
     }
-    numba = _numba()
-    if numba is not None:  # (off: the case is left out)
-        @numba.njit(cache=False)
-        def five(a, b, c, d, e):  # pragma: no cover (compiled)
-            return a[0] + b[0] + c[0] + d[0] + e[0]
-
+    five = jit(_five)
+    if five is not None:  # (numba off: the case is left out)
         five(ids, ids, ids, ids, ids)
         out["numba call, 5 arrays"] = lambda: five(ids, ids, ids, ids, ids)
     return out
+
+
+def _five(a, b, c, d, e):
+    """A compiled call's body that does next to nothing with its five array arguments."""
+    return a[0] + b[0] + c[0] + d[0] + e[0]
 
 
 def conditions(spin_ms: list[float], pass_mib: list[int]) -> dict:

@@ -33,6 +33,8 @@ from dali_exec.executor.problem import DTYPE_PRECISION
 from dali_sim.models.presets import get_model
 from dali_sim.models.scaled import scale_model
 
+from cold_host import spin
+
 
 def _elapsed(fn, i: int) -> float:
     t0 = time.perf_counter()
@@ -88,9 +90,7 @@ def blocks(bench: Microbench, worker: CpuWorker, tokens: int, group: int, rounds
         for pattern in ("gpu", "cpu", "both"):
             for r in range(rounds + 2):
                 flush()
-                t0 = time.perf_counter()
-                while time.perf_counter() - t0 < gap_s:
-                    pass
+                spin(gap_s)
                 job = worker.submit(_elapsed, cpu, r) if pattern != "gpu" else None
                 g = _elapsed(acc, r) if pattern != "cpu" else None
                 c = job.result() if job is not None else None
