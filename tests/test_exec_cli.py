@@ -234,6 +234,46 @@ def test_both_lanes_expert_tables_are_timed_point_by_point_in_turn(monkeypatch):
     assert order == ["gpu", "cpu"] * 4
 
 
+def test_calibration_draws_its_copy_sources_and_dense_blocks_once(monkeypatch):
+    """A bench draws the host copies of its copy measurements and the dense blocks of its tables once and reuses
+    them (drawing a Mixtral copy source took 0.77 s on the 2-core VM, and the contention rounds asked for 40):
+    every copy op reads the same source into a destination of its own, every dense table of one device and kind
+    times the same blocks, and what is timed still runs."""
+    from dali_exec.calibrate import micro
+    from dali_exec.executor.cpu_worker import CpuWorker
+    from dali_exec.executor.devices import Devices
+
+    model = scale_model(get_model("deepseek-v2-lite"), 1 / 64, 2, "fp32")  # (a dense block, then MoE blocks)
+    made = []
+    block = micro.DenseBlock
+
+    def counted(*args, **kwargs):
+        made.append(args[2])  # (moe or not)
+        return block(*args, **kwargs)
+    monkeypatch.setattr(micro, "DenseBlock", counted)
+    worker = CpuWorker(1)
+    try:
+        bench = micro.Microbench(model, Devices.create("cpu", "fp32"), worker,
+                                 MicroSettings(repeats=1, warmup=0, rotate_bytes=1 << 20))
+        a, b = bench._copy_op(), bench._copy_op()
+        src = bench._copy_src[0]
+        assert bench._copy_op() is not a and bench._copy_src[0] is src  # (the same host copies)
+        ya, yb = a(1), b(1)
+        assert ya.data_ptr() != yb.data_ptr() and torch.equal(ya, src[1]) and torch.equal(yb, src[1])
+        first = bench.dense_seconds("gpu", [1, 2], [1, 4])
+        per_kind = len(made)
+        bench.dense_seconds("cpu", [1], [2])  # (the CPU device: both lanes' tables time the same blocks)
+        bench.prefill_seconds("gpu", [1], [2])
+        assert len(made) == per_kind >= 2
+        bench.dense_seconds("gpu", [1], [1], moe=False)
+        dense_only = made.count(False)
+        bench.dense_seconds("cpu", [2], [1], moe=False)
+        assert made.count(True) == per_kind and made.count(False) == dense_only >= 2
+    finally:
+        worker.close()
+    assert len(first) == 2 and all(len(row) == 2 and min(row) > 0 for row in first)
+
+
 def test_tables_are_measured_in_rounds_and_each_point_keeps_its_median(monkeypatch):
     """Every table is measured once per round, round after round; a point slowed in one round of three (a
     spike of the shared machine) keeps the other rounds' value."""

@@ -165,7 +165,11 @@ class Microbench:
         self.cuda = devices.accel if devices.is_cuda else None
         self.gen = torch.Generator().manual_seed(settings.seed)
         self._flush = {lane: _Flush(devices.of(lane)) for lane in ("gpu", "cpu")} if settings.cold else {}
+        # drawn once per bench and reused by every measurement (one thread draws about 200 M values/s: a Mixtral
+        # copy source of 256 MiB took 0.77 s on the 2-core VM, and the contention rounds asked for 40 of them)
         self._weights: dict[str, tuple[torch.Tensor, int]] = {}
+        self._copy_src: tuple[torch.Tensor, int] | None = None
+        self._blocks: dict[tuple[str, bool], list[DenseBlock]] = {}  # by (device, MoE block or not)
 
     def _copies(self, nbytes: int) -> int:
         return int(min(self.s.max_copies, max(2, math.ceil(self.s.rotate_bytes / max(nbytes, 1)))))
@@ -354,11 +358,15 @@ class Microbench:
         return out
 
     def _copy_op(self):
-        """``fn(i)``: one expert's host-to-accelerator copy as the copy lane makes it (pinned on CUDA)."""
+        """``fn(i)``: one expert's host-to-accelerator copy as the copy lane makes it (pinned on CUDA), from host
+        copies drawn once per bench, into a destination of its own."""
         dt, numel = self.dev.dtype, self.layout.numel
-        k = self._copies(numel * torch.empty((), dtype=dt).element_size())
-        src = torch.empty((k, numel), dtype=dt, pin_memory=self.dev.is_cuda)
-        src.uniform_(generator=self.gen)
+        if self._copy_src is None:
+            k = self._copies(numel * torch.empty((), dtype=dt).element_size())
+            src = torch.empty((k, numel), dtype=dt, pin_memory=self.dev.is_cuda)
+            src.uniform_(generator=self.gen)
+            self._copy_src = (src, k)
+        src, k = self._copy_src
         dst = torch.empty((numel,), dtype=dt, device=self.dev.accel)
         return lambda i: dst.copy_(src[i % k], non_blocking=self.dev.is_cuda)
 
@@ -423,12 +431,16 @@ median over ``contention_rounds`` rounds of (alone, under load):
     def _dense_grid(self, lane: str, moe: bool, cells: list[list[tuple]]) -> list[list[float]]:
         """Seconds of the dense part for each cell ``(KV slot of each token, its position, slots, context)``."""
         device = self.dev.of(lane)
-        block = self.model.moe_layers[0] if moe else next(b for b in range(self.model.num_layers)
-                                                         if b not in set(self.model.moe_layers))
-        probe = DenseBlock(self.model, block, moe, self.dev.dtype, device, self.s.seed)
-        k = self._copies(probe.nbytes)
-        blocks = [probe] + [DenseBlock(self.model, block, moe, self.dev.dtype, device, self.s.seed + 1 + i)
-                            for i in range(k - 1)]
+        key = (str(device), moe)
+        blocks = self._blocks.get(key)
+        if blocks is None:  # (the same seeded blocks every time: made once per device and kind)
+            block = self.model.moe_layers[0] if moe else next(b for b in range(self.model.num_layers)
+                                                             if b not in set(self.model.moe_layers))
+            probe = DenseBlock(self.model, block, moe, self.dev.dtype, device, self.s.seed)
+            blocks = self._blocks[key] = [probe] + [
+                DenseBlock(self.model, block, moe, self.dev.dtype, device, self.s.seed + 1 + i)
+                for i in range(self._copies(probe.nbytes) - 1)]
+        k = len(blocks)
         rows = []
         for cells_of_row in cells:
             row = []
