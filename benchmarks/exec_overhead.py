@@ -39,7 +39,8 @@ bookkeeping as it is: what the host work costs when the core that runs it does n
 work, as on an accelerator that computes and copies by itself. On the CPU device the difference from a
 normal run is the cost of the caches the tensor work evicts, or, on a machine whose core is shared, that
 the time it takes lets the machine evict (benchmarks/README.md, "Executor overhead" and "Time alone
-empties the caches here"). Its layer times and tokens/s mean nothing.
+empties the caches here"). Its layer times and tokens/s mean nothing. CPU device only: on CUDA the tensor
+work does not run on the host's core in the first place.
 """
 
 from __future__ import annotations
@@ -198,12 +199,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="scale 1/16, 4 layers, 2 sequences x 16 tokens, batch 2 at most, 1 repeat")
     ap.add_argument("--no-tensor-work", action="store_true",
                     help="expert computes, dense blocks and expert copies as no-ops: the host work alone, without "
-                         "the caches the tensor work evicts (layer times then mean nothing)")
+                         "the caches the tensor work evicts (layer times then mean nothing); CPU device only")
     ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
     a = ap.parse_args(argv)
     if a.quick:
         a.scale, a.layers, a.sequences, a.max_tokens, a.repeats = 1 / 16, 4, 2, 16, 1
         a.batch_size = min(a.batch_size, a.sequences)  # (the default batch of 4 exceeds the 2 sequences)
+    if a.no_tensor_work and (a.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda":
+        # (its no-ops return no CUDA events; there the tensor work runs on the GPU, not on the host's core)
+        ap.error("--no-tensor-work is for the CPU device only (give --device cpu)")
     device = resolve_device(a.device)
     dtype = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
     opts = ReplayOptions(layers=a.layers, scale=a.scale, sequences=a.sequences, max_tokens=a.max_tokens, dtype=dtype,

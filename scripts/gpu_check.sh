@@ -117,6 +117,10 @@ EOF
 }
 LACKS=$(missing_of torch numpy pandas pyarrow scipy matplotlib)
 [[ -z "$LACKS" ]] || die "$PY cannot import: $LACKS (needed; not carried as wheels)"
+# the executor's dense part calls F.scaled_dot_product_attention(..., enable_gqa=...), new in torch 2.5
+TORCH_OLD=$("$PY" -c 'import torch; v = torch.__version__; print("" if tuple(int(x) for x in v.split("+")[0].split(".")[:2]) >= (2, 5) else v)' 2>&1) \
+  || die "$PY cannot import torch: $(tail -n 1 <<< "$TORCH_OLD")"
+[[ -z "$TORCH_OLD" ]] || die "$PY has torch $TORCH_OLD; the executor needs torch >= 2.5"
 read -r -a MISSING <<< "$(missing_of simpy click tqdm)"
 SITE=${DALI_SITE:-/tmp/dali-site}
 EXTRA=""

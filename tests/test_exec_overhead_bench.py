@@ -50,6 +50,15 @@ def test_no_tensor_work_keeps_every_count_and_skips_the_computes(system, tmp_pat
     assert all(torch.equal(a.output, b.output) for a, b in zip(recomputed, computed))
 
 
+def test_no_tensor_work_is_refused_on_cuda(capsys):
+    """On CUDA the no-ops would hand the staging loop floats where it waits for events, and the tensor work
+    runs on the GPU anyway: the option is refused in one line, exit status 2, before anything runs."""
+    with pytest.raises(SystemExit) as e:
+        exec_overhead.main(["--no-tensor-work", "--device", "cuda", "--quick"])
+    assert e.value.code == 2
+    assert "--no-tensor-work is for the CPU device only" in capsys.readouterr().err
+
+
 def test_kernel_calls_keeps_calls_whose_entry_points_answer_as_the_dispatcher(tmp_path):
     """benchmarks/kernel_calls.py: every kept call, made through its entry point and through numba's dispatcher on
     copies of the same arguments, returns the same values and writes the same arrays; the script's table has

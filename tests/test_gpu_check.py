@@ -61,6 +61,21 @@ def test_help_and_bad_arguments():
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
 
 
+def test_an_old_torch_is_refused_up_front(tmp_path):
+    """A torch older than 2.5 (no enable_gqa in scaled_dot_product_attention) stops the check before anything
+    runs, naming the version, exit status 2; so does a torch that cannot be imported."""
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "2.4.1+cu121"\n')
+    env = {"PYTHONPATH": str(tmp_path / "site")}
+    r = _run("--device", "cpu", "--quick", "--dry-run", "--python", sys.executable, env=env)
+    assert r.returncode == 2 and "has torch 2.4.1+cu121; the executor needs torch >= 2.5" in r.stderr, r.stderr
+    (fake / "__init__.py").write_text('raise ImportError("broken build")\n')
+    r = _run("--device", "cpu", "--quick", "--dry-run", "--python", sys.executable, env=env)
+    assert r.returncode == 2 and "cannot import torch: ImportError: broken build" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     r = _run("--device", "cpu", "--quick", "--dry-run", "--out", str(out), "--python", sys.executable)
