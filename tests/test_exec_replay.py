@@ -168,6 +168,36 @@ def test_a_store_of_another_shape_is_refused(mix):
         Replay(setup, Devices.create("cpu", TINY.dtype), CPU_RUN, store=other)
 
 
+def test_dense_blocks_are_drawn_once_and_shared_by_replays_of_the_same_model(mix):
+    """Given the same DenseWeights, replays of two systems compute with the very same block objects, drawn by the
+    first; their layer outputs equal those of replays that drew their own blocks; blocks of another seed or dtype
+    are refused."""
+    from dali_exec.executor.dense import DenseWeights
+
+    devices = Devices.create("cpu", TINY.dtype)
+    setups = [prepare_replay(mix, system, TINY, batch_size=BATCH) for system in ("gpu-lru", "cpu-only")]
+    dense = DenseWeights(setups[0].model, devices.dtype, 0)
+
+    def outputs(setup, **kw):
+        replay = Replay(setup, devices, CPU_RUN, **kw)
+        records = []
+        try:
+            replay.run(records.append)
+        finally:
+            replay.close()
+        return replay.blocks, [r.output for r in records]
+
+    shared = [outputs(setup, dense=dense) for setup in setups]
+    assert shared[0][0] is shared[1][0] is dense.on(torch.device("cpu"))
+    for setup, (_, outs) in zip(setups, shared):
+        blocks, own = outputs(setup)
+        assert blocks is not shared[0][0]
+        assert len(own) == len(outs) > 0 and all(torch.equal(a, b) for a, b in zip(own, outs))
+    for other in (DenseWeights(setups[0].model, devices.dtype, 1), DenseWeights(setups[0].model, torch.bfloat16, 0)):
+        with pytest.raises(ValueError, match="dense blocks .* do not fit"):
+            Replay(setups[0], devices, CPU_RUN, dense=other)
+
+
 def test_delayed_copies_are_waited_for(mix):
     records = []
     slow = ExecOptions(device="cpu", cpu_threads=1, accel_threads=1, copy_delay_s=0.003)

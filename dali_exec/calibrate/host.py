@@ -37,6 +37,7 @@ from scipy.optimize import nnls
 from dali_exec.executor.devices import Devices
 from dali_exec.executor.problem import ReplayOptions, prepare_replay
 from dali_exec.executor.replay import ExecOptions, Replay
+from dali_exec.executor.dense import DenseWeights
 from dali_exec.executor.store import HostExpertStore
 from dali_sim.hardware.measured import HostCosts
 from dali_sim.models.spec import ModelSpec
@@ -99,7 +100,7 @@ def _critical_busy(result, steps: int) -> np.ndarray:
 
 
 def _bookkeeping_rows(trace: Trace, opts: ReplayOptions, devices: Devices, run: ExecOptions,
-                      store: HostExpertStore, s: HostSettings):
+                      store: HostExpertStore, s: HostSettings, *, dense: DenseWeights | None = None):
     """(rows of [layer visits, GPU experts, CPU experts, copies], unexplained seconds) per step of the
     replays."""
     X, y = [], []
@@ -109,7 +110,7 @@ def _bookkeeping_rows(trace: Trace, opts: ReplayOptions, devices: Devices, run: 
     for system, over in (("cpu-only", None), ("gpu-static", full), ("gpu-lru", serial_copies)):
         for batch in s.batch_sizes:
             setup = prepare_replay(trace, system, opts, batch_size=batch, overrides=over)
-            replay = Replay(setup, devices, run, seed=s.seed, store=store)
+            replay = Replay(setup, devices, run, seed=s.seed, store=store, dense=dense)
             try:
                 replay.run()  # warm-up (lazy initialisation)
                 result = replay.run()
@@ -131,7 +132,7 @@ def _bookkeeping_rows(trace: Trace, opts: ReplayOptions, devices: Devices, run: 
 
 
 def decision_seconds(trace: Trace, opts: ReplayOptions, devices: Devices, run: ExecOptions,
-                     store: HostExpertStore, s: HostSettings) -> dict[str, float]:
+                     store: HostExpertStore, s: HostSettings, *, dense: DenseWeights | None = None) -> dict[str, float]:
     """Median wall seconds per layer visit of the policies' decisions (``Controller.plan`` and counting: the
     replay's ``host`` intervals) in one replay of each preset of ``s.systems``, by default of every preset
     that can run on the workload with the default budget scaled to the replay (as a validation runs it); a
@@ -144,7 +145,7 @@ def decision_seconds(trace: Trace, opts: ReplayOptions, devices: Devices, run: E
             if s.systems:
                 raise ValueError(f"host decisions of system {system!r}: {exc}") from None
             continue
-        replay = Replay(setup, devices, run, seed=s.seed, store=store)
+        replay = Replay(setup, devices, run, seed=s.seed, store=store, dense=dense)
         try:
             result = replay.run()
         finally:
@@ -162,10 +163,11 @@ def measure_host_costs(model: ModelSpec, scale: float, dtype: str, devices: Devi
         opts = ReplayOptions(scale=scale, layers=min(s.layers, model.num_moe_layers), dtype=dtype)
         setup = prepare_replay(trace, "cpu-only", opts)
         store = HostExpertStore.random(setup.model, devices.dtype, s.seed, pin=devices.is_cuda)
+        dense = DenseWeights(setup.model, devices.dtype, s.seed)
         run = dataclasses.replace(run, progress=False)
-        X, y = _bookkeeping_rows(trace, opts, devices, run, store, s)
+        X, y = _bookkeeping_rows(trace, opts, devices, run, store, s, dense=dense)
         coef, _ = nnls(X, np.maximum(y, 0.0))
-        decisions = decision_seconds(trace, opts, devices, run, store, s)
+        decisions = decision_seconds(trace, opts, devices, run, store, s, dense=dense)
     return HostCosts(layer_s=float(coef[0]), gpu_expert_s=float(coef[1]), cpu_expert_s=float(coef[2]),
                      copy_s=float(coef[3]), decision_s=decisions)
 

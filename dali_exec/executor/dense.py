@@ -139,3 +139,27 @@ class DenseBlock:
         if self.moe:
             tensors.append(self.router)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class DenseWeights:
+    """A model's dense blocks (every block's :class:`DenseBlock`, random weights fixed by ``seed``), drawn once
+    per device and shared by every replay of the same model, dtype and seed that is given them, as the expert
+    store is: a validation replays each system twice or more, and one thread draws about 200 M values/s
+    (DeepSeek-V2-Lite's seven blocks at full size took 2.0 s on the 2-core VM). A block holds only weights (the
+    KV cache is the replay's), so replays can share it."""
+
+    def __init__(self, model: ModelSpec, dtype: torch.dtype, seed: int = 0):
+        self.model, self.dtype, self.seed = model, dtype, seed
+        self._on: dict[str, list[DenseBlock]] = {}
+
+    def fits(self, model: ModelSpec, dtype: torch.dtype, seed: int) -> bool:
+        return self.model == model and self.dtype == dtype and self.seed == seed
+
+    def on(self, device: torch.device) -> list[DenseBlock]:
+        """The blocks on ``device``, drawn the first time they are asked for there."""
+        blocks = self._on.get(str(device))
+        if blocks is None:
+            moe = set(self.model.moe_layers)
+            blocks = self._on[str(device)] = [DenseBlock(self.model, b, b in moe, self.dtype, device, self.seed)
+                                              for b in range(self.model.num_layers)]
+        return blocks

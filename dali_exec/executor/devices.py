@@ -104,8 +104,11 @@ class Devices:
         return host_memory_bytes()
 
     def accel_free_bytes(self) -> int:
+        """Bytes an allocation can still get: on CUDA the device's free memory plus what torch's caching allocator
+        holds unused (``mem_get_info`` counts that as taken; a replay's freed slots go there)."""
         if self.is_cuda:
-            return int(torch.cuda.mem_get_info(self.accel)[0])
+            cached = torch.cuda.memory_reserved(self.accel) - torch.cuda.memory_allocated(self.accel)
+            return int(torch.cuda.mem_get_info(self.accel)[0]) + int(cached)
         return host_memory_bytes(available=True)
 
     def describe(self) -> dict:

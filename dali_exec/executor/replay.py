@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dali_exec.executor.dense import DenseBlock, KVCache, StepAttention
+from dali_exec.executor.dense import DenseBlock, DenseWeights, KVCache, StepAttention
 from dali_exec.executor.devices import Devices, lane_threads
 from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_replay
 from dali_exec.executor.result import assemble_result
@@ -66,9 +66,9 @@ class Replay:
     """The objects of one replay; :meth:`run` executes the whole workload once."""
 
     def __init__(self, setup: ReplaySetup, devices: Devices, opts: ExecOptions, *, seed: int = 0,
-                 store: HostExpertStore | None = None):
-        """``store``: reuse the host weights of an earlier replay of the same model, dtype and seed
-        (they are deterministic; drawing them is the slowest part of the setup)."""
+                 store: HostExpertStore | None = None, dense: DenseWeights | None = None):
+        """``store`` and ``dense``: reuse the host expert weights and the dense blocks of an earlier replay of the
+        same model, dtype and seed (they are deterministic; drawing them is the slowest part of the setup)."""
         self.setup, self.dev, self.opts, self.seed = setup, devices, opts, seed
         self.cpu_threads, self.accel_threads = opts.threads(devices)
         s = setup.sysconf
@@ -88,9 +88,12 @@ class Replay:
                              f"{model.name} in {devices.dtype_name}{' (pinned)' if devices.is_cuda else ''}")
         self.store = store
         self.dense_device = devices.of(s.dense_device)
-        moe = set(model.moe_layers)
-        self.blocks = [DenseBlock(model, b, b in moe, devices.dtype, self.dense_device, seed)
-                       for b in range(model.num_layers)]
+        if dense is None:
+            dense = DenseWeights(model, devices.dtype, seed)
+        elif not dense.fits(model, devices.dtype, seed):
+            raise ValueError(f"the given dense blocks ({dense.model.name}, {dense.dtype}, seed {dense.seed}) do not "
+                             f"fit {model.name} in {devices.dtype_name} with seed {seed}")
+        self.blocks = dense.on(self.dense_device)
         seqs = w.sequences
         self.slot_of_seq = dict(zip(seqs["seq_id"].tolist(), (np.arange(len(seqs)) % w.config.batch_size).tolist()))
         context = int(setup.trace.pos.max()) + 1
@@ -103,13 +106,16 @@ class Replay:
         self.runtime.load(self.controller.initial_resident)
 
     def _check_accelerator_memory(self) -> None:
+        """The expert slots, allocated next, must fit what the accelerator has free (the dense blocks and the KV
+        cache already hold theirs)."""
         m, model = self.setup.memory, self.setup.model
         slots = (int(m.capacities.sum()) + m.prefetch_slots + m.staging_slots) * model.expert_bytes
-        on_accel = slots + (sum(b.nbytes for b in self.blocks) + self.kv.nbytes if self.dense_device == self.dev.accel else 0)
         free = self.dev.accel_free_bytes()
-        if self.dev.is_cuda and on_accel > free:
-            raise ValueError(f"the replay needs {on_accel / 2**30:.2f} GiB on {self.dev.accel_name()} but "
-                             f"{free / 2**30:.2f} GiB are free: lower --gpu-memory or --scale, or use fewer --layers")
+        if self.dev.is_cuda and slots > free:
+            dense = sum(b.nbytes for b in self.blocks) + self.kv.nbytes if self.dense_device == self.dev.accel else 0
+            raise ValueError(f"the replay's expert slots need {slots / 2**30:.2f} GiB on {self.dev.accel_name()} but "
+                             f"{free / 2**30:.2f} GiB are free (its dense blocks and KV cache hold "
+                             f"{dense / 2**30:.2f} GiB): lower --gpu-memory or --scale, or use fewer --layers")
 
     def _step_input(self, step: int, tokens: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(derive_seed(self.seed, STEP_INPUT, step))

@@ -29,6 +29,7 @@ from dali_exec.calibrate.micro import llc_bytes
 from dali_exec.executor.devices import Devices, cpu_name
 from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_replay
 from dali_exec.executor.replay import ExecOptions, Replay
+from dali_exec.executor.dense import DenseWeights
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.validate.compare import Thresholds, compare, lanes_overlap_seconds, rank_agreement, verdict
 from dali_exec.validate.drift import ProbeReading, SpeedProbe, drift_warning, overlap_warning, spread_warnings
@@ -252,18 +253,19 @@ def _simulate(setup: ReplaySetup, profile: str, cfg: ValidationConfig, tmp: Path
 
 
 def _execute(trace: Trace, system: str, opts: ReplayOptions, run: ExecOptions, kw: dict, devices: Devices,
-             store: HostExpertStore, profile_path: str, cfg: ValidationConfig):
+             store: HostExpertStore, dense: DenseWeights, profile_path: str, cfg: ValidationConfig):
     """Warm up and execute one system once: (setup, executed result)."""
     setup = prepare_replay(trace, system, opts, hardware=profile_path, **kw)
     if cfg.warmup:
         wsetup = prepare_replay(trace, system, _warmup_options(setup, opts), hardware=profile_path, **kw)
-        warm = Replay(wsetup, devices, dataclasses.replace(run, progress=False), seed=cfg.seed, store=store)
+        warm = Replay(wsetup, devices, dataclasses.replace(run, progress=False), seed=cfg.seed, store=store,
+                      dense=dense)
         try:
             warm.run()
         finally:
             warm.close()
         del warm
-    replay = Replay(setup, devices, run, seed=cfg.seed, store=store)
+    replay = Replay(setup, devices, run, seed=cfg.seed, store=store, dense=dense)
     try:
         executed = replay.run()
         len(executed.intervals)  # resolved now: unresolved, they hold the copies' tickets, hence the run's slots
@@ -330,6 +332,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
     say(f"drawing the host weights of {model.name} ({model.num_moe_layers} x {model.num_experts} experts, "
         f"{model.expert_bytes * model.num_moe_layers * model.num_experts / 2**30:.2f} GiB)")
     store = HostExpertStore.random(model, devices.dtype, cfg.seed, pin=devices.is_cuda, progress=progress)
+    dense = DenseWeights(model, devices.dtype, cfg.seed)  # (drawn by the first replay on each device)
     report = ValidationReport(settings={
         "command": command, "dali_version": __version__,
         "trace": str(trace.path) if trace.path else None, "full_model": setup0.full_model.name,
@@ -372,7 +375,8 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                     continue
                 t0 = time.perf_counter()
                 try:
-                    setup, executed = _execute(trace, system, opts, run, kw[system], devices, store, profile_path, cfg)
+                    setup, executed = _execute(trace, system, opts, run, kw[system], devices, store, dense,
+                                               profile_path, cfg)
                     if not round_:
                         simulated[system] = _simulate(setup, profile_path, cfg, Path(tmpdir))
                 except Exception as exc:  # one system's failure must not lose the others (KeyboardInterrupt passes)
