@@ -278,3 +278,16 @@ def test_gpt_oss_trace_scaled_in_bf16():
     # the same slots per layer as the full model's plan on the profile's 24 GiB
     assert setup.memory.capacities.tolist() == setup.full_memory.capacities[:2].tolist()
     assert math.isclose(result.summary["bytes_h2d"], result.summary["transfers"] * setup.model.expert_bytes)
+
+
+def test_default_lane_threads_leave_the_main_and_copy_threads_a_core_each_on_cuda(monkeypatch):
+    from dali_exec.executor import devices
+
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 16)
+    assert devices.lane_threads(True, None, None) == (14, None)
+    assert devices.lane_threads(True, 3, None) == (3, None)
+    assert devices.lane_threads(False, None, None) == (8, 8)
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 2)
+    assert devices.lane_threads(True, None, None) == (1, None)
+    with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
+        devices.lane_threads(True, 0, None)

@@ -52,14 +52,17 @@ def resolve_device(device: str | None) -> torch.device:
 
 def lane_threads(is_cuda: bool, cpu_threads: int | None, accel_threads: int | None) -> tuple[int, int | None]:
     """Threads of the CPU lane and (on the CPU device) of the accelerator lane. Defaults: with CUDA all
-    cores but one (left to the main and copy threads) for the CPU lane; without CUDA half the cores
-    each (the two lanes share the CPU)."""
+    cores but two for the CPU lane, one left to the main thread (it issues the accelerator's work) and one
+    to the copy thread (its waits for copies spin, as CUDA's waits do by default with one context per
+    core); with only one left, the three would keep a core more busy than there are, and a parallel region
+    of the CPU lane waits for whichever of its threads is preempted. Without CUDA half the cores each (the
+    two lanes share the CPU)."""
     cores = os.cpu_count() or 1
     for name, v in (("cpu_threads", cpu_threads), ("accel_threads", accel_threads)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if is_cuda:
-        return cpu_threads or max(1, cores - 1), None
+        return cpu_threads or max(1, cores - 2), None
     cpu = cpu_threads or max(1, cores // 2)
     return cpu, accel_threads or max(1, cores - cpu)
 

@@ -39,7 +39,7 @@ class ExecOptions:
     """How to run (CLI: ``dali exec run``)."""
 
     device: str | None = None  # cuda | cpu | cuda:N; None = CUDA if present
-    cpu_threads: int | None = None  # CPU lane threads; default: all cores but one (CUDA), half of them (CPU device)
+    cpu_threads: int | None = None  # CPU lane threads; default: all cores but two (CUDA), half of them (CPU device)
     accel_threads: int | None = None  # accelerator lane threads when it is the CPU device; default: the rest
     copy_delay_s: float = 0.0  # tests: hold every copy back this long
     progress: bool = False

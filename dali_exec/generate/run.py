@@ -63,7 +63,7 @@ class GenerateOptions:
     residual: str | Path | ResidualVectors | None = None  # residual vectors (``dali trace calibrate-residual``)
     frequencies_from: str | Path | None = None  # a prior trace of the model: per-expert frequencies
     device: str | None = None  # the accelerator: cuda | cpu | cuda:N; None = CUDA if present
-    cpu_threads: int | None = None  # CPU lane; default: all cores but one (CUDA), the process's count (CPU device)
+    cpu_threads: int | None = None  # CPU lane; default: all cores but two (CUDA), the process's count (CPU device)
     accel_threads: int | None = None  # main thread on the CPU device; default: unchanged
     copy_delay_s: float = 0.0  # tests: hold every copy back this long
     padding: str = "exact"  # rows outside the workload (padding, stopped sequences): exact | skip (session.PADDING)

@@ -307,7 +307,7 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
 @click.option("--gpu-memory", type=GIB_TYPE, help="GPU memory budget in GiB (default: the profile's).")
 @policy_options
 @click.option("--seed", default=0, show_default=True, type=SEED_TYPE, help="Seed of the policies.")
-@click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores but one with CUDA; "
+@click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores but two with CUDA; "
                                               "the process's thread count on the CPU device).")
 @click.option("--accel-threads", type=int, help="Threads of the main thread on the CPU device (default: unchanged).")
 @click.option("--timeline", type=click.Path(path_type=Path), help="Write a Chrome/Perfetto trace JSON here.")
