@@ -291,3 +291,33 @@ def test_default_lane_threads_leave_the_main_and_copy_threads_a_core_each_on_cud
     assert devices.lane_threads(True, None, None) == (1, None)
     with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
         devices.lane_threads(True, 0, None)
+
+
+def test_random_weights_drawn_on_threads_are_those_of_one_thread(monkeypatch):
+    """Experts and dense blocks each have their own generator, so the store and the dense blocks drawn by a pool of
+    threads equal those drawn by one thread, and an expert regenerated alone equals its row."""
+    from dali_exec.executor import dense as dense_mod
+    from dali_exec.executor import store as store_mod
+    from dali_exec.executor.dense import DenseWeights
+    from dali_exec.executor.ffn import ExpertLayout, init_expert_
+    from dali_exec.executor.store import EXPERT, derive_seed
+
+    from dali_sim.models.presets import get_model
+    from dali_sim.models.scaled import scale_model
+
+    model = scale_model(get_model("deepseek-v2-lite"), 1 / 64, 3, "fp32")  # (a dense block, then MoE blocks)
+    cpu = torch.device("cpu")
+    many = HostExpertStore.random(model, torch.float32, 7)
+    blocks = DenseWeights(model, torch.float32, 7).on(cpu)
+    for module in (store_mod, dense_mod):
+        monkeypatch.setattr(module.os, "cpu_count", lambda: 1)
+    one = HostExpertStore.random(model, torch.float32, 7)
+    alone = DenseWeights(model, torch.float32, 7).on(cpu)
+    assert torch.equal(many.weights, one.weights)
+    assert len(blocks) == len(alone) == model.num_layers
+    for a, b in zip(blocks, alone):
+        assert a.moe == b.moe and torch.equal(a.wqkv, b.wqkv) and torch.equal(a.wo, b.wo)
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.ffns, b.ffns))
+    layout = ExpertLayout.of(model)
+    again = init_expert_(torch.empty(layout.numel), layout, torch.Generator().manual_seed(derive_seed(7, EXPERT, 1, 5)))
+    assert torch.equal(again, many.weights[1, 5])

@@ -18,6 +18,9 @@ Not modelled: embeddings, rotary embeddings, the final norm and LM head. One KV 
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -159,7 +162,9 @@ class DenseWeights:
         """The blocks on ``device``, drawn the first time they are asked for there."""
         blocks = self._on.get(str(device))
         if blocks is None:
-            moe = set(self.model.moe_layers)
-            blocks = self._on[str(device)] = [DenseBlock(self.model, b, b in moe, self.dtype, device, self.seed)
-                                              for b in range(self.model.num_layers)]
+            moe, n = set(self.model.moe_layers), self.model.num_layers
+            # (each block has its own generator: drawn on several threads, the weights are those of one thread)
+            with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, n)), thread_name_prefix="dali-draw") as pool:
+                blocks = self._on[str(device)] = list(pool.map(
+                    lambda b: DenseBlock(self.model, b, b in moe, self.dtype, device, self.seed), range(n)))
         return blocks
