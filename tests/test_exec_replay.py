@@ -296,7 +296,6 @@ def test_default_lane_threads_leave_the_main_and_copy_threads_a_core_each_on_cud
 def test_random_weights_drawn_on_threads_are_those_of_one_thread(monkeypatch):
     """Experts and dense blocks each have their own generator, so the store and the dense blocks drawn by a pool of
     threads equal those drawn by one thread, and an expert regenerated alone equals its row."""
-    from dali_exec.executor import dense as dense_mod
     from dali_exec.executor import store as store_mod
     from dali_exec.executor.dense import DenseWeights
     from dali_exec.executor.ffn import ExpertLayout, init_expert_
@@ -309,8 +308,7 @@ def test_random_weights_drawn_on_threads_are_those_of_one_thread(monkeypatch):
     cpu = torch.device("cpu")
     many = HostExpertStore.random(model, torch.float32, 7)
     blocks = DenseWeights(model, torch.float32, 7).on(cpu)
-    for module in (store_mod, dense_mod):
-        monkeypatch.setattr(module.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(store_mod.os, "cpu_count", lambda: 1)  # (store.drawing_pool: one thread)
     one = HostExpertStore.random(model, torch.float32, 7)
     alone = DenseWeights(model, torch.float32, 7).on(cpu)
     assert torch.equal(many.weights, one.weights)

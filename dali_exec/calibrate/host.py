@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
+from dali_exec.executor.dense import DenseWeights
 from dali_exec.executor.devices import Devices
 from dali_exec.executor.problem import ReplayOptions, prepare_replay
 from dali_exec.executor.replay import ExecOptions, Replay
-from dali_exec.executor.dense import DenseWeights
 from dali_exec.executor.store import HostExpertStore
 from dali_sim.hardware.measured import HostCosts
 from dali_sim.models.spec import ModelSpec

@@ -18,15 +18,12 @@ Not modelled: embeddings, rotary embeddings, the final norm and LM head. One KV 
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from dali_exec.executor.ffn import ExpertLayout, init_expert
-from dali_exec.executor.store import DENSE, KV_CACHE, derive_seed
+from dali_exec.executor.store import DENSE, KV_CACHE, derive_seed, drawing_pool
 from dali_sim.models.spec import ModelSpec
 
 EPS = 1e-5  # RMSNorm epsilon (numerical guard, not a cost)
@@ -163,8 +160,7 @@ class DenseWeights:
         blocks = self._on.get(str(device))
         if blocks is None:
             moe, n = set(self.model.moe_layers), self.model.num_layers
-            # (each block has its own generator: drawn on several threads, the weights are those of one thread)
-            with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, n)), thread_name_prefix="dali-draw") as pool:
+            with drawing_pool(n) as pool:  # (each block has its own generator)
                 blocks = self._on[str(device)] = list(pool.map(
                     lambda b: DenseBlock(self.model, b, b in moe, self.dtype, device, self.seed), range(n)))
         return blocks

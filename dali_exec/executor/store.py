@@ -22,6 +22,13 @@ from dali_sim.models.spec import ModelSpec
 EXPERT, DENSE, KV_CACHE, STEP_INPUT = 1, 2, 3, 4
 
 
+def drawing_pool(jobs: int) -> ThreadPoolExecutor:
+    """Threads (one per core, at most ``jobs``) to draw random weights on, each piece with its own generator: torch
+    lets go of the GIL while it draws (one thread draws about 200 M values/s), and the weights are those one
+    thread would draw."""
+    return ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, jobs)), thread_name_prefix="dali-draw")
+
+
 def derive_seed(seed: int, purpose: int, *key: int) -> int:
     """A torch generator seed for one purpose and key (e.g. EXPERT, layer, expert) under a run seed."""
     return int(np.random.SeedSequence([seed, purpose, *key]).generate_state(1, np.uint64)[0] >> 1)
@@ -54,10 +61,8 @@ class HostExpertStore:
             layer, e = key
             init_expert_(weights[layer, e], layout, torch.Generator().manual_seed(derive_seed(seed, EXPERT, layer, e)))
 
-        # every expert has its own generator, so drawing them on several threads (torch lets go of the GIL while
-        # it draws; one thread draws about 200 M values/s) gives the same weights as one thread does
         keys = [(layer, e) for layer in range(L) for e in range(E)]
-        with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, len(keys))), thread_name_prefix="dali-draw") as pool:
+        with drawing_pool(len(keys)) as pool:
             for _ in tqdm(pool.map(draw, keys), total=len(keys), desc="random experts", unit="expert",
                           disable=not progress, delay=2, leave=False):
                 pass
