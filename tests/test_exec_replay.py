@@ -166,6 +166,11 @@ def test_a_store_of_another_shape_is_refused(mix):
     other = HostExpertStore.random(setup.model, torch.bfloat16, 0)
     with pytest.raises(ValueError, match="does not fit"):
         Replay(setup, Devices.create("cpu", TINY.dtype), CPU_RUN, store=other)
+    devices = Devices.create("cpu", TINY.dtype)
+    drawn = HostExpertStore.random(setup.model, devices.dtype, 3)  # (another seed: other weights)
+    with pytest.raises(ValueError, match=r"\(seed 3\) does not fit .* with seed 0"):
+        Replay(setup, devices, CPU_RUN, store=drawn)
+    Replay(setup, devices, CPU_RUN, seed=3, store=drawn).close()
 
 
 def test_dense_blocks_are_drawn_once_and_shared_by_replays_of_the_same_model(mix):

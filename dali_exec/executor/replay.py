@@ -83,9 +83,10 @@ class Replay:
         model = setup.model
         if store is None:
             store = HostExpertStore.random(model, devices.dtype, seed, pin=devices.is_cuda, progress=opts.progress)
-        elif not store.fits(model, devices.dtype, pinned=devices.is_cuda):
-            raise ValueError(f"the given expert store {tuple(store.weights.shape)} {store.weights.dtype} does not fit "
-                             f"{model.name} in {devices.dtype_name}{' (pinned)' if devices.is_cuda else ''}")
+        elif not store.fits(model, devices.dtype, pinned=devices.is_cuda, seed=seed):
+            raise ValueError(f"the given expert store {tuple(store.weights.shape)} {store.weights.dtype} (seed "
+                             f"{store.seed}) does not fit {model.name} in {devices.dtype_name}"
+                             f"{' (pinned)' if devices.is_cuda else ''} with seed {seed}")
         self.store = store
         self.dense_device = devices.of(s.dense_device)
         if dense is None:

@@ -37,12 +37,14 @@ def derive_seed(seed: int, purpose: int, *key: int) -> int:
 class HostExpertStore:
     """``weights[layer, expert]`` is the flat parameter vector of one expert (see :mod:`.ffn`)."""
 
-    def __init__(self, weights: torch.Tensor, layout: ExpertLayout):
+    def __init__(self, weights: torch.Tensor, layout: ExpertLayout, seed: int | None = None):
+        """``seed``: the seed :meth:`random` drew the weights with (None: a real model's)."""
         if weights.device.type != "cpu" or weights.dim() != 3 or weights.shape[2] != layout.numel:
             raise ValueError(f"expert store must be a host tensor (L, E, {layout.numel}), got {tuple(weights.shape)} "
                              f"on {weights.device}")
         self.weights = weights
         self.layout = layout
+        self.seed = seed
 
     @classmethod
     def random(cls, model: ModelSpec, dtype: torch.dtype, seed: int = 0, *, pin: bool = False,
@@ -66,13 +68,15 @@ class HostExpertStore:
             for _ in tqdm(pool.map(draw, keys), total=len(keys), desc="random experts", unit="expert",
                           disable=not progress, delay=2, leave=False):
                 pass
-        return cls(weights, layout)
+        return cls(weights, layout, seed)
 
-    def fits(self, model: ModelSpec, dtype: torch.dtype, *, pinned: bool = False) -> bool:
-        """Are these the experts of ``model`` (layout, layers, experts) in ``dtype`` (and pinned if asked)?"""
+    def fits(self, model: ModelSpec, dtype: torch.dtype, *, pinned: bool = False, seed: int | None = None) -> bool:
+        """Are these the experts of ``model`` (layout, layers, experts) in ``dtype`` (and pinned, and drawn with
+        ``seed``, if asked)?"""
         layout = ExpertLayout.of(model)
         return (layout == self.layout and tuple(self.weights.shape) == (model.num_moe_layers, model.num_experts,
-                layout.numel) and self.weights.dtype == dtype and (self.pinned or not pinned))
+                layout.numel) and self.weights.dtype == dtype and (self.pinned or not pinned)
+                and (seed is None or self.seed == seed))
 
     @property
     def num_layers(self) -> int:
