@@ -12,9 +12,9 @@ round and interleaved: through the dispatcher (``kernels.compiled(name)``, which
 call) and through an entry point (``Entries``: compiled for the argument types once), alone (``entry``) and with
 its key built from the arguments' dtypes and looked up first, as the runtime does for the route call
 (``lookup``), each **warm** (its arguments just copied, the code run the moment before) and **cold** (a pass
-over ``--flush-mib`` of memory between the copy and the call, as a layer's tensor work leaves the caches). Thread CPU of the calling thread, in microseconds:
-the median over calls and rounds; ``clock_us`` is the same measurement around an empty Python call (the two
-clock readings); ``saved_*_us`` is dispatcher minus lookup.
+over ``--flush-mib`` of memory between the copy and the call, as a layer's tensor work leaves the caches).
+Thread CPU of the calling thread, in microseconds: the median over calls and rounds; ``clock_us`` is the same
+measurement around an empty Python call (the two clock readings); ``saved_*_us`` is dispatcher minus lookup.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.dense import DenseBlock, KVCache, StepAttention
 from dali_exec.executor.devices import Devices
 from dali_exec.executor.ffn import ExpertLayout
+from dali_exec.executor.store import drawing_pool
 from dali_exec.executor.timing import Timer
 from dali_exec.calibrate.bench import time_call
 from dali_sim.hardware.contention import LANES, lane_combinations
@@ -437,9 +438,11 @@ median over ``contention_rounds`` rounds of (alone, under load):
             block = self.model.moe_layers[0] if moe else next(b for b in range(self.model.num_layers)
                                                              if b not in set(self.model.moe_layers))
             probe = DenseBlock(self.model, block, moe, self.dev.dtype, device, self.s.seed)
-            blocks = self._blocks[key] = [probe] + [
-                DenseBlock(self.model, block, moe, self.dev.dtype, device, self.s.seed + 1 + i)
-                for i in range(self._copies(probe.nbytes) - 1)]
+            more = self._copies(probe.nbytes) - 1
+            with drawing_pool(more) as pool:  # (each copy has its own generator)
+                blocks = self._blocks[key] = [probe] + list(pool.map(
+                    lambda i: DenseBlock(self.model, block, moe, self.dev.dtype, device, self.s.seed + 1 + i),
+                    range(more)))
         k = len(blocks)
         rows = []
         for cells_of_row in cells:

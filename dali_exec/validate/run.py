@@ -26,10 +26,10 @@ import numpy as np
 from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate
 from dali_exec.calibrate.host import HostSettings
 from dali_exec.calibrate.micro import llc_bytes
+from dali_exec.executor.dense import DenseWeights
 from dali_exec.executor.devices import Devices, cpu_name
 from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_replay
 from dali_exec.executor.replay import ExecOptions, Replay
-from dali_exec.executor.dense import DenseWeights
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.validate.compare import Thresholds, compare, lanes_overlap_seconds, rank_agreement, verdict
 from dali_exec.validate.drift import ProbeReading, SpeedProbe, drift_warning, overlap_warning, spread_warnings
