@@ -53,6 +53,39 @@ def test_hss_and_impact_kernels_equal_python(layer, xfer):
         kernels.python("impact")(order, cached, t_gpu, t_cpu, xfer, cand)
 
 
+def _impact_reference(by_load, cached, t_gpu, t_cpu, xfer, cand):
+    """The impact prefix as first written: each prefix's HSS order built afresh from its mask."""
+    mask = np.asarray(cached, dtype=bool).copy()
+    best_gain, best_j, base = 0.0, 0, 0.0
+    for j in range(len(cand) + 1):
+        if j:
+            mask[cand[j - 1]] = True
+        order = np.array([i for i in by_load if mask[i]] + [i for i in by_load if not mask[i]], np.int64)
+        _, _, g, c = kernels.python("hss")(order, mask, t_gpu, t_cpu, xfer)
+        if j == 0:
+            base = max(g, c)
+        elif base - max(g, c) > best_gain:
+            best_gain, best_j = base - max(g, c), j
+    return best_gain, best_j
+
+
+@SETTINGS
+@given(layer=layers(max_n=16), xfer=TIMES, seed=st.integers(0, 99), how=st.sampled_from(["load", "shuffled", "any"]))
+def test_impact_kernel_equals_the_prefix_by_prefix_orders(layer, xfer, seed, how):
+    """The kernel keeps one order from prefix to prefix; the same result as building each prefix's order anew,
+    for candidates in load order (as impact_prefix gives them), shuffled, or any ids (repeats, cached ones)."""
+    t_gpu, t_cpu, cached, counts = layer
+    rng = np.random.default_rng(seed)
+    by_load = np.lexsort((np.arange(len(counts)), -counts))
+    uncached = by_load[~cached[by_load]]
+    cand = {"load": uncached, "shuffled": rng.permutation(uncached),
+            "any": rng.integers(0, max(len(counts), 1), rng.integers(0, len(counts) + 1))}[how]
+    cand = cand[:0] if not len(counts) else cand
+    want = _impact_reference(by_load, cached, t_gpu, t_cpu, xfer, cand)
+    assert kernels.run("impact", by_load, cached, t_gpu, t_cpu, xfer, cand) == want
+    assert kernels.python("impact")(by_load, cached, t_gpu, t_cpu, xfer, cand) == want
+
+
 def _hss_reference(counts, cached, t_gpu, t_cpu, xfer):
     """The released code's HSS as first written here, expert by expert (the kernel's specification)."""
     n = counts.shape[0]
@@ -158,12 +191,15 @@ def _plain(out):
 @pytest.mark.parametrize("name", ["greedy", "hss", "impact"])
 def test_python_fallback_runs_on_lists(name, monkeypatch):
     monkeypatch.setenv("DALI_NUMBA", "0")
-    monkeypatch.setattr(kernels, "_impls", None)
-    assert kernels.backend() == "python"
-    t = np.array([1.0, 2.0, 0.5])
-    order = np.array([1, 0, 2])
-    flags = np.array([True, False, False])
-    args = {"greedy": (order, t, t[::-1].copy(), flags, 5), "hss": (order, flags, t, t[::-1].copy(), 0.3),
-            "impact": (order, flags, t, t[::-1].copy(), 0.3, np.array([1, 2]))}[name]
-    assert _plain(kernels.run(name, *args)) == _plain(kernels.python(name)(*args))
-    monkeypatch.setattr(kernels, "_impls", None)  # the next test loads the configured backend again
+    try:
+        kernels._load()
+        assert kernels.backend() == "python"
+        t = np.array([1.0, 2.0, 0.5])
+        order = np.array([1, 0, 2])
+        flags = np.array([True, False, False])
+        args = {"greedy": (order, t, t[::-1].copy(), flags, 5), "hss": (order, flags, t, t[::-1].copy(), 0.3),
+                "impact": (order, flags, t, t[::-1].copy(), 0.3, np.array([1, 2]))}[name]
+        assert _plain(kernels.run(name, *args)) == _plain(kernels.python(name)(*args))
+    finally:  # the configured backend again, every compiled kernel with it (later tests use them)
+        monkeypatch.undo()
+        kernels._load()

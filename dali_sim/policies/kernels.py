@@ -6,17 +6,21 @@ scalar arithmetic, indexing, ``np.zeros``) and reads its array arguments by inde
 Python fallback runs it unchanged on lists (``.tolist()`` of the arrays: faster to index than arrays).
 Both give the same result bit for bit: float64 arithmetic in the same order, no fast-math (tested in
 tests/test_policy_kernels.py). numba is imported, and each kernel compiled (cached on disk beside
-this file), on the first call only; ``DALI_NUMBA=0`` in the environment disables it.
+this file, keyed also by the kernel sources: :mod:`.kernel_cache`), on the first call only;
+``DALI_NUMBA=0`` in the environment disables it.
 
 :func:`backend` says which is in use (``"numba X.Y"`` or ``"python"``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
 import numpy as np
+
+from dali_sim.policies.kernel_cache import njit_cached
 
 
 def _numba():
@@ -60,11 +64,19 @@ def _hss(order, cached, t_gpu, t_cpu, xfer):
     n = len(order)
     on_gpu = np.zeros(n, np.bool_)
     fetched = np.zeros(n, np.bool_)
+    g, c = _hss_into_fn(order, cached, t_gpu, t_cpu, xfer, on_gpu, fetched)
+    return on_gpu, fetched, g, c
+
+
+def _hss_into(order, cached, t_gpu, t_cpu, xfer, on_gpu, fetched):
+    """:func:`_hss` writing ``on_gpu`` and ``fetched`` (given arrays; both empty: only the ends are wanted, and
+    nothing is allocated: the impact prefix runs one schedule per prefix); returns (GPU end, CPU end)."""
+    record = len(on_gpu) > 0
     g = 0.0
     c = 0.0
     moved = 0.0
     lo = 0
-    hi = n - 1
+    hi = len(order) - 1
     while lo <= hi:
         head = order[lo]
         tail = order[hi]
@@ -76,46 +88,64 @@ def _hss(order, cached, t_gpu, t_cpu, xfer):
         if g_next <= c_next:
             if not cached[head]:
                 moved += xfer
-                fetched[head] = True
-            on_gpu[head] = True
+                if record:
+                    fetched[head] = True
+            if record:
+                on_gpu[head] = True
             g = g_next
             lo += 1
         else:
             c = c_next
             hi -= 1
-    return on_gpu, fetched, g, c
+    return g, c
 
 
 def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
     """HybriMoE's impact prefix under HSS (see ``hybrimoe.impact_prefix``): bringing ``cand[:j]`` to the
     GPU lowers the makespan by ``G_j``; returns (the largest G_j, its j: the shortest on ties), or (0, 0)
     if none gains. The HSS order for a cached mask is ``by_load`` (descending load, ties lower index)
-    with the cached experts first, stably."""
+    with the cached experts first, stably. The order is kept from prefix to prefix (each newly cached
+    expert moves from the uncached part into its place in the cached part) and each prefix's schedule
+    computes its ends only (:func:`_hss_into`): one pass per prefix, nothing allocated."""
     n = len(by_load)
     order = np.zeros(n, np.int64)
     mask = np.zeros(n, np.bool_)
+    rank = np.zeros(n, np.int64)  # each expert's position in by_load
     n_cached = 0
     for i in range(n):
+        rank[by_load[i]] = i
         mask[i] = cached[i]
         if cached[i]:
             n_cached += 1
+    k = 0
+    u = n_cached
+    for i in by_load:
+        if mask[i]:
+            order[k] = i
+            k += 1
+        else:
+            order[u] = i
+            u += 1
+    none = np.zeros(0, np.bool_)
     best_gain = 0.0
     best_j = 0
     base = 0.0
     for j in range(len(cand) + 1):
         if j > 0 and not mask[cand[j - 1]]:
-            mask[cand[j - 1]] = True
+            x = cand[j - 1]
+            mask[x] = True
+            p = n_cached
+            while order[p] != x:  # x leaves the uncached part (which keeps its order)
+                p += 1
+            while p > n_cached:
+                order[p] = order[p - 1]
+                p -= 1
+            while p > 0 and rank[order[p - 1]] > rank[x]:  # and takes its place in the cached part
+                order[p] = order[p - 1]
+                p -= 1
+            order[p] = x
             n_cached += 1
-        k = 0  # one pass: the cached ones from 0, the others from n_cached, each in by_load order
-        u = n_cached
-        for i in by_load:
-            if mask[i]:
-                order[k] = i
-                k += 1
-            else:
-                order[u] = i
-                u += 1
-        _, _, g, c = _hss_fn(order, mask, t_gpu, t_cpu, xfer)
+        g, c = _hss_into_fn(order, mask, t_gpu, t_cpu, xfer, none, none)
         if j == 0:
             base = max(g, c)
         elif base - max(g, c) > best_gain:
@@ -266,7 +296,8 @@ def _mrs_update(score, experts, counts, tokens, a):
 
 
 _PYTHON = {"greedy": _greedy, "hss": _hss, "impact": _impact}
-_hss_fn = _hss  # what _impact calls: replaced by the compiled _hss before _impact is compiled
+_hss_fn = _hss  # what the plan kernel calls: the compiled _hss
+_hss_into_fn = _hss_into  # what _hss and _impact call: replaced by the compiled _hss_into before they are compiled
 _impact_fn = _impact  # what _impact_prefix calls: the compiled _impact
 _impact_prefix_fn = _impact_prefix  # what _impact_requests calls: the compiled _impact_prefix
 _top_predicted_fn = _top_predicted  # what _top_pairs calls: the compiled _top_predicted
@@ -281,14 +312,15 @@ def _on_lists(fn: Callable) -> Callable:
 
 
 def _load() -> dict[str, Callable]:
-    global _impls, _hss_fn, _impact_fn, _impact_prefix_fn, _top_predicted_fn, _ranked_fn, _as_pairs_fn
+    global _impls, _hss_fn, _hss_into_fn, _impact_fn, _impact_prefix_fn, _top_predicted_fn, _ranked_fn, _as_pairs_fn
     nb = _numba()
     _fused.clear()
     if nb is None:
-        _hss_fn, _impact_fn, _impact_prefix_fn = _hss, _impact, _impact_prefix
+        _hss_fn, _hss_into_fn, _impact_fn, _impact_prefix_fn = _hss, _hss_into, _impact, _impact_prefix
         _impls = {name: _on_lists(fn) for name, fn in _PYTHON.items()}
     else:
-        jit = nb.njit(cache=True, nogil=True)
+        jit = functools.partial(njit_cached, nb)
+        _hss_into_fn = jit(_hss_into)
         _hss_fn = jit(_hss)
         _impact_fn = jit(_impact)
         _impls = {"greedy": jit(_greedy), "hss": _hss_fn, "impact": _impact_fn}
@@ -322,11 +354,11 @@ def cost_tables(owner, costs) -> tuple[np.ndarray, np.ndarray, float] | None:
 
 
 def jit(fn: Callable) -> Callable | None:
-    """``fn`` compiled by numba on its first call (``nogil``, cached on disk beside its module), or None
-    when numba is not installed or ``DALI_NUMBA=0``: for other packages' loops (the executor's index
-    building), whose callers keep a NumPy path for None."""
+    """``fn`` compiled by numba on its first call (``nogil``, cached on disk beside its module, keyed by the
+    kernel sources: :mod:`.kernel_cache`), or None when numba is not installed or ``DALI_NUMBA=0``: for other
+    packages' loops (the executor's index building), whose callers keep a NumPy path for None."""
     nb = _numba()
-    return None if nb is None else nb.njit(cache=True, nogil=True)(fn)
+    return None if nb is None else njit_cached(nb, fn)
 
 
 def entry(dispatcher, calls: list[tuple]) -> Callable:
