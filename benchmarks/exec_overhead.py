@@ -7,7 +7,8 @@ and as a fraction of the time spent in the layer (the DALI paper reports 4.5% sc
     python benchmarks/exec_overhead.py --shape qwen3-30b-a3b --batch-size 32 --sequences 32   # 128 experts, top-8
 
 Per system, ``dali_exec.executor.execute`` replays the same reduced trace ``--repeats`` times (after one
-warm-up run) and reports, per column, the median over those runs of the per-visit means:
+warm-up run) and reports, per column, the median over those runs of the per-visit means (of the median
+visit for ``overhead_cpu_median_us``):
 
 * ``decision``: ``Controller.plan`` (the policies, shared with the simulator) and ``PlanCounters.add``;
 * ``bookkeeping``: the executor's host work around the computes: grouping the routing by expert and
@@ -27,11 +28,14 @@ tensor work. On a machine whose physical core is shared (a virtual machine), tim
 caches cold (benchmarks/cold_host.py), and this column, not ``plan_only_us``, is what to compare
 ``decision_cpu_us`` with.
 
-``--shape PRESET`` runs every system (``--systems`` and ``--lookahead-systems``) on a synthetic trace of
-that model preset (decode only, lookahead columns residual, next-gate, gate2 and gate3) instead of
-``--trace``. ``limit_us`` is the target of the runtime issue for the thread-CPU overhead per layer visit
-(decision + bookkeeping): 60 us for cpu-only, gpu-lru, llamacpp, fiddler and ktransformers, 100 us for
-dali and hybrimoe; ``ok`` says whether the measured median meets it.
+``overhead_cpu_us`` is decision + bookkeeping in thread CPU per visit, their mean over the visits (as the
+columns before it); ``overhead_cpu_median_us`` is the median visit's (each visit's decision and bookkeeping
+summed, then the median over the visits; ``overhead_cpu_p90_us`` in ``--json``: the 90th percentile), also the
+median over the runs. ``--shape PRESET`` runs every system (``--systems`` and ``--lookahead-systems``) on a
+synthetic trace of that model preset (decode only, lookahead columns residual, next-gate, gate2 and gate3)
+instead of ``--trace``. ``limit_us`` is the target of the runtime issue for the thread-CPU overhead per layer
+visit (decision + bookkeeping, the median visit): 60 us for cpu-only, gpu-lru, llamacpp, fiddler and
+ktransformers, 100 us for dali and hybrimoe; ``ok`` says whether ``overhead_cpu_median_us`` meets it.
 
 ``--no-tensor-work`` replaces the expert computes, the dense blocks and the expert copies by no-ops
 (the layouts return their input, the copies copy nothing) and leaves every decision and every line of
@@ -78,7 +82,7 @@ PAPER_OVERHEAD = 0.045  # DALI (arXiv 2602.03495): reported scheduling overhead,
 LIMIT_US = {"cpu-only": 60, "gpu-lru": 60, "llamacpp": 60, "fiddler": 60, "ktransformers": 60, "dali": 100,
             "hybrimoe": 100}
 PRINTED = ["experts_per_layer", "gpu_experts_per_layer", "layer_us", "decision_us", "bookkeeping_us", "decision_cpu_us",
-           "bookkeeping_cpu_us", "overhead_cpu_us", "overhead_cpu_pct", "plan_only_us", "plan_after_layer_us", "limit_us", "ok"]
+           "bookkeeping_cpu_us", "overhead_cpu_us", "overhead_cpu_median_us", "overhead_cpu_pct", "plan_only_us", "plan_after_layer_us", "limit_us", "ok"]
 LOOKAHEAD = ("residual=0.9", "next-gate=0.7", "gate2=0.6@2", "gate3=0.5@3")
 
 
@@ -152,6 +156,7 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
     s = runs[0].summary
     visits = s["overhead"]["layer_visits"]
     overhead_cpu = median("overhead_cpu_us_per_layer")
+    overhead_cpu_median = median("overhead_cpu_us_median")  # (the issue's measure: the median visit)
     limit = LIMIT_US.get(system)
     return {
         "system": system, "steps": s["steps"], "layers": setup.model.num_moe_layers,
@@ -163,11 +168,13 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
         "decision_cpu_us": median("decision_cpu_us_per_layer"),
         "bookkeeping_cpu_us": median("bookkeeping_cpu_us_per_layer"),
         "overhead_cpu_us": overhead_cpu,
+        "overhead_cpu_median_us": overhead_cpu_median,
+        "overhead_cpu_p90_us": median("overhead_cpu_us_p90"),
         "overhead_cpu_pct": 100 * median("fraction_cpu_of_layer_time"),
         "plan_only_us": plan_only_us(setup),
         "plan_after_layer_us": plan_only_us(setup, spin_s=1e-6 * median("layer_time_us")),
         "limit_us": limit if limit is not None else float("nan"),
-        "ok": "" if limit is None else ("yes" if overhead_cpu <= limit else "NO"),
+        "ok": "" if limit is None else ("yes" if overhead_cpu_median <= limit else "NO"),
         "decode_tokens_per_s": float(np.median([r.summary["decode_tokens_per_s"] for r in runs])),
     }
 

@@ -119,6 +119,26 @@ def test_result_has_every_simulator_key(mix):
     assert result.summary["busy"]["gpu"] > 0 and result.summary["busy"]["pcie"] > 0
 
 
+def test_each_visits_host_work_is_recorded(mix):
+    """Each layer visit's decision + bookkeeping, recorded as the sums grow: they add up to the per-layer sums,
+    and the summary's median and 90th percentile are theirs."""
+    from unittest import mock
+
+    from dali_exec.executor import replay as replay_module
+
+    with mock.patch.object(replay_module, "assemble_result", wraps=replay_module.assemble_result) as spy:
+        result = execute(mix, "dali", TINY, CPU_RUN, batch_size=BATCH)
+    per_visit = spy.call_args.kwargs["per_visit_s"]
+    ov, per_layer = result.summary["overhead"], result.per_layer
+    assert per_visit.shape == (2, ov["layer_visits"]) and (per_visit > 0).all()
+    for i, suffix in enumerate(("", "_cpu")):
+        total = per_layer[f"decision{suffix}_s"].sum() + per_layer[f"bookkeeping{suffix}_s"].sum()
+        assert per_visit[i].sum() == pytest.approx(total, rel=1e-9)
+        assert ov[f"overhead{suffix}_us_median"] == pytest.approx(1e6 * np.median(per_visit[i]))
+        assert ov[f"overhead{suffix}_us_p90"] == pytest.approx(1e6 * np.percentile(per_visit[i], 90))
+        assert ov[f"overhead{suffix}_us_median"] <= ov[f"overhead{suffix}_us_p90"]
+
+
 def test_slot_table_follows_the_controller_and_stays_within_the_budget(mix):
     store = None
     for system in ("gpu-lru", "dali", "mixtral-offloading", "moe-lightning", "llamacpp"):

@@ -294,8 +294,9 @@ def test_batch_mixing_prefill_and_decode_only_sequences(tmp_path):
 
 
 def test_sparse_counts_against_a_plain_reference():
-    # per (step, layer): each expert's count and best rank, ordered by (-count, best rank, id)
-    from dali_sim.workload.builder import _sparse_counts
+    # per (step, layer): each expert's count and best rank, ordered by (-count, best rank, id); the compiled pass
+    # (when numba is on) and the sorting path give the same arrays
+    from dali_sim.workload.builder import _sparse_counts, _sparse_counts_sorted
 
     rng = np.random.default_rng(11)
     for _ in range(40):
@@ -306,6 +307,10 @@ def test_sparse_counts_against_a_plain_reference():
         ids = rng.integers(0, E, m * k).astype(np.int16)
         ranks = np.tile(np.arange(k, dtype=np.int8), m)
         got = _sparse_counts(step, layer, ids, ranks, S, L, E)
+        sorted_ = _sparse_counts_sorted(step.astype(np.int64) * L + layer, ids, ranks, S, L, E)
+        for a, b in zip((got.ptr, got.expert, got.count, got.rank),
+                        (sorted_.ptr, sorted_.expert, sorted_.count, sorted_.rank)):
+            assert a.dtype == b.dtype and a.tolist() == b.tolist()
         for seg in range(S * L):
             sel = step * L + layer == seg
             stats = {}
@@ -317,3 +322,14 @@ def test_sparse_counts_against_a_plain_reference():
             assert got.expert[lo:hi].tolist() == want
             assert got.count[lo:hi].tolist() == [stats[e][0] for e in want]
             assert got.rank[lo:hi].tolist() == [stats[e][1] for e in want]
+
+
+def test_sparse_counts_of_an_id_outside_the_experts_take_the_sorting_path():
+    from dali_sim.workload.builder import _sparse_counts, _sparse_counts_sorted
+
+    step, layer = np.zeros(4, np.int64), np.array([0, 0, 1, 1])
+    ids, ranks = np.array([1, 3, 0, 5], np.int16), np.array([0, 1, 0, 1], np.int8)  # 5: beyond E = 4
+    got = _sparse_counts(step, layer, ids, ranks, 1, 2, 4)
+    want = _sparse_counts_sorted(layer, ids, ranks, 1, 2, 4)
+    assert [a.tolist() for a in (got.ptr, got.expert, got.count, got.rank)] == \
+        [a.tolist() for a in (want.ptr, want.expert, want.count, want.rank)]

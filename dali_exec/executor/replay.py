@@ -141,6 +141,9 @@ class Replay:
         L = w.num_layers
         counters = PlanCounters(L)
         decision = LayerSeconds(L)  # wall, thread CPU
+        host = self.runtime.bookkeeping_seconds  # (the runtime's own sums: with the decisions', a visit's host work)
+        per_visit = np.zeros((2, w.num_steps * L))  # decision + bookkeeping of each layer visit: wall, thread CPU
+        visit = 0
         layer_time = np.zeros(L)
         starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
         prev_threads = torch.get_num_threads()
@@ -162,6 +165,7 @@ class Replay:
                         if b not in moe_blocks:
                             x, _ = self._dense(block, x, attn, Activity("block", step, b))
                             continue
+                        before = decision.sum_at(layer, host)  # (this visit's share: the sums' growth)
                         t0 = self.timer.now()
                         sw, book = Stopwatch(), Stopwatch()
                         host0 = sw.start().at  # (the decision's start and end: the stopwatch's readings)
@@ -175,6 +179,9 @@ class Replay:
                         ids, weights = w.routing(step, layer)  # the trace's stand-in for the router's output
                         # (grouped by expert and checked against the plan in the runtime's bookkeeping)
                         x = residual + self.runtime.run_experts(plan, gate_input, (ids, weights))
+                        after = decision.sum_at(layer, host)
+                        per_visit[0, visit], per_visit[1, visit] = after[0] - before[0], after[1] - before[1]
+                        visit += 1
                         dev.synchronize()
                         layer_time[layer] += self.timer.now() - t0
                         if on_layer is not None:
@@ -204,7 +211,7 @@ class Replay:
         rt = self.runtime
         bookkeeping = np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
         return assemble_result(setup, self.controller, counters, out, decision_s=decision.array(),
-                               bookkeeping_s=bookkeeping,
+                               bookkeeping_s=bookkeeping, per_visit_s=per_visit[:, :visit],
                                batch_size=w.config.batch_size, prefill_chunk=w.config.prefill_chunk,
                                seed=self.seed, executor=executor)
 

@@ -149,6 +149,12 @@ class OffloadRuntime:
         return np.array(self._wait)
 
     @property
+    def bookkeeping_seconds(self) -> LayerSeconds:
+        """The per-layer sums behind :attr:`layer_bookkeeping` and :attr:`layer_bookkeeping_cpu` (added to as
+        the work is done)."""
+        return self._bookkeeping
+
+    @property
     def layer_bookkeeping(self) -> np.ndarray:
         """(L,) wall-clock seconds of the runtime's own host work."""
         return np.array(self._bookkeeping.wall)

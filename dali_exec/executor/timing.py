@@ -250,6 +250,10 @@ class LayerSeconds:
         self.wall[layer] += sw.wall
         self.cpu[layer] += sw.cpu
 
+    def sum_at(self, layer: int, other: "LayerSeconds") -> tuple[float, float]:
+        """(wall, thread CPU) seconds of ``layer`` so far, this one's and ``other``'s together."""
+        return self.wall[layer] + other.wall[layer], self.cpu[layer] + other.cpu[layer]
+
     def add_wall(self, layer: int, seconds: float) -> None:
         self.wall[layer] += seconds
 

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from dali_sim.models.spec import ModelSpec
+from dali_sim.policies import kernels
 from dali_sim.trace.lookahead import predicted_top_k  # noqa: F401  (re-exported: dali_sim.workload.online)
 from dali_sim.trace.reader import Trace
 from dali_sim.trace.schema import DECODE, PREFILL
@@ -70,8 +71,23 @@ def _freeze(*arrays: np.ndarray) -> None:
 
 def _sparse_counts(step: np.ndarray, layer: np.ndarray, ids: np.ndarray, ranks: np.ndarray,
                    num_steps: int, num_layers: int, num_experts: int) -> SparseCounts:
-    """Group (step, layer, expert) occurrences; order each segment by (-count, best rank, id)."""
+    """Group (step, layer, expert) occurrences; order each segment by (-count, best rank, id): in one compiled
+    pass (:func:`_segment_counts`), else (no numba, or an id outside the experts) by sorting."""
     seg = step.astype(np.int64) * num_layers + layer
+    kernel = _compiled_segment_counts()
+    if kernel is not None:
+        n, S = len(seg), num_steps * num_layers
+        ptr, expert, count, rank = np.empty(S + 1, np.int64), np.empty(n, np.int16), np.empty(n, np.int32), \
+            np.empty(n, np.int8)
+        m = kernel(seg, ids, ranks, S, num_experts, ptr, expert, count, rank)
+        if m >= 0:
+            return SparseCounts(ptr, expert[:m].copy(), count[:m].copy(), rank[:m].copy())
+    return _sparse_counts_sorted(seg, ids, ranks, num_steps, num_layers, num_experts)
+
+
+def _sparse_counts_sorted(seg: np.ndarray, ids: np.ndarray, ranks: np.ndarray, num_steps: int, num_layers: int,
+                          num_experts: int) -> SparseCounts:
+    """:func:`_sparse_counts` of the segments ``seg`` by sorting (the NumPy path)."""
     # one sort of (segment, expert, rank) keys: each (segment, expert) run starts with its best rank
     base = int(ranks.max()) + 1 if ranks.size else 1
     key_sorted = np.sort((seg * num_experts + ids) * base + ranks)
@@ -85,6 +101,73 @@ def _sparse_counts(step: np.ndarray, layer: np.ndarray, ids: np.ndarray, ranks: 
     useg, expert, counts, best = useg[touch], expert[touch], counts[touch], best[touch]
     ptr = np.searchsorted(useg, np.arange(num_steps * num_layers + 1), side="left").astype(np.int64)
     return SparseCounts(ptr, expert.astype(np.int16), counts, best.astype(np.int8))
+
+
+def _segment_counts(seg, ids, ranks, num_segments, num_experts, ptr, expert, count, rank):
+    """:func:`_sparse_counts` in one pass (compiled by numba): the occurrences bucketed by segment (a counting
+    sort), each segment's experts counted with their best rank as they come, then ordered by an insertion sort on
+    (-count, best rank, id) (the same total order as the NumPy lexsort). Writes ``ptr`` (num_segments + 1) and
+    the first nnz entries of ``expert``, ``count`` and ``rank``; returns nnz, or -1 (nothing usable written) when
+    a segment or an id lies outside its range."""
+    n = seg.shape[0]
+    start = np.zeros(num_segments + 1, np.int64)
+    for i in range(n):
+        s = seg[i]
+        if s < 0 or s >= num_segments or ids[i] < 0 or ids[i] >= num_experts:
+            return -1
+        start[s + 1] += 1
+    for s in range(num_segments):
+        start[s + 1] += start[s]
+    order = np.empty(n, np.int64)
+    fill = start[:num_segments].copy()
+    for i in range(n):
+        s = seg[i]
+        order[fill[s]] = i
+        fill[s] += 1
+    cnt = np.zeros(num_experts, np.int64)
+    best = np.zeros(num_experts, np.int64)
+    m = 0
+    for s in range(num_segments):
+        ptr[s] = m
+        a = m
+        for j in range(start[s], start[s + 1]):
+            i = order[j]
+            e = ids[i]
+            r = ranks[i]
+            if cnt[e] == 0:
+                best[e] = r
+                expert[m] = e
+                m += 1
+            elif r < best[e]:
+                best[e] = r
+            cnt[e] += 1
+        for x in range(a, m):
+            e = expert[x]
+            i = x
+            while i > a:
+                o = expert[i - 1]
+                if cnt[o] > cnt[e] or (cnt[o] == cnt[e] and (best[o] < best[e] or (best[o] == best[e] and o < e))):
+                    break
+                expert[i] = o
+                i -= 1
+            expert[i] = e
+        for x in range(a, m):
+            e = expert[x]
+            count[x] = cnt[e]
+            rank[x] = best[e]
+            cnt[e] = 0
+    ptr[num_segments] = m
+    return m
+
+
+_SEGMENT_COUNTS: list = []
+
+
+def _compiled_segment_counts():
+    """The compiled :func:`_segment_counts` (made on first use), or None without numba."""
+    if not _SEGMENT_COUNTS:
+        _SEGMENT_COUNTS.append(kernels.jit(_segment_counts))
+    return _SEGMENT_COUNTS[0]
 
 
 #: rows of the trace grouped into per (step, layer) counts at once (whole steps; at least one step)
