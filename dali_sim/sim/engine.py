@@ -348,16 +348,24 @@ class SimEngine:
         yield from self._compute("cpu", lane.handoff_out, Activity("handoff", plan.step, plan.layer))
 
     def _gpu_sources(self, plan: LayerPlan):
-        """GPU experts in touch order -> arrival event (None = present), on-demand copies, workloads."""
+        """GPU experts in touch order -> arrival event (None = present), on-demand copies, and the arrival
+        events of the prefetched ones (the only events among them yet: a FETCH gets its event later)."""
         on_gpu = plan.on_gpu
         experts = plan.experts[on_gpu]
         source = plan.source[on_gpu]
         ready: dict[int, simpy.Event | None] = dict.fromkeys(experts.tolist())  # HIT; a FETCH gets its event
+        arrivals = []
         for e in experts[source == PREFETCHED].tolist():  # on the event-by-event path
-            ready[e] = self.arrivals.pop((plan.layer, e))
+            arrivals.append(ev := self.arrivals.pop((plan.layer, e)))
+            ready[e] = ev
         fetch = (source != HIT) & (source != PREFETCHED)
         fetches = list(zip(experts[fetch].tolist(), plan.staged[on_gpu][fetch].tolist()))
-        return ready, fetches, dict(zip(plan.experts.tolist(), plan.counts.tolist()))
+        return ready, fetches, arrivals
+
+    @staticmethod
+    def _workloads(plan: LayerPlan) -> dict[int, int]:
+        """Each activated expert's workload (for the per-expert rules; the compiled lanes read the plan's arrays)."""
+        return dict(zip(plan.experts.tolist(), plan.counts.tolist()))
 
     def _gpu_compute(self, plan: LayerPlan, e: int, n: int):
         start = self.env.now
@@ -419,13 +427,14 @@ class SimEngine:
                 self.staging.release(staging.pop(e))
         yield from self._compute("gpu", self._gpu_epilogue(plan), Activity("handoff", plan.step, plan.layer))
 
-    def _uncontended(self, ready) -> bool:
+    def _uncontended(self, arrivals: list) -> bool:
         """True when this layer's copies cannot meet any other copy: no background copy is open (issued
         and not landed, including ones whose process has not started yet), the link is idle (no other
-        copy can be issued before the layer ends) and every prefetched expert has arrived."""
+        copy can be issued before the layer ends) and every prefetched expert has arrived (``arrivals``:
+        their events, :meth:`_gpu_sources`)."""
         if not self.shortcut or self.background_open or self.pcie.count or self.pcie.queue:
             return False
-        return all(ev is None or ev.triggered for ev in ready.values())
+        return all(ev.triggered for ev in arrivals)
 
     def _interferes(self, plan: LayerPlan, cpu: _CpuLane | None, fetches, step: int) -> bool:
         """Could this layer's own activities slow each other (the lanes' largest demands together)?"""
@@ -523,7 +532,7 @@ class SimEngine:
         self.events += events
         return float(t)
 
-    def _direct_gpu_lane(self, plan: LayerPlan, start: float, ready, counts, fetches, prologue) -> float:
+    def _direct_gpu_lane(self, plan: LayerPlan, start: float, ready, fetches, prologue) -> float:
         t = start
         for d, what in prologue:
             self._log("gpu", t, t + d, what)
@@ -531,7 +540,7 @@ class SimEngine:
         if ready and self.kernels is not None:
             t = self._gpu_lane_end_compiled(plan, start, t)
         elif ready:
-            t = self._gpu_lane_end(plan, start, t, list(ready), counts, fetches)
+            t = self._gpu_lane_end(plan, start, t, list(ready), self._workloads(plan), fetches)
         tail = self._gpu_epilogue(plan)
         if tail > 0:
             self._log("gpu", t, t + tail, Activity("handoff", plan.step, plan.layer))
@@ -551,7 +560,7 @@ class SimEngine:
             self.arrivals[(target, e)] = self._background(Activity("prefetch", step, target, e))
         for e in plan.prefetch_wasted:
             self.arrivals.pop((layer, e), None)
-        ready, fetches, counts = self._gpu_sources(plan)
+        ready, fetches, arrivals = self._gpu_sources(plan)
         cpu = self._cpu_work(plan)
         dense = float(self.dense_moe[step])
         prologue = self._gpu_prologue(plan, len(ready))
@@ -565,7 +574,7 @@ class SimEngine:
         host = self.costs.host_layer_time(len(ready), len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
         host_what, dense_what = Activity("host", step, layer), Activity("dense", step, layer)
-        if self._uncontended(ready) and not self._interferes(plan, cpu, fetches, step):
+        if self._uncontended(arrivals) and not self._interferes(plan, cpu, fetches, step):
             # nothing can change while the layer runs: the whole layer is computed directly
             now = env.now
             if host > 0:
@@ -574,8 +583,8 @@ class SimEngine:
             self._log(self.dense_device, t, t + dense, dense_what)
             lanes = t + dense
             cpu_end = self._cpu_lane_end(plan, cpu, lanes)
-            gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, ready, counts,
-                                            fetches, prologue)
+            gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, ready, fetches,
+                                            prologue)
             yield env.timeout(max(cpu_end, gpu_end) - now)
         else:
             yield from self._compute("host", host, host_what)
@@ -584,7 +593,7 @@ class SimEngine:
             if self.serial_lanes[step] and cpu_proc is not None:
                 yield cpu_proc
                 cpu_proc = None
-            yield from self._gpu_lane(plan, ready, fetches, counts, prologue)
+            yield from self._gpu_lane(plan, ready, fetches, self._workloads(plan), prologue)
             if cpu_proc is not None:
                 yield cpu_proc
         if plan.swaps:
