@@ -111,6 +111,30 @@ class _CpuLane:
     counts: np.ndarray  # the experts' token counts (int64), in lane order
 
 
+class _GpuSide:
+    """The GPU experts of one layer in touch order: their ids and token counts, which take an on-demand copy
+    (``fetch``) and whether each would be staged (``staged``, read where ``fetch``), and the prefetched ones'
+    arrival events (``arrivals``, touch order: the only events among them until the layer issues its copies).
+    The per-expert forms (:meth:`ready`, :meth:`fetches`) are made only where the rules run expert by expert."""
+
+    __slots__ = ("experts", "counts", "fetch", "staged", "arrivals", "n", "n_fetch")
+
+    def __init__(self, experts: np.ndarray, counts: np.ndarray, fetch: np.ndarray, staged: np.ndarray,
+                 arrivals: dict):
+        self.experts, self.counts, self.fetch, self.staged, self.arrivals = experts, counts, fetch, staged, arrivals
+        self.n, self.n_fetch = len(experts), int(np.count_nonzero(fetch))
+
+    def ready(self) -> "dict[int, simpy.Event | None]":
+        """Expert -> arrival event (None = present: a hit, or a FETCH, whose event the lane adds), touch order."""
+        ready = dict.fromkeys(self.experts.tolist())
+        ready.update(self.arrivals)  # (existing keys keep their place)
+        return ready
+
+    def fetches(self) -> list[tuple[int, bool]]:
+        """(expert, staged) of the on-demand copies, touch order."""
+        return list(zip(self.experts[self.fetch].tolist(), self.staged[self.fetch].tolist()))
+
+
 class SimEngine:
     def __init__(self, workload: Workload, controller: Controller, costs: CostModel, counters: PlanCounters,
                  *, dense_device: str = "gpu", staging_slots: int = 1, record: bool = False,
@@ -347,20 +371,15 @@ class SimEngine:
             self._log_expert("cpu", start, self.env.now, "expert", plan, e, n)
         yield from self._compute("cpu", lane.handoff_out, Activity("handoff", plan.step, plan.layer))
 
-    def _gpu_sources(self, plan: LayerPlan):
-        """GPU experts in touch order -> arrival event (None = present), on-demand copies, and the arrival
-        events of the prefetched ones (the only events among them yet: a FETCH gets its event later)."""
+    def _gpu_sources(self, plan: LayerPlan) -> _GpuSide:
+        """The layer's GPU experts, the prefetched ones' arrivals taken (:class:`_GpuSide`)."""
         on_gpu = plan.on_gpu
         experts = plan.experts[on_gpu]
         source = plan.source[on_gpu]
-        ready: dict[int, simpy.Event | None] = dict.fromkeys(experts.tolist())  # HIT; a FETCH gets its event
-        arrivals = []
-        for e in experts[source == PREFETCHED].tolist():  # on the event-by-event path
-            arrivals.append(ev := self.arrivals.pop((plan.layer, e)))
-            ready[e] = ev
-        fetch = (source != HIT) & (source != PREFETCHED)
-        fetches = list(zip(experts[fetch].tolist(), plan.staged[on_gpu][fetch].tolist()))
-        return ready, fetches, arrivals
+        layer, arrivals = plan.layer, self.arrivals
+        landing = {e: arrivals.pop((layer, e)) for e in experts[source == PREFETCHED].tolist()}
+        return _GpuSide(experts, plan.counts[on_gpu], (source != HIT) & (source != PREFETCHED), plan.staged[on_gpu],
+                        landing)
 
     @staticmethod
     def _workloads(plan: LayerPlan) -> dict[int, int]:
@@ -427,7 +446,7 @@ class SimEngine:
                 self.staging.release(staging.pop(e))
         yield from self._compute("gpu", self._gpu_epilogue(plan), Activity("handoff", plan.step, plan.layer))
 
-    def _uncontended(self, arrivals: list) -> bool:
+    def _uncontended(self, arrivals) -> bool:
         """True when this layer's copies cannot meet any other copy: no background copy is open (issued
         and not landed, including ones whose process has not started yet), the link is idle (no other
         copy can be issued before the layer ends) and every prefetched expert has arrived (``arrivals``:
@@ -436,8 +455,9 @@ class SimEngine:
             return False
         return all(ev.triggered for ev in arrivals)
 
-    def _interferes(self, plan: LayerPlan, cpu: _CpuLane | None, fetches, step: int) -> bool:
-        """Could this layer's own activities slow each other (the lanes' largest demands together)?"""
+    def _interferes(self, plan: LayerPlan, cpu: _CpuLane | None, fetches: bool, step: int) -> bool:
+        """Could this layer's own activities slow each other (the lanes' largest demands together)? ``fetches``:
+        whether the layer makes on-demand copies."""
         if self.lanes.contention is None:
             return False
         busy = {"gpu": 0.0}
@@ -516,15 +536,11 @@ class SimEngine:
                 releases.append(t)
         return t
 
-    def _gpu_lane_end_compiled(self, plan: LayerPlan, link_t: float, t: float) -> float:
-        """:meth:`_gpu_lane_end` compiled (no timeline), from the plan's arrays."""
-        on_gpu = plan.on_gpu
-        source = plan.source[on_gpu]
-        fetched = (source != HIT) & (source != PREFETCHED)
-        staged = plan.staged[on_gpu] & fetched
-        times = self._expert_times("gpu", plan.counts[on_gpu].astype(np.int64))
+    def _gpu_lane_end_compiled(self, plan: LayerPlan, gpu: _GpuSide, link_t: float, t: float) -> float:
+        """:meth:`_gpu_lane_end` compiled (no timeline), from the GPU side's arrays."""
+        times = self._expert_times("gpu", gpu.counts.astype(np.int64))
         t, events, ok = self.kernels[1](
-            link_t, t, times, fetched, staged, self.staging.capacity - self.staging.count, self.xfer, self.per_group,
+            link_t, t, times, gpu.fetch, gpu.staged & gpu.fetch, self.staging.capacity - self.staging.count, self.xfer, self.per_group,
             self.writeback, len(plan.evicted) if self.writeback else 0, self.waits_all, self.busy, self.layer_wait,
             plan.layer)
         if not ok:
@@ -532,15 +548,15 @@ class SimEngine:
         self.events += events
         return float(t)
 
-    def _direct_gpu_lane(self, plan: LayerPlan, start: float, ready, fetches, prologue) -> float:
+    def _direct_gpu_lane(self, plan: LayerPlan, start: float, gpu: _GpuSide, prologue) -> float:
         t = start
         for d, what in prologue:
             self._log("gpu", t, t + d, what)
             t += d
-        if ready and self.kernels is not None:
-            t = self._gpu_lane_end_compiled(plan, start, t)
-        elif ready:
-            t = self._gpu_lane_end(plan, start, t, list(ready), self._workloads(plan), fetches)
+        if gpu.n and self.kernels is not None:
+            t = self._gpu_lane_end_compiled(plan, gpu, start, t)
+        elif gpu.n:
+            t = self._gpu_lane_end(plan, start, t, gpu.experts.tolist(), self._workloads(plan), gpu.fetches())
         tail = self._gpu_epilogue(plan)
         if tail > 0:
             self._log("gpu", t, t + tail, Activity("handoff", plan.step, plan.layer))
@@ -560,21 +576,21 @@ class SimEngine:
             self.arrivals[(target, e)] = self._background(Activity("prefetch", step, target, e))
         for e in plan.prefetch_wasted:
             self.arrivals.pop((layer, e), None)
-        ready, fetches, arrivals = self._gpu_sources(plan)
+        gpu = self._gpu_sources(plan)
         cpu = self._cpu_work(plan)
         dense = float(self.dense_moe[step])
-        prologue = self._gpu_prologue(plan, len(ready))
+        prologue = self._gpu_prologue(plan, gpu.n)
         device_s = 0.0
         if self.counts_launches:  # the GPU work the layer's launches start (a launch-bound layer takes longer)
-            gpu = self._expert_times("gpu", plan.counts[plan.on_gpu].astype(np.int64))
+            times = self._expert_times("gpu", gpu.counts.astype(np.int64))
             # np.add.accumulate adds left to right, as sum() over the experts in touch order did
-            experts_s = float(np.add.accumulate(gpu)[-1]) if gpu.size else 0
+            experts_s = float(np.add.accumulate(times)[-1]) if times.size else 0
             device_s = (dense if self.dense_device == "gpu" else 0.0) + sum(d for d, _ in prologue) + experts_s
-        copies = len(fetches) + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
-        host = self.costs.host_layer_time(len(ready), len(cpu.experts) if cpu else 0, copies, device_s=device_s,
+        copies = gpu.n_fetch + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
+        host = self.costs.host_layer_time(gpu.n, len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
         host_what, dense_what = Activity("host", step, layer), Activity("dense", step, layer)
-        if self._uncontended(arrivals) and not self._interferes(plan, cpu, fetches, step):
+        if self._uncontended(gpu.arrivals.values()) and not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
             # nothing can change while the layer runs: the whole layer is computed directly
             now = env.now
             if host > 0:
@@ -583,8 +599,7 @@ class SimEngine:
             self._log(self.dense_device, t, t + dense, dense_what)
             lanes = t + dense
             cpu_end = self._cpu_lane_end(plan, cpu, lanes)
-            gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, ready, fetches,
-                                            prologue)
+            gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, gpu, prologue)
             yield env.timeout(max(cpu_end, gpu_end) - now)
         else:
             yield from self._compute("host", host, host_what)
@@ -593,7 +608,7 @@ class SimEngine:
             if self.serial_lanes[step] and cpu_proc is not None:
                 yield cpu_proc
                 cpu_proc = None
-            yield from self._gpu_lane(plan, ready, fetches, self._workloads(plan), prologue)
+            yield from self._gpu_lane(plan, gpu.ready(), gpu.fetches(), self._workloads(plan), prologue)
             if cpu_proc is not None:
                 yield cpu_proc
         if plan.swaps:
