@@ -223,6 +223,14 @@ class SimEngine:
         if self.record:
             self.intervals.append(Interval(track, what.name(), start, end, what.args()))
 
+    def _log_layer(self, track: str, start: float, end: float, kind: str, plan: LayerPlan) -> None:
+        """``_log`` of a layer's activity (``Activity(kind, step, layer)``), built only when a timeline is recorded."""
+        self.busy[TRACK_INDEX[track]] += end - start
+        self.events += 1
+        if self.record:
+            what = Activity(kind, plan.step, plan.layer)
+            self.intervals.append(Interval(track, what.name(), start, end, what.args()))
+
     def _log_expert(self, track: str, start: float, end: float, kind: str, plan: LayerPlan, e: int,
                     tokens: int = 0) -> None:
         """``_log`` for the hot path: the Activity is built only when a timeline is recorded."""
@@ -307,7 +315,7 @@ class SimEngine:
         if link is not None:
             self.pcie.release(link)
 
-    def _cpu_work(self, plan: LayerPlan) -> _CpuLane | None:
+    def _cpu_work(self, plan: LayerPlan, gpu: _GpuSide) -> _CpuLane | None:
         on_cpu = plan.source == CPU
         if not on_cpu.any():
             return None
@@ -315,30 +323,31 @@ class SimEngine:
         experts = list(zip(plan.experts[on_cpu].tolist(), counts.tolist()))
         off_dense = self.dense_device != "cpu"  # the lane's activations live on the dense device
         pairs = int(counts.sum())
-        wakes = self.cpu_wake and (not self.cpu_wake_beside_gpu or plan.on_gpu.any())
+        wakes = self.cpu_wake and (not self.cpu_wake_beside_gpu or gpu.n > 0)
         overhead = self.lane_overhead["cpu"] + (self.cpu_wake if wakes else 0.0)
         return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, overhead,
                         experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
 
-    def _gpu_prologue(self, plan: LayerPlan, n_gpu: int) -> list[tuple[float, Activity]]:
-        """What the GPU lane runs before its experts: activations in (dense part on the CPU), the
-        per-layer overhead, the shared experts (when they overlap the CPU lane)."""
+    def _gpu_prologue(self, plan: LayerPlan, n_gpu: int, cpu_too: bool) -> list[tuple[float, str]]:
+        """What the GPU lane runs before its experts, as (seconds, activity kind): activations in (dense part on
+        the CPU), the per-layer overhead, the CPU lane's worker woken beside it (``cpu_too``: the layer has CPU
+        experts), the shared experts (when they overlap the CPU lane)."""
         out = []
         if n_gpu and self.dense_device == "cpu":
-            out.append((self.costs.activation_copy_time(plan.tokens), Activity("handoff", plan.step, plan.layer)))
+            out.append((self.costs.activation_copy_time(plan.tokens), "handoff"))
         if n_gpu and not self.per_group:  # else paid per call on what has landed (_gpu_lane, _gpu_lane_end)
-            out.append((self.lane_overhead["gpu"], Activity("overhead", plan.step, plan.layer)))
-        if self.gpu_wake and plan.on_gpu.any() and (plan.source == CPU).any():  # the CPU lane's worker woken beside
-            out.append((self.gpu_wake, Activity("overhead", plan.step, plan.layer)))
+            out.append((self.lane_overhead["gpu"], "overhead"))
+        if self.gpu_wake and n_gpu and cpu_too:
+            out.append((self.gpu_wake, "overhead"))
         if self.shared is not None:
-            out.append((float(self.shared[plan.step]), Activity("shared", plan.step, plan.layer)))
-        return [(d, a) for d, a in out if d > 0]
+            out.append((float(self.shared[plan.step]), "shared"))
+        return [(d, kind) for d, kind in out if d > 0]
 
-    def _gpu_epilogue(self, plan: LayerPlan) -> float:
+    def _gpu_epilogue(self, plan: LayerPlan, gpu: _GpuSide) -> float:
         """Results back to the dense device when it is the CPU (MoE-Lightning)."""
-        if self.dense_device != "cpu" or not plan.on_gpu.any():
+        if self.dense_device != "cpu" or not gpu.n:
             return 0.0
-        return self.costs.activation_copy_time(int(plan.counts[plan.on_gpu].sum()))
+        return self.costs.activation_copy_time(int(gpu.counts.sum()))
 
     def _cpu_lane_end(self, plan: LayerPlan, lane: _CpuLane | None, t: float) -> float:
         """The CPU lane computed directly (no contention can change it): everything back to back from ``t``."""
@@ -346,7 +355,7 @@ class SimEngine:
             return t
         for d, kind in ((lane.handoff_in, "handoff"), (lane.overhead, "overhead")):
             if d > 0:
-                self._log("cpu", t, t + d, Activity(kind, plan.step, plan.layer))
+                self._log_layer("cpu", t, t + d, kind, plan)
                 t += d
         if self.kernels is not None:  # the experts' loop compiled (no timeline)
             t = float(self.kernels[0](t, self._expert_times("cpu", lane.counts), self.busy))
@@ -357,7 +366,7 @@ class SimEngine:
                 self._log_expert("cpu", t, t + d, "expert", plan, e, n)
                 t += d
         if lane.handoff_out > 0:
-            self._log("cpu", t, t + lane.handoff_out, Activity("handoff", plan.step, plan.layer))
+            self._log_layer("cpu", t, t + lane.handoff_out, "handoff", plan)
             t += lane.handoff_out
         return t
 
@@ -391,9 +400,10 @@ class SimEngine:
         yield self.lanes.run("gpu", self._expert_time("gpu", n), 0.0)
         self._log_expert("gpu", start, self.env.now, "expert", plan, e, n)
 
-    def _gpu_lane(self, plan: LayerPlan, ready, fetches, counts, prologue):
+    def _gpu_lane(self, plan: LayerPlan, gpu: _GpuSide, counts, prologue):
         """Event-by-event GPU lane (the link may be contended, rates may change)."""
         env = self.env
+        ready, fetches = gpu.ready(), gpu.fetches()
         events = [(e, staged, env.event()) for e, staged in fetches]
         for e, _, ev in events:
             ready[e] = ev
@@ -407,8 +417,8 @@ class SimEngine:
         copying = None
         if events or (self.writeback and plan.evicted):
             copying = env.process(self._on_demand(plan, events, staging, signal, unstaged))
-        for d, what in prologue:
-            yield from self._compute("gpu", d, what)
+        for d, kind in prologue:
+            yield from self._compute("gpu", d, Activity(kind, plan.step, plan.layer))
         own = {id(ev) for _, _, ev in events}
         remaining = list(ready)  # touch order
         waited_all = not self.waits_all
@@ -444,7 +454,7 @@ class SimEngine:
             yield from self._gpu_compute(plan, e, counts[e])
             if e in staging:
                 self.staging.release(staging.pop(e))
-        yield from self._compute("gpu", self._gpu_epilogue(plan), Activity("handoff", plan.step, plan.layer))
+        yield from self._compute("gpu", self._gpu_epilogue(plan, gpu), Activity("handoff", plan.step, plan.layer))
 
     def _uncontended(self, arrivals) -> bool:
         """True when this layer's copies cannot meet any other copy: no background copy is open (issued
@@ -550,16 +560,16 @@ class SimEngine:
 
     def _direct_gpu_lane(self, plan: LayerPlan, start: float, gpu: _GpuSide, prologue) -> float:
         t = start
-        for d, what in prologue:
-            self._log("gpu", t, t + d, what)
+        for d, kind in prologue:
+            self._log_layer("gpu", t, t + d, kind, plan)
             t += d
         if gpu.n and self.kernels is not None:
             t = self._gpu_lane_end_compiled(plan, gpu, start, t)
         elif gpu.n:
             t = self._gpu_lane_end(plan, start, t, gpu.experts.tolist(), self._workloads(plan), gpu.fetches())
-        tail = self._gpu_epilogue(plan)
+        tail = self._gpu_epilogue(plan, gpu)
         if tail > 0:
-            self._log("gpu", t, t + tail, Activity("handoff", plan.step, plan.layer))
+            self._log_layer("gpu", t, t + tail, "handoff", plan)
             t += tail
         return t
 
@@ -577,9 +587,9 @@ class SimEngine:
         for e in plan.prefetch_wasted:
             self.arrivals.pop((layer, e), None)
         gpu = self._gpu_sources(plan)
-        cpu = self._cpu_work(plan)
+        cpu = self._cpu_work(plan, gpu)
         dense = float(self.dense_moe[step])
-        prologue = self._gpu_prologue(plan, gpu.n)
+        prologue = self._gpu_prologue(plan, gpu.n, cpu is not None)
         device_s = 0.0
         if self.counts_launches:  # the GPU work the layer's launches start (a launch-bound layer takes longer)
             times = self._expert_times("gpu", gpu.counts.astype(np.int64))
@@ -589,26 +599,26 @@ class SimEngine:
         copies = gpu.n_fetch + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
         host = self.costs.host_layer_time(gpu.n, len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
-        host_what, dense_what = Activity("host", step, layer), Activity("dense", step, layer)
         if self._uncontended(gpu.arrivals.values()) and not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
             # nothing can change while the layer runs: the whole layer is computed directly
             now = env.now
             if host > 0:
-                self._log("host", now, now + host, host_what)
+                self._log_layer("host", now, now + host, "host", plan)
             t = now + host
-            self._log(self.dense_device, t, t + dense, dense_what)
+            self._log_layer(self.dense_device, t, t + dense, "dense", plan)
             lanes = t + dense
             cpu_end = self._cpu_lane_end(plan, cpu, lanes)
             gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, gpu, prologue)
             yield env.timeout(max(cpu_end, gpu_end) - now)
         else:
-            yield from self._compute("host", host, host_what)
-            yield from self._compute(self.dense_device, dense, dense_what, float(self.dense_demand[step]))
+            yield from self._compute("host", host, Activity("host", step, layer))
+            yield from self._compute(self.dense_device, dense, Activity("dense", step, layer),
+                                     float(self.dense_demand[step]))
             cpu_proc = env.process(self._cpu_lane(plan, cpu)) if cpu is not None else None
             if self.serial_lanes[step] and cpu_proc is not None:
                 yield cpu_proc
                 cpu_proc = None
-            yield from self._gpu_lane(plan, gpu.ready(), gpu.fetches(), self._workloads(plan), prologue)
+            yield from self._gpu_lane(plan, gpu, self._workloads(plan), prologue)
             if cpu_proc is not None:
                 yield cpu_proc
         if plan.swaps:
