@@ -117,12 +117,13 @@ class _GpuSide:
     arrival events (``arrivals``, touch order: the only events among them until the layer issues its copies).
     The per-expert forms (:meth:`ready`, :meth:`fetches`) are made only where the rules run expert by expert."""
 
-    __slots__ = ("experts", "counts", "fetch", "staged", "arrivals", "n", "n_fetch")
+    __slots__ = ("experts", "counts", "fetch", "staged", "arrivals", "n", "n_fetch", "times")
 
     def __init__(self, experts: np.ndarray, counts: np.ndarray, fetch: np.ndarray, staged: np.ndarray,
                  arrivals: dict):
         self.experts, self.counts, self.fetch, self.staged, self.arrivals = experts, counts, fetch, staged, arrivals
         self.n, self.n_fetch = len(experts), int(np.count_nonzero(fetch))
+        self.times: np.ndarray | None = None  # their GPU seconds (SimEngine._gpu_times)
 
     def ready(self) -> "dict[int, simpy.Event | None]":
         """Expert -> arrival event (None = present: a hit, or a FETCH, whose event the lane adds), touch order."""
@@ -243,6 +244,12 @@ class SimEngine:
     def _expert_time(self, device: str, n: int) -> float:
         table = self.gpu_table if device == "gpu" else self.cpu_table
         return float(table[n]) if n < len(table) else float(self.costs.expert_time(device, n))
+
+    def _gpu_times(self, gpu: _GpuSide) -> np.ndarray:
+        """:meth:`_expert_times` of a layer's GPU experts, made once per layer."""
+        if gpu.times is None:
+            gpu.times = self._expert_times("gpu", gpu.counts.astype(np.int64))
+        return gpu.times
 
     def _expert_times(self, device: str, counts: np.ndarray) -> np.ndarray:
         """:meth:`_expert_time` of each of ``counts`` (the same values)."""
@@ -548,9 +555,8 @@ class SimEngine:
 
     def _gpu_lane_end_compiled(self, plan: LayerPlan, gpu: _GpuSide, link_t: float, t: float) -> float:
         """:meth:`_gpu_lane_end` compiled (no timeline), from the GPU side's arrays."""
-        times = self._expert_times("gpu", gpu.counts.astype(np.int64))
         t, events, ok = self.kernels[1](
-            link_t, t, times, gpu.fetch, gpu.staged & gpu.fetch, self.staging.capacity - self.staging.count, self.xfer, self.per_group,
+            link_t, t, self._gpu_times(gpu), gpu.fetch, gpu.staged & gpu.fetch, self.staging.capacity - self.staging.count, self.xfer, self.per_group,
             self.writeback, len(plan.evicted) if self.writeback else 0, self.waits_all, self.busy, self.layer_wait,
             plan.layer)
         if not ok:
@@ -592,7 +598,7 @@ class SimEngine:
         prologue = self._gpu_prologue(plan, gpu.n, cpu is not None)
         device_s = 0.0
         if self.counts_launches:  # the GPU work the layer's launches start (a launch-bound layer takes longer)
-            times = self._expert_times("gpu", gpu.counts.astype(np.int64))
+            times = self._gpu_times(gpu)
             # np.add.accumulate adds left to right, as sum() over the experts in touch order did
             experts_s = float(np.add.accumulate(times)[-1]) if times.size else 0
             device_s = (dense if self.dense_device == "gpu" else 0.0) + sum(d for d, _ in prologue) + experts_s
