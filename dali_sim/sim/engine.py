@@ -481,7 +481,7 @@ class SimEngine:
         if self.dense_device == "cpu":
             busy["cpu"] = float(self.dense_demand[step])
         if cpu is not None:
-            demand = max(self.costs.host_demand("cpu", n) for n in np.unique(cpu.counts).tolist())
+            demand = max(self.costs.host_demand("cpu", n) for n in set(cpu.counts.tolist()))
             busy["cpu"] = max(busy.get("cpu", 0.0), demand)
         if fetches:
             busy["h2d"] = self.copy_demand
