@@ -556,9 +556,9 @@ class SimEngine:
     def _gpu_lane_end_compiled(self, plan: LayerPlan, gpu: _GpuSide, link_t: float, t: float) -> float:
         """:meth:`_gpu_lane_end` compiled (no timeline), from the GPU side's arrays."""
         t, events, ok = self.kernels[1](
-            link_t, t, self._gpu_times(gpu), gpu.fetch, gpu.staged & gpu.fetch, self.staging.capacity - self.staging.count, self.xfer, self.per_group,
-            self.writeback, len(plan.evicted) if self.writeback else 0, self.waits_all, self.busy, self.layer_wait,
-            plan.layer)
+            link_t, t, self._gpu_times(gpu), gpu.fetch, gpu.staged & gpu.fetch,
+            self.staging.capacity - self.staging.count, self.xfer, self.per_group, self.writeback,
+            len(plan.evicted) if self.writeback else 0, self.waits_all, self.busy, self.layer_wait, plan.layer)
         if not ok:
             raise AssertionError("direct GPU lane: no expert can ever arrive")
         self.events += events
