@@ -17,16 +17,16 @@ from typing import Callable
 
 #: the packages whose kernels call each other (``dali_exec``'s only when installed beside ``dali_sim``)
 _PACKAGES = ("dali_sim", "dali_exec")
+_ROOT = Path(__file__).resolve().parents[2]  # (the folder holding them)
 _MARKER = b"jit("
 
 
 @functools.cache
 def kernel_sources() -> tuple[Path, ...]:
     """The package's source files that compile kernels, in a fixed order."""
-    root = Path(__file__).resolve().parents[2]
     files = []
     for package in _PACKAGES:
-        files += [p for p in sorted((root / package).rglob("*.py")) if _MARKER in p.read_bytes()]
+        files += [p for p in sorted((_ROOT / package).rglob("*.py")) if _MARKER in p.read_bytes()]
     return tuple(files)
 
 
@@ -34,9 +34,8 @@ def kernel_sources() -> tuple[Path, ...]:
 def sources_fingerprint() -> str:
     """SHA-256 over the kernel source files' paths (relative) and contents."""
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parents[2]
     for p in kernel_sources():
-        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+        h.update(p.relative_to(_ROOT).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -57,7 +56,7 @@ def njit_cached(nb, fn: Callable):
     """``numba.njit(nogil=True)(fn)`` with the on-disk cache keyed by the kernel sources (numba's own
     ``cache=True`` where its dispatcher does not take a cache object as this expects)."""
     dispatcher = nb.njit(nogil=True)(fn)
-    if not hasattr(dispatcher, "enable_caching") or not hasattr(dispatcher, "_cache"):
+    if not hasattr(dispatcher, "_cache"):
         return nb.njit(cache=True, nogil=True)(fn)
     dispatcher._cache = _cache_class()(fn)
     return dispatcher

@@ -14,7 +14,6 @@ this file, keyed also by the kernel sources: :mod:`.kernel_cache`), on the first
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Callable
 
@@ -319,7 +318,6 @@ def _load() -> dict[str, Callable]:
         _hss_fn, _hss_into_fn, _impact_fn, _impact_prefix_fn = _hss, _hss_into, _impact, _impact_prefix
         _impls = {name: _on_lists(fn) for name, fn in _PYTHON.items()}
     else:
-        jit = functools.partial(njit_cached, nb)
         _hss_into_fn = jit(_hss_into)
         _hss_fn = jit(_hss)
         _impact_fn = jit(_impact)
