@@ -44,7 +44,10 @@ work, as on an accelerator that computes and copies by itself. On the CPU device
 normal run is the cost of the caches the tensor work evicts, or, on a machine whose core is shared, that
 the time it takes lets the machine evict (benchmarks/README.md, "Executor overhead" and "Time alone
 empties the caches here"). Its layer times and tokens/s mean nothing. CPU device only: on CUDA the tensor
-work does not run on the host's core in the first place.
+work does not run on the host's core in the first place. With it, ``--idle-us N`` adds a busy wait of N us after
+each layer visit, outside every stopwatch (compiled register-only work: it touches no memory), as a GPU host
+waits while the accelerator computes the layer: what the host work costs once that much time has passed
+(benchmarks/README.md, "The whole visit, after time alone").
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ import pandas as pd
 import torch
 
 from dali_exec.executor import copies, dense, ffn
+from dali_exec.executor.runtime import OffloadRuntime
 from dali_exec.executor import Devices, ExecOptions, HostExpertStore, Replay, ReplayOptions, prepare_replay
 from dali_exec.executor.devices import cpu_name, resolve_device
 from dali_sim.runtime.controller import Controller
@@ -74,7 +78,7 @@ from dali_sim.trace import read_trace
 from dali_sim.trace.synth import SynthConfig, synthesize
 from dali_sim.workload.profiling import ProfileSpec
 
-from cold_host import spin
+from cold_host import BusyWait, spin
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER_OVERHEAD = 0.045  # DALI (arXiv 2602.03495): reported scheduling overhead, for comparison only
@@ -129,6 +133,21 @@ def no_tensor_work():
     with ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
+        yield
+
+
+@contextmanager
+def idle_after_visits(seconds: float):
+    """After each layer visit (``OffloadRuntime.run_experts`` returned: outside every stopwatch), a busy wait of
+    ``seconds`` that runs compiled register-only work (``--idle-us``; :class:`cold_host.BusyWait`)."""
+    wait, run_experts = BusyWait(), OffloadRuntime.run_experts
+
+    def then_idle(self, *args, **kwargs):
+        out = run_experts(self, *args, **kwargs)
+        wait(seconds)
+        return out
+
+    with mock.patch.object(OffloadRuntime, "run_experts", then_idle):
         yield
 
 
@@ -207,8 +226,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tensor-work", action="store_true",
                     help="expert computes, dense blocks and expert copies as no-ops: the host work alone, without "
                          "the caches the tensor work evicts (layer times then mean nothing); CPU device only")
+    ap.add_argument("--idle-us", type=float, default=0.0,
+                    help="with --no-tensor-work: after each layer visit, a busy wait this long that touches no memory "
+                         "(time passing, as while an accelerator computes the layer); default 0")
     ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
     a = ap.parse_args(argv)
+    if a.idle_us < 0 or (a.idle_us and not a.no_tensor_work):
+        ap.error(f"--idle-us {a.idle_us:g}: must be >= 0, and is for --no-tensor-work only (with the tensor work, "
+                 "the layer's time passes already)")
     if a.quick:
         a.scale, a.layers, a.sequences, a.max_tokens, a.repeats = 1 / 16, 4, 2, 16, 1
         a.batch_size = min(a.batch_size, a.sequences)  # (the default batch of 4 exceeds the 2 sequences)
@@ -223,7 +248,8 @@ def main(argv=None) -> int:
     stores: dict = {}
     plain = [n for n in a.systems.split(",") if n]
     look = [n for n in a.lookahead_systems.split(",") if n]
-    with tempfile.TemporaryDirectory() as tmp, (no_tensor_work() if a.no_tensor_work else nullcontext()):
+    with tempfile.TemporaryDirectory() as tmp, (no_tensor_work() if a.no_tensor_work else nullcontext()), \
+            (idle_after_visits(1e-6 * a.idle_us) if a.idle_us else nullcontext()):
         def synthetic(model: str):
             path = Path(tmp) / f"{model}.parquet"
             synthesize(SynthConfig(model=model, sequences=a.sequences, prompt_len=0, gen_len=a.max_tokens,
@@ -249,7 +275,8 @@ def main(argv=None) -> int:
     source = f"synthetic {a.shape} trace" if a.shape else Path(a.trace).name
     print(f"replay: {source}, {a.layers} MoE layers at scale {a.scale:g}, {a.sequences} sequences x "
           f"{a.max_tokens} tokens, batch {a.batch_size}, {dtype}; median of {a.repeats} runs per system"
-          + ("; NO TENSOR WORK (computes and copies are no-ops: layer times mean nothing)" if a.no_tensor_work else ""))
+          + ("; NO TENSOR WORK (computes and copies are no-ops: layer times mean nothing)" if a.no_tensor_work else "")
+          + (f"; a busy wait of {a.idle_us:g} us after each layer visit" if a.idle_us else ""))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table[PRINTED].round(1).to_string())
     print(f"DALI paper: {100 * PAPER_OVERHEAD:.1f}% scheduling overhead (for comparison)")

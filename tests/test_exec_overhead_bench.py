@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
@@ -101,20 +102,53 @@ def test_cold_host_times_every_case_after_every_condition(tmp_path):
 
     spun = []
     conditions = cold_host.conditions([2.0], [1])
-    assert list(conditions) == ["warm", "spin 2 ms", "sleep 2 ms", "pass 1 MiB"]
+    busy = ["busy 2 ms"] if cold_host._busy_loop is not None else []  # (numba off: left out)
+    assert list(conditions) == ["warm", "spin 2 ms", *busy, "sleep 2 ms", "pass 1 MiB"]
     conditions["count"] = lambda: spun.append(1)
     table = cold_host.measure({"python call": lambda: None}, conditions, trials=3)
-    assert len(spun) == 3 and len(table) == 5
+    assert len(spun) == 3 and len(table) == 5 + len(busy)
     by = table.set_index("condition")
     assert by.loc["warm", "ratio"] == 1.0
-    assert by.loc["spin 2 ms", "condition_ms"] >= 2.0 and by.loc["sleep 2 ms", "condition_ms"] >= 2.0
+    assert all(by.loc[f"{c} 2 ms", "condition_ms"] >= 2.0 for c in ["spin", "sleep"] + [b.split()[0] for b in busy])
     assert (table["us"] > 0).all()
     out = tmp_path / "cold.json"
     assert cold_host.main(["--trials", "2", "--spin-ms", "0.5", "--pass-mib", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert {r["condition"] for r in rows} == {"warm", "spin 0.5 ms", "sleep 0.5 ms", "pass 1 MiB"}
+    assert {r["condition"] for r in rows} == {"warm", "spin 0.5 ms", "sleep 0.5 ms", "pass 1 MiB"} | (
+        {"busy 0.5 ms"} if busy else set())
     assert {r["case"] for r in rows} >= {"python call", "Tensor.index_select", "time.thread_time"}
     for bad in (["--spin-ms", "0"], ["--pass-mib", "x"], ["--json", str(tmp_path / "no" / "cold.json")]):
         with pytest.raises(SystemExit) as e:
             cold_host.main(bad)
         assert e.value.code == 2
+
+
+def test_idle_after_visits_adds_a_wait_to_every_layer_and_changes_nothing_else(tmp_path):
+    """``--idle-us``: after each layer visit a busy wait at least as long as asked, outside the runtime's stopwatches:
+    the same counts, and every layer visit at least that long (the wait reads the clock until it has passed)."""
+    import cold_host
+    if cold_host._busy_loop is None:
+        pytest.skip("numba is off")
+    path = tmp_path / "mix.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=4, gen_len=3, seed=5,
+                           lookahead=exec_overhead.LOOKAHEAD), path)
+    trace = read_trace(path)
+    opts, run = ReplayOptions(layers=2, scale=1 / 64, dtype="fp32"), ExecOptions(device="cpu", cpu_threads=1)
+    with exec_overhead.no_tensor_work():
+        plain = execute(trace, "dali", opts, run, batch_size=2)
+        with exec_overhead.idle_after_visits(2e-3):
+            idle = execute(trace, "dali", opts, run, batch_size=2)
+    assert {k: idle.summary[k] for k in COUNTERS} == {k: plain.summary[k] for k in COUNTERS}
+    visits = idle.summary["overhead"]["layer_visits"]
+    assert visits > 0 and idle.summary["overhead"]["layer_time_us"] >= 2000.0
+    t0 = time.perf_counter()
+    cold_host.BusyWait()(1e-3)
+    assert time.perf_counter() - t0 >= 1e-3
+
+
+def test_idle_us_is_refused_without_no_tensor_work_or_below_zero(capsys):
+    for argv in (["--idle-us", "100", "--quick"], ["--idle-us", "-1", "--no-tensor-work", "--quick"]):
+        with pytest.raises(SystemExit) as e:
+            exec_overhead.main(argv)
+        assert e.value.code == 2
+        assert "--idle-us" in capsys.readouterr().err
