@@ -249,18 +249,21 @@ def test_delayed_copies_are_waited_for(mix):
     assert result.per_layer["gpu_wait_s"].sum() > 0
 
 
-@pytest.mark.parametrize("staging", [1, 2, 3, 4])
-def test_staged_experts_cycle_through_few_buffers(mix, staging, tmp_path):
+@pytest.mark.parametrize("staging,cached", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 0), (3, 0)])
+def test_staged_experts_cycle_through_few_buffers(mix, staging, cached, tmp_path):
     """More staged experts than staging buffers: turns of one expert (1, 2, 3 buffers: one buffer, or halves
     that alternate) or of two (4 buffers), with copies held back so a turn that did not wait would be caught;
-    the outputs are the reference's, the counts the simulator's."""
-    over = {"memory": {"staging_slots": str(staging), "cache_experts": "1"}}
+    the outputs are the reference's, the counts the simulator's. Without a cache every accelerator expert is
+    staged: no first group, the first turns' copies and the loop in one pause."""
+    over = {"memory": {"staging_slots": str(staging), "cache_experts": str(cached)}}
     records = []
     slow = dataclasses.replace(CPU_RUN, copy_delay_s=0.001)
     result = execute(mix, "gpu-lru", TINY, slow, batch_size=BATCH, overrides=over, on_layer=records.append)
     setup = prepare_replay(mix, "gpu-lru", TINY, batch_size=BATCH, overrides=over)
     assert setup.memory.staging_slots == staging
     assert max(int(rec.plan.staged.sum()) for rec in records) > staging  # the buffers were cycled
+    if not cached:
+        assert all(rec.plan.staged.sum() == rec.plan.on_gpu.sum() for rec in records)
     _check_against_reference(records, setup)
     sim = simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False,
                    profiling=setup.profiled)

@@ -252,3 +252,23 @@ def test_a_visit_reads_the_thread_cpu_clock_a_few_times(traces, monkeypatch):
         m.setattr(K, "compiled", lambda name: None)
         plain = per_visit("gpu-lru")
     assert fused < plain
+
+
+def test_views_up_to_a_visits_pairs_are_made_at_set_up_and_again_after_growth():
+    """Given a visit's pairs, the CPU device's group views of every length up to them and of every span exist before
+    any group is built (a group of those lengths makes none); longer groups' views are made at first use; a workspace
+    that grows makes them again for its new buffers. Without pairs, or off the CPU device, none are made."""
+    ws = GroupWorkspace(6, torch.device("cpu"), pairs=10)
+    made = {n: ws._views[n] for n in range(11)}
+    spans = {s: ws._offs_views[s] for s in range(7)}
+    for n in range(11):
+        for s in range(7):
+            v = ws.views(n, s)
+            assert v[:4] == made[n] and v[4] is spans[s] and [t.shape[0] for t in v] == [n] * 4 + [s]
+    assert len(ws._views) == 11
+    assert ws.views(15, 2)[0].shape[0] == 15 and len(ws._views) == 12  # (room for 20: longer ones at first use)
+    ws.fit(30)
+    assert ws.ints.shape[1] == 60 and set(ws._views) == set(range(11)) and set(ws._offs_views) == set(range(7))
+    assert ws._views[10][0].data_ptr() == ws.tensors[0].data_ptr() and made[10][0].data_ptr() != ws.tensors[0].data_ptr()
+    assert GroupWorkspace(6, torch.device("cpu"))._views == {}
+    assert GroupWorkspace(6, torch.device("meta"), pairs=10)._views == {}

@@ -103,7 +103,7 @@ class Replay:
         self._check_accelerator_memory()
         self.runtime = OffloadRuntime(self.store, devices, setup.memory.capacities, setup.memory.prefetch_slots,
                                       setup.memory.staging_slots, cpu_threads=self.cpu_threads, timer=self.timer,
-                                      copy_delay_s=opts.copy_delay_s)
+                                      copy_delay_s=opts.copy_delay_s, pairs=w.config.batch_size * model.top_k)
         self.runtime.load(self.controller.initial_resident)
 
     def _check_accelerator_memory(self) -> None:

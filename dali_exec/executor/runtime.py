@@ -49,14 +49,16 @@ class OffloadRuntime:
 
     ``capacities`` (slots per layer), ``prefetch_slots`` and ``staging_slots`` come from the memory
     plan; ``initial`` is the controller's initial cache contents. ``copy_delay_s`` (tests) holds every
-    copy back. Per-layer accumulators: ``layer_wait`` (seconds the accelerator lane waited for
-    weights, host-measured) and ``layer_bookkeeping`` / ``layer_bookkeeping_cpu`` (the runtime's own host
-    work, wall-clock / thread-CPU seconds: slot table, routing indices, issuing copies, choosing the next
-    expert; not computes, transfers of activations or waits)."""
+    copy back. ``pairs``: the (token, rank) pairs of a typical layer visit (batch x top-k), for which the
+    workspaces are made ready at set-up (:class:`GroupWorkspace`). Per-layer accumulators: ``layer_wait``
+    (seconds the accelerator lane waited for weights, host-measured) and ``layer_bookkeeping`` /
+    ``layer_bookkeeping_cpu`` (the runtime's own host work, wall-clock / thread-CPU seconds: slot table,
+    routing indices, issuing copies, choosing the next expert; not computes, transfers of activations or
+    waits)."""
 
     def __init__(self, store: HostExpertStore, devices: Devices, capacities: np.ndarray, prefetch_slots: int,
                  staging_slots: int, *, cpu_threads: int, timer: Timer | None = None, copy_delay_s: float = 0.0,
-                 cpu_inline: bool = False):
+                 cpu_inline: bool = False, pairs: int = 0):
         self.store, self.dev = store, devices
         self._host_layers = list(store.weights.unbind(0))  # each layer's host weights (E x numel), made once
         #: run the CPU lane in the calling thread (when it has the lane's thread count) instead of the worker:
@@ -74,13 +76,13 @@ class OffloadRuntime:
         self.deferred: deque[tuple[int, int, int]] = deque()  # prefetches waiting for a free buffer: (layer, expert, step)
         self._wait = [0.0] * L  # seconds the accelerator lane waited for weights, per layer
         self._bookkeeping = LayerSeconds(L)
-        self._route_ws = RouteWorkspace(devices.accel)
+        self._route_ws = RouteWorkspace(devices.accel, pairs)
         self._route_entries = _kernels.Entries("route_partition", _ROUTE_LOOSE)
         self._ws_routing: LayerRouting | None = None  # the routing made of the route workspace's views
         self._out_buf: torch.Tensor | None = None  # the last layer's combine buffer (_combine_buffer)
         self._out_shape: tuple[int, int] = (-1, -1)  # its shape
         self._accel_is_host = devices.accel.type == "cpu"
-        self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel)
+        self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel, pairs)
         #: whether the route call writes a layer's first group (the CPU device: computed before any wait) and the
         #: (pairs, lo, span, experts) of the one it wrote for this layer visit, until _group takes it
         self._first_in_route = not devices.is_cuda
@@ -387,26 +389,29 @@ class OffloadRuntime:
         ready = lanes.ready
         fg = self._first
         singles = None  # one-expert staging turns run in the same pause (below)
-        if fg is not None and len(first) and fg[3] == len(ready) + nf:
+        written = fg is not None and len(first) and fg[3] == len(ready) + nf
+        if written or (self._first_in_route and n_staged and per_turn == 1 and not len(ready) and not nf):
             # the CPU device, the first group written by the route call (the ready and fetched experts, checked
-            # there, no prefetch among them): taken before the copies and computed right after them, the
-            # stopwatch stopped once for both (the group's indices do not depend on the copies' data), and so
-            # are one-expert staging turns (set up once their first copies are issued, run after the group)
-            group = self._written(len(ready) + nf)  # (checked above: it is this group)
+            # there, no prefetch among them), or no such experts and only one-expert staging turns: the group
+            # taken before the copies and computed right after them, the stopwatch stopped once for the copies,
+            # the group and the one-expert turns (set up once their first copies are issued, run after the
+            # group; the group's indices do not depend on the copies' data)
+            group = self._written(len(ready) + nf) if written else None  # (checked above: it is this group)
             box = []
             prepare = None
             if n_staged and per_turn == 1:
                 def prepare():
                     box.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
 
-            def run():
-                stamps = self._forward_group(group, x, out_buf)
+            def run():  # (start, end) of the group, else (start of the first turn, None)
+                stamps = self._forward_group(group, x, out_buf) if group is not None else None
                 if box:
                     box.append(self._single_loop(box[0], x, out_buf))
-                return stamps
+                return stamps if stamps is not None else (box[1][0][0], None)
 
-            stamps = self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare)
-            self._group_done(plan, group, *stamps)
+            stamps = self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
+            if group is not None:
+                self._group_done(plan, group, *stamps)
             if box:
                 singles = box
             fetched_events, ready, after, waiting = None, ready[:0], lanes.fetched[:0], ready[:0]

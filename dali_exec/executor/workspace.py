@@ -83,15 +83,21 @@ class GroupWorkspace:
     call can write a layer's first group with three arguments (``kernels._route_partition``)."""
 
     __slots__ = ("rows", "gi", "ints", "w", "small", "table_counts", "offs", "tensors", "_wrap", "_views",
-                 "_offs_views")
+                 "_offs_views", "_eager")
 
     def __init__(self, rows: int, device: torch.device, pairs: int = 0):
+        """``pairs``: the (token, rank) pairs of a typical layer visit (batch x top-k; 0: none known). The buffers
+        have room for them and, on the CPU device, the views of every group length up to them and of every span
+        are made now, not at their first use within a layer visit, where each set cost 20-60 us on the
+        development VM (benchmarks/README.md, "Views made at set-up"); longer groups' views are made when first
+        used."""
         self.rows = rows
         self.offs = np.zeros(rows, np.int32)
         self.tensors = None
         self._wrap = device.type == "cpu"
         self._views: dict[int, tuple] = {}  # pairs -> the pair tensors' views
         self._offs_views: dict[int, torch.Tensor] = {}  # span -> the offsets' view
+        self._eager = pairs
         self._alloc(0)
         self.fit(pairs)
 
@@ -100,11 +106,15 @@ class GroupWorkspace:
         self.gi = np.zeros((7, max(cap, self.rows)), np.int64)
         self.ints, self.small, self.table_counts = self.gi[0:3], self.gi[3:6], self.gi[6]
         self.w = np.zeros(self.gi.shape[1], np.float32)
+        self._views.clear()
+        self._offs_views.clear()
         if self._wrap:  # (pairs, tokens, pair rows), weights as a column, offsets
             ints = torch.from_numpy(self.ints)
             self.tensors = (ints[0], ints[1], ints[2], torch.from_numpy(self.w).view(-1, 1), torch.from_numpy(self.offs))
-        self._views.clear()
-        self._offs_views.clear()
+            for n in range(min(self._eager, self.ints.shape[1]) + 1) if self._eager else ():
+                self._views[n] = tuple(t.narrow(0, 0, n) for t in self.tensors[:4])
+            for span in range(self.rows + 1) if self._eager else ():
+                self._offs_views[span] = self.tensors[4].narrow(0, 0, span)
 
     def fit(self, pairs: int) -> "GroupWorkspace":
         """Room for a group of ``pairs`` pairs (twice the need when it grows; the tensors re-made then)."""

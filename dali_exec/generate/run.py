@@ -236,7 +236,8 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
     # thread (while the accelerator lane waits for copies), not concurrently on the same cores
     shared = not devices.is_cuda and cpu_threads == (accel_threads or torch.get_num_threads())
     runtime = OffloadRuntime(store, devices, mem.capacities, mem.prefetch_slots, mem.staging_slots,
-                             cpu_threads=cpu_threads, timer=timer, copy_delay_s=options.copy_delay_s, cpu_inline=shared)
+                             cpu_threads=cpu_threads, timer=timer, copy_delay_s=options.copy_delay_s, cpu_inline=shared,
+                             pairs=options.batch_size * spec.top_k)
     session = None
     prev_threads = torch.get_num_threads()
     outputs: dict[int, list[int]] = {}
