@@ -272,6 +272,27 @@ def test_staged_experts_cycle_through_few_buffers(mix, staging, cached, tmp_path
     assert fetched == result.summary["on_demand"]  # one copy (and one timeline interval) per on-demand fetch
 
 
+def test_staged_experts_with_a_buffer_each_are_one_group_after_their_copies(mix, monkeypatch):
+    """No cache and a staging buffer for every expert of a layer: on the CPU device the layer's copies and one group
+    of all of them run in one pause of the stopwatch (no staging turn); copies held back, so a compute that did not
+    wait for them would read stale buffers; outputs, counts and copy intervals as the reference and the simulator."""
+    over = {"memory": {"staging_slots": "8", "cache_experts": "0"}}
+    turns = []
+    monkeypatch.setattr(OffloadRuntime, "_staging_turns", lambda self, *a: turns.append(1))
+    records = []
+    slow = dataclasses.replace(CPU_RUN, copy_delay_s=0.001)
+    result = execute(mix, "gpu-lru", TINY, slow, batch_size=BATCH, overrides=over, on_layer=records.append)
+    setup = prepare_replay(mix, "gpu-lru", TINY, batch_size=BATCH, overrides=over)
+    assert all(rec.plan.staged.sum() == rec.plan.on_gpu.sum() > 0 for rec in records) and not turns
+    _check_against_reference(records, setup)
+    sim = simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False,
+                   profiling=setup.profiled)
+    assert {k: result.summary[k] for k in COUNTERS} == {k: sim.summary[k] for k in COUNTERS}
+    assert sum(1 for iv in result.intervals if iv.name.startswith("fetch")) == result.summary["on_demand"]
+    gpu = result.summary["executor"]["grouped_calls"]["gpu"]  # one group per layer visit, of all its experts
+    assert gpu == {"calls": len(records), "experts": sum(int(rec.plan.on_gpu.sum()) for rec in records)}
+
+
 def test_a_compute_from_a_slot_still_being_copied_is_caught(mix, monkeypatch):
     # prefetches are background copies (the copy thread); on the CPU device on-demand copies are made by the
     # lane itself before it computes, so a lane that forgets to wait can only compute from a prefetch in flight

@@ -390,30 +390,40 @@ class OffloadRuntime:
         fg = self._first
         singles = None  # one-expert staging turns run in the same pause (below)
         written = fg is not None and len(first) and fg[3] == len(ready) + nf
-        if written or (self._first_in_route and n_staged and per_turn == 1 and not len(ready) and not nf):
-            # the CPU device, the first group written by the route call (the ready and fetched experts, checked
-            # there, no prefetch among them), or no such experts and only one-expert staging turns: the group
-            # taken before the copies and computed right after them, the stopwatch stopped once for the copies,
-            # the group and the one-expert turns (set up once their first copies are issued, run after the
-            # group; the group's indices do not depend on the copies' data)
+        staged_only = self._first_in_route and n_staged and not len(ready) and not nf
+        one_turn = staged_only and per_turn == n_staged  # (every staged expert has its buffer: one group)
+        if written or (staged_only and (per_turn == 1 or one_turn)):
+            # the CPU device, and either the first group written by the route call (the ready and fetched
+            # experts, checked there, no prefetch among them) or only staged experts: the stopwatch stopped once
+            # for the copies and the computes after them. The written group is taken before the copies (its
+            # indices do not depend on the copies' data); one-expert turns are set up, and a group of every
+            # staged expert built and checked, once their copies are issued (the rows then hold them).
             group = self._written(len(ready) + nf) if written else None  # (checked above: it is this group)
             box = []
             prepare = None
-            if n_staged and per_turn == 1:
+            if one_turn:
+                def prepare():
+                    box.append(self._group(plan, routing, seg[staged], rows[staged]))
+            elif n_staged and per_turn == 1:
                 def prepare():
                     box.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
 
-            def run():  # (start, end) of the group, else (start of the first turn, None)
+            def run():  # (start, end) of the first group, else (start of the first turn, None)
+                if one_turn:
+                    return self._forward_group(box[0], x, out_buf)
                 stamps = self._forward_group(group, x, out_buf) if group is not None else None
                 if box:
                     box.append(self._single_loop(box[0], x, out_buf))
                 return stamps if stamps is not None else (box[1][0][0], None)
 
             stamps = self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
-            if group is not None:
-                self._group_done(plan, group, *stamps)
-            if box:
-                singles = box
+            if one_turn:
+                self._group_done(plan, box[0], *stamps)
+            else:
+                if group is not None:
+                    self._group_done(plan, group, *stamps)
+                if box:
+                    singles = box
             fetched_events, ready, after, waiting = None, ready[:0], lanes.fetched[:0], ready[:0]
         else:
             fetched_events = self._copy_now(plan, first, experts, rows, sw)
@@ -426,7 +436,7 @@ class OffloadRuntime:
         # 3. staging turns
         if singles is not None:  # (done with the first group)
             self._single_done(plan, *singles)
-        elif n_staged:
+        elif n_staged and not one_turn:
             turns = self._single_turns if per_turn == 1 else self._staging_turns
             turns(plan, routing, lanes, stage_rows, per_turn, halves, fetched_events, first, x, out_buf, sw)
         if n_staged:
