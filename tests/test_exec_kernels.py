@@ -17,6 +17,9 @@ from dali_sim.models.presets import get_model  # noqa: E402
 from dali_sim.policies import placement_dali as PD  # noqa: E402
 from dali_sim.workload import online  # noqa: E402
 
+if K.compiled("group_routing") is None:  # (DALI_NUMBA=0: nothing compiled to compare with the NumPy code)
+    pytest.skip("the compiled loops are off (DALI_NUMBA=0)", allow_module_level=True)
+
 RNG_TRIALS = 150
 
 
