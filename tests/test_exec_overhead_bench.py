@@ -125,7 +125,8 @@ def test_cold_host_times_every_case_after_every_condition(tmp_path):
 
 def test_idle_after_visits_adds_a_wait_to_every_layer_and_changes_nothing_else(tmp_path):
     """``--idle-us``: after each layer visit a busy wait at least as long as asked, outside the runtime's stopwatches:
-    the same counts, and every layer visit at least that long (the wait reads the clock until it has passed)."""
+    the same counts, and the layer visits' mean time at least that long (the wait reads the clock until it has
+    passed)."""
     import cold_host
     if cold_host._busy_loop is None:
         pytest.skip("numba is off")
