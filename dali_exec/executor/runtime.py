@@ -389,7 +389,7 @@ class OffloadRuntime:
         ready = lanes.ready
         fg = self._first
         singles = None  # one-expert staging turns run in the same pause (below)
-        written = fg is not None and len(first) and fg[3] == len(ready) + nf
+        written = fg is not None and len(first) > 0 and fg[3] == len(ready) + nf
         staged_only = self._first_in_route and n_staged and not len(ready) and not nf
         one_turn = staged_only and per_turn == n_staged  # (every staged expert has its buffer: one group)
         if written or (staged_only and (per_turn == 1 or one_turn)):
@@ -398,32 +398,27 @@ class OffloadRuntime:
             # for the copies and the computes after them. The written group is taken before the copies (its
             # indices do not depend on the copies' data); one-expert turns are set up, and a group of every
             # staged expert built and checked, once their copies are issued (the rows then hold them).
-            group = self._written(len(ready) + nf) if written else None  # (checked above: it is this group)
-            box = []
+            group = [self._written(len(ready) + nf)] if written else []  # (checked above: it is this group)
+            box = []  # the one-expert turns' set-up, then their stamps
             prepare = None
             if one_turn:
                 def prepare():
-                    box.append(self._group(plan, routing, seg[staged], rows[staged]))
+                    group.append(self._group(plan, routing, seg[staged], rows[staged]))
             elif n_staged and per_turn == 1:
                 def prepare():
                     box.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
 
-            def run():  # (start, end) of the first group, else (start of the first turn, None)
-                if one_turn:
-                    return self._forward_group(box[0], x, out_buf)
-                stamps = self._forward_group(group, x, out_buf) if group is not None else None
+            def run():  # (start, end) of the group, else (start of the first turn, None)
+                stamps = self._forward_group(group[0], x, out_buf) if group else None
                 if box:
                     box.append(self._single_loop(box[0], x, out_buf))
                 return stamps if stamps is not None else (box[1][0][0], None)
 
             stamps = self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
-            if one_turn:
-                self._group_done(plan, box[0], *stamps)
-            else:
-                if group is not None:
-                    self._group_done(plan, group, *stamps)
-                if box:
-                    singles = box
+            if group:
+                self._group_done(plan, group[0], *stamps)
+            if box:
+                singles = box
             fetched_events, ready, after, waiting = None, ready[:0], lanes.fetched[:0], ready[:0]
         else:
             fetched_events = self._copy_now(plan, first, experts, rows, sw)

@@ -111,10 +111,11 @@ class GroupWorkspace:
         if self._wrap:  # (pairs, tokens, pair rows), weights as a column, offsets
             ints = torch.from_numpy(self.ints)
             self.tensors = (ints[0], ints[1], ints[2], torch.from_numpy(self.w).view(-1, 1), torch.from_numpy(self.offs))
-            for n in range(min(self._eager, self.ints.shape[1]) + 1) if self._eager else ():
-                self._views[n] = tuple(t.narrow(0, 0, n) for t in self.tensors[:4])
-            for span in range(self.rows + 1) if self._eager else ():
-                self._offs_views[span] = self.tensors[4].narrow(0, 0, span)
+            if self._eager:  # (the views a visit of that many pairs can ask for, made now)
+                for n in range(min(self._eager, self.ints.shape[1]) + 1):
+                    self.views(n, 0)
+                for span in range(self.rows + 1):
+                    self.views(0, span)
 
     def fit(self, pairs: int) -> "GroupWorkspace":
         """Room for a group of ``pairs`` pairs (twice the need when it grows; the tensors re-made then)."""

@@ -160,14 +160,10 @@ def _segment_counts(seg, ids, ranks, num_segments, num_experts, ptr, expert, cou
     return m
 
 
-_SEGMENT_COUNTS: list = []
-
-
+@functools.cache
 def _compiled_segment_counts():
     """The compiled :func:`_segment_counts` (made on first use), or None without numba."""
-    if not _SEGMENT_COUNTS:
-        _SEGMENT_COUNTS.append(kernels.jit(_segment_counts))
-    return _SEGMENT_COUNTS[0]
+    return kernels.jit(_segment_counts)
 
 
 #: rows of the trace grouped into per (step, layer) counts at once (whole steps; at least one step)
