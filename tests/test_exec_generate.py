@@ -106,9 +106,10 @@ def hf_generate(model, ids, batch, new):
     return out
 
 
-def whole_layers_budget(model, lengths, batch, new, layers_on_gpu=1) -> str:
-    """A GPU budget (GiB) in which llama.cpp's whole-layers layout holds ``layers_on_gpu`` MoE layers."""
-    spec = spec_from_hf_config(model.config.to_dict(), precision="fp32")
+def whole_layers_budget(model, lengths, batch, new, layers_on_gpu=1, precision="fp32") -> str:
+    """A GPU budget (GiB) in which llama.cpp's whole-layers layout holds ``layers_on_gpu`` MoE layers (of
+    experts in ``precision``: the model's dtype, as `dali exec generate` plans them)."""
+    spec = spec_from_hf_config(model.config.to_dict(), precision=precision)
     sysconf = resolve_system("llamacpp", {"memory": {"gpu_memory_gib": "1024"}}, spec)
     kv = _max_kv_tokens(lengths, batch, new)
     plan = plan_memory(spec, sysconf.memory, 0, kv)

@@ -19,6 +19,7 @@ from dali_exec.generate import GenerateOptions, generate  # noqa: E402
 from dali_exec.models.tiny import char_tokenizer, tiny_model  # noqa: E402
 from dali_exec.recorder import greedy_generate  # noqa: E402
 from dali_exec.recorder.record import special_ids  # noqa: E402
+from test_exec_generate import overrides_for, whole_layers_budget  # noqa: E402
 
 PROMPTS = ["Hello world, this is", "abc", "The quick brown fox jumps", "0123456789"]
 GPU_ONLY = ("gpu-lru", "mixtral-offloading", "moe-lightning")  # every expert computed on the GPU
@@ -41,8 +42,12 @@ def test_generate_on_cuda_equals_plain_generation(family, dtype):
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     plain = _plain(model, ids, 8)
     systems = GPU_ONLY + (WITH_CPU if dtype == torch.float32 else ())  # bf16 CPU kernels round differently
+    # the CPU tests' memory settings: a 2-expert cache, or one whole MoE layer on the GPU (moe-lightning:
+    # the last layer resident, the other streamed; without a budget the tiny model's experts all fit)
+    budget = whole_layers_budget(model, [len(i) for i in ids], 2, 8,
+                                 precision="fp32" if dtype == torch.float32 else "bf16")
     for system in systems:
-        over = None if system in ("moe-lightning", "cpu-only") else {"memory": {"cache_experts": "2"}}
+        over = overrides_for(system, budget)
         r = generate(model, PROMPTS, system, GenerateOptions(batch_size=2, max_new_tokens=8, device="cuda"),
                      tokenizer=tok, overrides=over)
         assert [g.token_ids for g in r.generated] == plain, system

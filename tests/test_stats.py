@@ -61,7 +61,10 @@ def test_golden_file_is_what_the_script_writes(tmp_path):
     spec.loader.exec_module(mod)
     fresh = read_trace(mod.write(tmp_path / "g.parquet"))
     checked_in = read_trace(GOLDEN)
-    assert fresh.table.equals(checked_in.table)
+    a, b = fresh.column_arrays(), checked_in.column_arrays()
+    assert a.keys() == b.keys() and fresh.table.schema.equals(checked_in.table.schema)
+    for name in a:  # (lookahead rows without a prediction are NaN rows: NaN != NaN for Table.equals)
+        assert np.array_equal(a[name], b[name], equal_nan=a[name].dtype.kind == "f"), name
     assert fresh.meta.to_json() == checked_in.meta.to_json()
 
 

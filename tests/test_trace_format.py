@@ -12,6 +12,7 @@ import pytest
 
 from conftest import random_rows, tiny_model
 from dali_sim.trace import PredictorInfo, SequenceInfo, TraceError, TraceWriter, read_meta, read_trace
+from dali_sim.trace.reader import Needs, fixed_list_to_numpy
 from dali_sim.trace.schema import META_KEY
 
 
@@ -55,6 +56,57 @@ def test_round_trip_all_columns(tmp_path, tiny):
     assert list(df["phase"].unique()) == ["prefill", "decode"]
     with pytest.raises(TraceError, match="no lookahead column 'residual'.*dali trace record"):
         t.lookahead("residual")
+
+
+def _with_lookahead(tmp_path, tiny):
+    """A trace whose last MoE layer's lookahead rows have no prediction (all NaN), and those logits."""
+    rows = random_rows(tiny, seqs=2, tokens=4)
+    la = np.random.default_rng(2).normal(size=(len(rows["seq_id"]), tiny.num_experts)).astype(np.float32)
+    la[rows["layer"] == tiny.moe_layers[-1]] = np.nan
+    path = write_trace(tmp_path / "t.parquet", tiny, {**rows, "lookahead": {"next-gate": la}},
+                       predictors=[PredictorInfo("next-gate")])
+    return path, la
+
+
+def test_rows_without_a_prediction_are_written_as_nan_rows_not_nulls(tmp_path, tiny):
+    path, la = _with_lookahead(tmp_path, tiny)
+    col = pq.read_table(path).column("lookahead:next-gate")
+    assert col.null_count == 0  # pyarrow < 26 reads it back (apache/arrow#35692)
+    none = np.isnan(la).all(axis=1)
+    assert none.any() and np.isnan(fixed_list_to_numpy(col, tiny.num_experts)[none]).all()
+
+
+@pytest.mark.skipif(int(pa.__version__.split(".")[0]) < 26, reason="pyarrow < 26 cannot read null fixed-size-list rows")
+def test_files_with_null_lookahead_rows_read_as_nan_rows(tmp_path, tiny):
+    """Traces written before the NaN rows hold Arrow nulls there: both readers return the same NaN rows, and
+    the checksums (taken over NaN rows) still verify."""
+    path, la = _with_lookahead(tmp_path, tiny)
+    table = pq.read_table(path)
+    footer = {k: v for k, v in pq.read_metadata(path).metadata.items() if k != b"ARROW:schema"}  # meta, checksums
+    i = table.schema.get_field_index("lookahead:next-gate")
+    col = table.column(i).combine_chunks()
+    none = np.isnan(la).all(axis=1)
+    old = tmp_path / "old.parquet"
+    pq.write_table(table.set_column(i, table.schema.field(i), pa.FixedSizeListArray.from_arrays(
+        col.values, col.type.list_size, mask=pa.array(none))).replace_schema_metadata(footer), old)
+    assert pq.read_table(old).column(i).null_count == none.sum() > 0
+    np.testing.assert_array_equal(read_trace(old).lookahead("next-gate"), la)
+    streamed = read_trace(old, needs=Needs(predictors=("next-gate",)))
+    np.testing.assert_array_equal(streamed.predicted_top_k("next-gate"),
+                                  read_trace(path, needs=Needs(predictors=("next-gate",))).predicted_top_k("next-gate"))
+
+
+def test_a_pyarrow_that_cannot_read_null_rows_is_named(tmp_path, tiny, monkeypatch):
+    path, _ = _with_lookahead(tmp_path, tiny)
+
+    def fails(*args, **kwargs):  # what pyarrow < 26 raises on a file with null fixed-size-list rows
+        raise pa.ArrowInvalid("Expected all lists to be of size=4 but index 3 had size=0")
+
+    monkeypatch.setattr(pq, "read_table", fails)
+    with pytest.raises(TraceError, match=r"t\.parquet: this pyarrow \(.*\) cannot read the trace's null lookahead "
+                                         r"rows .*35692.*pyarrow>=26") as err:
+        read_trace(path)
+    assert "\n" not in str(err.value)
 
 
 def test_same_input_same_bytes(tmp_path, tiny):

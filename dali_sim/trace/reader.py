@@ -274,16 +274,25 @@ def _check_exists(path: Path) -> None:
         raise TraceError(str(exc)) from None
 
 
+def unreadable(where: str, exc: Exception, hint: str = "") -> TraceError:
+    """The one-line error for a file pyarrow cannot read. One known cause is no damage: pyarrow before 26
+    cannot read null rows of a fixed-size list (the lookahead rows of traces written by dali before it
+    stored them as NaN rows: apache/arrow#35692)."""
+    if "Expected all lists to be of size" in str(exc):
+        return TraceError(
+            f"{where}: this pyarrow ({pa.__version__}) cannot read the trace's null lookahead rows (null rows of a "
+            f"fixed-size list, apache/arrow#35692, fixed in pyarrow 26): install pyarrow>=26, or rewrite the trace "
+            f"with dali on pyarrow>=26 (it writes them as NaN rows, which every pyarrow reads): {exc}")
+    return TraceError(f"{where}: not a readable Parquet file (truncated or corrupt{hint}): {exc}")
+
+
 def _read_parquet(path: Path, columns: Sequence[str] | None = None) -> pa.Table:
     _check_exists(path)
     try:
         return pq.read_table(path, columns=list(columns) if columns is not None else None,
                              page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
-        raise TraceError(
-            f"{path}: not a readable Parquet file (truncated or corrupt; a writer killed mid-way leaves "
-            f"a .partial file without footer): {exc}"
-        ) from None
+        raise unreadable(str(path), exc, "; a writer killed mid-way leaves a .partial file without footer") from None
 
 
 def _read_footer(path: Path) -> dict[bytes, bytes]:
@@ -292,7 +301,7 @@ def _read_footer(path: Path) -> dict[bytes, bytes]:
     try:
         return dict(pq.read_metadata(path).metadata or {})
     except (pa.ArrowException, OSError) as exc:
-        raise TraceError(f"{path}: not a readable Parquet file (truncated or corrupt): {exc}") from None
+        raise unreadable(str(path), exc) from None
 
 
 def read_meta_and_checksum(path: str | Path) -> tuple[TraceMeta, dict | None]:
@@ -379,7 +388,7 @@ def _read_needed(path: Path, meta: TraceMeta, record: dict | None, needs: Needs,
     try:
         pf = pq.ParquetFile(path, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
-        raise TraceError(f"{where}: not a readable Parquet file (truncated or corrupt): {exc}") from None
+        raise unreadable(where, exc) from None
     _check_columns(pf.schema_arrow, pf.metadata.num_rows, meta, where)
     expected = arrow_schema(meta)
     if record is not None and set(record["columns"]) != set(expected.names):
@@ -425,7 +434,7 @@ def _read_needed(path: Path, meta: TraceMeta, record: dict | None, needs: Needs,
                 packed[looks[c]][rows] = pack_top_k(values, k)
             offset = rows.stop
     except (pa.ArrowException, OSError) as exc:
-        raise TraceError(f"{where}: not a readable Parquet file (truncated or corrupt): {exc}") from None
+        raise unreadable(where, exc) from None
     if offset != n:
         raise TraceError(f"{where}: {offset} rows read but the metadata says {n}")
     if hasher is not None:

@@ -32,7 +32,8 @@ class PredictorInfo:
     """A lookahead column: predicted router logits of the MoE layer ``target_offset`` MoE layers later.
 
     Row (token, MoE layer l) holds the prediction for (token, MoE layer l + target_offset), made with
-    what is known at layer l; rows whose target layer does not exist are null.
+    what is known at layer l; rows whose target layer does not exist hold no prediction (all NaN; an Arrow
+    null in files written before 2026-12).
     """
 
     name: str

@@ -68,16 +68,16 @@ def phase_codes(phase: str | Sequence[str] | np.ndarray, n: int) -> np.ndarray:
         raise ValueError(f"phase must be one name or {n} phases, got shape {arr.shape}") from None
 
 
-def fixed_list_array(values: np.ndarray, arrow_type: pa.DataType, nullable_rows: bool = False) -> pa.Array:
-    """(n, w) numpy -> Arrow fixed-size-list array; all-NaN rows become nulls when ``nullable_rows``."""
+def fixed_list_array(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
+    """(n, w) numpy -> Arrow fixed-size-list array, every row valid.
+
+    A lookahead row without a prediction is stored as a row of NaN, never as an Arrow null (the reader
+    returns both as NaN rows; the checksums see the same values). pyarrow before 26 cannot read a
+    fixed-size list with null rows back from Parquet, nor write one whose null rows hold values
+    (apache/arrow#35692, fixed by apache/arrow#50271 in pyarrow 26)."""
     n, w = values.shape
     flat = pa.array(np.ascontiguousarray(values).reshape(-1), type=arrow_type.value_type)
-    mask = None
-    if nullable_rows:
-        null_rows = np.isnan(values).all(axis=1)
-        if null_rows.any():
-            mask = pa.array(null_rows)
-    return pa.FixedSizeListArray.from_arrays(flat, w, mask=mask)
+    return pa.FixedSizeListArray.from_arrays(flat, w)
 
 
 class _PartialParquet:
@@ -211,7 +211,7 @@ class TraceWriter:
         router_logits=None,
         lookahead: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """Append rows. Scalars broadcast; ``lookahead`` maps predictor name -> (n, E) logits, NaN rows = null."""
+        """Append rows. Scalars broadcast; ``lookahead`` maps predictor name -> (n, E) logits, NaN rows = no prediction."""
         if self._closed:
             raise RuntimeError(f"{self.path}: writer is closed")
         experts = np.asarray(experts)
@@ -266,7 +266,7 @@ class TraceWriter:
         if m.has_router_logits:
             arrays.append(fixed_list_array(floats["router_logits"], self.schema.field("router_logits").type))
         for pred in m.predictors.values():
-            arrays.append(fixed_list_array(floats[pred.column], self.schema.field(pred.column).type, True))
+            arrays.append(fixed_list_array(floats[pred.column], self.schema.field(pred.column).type))
         table = pa.Table.from_arrays(arrays, schema=self.schema)
         with deferred_signals():  # the rows are buffered and checksummed, or neither
             self._buffer.append(table)
