@@ -256,16 +256,23 @@ def main(argv=None) -> int:
                                    seed=1, lookahead=LOOKAHEAD), path)
             return read_trace(path)
 
+        def measured(on, name: str, label: str | None = None) -> dict:
+            row = measure(on, name, opts, run, a.batch_size, a.repeats, stores) | {"system": label or name}
+            limit = "no limit" if np.isnan(row["limit_us"]) else f"limit {row['limit_us']:g}"
+            # one line as each system ends: a run stopped by a time limit (scripts/gpu_check.sh) keeps those
+            print(f"{row['system']}: {row['overhead_cpu_median_us']:.1f} us decision + bookkeeping (median visit, "
+                  f"thread CPU; {limit}), layer {row['layer_us']:.0f} us", flush=True)
+            return row
+
         if a.shape:
             trace = synthetic(a.shape)
-            rows = [measure(trace, name, opts, run, a.batch_size, a.repeats, stores) for name in plain + look]
+            rows = [measured(trace, name) for name in plain + look]
         else:
             trace = read_trace(a.trace)
-            rows = [measure(trace, name, opts, run, a.batch_size, a.repeats, stores) for name in plain]
+            rows = [measured(trace, name) for name in plain]
             if look:
                 synth = synthetic(trace.model.name)
-                rows += [measure(synth, name, opts, run, a.batch_size, a.repeats, stores)
-                         | {"system": f"{name} (synthetic)"} for name in look]
+                rows += [measured(synth, name, f"{name} (synthetic)") for name in look]
     table = pd.DataFrame(rows).set_index("system")
     machine = {"device": str(device), "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"CPU device: {cpu_name()}", "cpu": cpu_name(), "cores": os.cpu_count(),

@@ -100,7 +100,11 @@ def main(argv=None) -> int:
             overhead[name] = out[1].summary["overhead"]
     wall = dict.fromkeys(cases, float("inf"))
     cpu = dict.fromkeys(cases, float("inf"))
-    for _ in range(a.repeats):
+    for r in range(a.repeats):
+        if r:  # the best so far after each round: a run stopped by a time limit (scripts/gpu_check.sh) keeps it
+            best = wall if cuda else cpu
+            print(f"after round {r}: " + ", ".join(f"{n} {best[n]:.3f} s ({best[n] / best['plain generate']:.2f}x)"
+                                                  for n in cases), flush=True)
         for name, fn in cases.items():
             sync()
             t0, c0 = time.perf_counter(), time.process_time()

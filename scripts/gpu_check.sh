@@ -24,7 +24,7 @@
 #   --python PY         interpreter (default: $PYTHON, else python3, else python)
 #   --no-runtime        skip the runtime step (host overhead per MoE layer, generate speed against plain
 #                       transformers: benchmarks/exec_overhead.py and generate_speed.py, after
-#                       benchmarks/cold_host.py --quick; 60 s, quick: 30 s, printed to the log only)
+#                       benchmarks/cold_host.py --quick; 90 s, quick: 30 s, printed to the log only)
 #   --dry-run           check the environment and print the commands, run nothing, write nothing
 #   -h, --help          this text
 # Exit status: 0 when every workload ran at least one system, every counter matched where it must and
@@ -179,7 +179,7 @@ fi
 # Separate from the validation below and before it, with its own share of the budget (the workloads get
 # what is left); results go to the log (and $WORK/runtime-*.json), never into --out.
 if (( RUNTIME )); then
-  rt_share=$(( QUICK ? 30 : 60 ))
+  rt_share=$(( QUICK ? 30 : 90 ))
   (( rt_share > BUDGET / 4 )) && rt_share=$(( BUDGET / 4 ))
   echo
   echo "== runtime: host overhead per MoE layer and generate speed (${rt_share} s)"
@@ -200,7 +200,7 @@ if (( RUNTIME )); then
   # does time alone empty this machine's caches (a shared core)? Then the overhead below reads the machine
   run timeout --signal=INT --kill-after=5 10 "$PY" "$REPO/benchmarks/cold_host.py" --quick --json "$WORK/runtime-cold-host.json"
   echo "runtime cold host: exit $? after $(( SECONDS - rt0 )) s"
-  run timeout --signal=INT --kill-after=5 "$(( rt_share * 2 / 3 ))" "$PY" "$REPO/benchmarks/exec_overhead.py" \
+  run timeout --signal=INT --kill-after=5 "$(( rt_share / 2 ))" "$PY" "$REPO/benchmarks/exec_overhead.py" \
     --device "$DEVICE" "${RT_OVERHEAD[@]}" --systems "$rt_plain" --lookahead-systems "$rt_look" \
     --json "$WORK/runtime-overhead.json"
   echo "runtime overhead: exit $? after $(( SECONDS - rt0 )) s"
