@@ -229,6 +229,9 @@ def test_the_calibrated_profile_covers_the_workload(validated, mix_path):
     assert list(pre.sequences) == list(pts["prefill_sequences"]) and list(pre.queries) == list(pts["prefill_queries"])
     assert list(p.gpu_expert.x) == list(pts["expert_tokens"]) and pts["expert_tokens"][:3] == (1, 2, 4)
     assert p.provenance["threads"] == {"cpu_lane": 1, "accelerator_lane": 1} and p.provenance["dtype"] == "fp32"
+    spent = p.provenance["seconds"]  # where the calibration's time went, table by table (each table's rounds)
+    assert {"experts", "h2d", "gpu_dense", "cpu_dense", "host"} <= set(spent) and min(spent.values()) > 0
+    assert not any("#" in k for k in spent)
 
 
 def test_a_bound_reading_next_use_times_validates_too(mix_path, validated, tmp_path):

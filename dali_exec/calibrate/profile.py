@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,9 +128,13 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         run = ExecOptions(device=str(devices.accel), cpu_threads=cpu_threads, accel_threads=accel_threads)
         jobs.append(("host", lambda: measure_host_costs(cfg.full_model(), cfg.scale, cfg.dtype, devices, run, cfg.host)))
     results = {}
+    spent: dict[str, float] = {}  # wall seconds per table, its rounds together (where a calibration's time goes)
     try:
         for key, job in tqdm(jobs, desc=f"calibrate {model.name}", unit="table", disable=not progress, leave=False):
+            t0 = time.perf_counter()
             results[key] = job()
+            table = key.split("#")[0]
+            spent[table] = spent.get(table, 0.0) + time.perf_counter() - t0
     finally:
         torch.set_num_threads(prev)
         worker.close()
@@ -161,6 +166,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
                      **({"cuda": str(torch.version.cuda)} if cuda else {})},
         "devices": {"gpu": accel, "cpu": cpu_name(), "gpu_is_cpu_device": not cuda},
         "model_shape": cfg.model_shape, "scale": cfg.scale, "dtype": cfg.dtype,
+        "seconds": {k: round(v, 3) for k, v in spent.items()},
         "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads},
         "experts": f"each expert's share of a grouped call: the slope of a repeated-medians (Siegel) line through calls of "
                    f"{', '.join(map(str, bench.group_sizes()))} experts; its intercept is the lane's fixed part "

@@ -324,14 +324,19 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                                device=str(devices.accel), cpu_threads=threads[0], accel_threads=threads[1],
                                settings=cfg.calibration, name=f"validation-{model.name}", spec=setup0.full_model,
                                host=HostSettings(systems=tuple(cfg.systems)), **points)
-        profile_path = str(write_measured_profile(out / "profile.json", calibrate(cal, command=command)))
+        measured = calibrate(cal, command=command)
+        spent = measured.provenance["seconds"]
+        say(f"calibrated in {sum(spent.values()):.0f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in spent.items()) + ")")
+        profile_path = str(write_measured_profile(out / "profile.json", measured))
     else:
         profile_path = str(cfg.profile)
     check_profile(load_profile(profile_path), model, devices, threads, opts.dtype, profile_path)
 
     say(f"drawing the host weights of {model.name} ({model.num_moe_layers} x {model.num_experts} experts, "
         f"{model.expert_bytes * model.num_moe_layers * model.num_experts / 2**30:.2f} GiB)")
+    t_draw = time.perf_counter()
     store = HostExpertStore.random(model, devices.dtype, cfg.seed, pin=devices.is_cuda, progress=progress)
+    say(f"drew them in {time.perf_counter() - t_draw:.1f} s")
     dense = DenseWeights(model, devices.dtype, cfg.seed)  # (drawn by the first replay on each device)
     report = ValidationReport(settings={
         "command": command, "dali_version": __version__,
