@@ -24,7 +24,8 @@
 #   --python PY         interpreter (default: $PYTHON, else python3, else python)
 #   --no-runtime        skip the runtime step (host overhead per MoE layer, generate speed against plain
 #                       transformers: benchmarks/exec_overhead.py and generate_speed.py, after
-#                       benchmarks/cold_host.py --quick; 90 s, quick: 30 s, printed to the log only)
+#                       benchmarks/cold_host.py --quick and, on CUDA, cuda_host_calls.py; 90 s, quick: 30 s,
+#                       printed to the log only)
 #   --dry-run           check the environment and print the commands, run nothing, write nothing
 #   -h, --help          this text
 # Exit status: 0 when every workload ran at least one system, every counter matched where it must and
@@ -200,6 +201,10 @@ if (( RUNTIME )); then
   # does time alone empty this machine's caches (a shared core)? Then the overhead below reads the machine
   run timeout --signal=INT --kill-after=5 10 "$PY" "$REPO/benchmarks/cold_host.py" --quick --json "$WORK/runtime-cold-host.json"
   echo "runtime cold host: exit $? after $(( SECONDS - rt0 )) s"
+  if [[ "$DEVICE" == cuda ]]; then  # the lane's CUDA calls per visit, each beside a cheaper form
+    run timeout --signal=INT --kill-after=5 20 "$PY" "$REPO/benchmarks/cuda_host_calls.py" --json "$WORK/runtime-cuda-calls.json"
+    echo "runtime CUDA host calls: exit $? after $(( SECONDS - rt0 )) s"
+  fi
   run timeout --signal=INT --kill-after=5 "$(( rt_share / 2 ))" "$PY" "$REPO/benchmarks/exec_overhead.py" \
     --device "$DEVICE" "${RT_OVERHEAD[@]}" --systems "$rt_plain" --lookahead-systems "$rt_look" \
     --json "$WORK/runtime-overhead.json"

@@ -153,3 +153,26 @@ def test_idle_us_is_refused_without_no_tensor_work_or_below_zero(capsys):
             exec_overhead.main(argv)
         assert e.value.code == 2
         assert "--idle-us" in capsys.readouterr().err
+
+
+# ---- benchmarks/cuda_host_calls.py: the lane's CUDA calls, each beside a cheaper form -----------------------
+import cuda_host_calls  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cuda_host_calls_refuses_without_cuda(capsys):
+    assert cuda_host_calls.main(["--calls", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available" in err and err.count("\n") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_host_calls_times_every_call_on_cuda(tmp_path):
+    import json
+
+    out = tmp_path / "calls.json"
+    assert cuda_host_calls.main(["--calls", "50", "--rounds", "2", "--json", str(out)]) == 0
+    us = json.loads(out.read_text())["us_per_call"]
+    assert set(us) == set(cuda_host_calls.cases(torch.device("cuda")))
+    assert all(0 < v < 1e5 for v in us.values())

@@ -95,6 +95,11 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert "budget 300 s" in r.stdout and not out.exists()
     full = _run("--dry-run", "--device", "cpu", "--python", sys.executable, "--workloads", "deepseek")
     assert "--scale 1 --layers 6" in full.stderr and "mixtral" not in full.stderr
+    cuda = _run("--dry-run", "--python", sys.executable, "--workloads", "deepseek")  # (a dry run needs no GPU)
+    runtime = [c for c in cuda.stderr.splitlines() if c.startswith("+ ") and "benchmarks/" in c]
+    assert [c.split("benchmarks/")[1].split()[0] for c in runtime] == ["cold_host.py", "cuda_host_calls.py",
+                                                                      "exec_overhead.py", "generate_speed.py"]
+    assert all("--device cuda" in c for c in runtime[2:])
 
 
 def _check_outputs(out: Path, workloads: list[str], systems: list[str]):
