@@ -48,6 +48,13 @@ work does not run on the host's core in the first place. With it, ``--idle-us N`
 each layer visit, outside every stopwatch (compiled register-only work: it touches no memory), as a GPU host
 waits while the accelerator computes the layer: what the host work costs once that much time has passed
 (benchmarks/README.md, "The whole visit, after time alone").
+
+``--count-calls`` adds ``calls_per_visit``: the Python functions and C calls (torch, NumPy, built-ins) the
+lane's thread makes while an executor stopwatch runs, per layer visit, counted in one more replay of each
+system (``sys.setprofile``; the copy thread and the CPU worker are not counted). A count does not move with
+the machine's speed, so a change of the host path reads in it on a machine whose timings move 10-50% from one
+run to the next; ``--json`` lists the ``--count-calls N`` most frequent per visit. The counting slows that replay,
+not the timed ones.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from dali_exec.executor import copies, dense, ffn
+from dali_exec.executor import copies, dense, ffn, timing
 from dali_exec.executor import Devices, ExecOptions, HostExpertStore, Replay, ReplayOptions, prepare_replay
 from dali_exec.executor.devices import cpu_name, resolve_device
 from dali_exec.executor.runtime import OffloadRuntime
@@ -151,6 +158,66 @@ def idle_after_visits(seconds: float):
         yield
 
 
+class CallCounter:
+    """Calls made on this thread while any executor stopwatch runs (``--count-calls``), by function."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._running: set[int] = set()
+        self._own: set = set()  # the wrappers' code: neither they nor the calls they make are counted
+
+    def _event(self, frame, event: str, arg) -> None:
+        if not self._running or event not in ("call", "c_call") or frame.f_code in self._own:
+            return
+        if event == "call":
+            code = frame.f_code
+            name = f"{Path(code.co_filename).name}:{code.co_name}"
+        else:
+            name = f"C:{getattr(arg, '__qualname__', None) or getattr(arg, '__name__', None) or type(arg).__name__}"
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    @contextmanager
+    def counting(self):
+        """The stopwatches report when they run; the profile hook counts meanwhile (this thread only)."""
+        watch, running = timing.Stopwatch, self._running
+        start, stop, hand_to = watch.start, watch.stop, watch.hand_to
+
+        def started(w):
+            running.add(id(w))
+            return start(w)
+
+        def stopped(w):
+            stop(w)
+            running.discard(id(w))
+
+        def handed(w, other):
+            out = hand_to(w, other)
+            running.discard(id(w))
+            running.add(id(other))
+            return out
+
+        self._own = {f.__code__ for f in (started, stopped, handed)}
+        with mock.patch.object(watch, "start", started), mock.patch.object(watch, "stop", stopped), \
+                mock.patch.object(watch, "hand_to", handed):
+            sys.setprofile(self._event)
+            try:
+                yield self
+            finally:
+                sys.setprofile(None)
+                running.clear()
+
+
+def counted_calls(setup, devices, run: ExecOptions, store, top: int) -> dict:
+    """One replay with :class:`CallCounter`: calls per layer visit, and the ``top`` most frequent per visit."""
+    counter = CallCounter()
+    with counter.counting():
+        result = run_once(setup, devices, run, store)
+    visits = result.summary["overhead"]["layer_visits"]
+    ranked = sorted(counter.counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+    return {"calls_per_visit": sum(counter.counts.values()) / visits,
+            "top_calls_per_visit": {name: n / visits for name, n in ranked}}
+
+
 def run_once(setup, devices, run: ExecOptions, store):
     replay = Replay(setup, devices, run, store=store)
     try:
@@ -159,7 +226,8 @@ def run_once(setup, devices, run: ExecOptions, store):
         replay.close()
 
 
-def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: int, repeats: int, stores: dict) -> dict:
+def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: int, repeats: int, stores: dict,
+            count_calls: int | None = None) -> dict:
     # the runtime's overhead on the whole trace (no profiling split: every sequence is replayed)
     setup = prepare_replay(trace, system, opts, batch_size=batch, profiling=ProfileSpec(share=0.0))
     devices = Devices.create(run.device, opts.dtype)
@@ -168,6 +236,7 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
         stores[key] = HostExpertStore.random(setup.model, devices.dtype, 0, pin=devices.is_cuda)
     run_once(setup, devices, run, stores[key])  # warm-up (allocator, kernels, threads)
     runs = [run_once(setup, devices, run, stores[key]) for _ in range(repeats)]
+    calls = {} if count_calls is None else counted_calls(setup, devices, run, stores[key], count_calls)
 
     def median(key: str) -> float:
         return float(np.median([r.summary["overhead"][key] for r in runs]))
@@ -195,6 +264,7 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
         "limit_us": limit if limit is not None else float("nan"),
         "ok": "" if limit is None else ("yes" if overhead_cpu_median <= limit else "NO"),
         "decode_tokens_per_s": float(np.median([r.summary["decode_tokens_per_s"] for r in runs])),
+        **calls,
     }
 
 
@@ -229,8 +299,13 @@ def main(argv=None) -> int:
     ap.add_argument("--idle-us", type=float, default=0.0,
                     help="with --no-tensor-work: after each layer visit, a busy wait this long that touches no memory "
                          "(time passing, as while an accelerator computes the layer); default 0")
+    ap.add_argument("--count-calls", type=int, nargs="?", const=20, metavar="N",
+                    help="also count the calls made while a stopwatch runs, per layer visit, in one more replay of "
+                         "each system (calls_per_visit; --json lists the N most frequent, default 20)")
     ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
     a = ap.parse_args(argv)
+    if a.count_calls is not None and a.count_calls < 0:
+        ap.error(f"--count-calls {a.count_calls}: must be >= 0")
     if a.idle_us < 0 or (a.idle_us and not a.no_tensor_work):
         ap.error(f"--idle-us {a.idle_us:g}: must be >= 0, and is for --no-tensor-work only (with the tensor work, "
                  "the layer's time passes already)")
@@ -257,7 +332,7 @@ def main(argv=None) -> int:
             return read_trace(path)
 
         def measured(on, name: str, label: str | None = None) -> dict:
-            row = measure(on, name, opts, run, a.batch_size, a.repeats, stores) | {"system": label or name}
+            row = measure(on, name, opts, run, a.batch_size, a.repeats, stores, a.count_calls) | {"system": label or name}
             limit = "no limit" if np.isnan(row["limit_us"]) else f"limit {row['limit_us']:g}"
             # one line as each system ends: a run stopped by a time limit (scripts/gpu_check.sh) keeps those
             print(f"{row['system']}: {row['overhead_cpu_median_us']:.1f} us decision + bookkeeping (median visit, "
@@ -285,7 +360,7 @@ def main(argv=None) -> int:
           + ("; NO TENSOR WORK (computes and copies are no-ops: layer times mean nothing)" if a.no_tensor_work else "")
           + (f"; a busy wait of {a.idle_us:g} us after each layer visit" if a.idle_us else ""))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(table[PRINTED].round(1).to_string())
+        print(table[PRINTED + (["calls_per_visit"] if a.count_calls is not None else [])].round(1).to_string())
     print(f"DALI paper: {100 * PAPER_OVERHEAD:.1f}% scheduling overhead (for comparison)")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=2, default=str))

@@ -51,6 +51,32 @@ def test_no_tensor_work_keeps_every_count_and_skips_the_computes(system, tmp_pat
     assert all(torch.equal(a.output, b.output) for a, b in zip(recomputed, computed))
 
 
+@pytest.mark.parametrize("system", ["llamacpp", "dali"])
+def test_counted_calls_are_the_same_in_every_replay_and_leave_out_the_counter(system, tmp_path):
+    """--count-calls: the calls a visit makes while a stopwatch runs are a count, not a time (the same replay
+    counts the same), the counter's own wrappers are not in it, and nothing is counted outside a stopwatch."""
+    from dali_exec.executor import Devices, HostExpertStore, prepare_replay
+    from dali_sim.workload.profiling import ProfileSpec
+
+    path = tmp_path / "qwen.parquet"
+    synthesize(SynthConfig(model="qwen3-30b-a3b", sequences=8, prompt_len=0, gen_len=4, seed=1,
+                           lookahead=exec_overhead.LOOKAHEAD), path)
+    opts = ReplayOptions(layers=2, scale=1 / 32, sequences=8, max_tokens=4, dtype="fp32", precision="bf16")
+    setup = prepare_replay(read_trace(path), system, opts, batch_size=8, profiling=ProfileSpec(share=0.0))
+    devices = Devices.create("cpu", "fp32")
+    store = HostExpertStore.random(setup.model, devices.dtype, 0)
+    run = ExecOptions(device="cpu", cpu_threads=1)
+    with exec_overhead.no_tensor_work():
+        exec_overhead.run_once(setup, devices, run, store)  # (first calls: imports, compilation)
+        first, second = (exec_overhead.counted_calls(setup, devices, run, store, top=1000) for _ in range(2))
+    assert first == second and first["calls_per_visit"] > 20
+    names = first["top_calls_per_visit"]
+    assert abs(sum(names.values()) - first["calls_per_visit"]) < 1e-9
+    assert "C:perf_counter" in names and not any(n.startswith("exec_overhead.py") for n in names)
+    assert "C:set.discard" not in names and "C:id" not in names  # (the counter's own bookkeeping)
+    assert not any(n.endswith(":run_once") or n.endswith(":Replay.run") for n in names)  # (outside every stopwatch)
+
+
 def test_no_tensor_work_is_refused_on_cuda(capsys):
     """On CUDA the no-ops would hand the staging loop floats where it waits for events, and the tensor work
     runs on the GPU anyway: the option is refused in one line, exit status 2, before anything runs."""
