@@ -30,6 +30,11 @@ PERCENT = {"total_rel_err": "{:+.1%}", "step_abs_err_median": "{:.1%}", "step_ab
            "hit_rate": "{:.1%}"}
 
 
+#: what an exit status of `dali exec validate` (under gpu_check.sh's timeout) means
+EXIT_MEANING = {1: "the verdict failed: below", 124: "stopped by the time limit; the systems above finished before",
+                137: "killed after the time limit; the systems above finished before"}
+
+
 def _fmt(key: str, v) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
@@ -123,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 if tl.exists():
                     shutil.copyfile(tl, a.out / f"{w}-dali.{which}.timeline.json")
         if rc not in (0, None):
-            notes.append(f"- {w}: `dali exec validate` exited {rc} (124: stopped by the time limit; the systems "
-                         "above finished before)")
+            notes.append(f"- {w}: `dali exec validate` exited {rc} ({EXIT_MEANING.get(rc, 'an error: see log.txt')})")
     frame = pd.DataFrame(rows)
     keep = [k for k, _ in COLUMNS] + [c for c in frame.columns if c not in dict(COLUMNS) and c != "counters_differ"]
     frame.reindex(columns=keep).to_csv(a.out / "summary.csv", index=False)

@@ -130,7 +130,9 @@ def test_one_workload_runs_on_the_cpu(tmp_path):
              "--out", str(tmp_path / "out0"), "--work", str(tmp_path / "work0"), "--python", sys.executable)
     assert r.returncode == 1, r.stdout + r.stderr
     assert r.stdout.rstrip().splitlines()[-1].startswith("FAIL mixtral: gpu-lru: total time error")
-    assert "## Verdict\n\nFAIL" in (tmp_path / "out0" / "summary.md").read_text()
+    failed = (tmp_path / "out0" / "summary.md").read_text()
+    assert "## Verdict\n\nFAIL" in failed
+    assert "- mixtral: `dali exec validate` exited 1 (the verdict failed: below)" in failed  # (not a time limit)
 
 
 @pytest.mark.slow
