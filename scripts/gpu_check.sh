@@ -26,6 +26,8 @@
 #                       transformers: benchmarks/exec_overhead.py and generate_speed.py, after
 #                       benchmarks/cold_host.py --quick and, on CUDA, cuda_host_calls.py; 90 s, quick: 30 s,
 #                       printed to the log only)
+#   --tests             first run the GPU tests (python -m pytest -m gpu: the executor on CUDA, generate on
+#                       CUDA, cuda_host_calls.py; 150 s, quick: 60 s, from the budget); a failure fails the check
 #   --dry-run           check the environment and print the commands, run nothing, write nothing
 #   -h, --help          this text
 # Exit status: 0 when every workload ran at least one system, every counter matched where it must and
@@ -47,6 +49,7 @@ DRY=0
 MAX_TOTAL=0.15
 ORDER_MARGIN=0.10
 RUNTIME=1
+TESTS=0
 
 usage() { sed -n '2,/^# Exit status/{s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; sed -n '/^# 1 otherwise/{s/^# //;p}' "${BASH_SOURCE[0]}"; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
@@ -66,6 +69,7 @@ while [[ $# -gt 0 ]]; do
     --order-margin) need_value "$@"; ORDER_MARGIN=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     --no-runtime) RUNTIME=0; shift ;;
+    --tests) TESTS=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -176,6 +180,27 @@ EOF
   (( ${#MISSING[@]} )) && echo "carried wheels for: ${MISSING[*]} (PYTHONPATH has $EXTRA)"
 fi
 
+STATUS="$WORK/status.txt"   # one line per step: name, exit status, seconds (scripts/gpu_check_summary.py reads it)
+(( DRY )) || : > "$STATUS"
+
+# ---- tests step (--tests): the GPU tests, whose failures fail the check ----
+if (( TESTS )); then
+  t_share=$(( QUICK ? 60 : 150 ))
+  (( t_share > BUDGET / 3 )) && t_share=$(( BUDGET / 3 ))
+  echo
+  echo "== tests: python -m pytest -m gpu (${t_share} s)"
+  t0=$SECONDS
+  if [[ -n "$(missing_of pytest)" ]]; then
+    echo "tests: skipped, $PY cannot import pytest"
+  else
+    (cd "$REPO" && run timeout --signal=INT --kill-after=10 "$t_share" "$PY" -m pytest -m gpu -q -rfE --tb=line \
+      -p no:cacheprovider tests/test_exec_gpu.py tests/test_exec_generate_gpu.py tests/test_exec_overhead_bench.py)
+    rc=$?
+    (( DRY )) || echo "tests $rc $(( SECONDS - t0 ))" >> "$STATUS"
+    echo "tests: exit $rc after $(( SECONDS - t0 )) s"
+  fi
+fi
+
 # ---- runtime step (issue "a real offloading runtime"): host overhead per layer and generate speed ----
 # Separate from the validation below and before it, with its own share of the budget (the workloads get
 # what is left); results go to the log (and $WORK/runtime-*.json), never into --out.
@@ -219,8 +244,6 @@ if (( RUNTIME )); then
   fi
 fi
 
-STATUS="$WORK/status.txt"
-(( DRY )) || : > "$STATUS"
 n=${#WL[@]}
 i=0
 for w in "${WL[@]}"; do

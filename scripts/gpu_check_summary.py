@@ -129,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.copyfile(tl, a.out / f"{w}-dali.{which}.timeline.json")
         if rc not in (0, None):
             notes.append(f"- {w}: `dali exec validate` exited {rc} ({EXIT_MEANING.get(rc, 'an error: see log.txt')})")
+    if "tests" in status:  # (--tests)
+        rc, secs, _ = status["tests"]
+        notes.append(f"- tests: `python -m pytest -m gpu` exited {rc} after {secs} s"
+                     + ("" if rc == 0 else " (its failures are in log.txt)"))
+        if rc != 0:
+            ok = False
+            why = "a test failed" if rc == 1 else EXIT_MEANING.get(rc, "an error")
+            fails.append(f"FAIL tests: `python -m pytest -m gpu` exited {rc} ({why}; see log.txt)")
     frame = pd.DataFrame(rows)
     keep = [k for k, _ in COLUMNS] + [c for c in frame.columns if c not in dict(COLUMNS) and c != "counters_differ"]
     frame.reindex(columns=keep).to_csv(a.out / "summary.csv", index=False)

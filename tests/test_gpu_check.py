@@ -89,13 +89,15 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert "--gpu-memory 24" in validate[0] and "--gpu-memory 12" in validate[1]
     assert re.search(r"--systems cpu-only\\?,gpu-lru\\?,dali", validate[0])
     assert any("gpu_check_summary.py" in c for c in cmds)
+    assert not any(" -m pytest " in c for c in cmds)  # (only with --tests)
     runtime = [c for c in cmds if "benchmarks/" in c]
     assert [c.split("benchmarks/")[1].split()[0] for c in runtime] == ["cold_host.py", "exec_overhead.py",
                                                                       "generate_speed.py"]
     assert "budget 300 s" in r.stdout and not out.exists()
     full = _run("--dry-run", "--device", "cpu", "--python", sys.executable, "--workloads", "deepseek")
     assert "--scale 1 --layers 6" in full.stderr and "mixtral" not in full.stderr
-    cuda = _run("--dry-run", "--python", sys.executable, "--workloads", "deepseek")  # (a dry run needs no GPU)
+    cuda = _run("--dry-run", "--python", sys.executable, "--workloads", "deepseek", "--tests")  # (needs no GPU)
+    assert re.search(r"^\+ timeout .* -m pytest -m gpu .*tests/test_exec_gpu\.py", cuda.stderr, re.M)
     runtime = [c for c in cuda.stderr.splitlines() if c.startswith("+ ") and "benchmarks/" in c]
     assert [c.split("benchmarks/")[1].split()[0] for c in runtime] == ["cold_host.py", "cuda_host_calls.py",
                                                                       "exec_overhead.py", "generate_speed.py"]
@@ -119,12 +121,14 @@ def test_one_workload_runs_on_the_cpu(tmp_path):
     """A loose threshold passes (tiny quick shapes are not a validation); a zero one fails, printing FAIL."""
     out = tmp_path / "out"
     r = _run("--device", "cpu", "--quick", "--workloads", "mixtral", "--systems", "gpu-lru", "--max-total-error", "100",
-             "--out", str(out), "--work", str(tmp_path / "work"), "--python", sys.executable)
+             "--out", str(out), "--work", str(tmp_path / "work"), "--python", sys.executable, "--tests")
     assert r.returncode == 0, r.stdout + r.stderr
     _check_outputs(out, ["mixtral"], ["gpu-lru"])
     assert r.stdout.rstrip().splitlines()[-1].startswith("| mixtral  | gpu-lru")
     summary = (out / "summary.md").read_text()
     assert "## Verdict\n\nOK" in summary
+    # --tests ran the GPU tests first: without CUDA each skips, which passes
+    assert "- tests: `python -m pytest -m gpu` exited 0 after" in summary and " skipped" in r.stdout
     assert "- mixtral: WARNING the expert weights a replay step reads" in summary  # (quick shapes fit the host's cache)
     r = _run("--device", "cpu", "--quick", "--workloads", "mixtral", "--systems", "gpu-lru", "--max-total-error", "0",
              "--out", str(tmp_path / "out0"), "--work", str(tmp_path / "work0"), "--python", sys.executable)
