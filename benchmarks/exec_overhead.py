@@ -47,7 +47,10 @@ empties the caches here"). Its layer times and tokens/s mean nothing. CPU device
 work does not run on the host's core in the first place. With it, ``--idle-us N`` adds a busy wait of N us after
 each layer visit, outside every stopwatch (compiled register-only work: it touches no memory), as a GPU host
 waits while the accelerator computes the layer: what the host work costs once that much time has passed
-(benchmarks/README.md, "The whole visit, after time alone").
+(benchmarks/README.md, "The whole visit, after time alone"). It also adds ``visit_cpu_median_us``: this thread's
+CPU time of the whole visit, from the decision's start to the experts' return, stopwatches or not (the median
+visit, the median over the runs). With no tensor work all of it is host work, including what the stopwatches
+leave out as device work (the per-expert loop of one-expert turns, the tiny gathers and scatters).
 
 ``--count-calls`` adds ``calls_per_visit``: the Python functions and C calls (torch, NumPy, built-ins) the
 lane's thread makes while an executor stopwatch runs, per layer visit, counted in one more replay of each
@@ -158,6 +161,34 @@ def idle_after_visits(seconds: float):
         yield
 
 
+class VisitClock:
+    """This thread's CPU time of each whole layer visit (``visit_cpu_median_us``, with ``--no-tensor-work``): from
+    the decision's start (``Controller.plan``) to ``OffloadRuntime.run_experts``' return, stopwatches or not. With
+    no tensor work everything in it is host work, the parts the stopwatches leave out as device work too: the
+    per-expert loop of one-expert turns (slicing the routing, stamping, issuing), the gathers and scatters of
+    tiny tensors, the no-op computes' calls. The CPU worker's own time is not in it (another thread)."""
+
+    def __init__(self) -> None:
+        self.visits: list[float] = []
+        self._t0 = 0.0
+
+    @contextmanager
+    def timing(self):
+        plan, run_experts = Controller.plan, OffloadRuntime.run_experts
+
+        def planned(ctrl, *args, **kwargs):
+            self._t0 = time.thread_time()
+            return plan(ctrl, *args, **kwargs)
+
+        def ran(rt, *args, **kwargs):
+            out = run_experts(rt, *args, **kwargs)
+            self.visits.append(time.thread_time() - self._t0)
+            return out
+
+        with mock.patch.object(Controller, "plan", planned), mock.patch.object(OffloadRuntime, "run_experts", ran):
+            yield self
+
+
 class CallCounter:
     """Calls made on this thread while any executor stopwatch runs (``--count-calls``), by function."""
 
@@ -227,7 +258,7 @@ def run_once(setup, devices, run: ExecOptions, store):
 
 
 def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: int, repeats: int, stores: dict,
-            count_calls: int | None = None) -> dict:
+            count_calls: int | None = None, whole_visit: bool = False) -> dict:
     # the runtime's overhead on the whole trace (no profiling split: every sequence is replayed)
     setup = prepare_replay(trace, system, opts, batch_size=batch, profiling=ProfileSpec(share=0.0))
     devices = Devices.create(run.device, opts.dtype)
@@ -235,7 +266,12 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
     if key not in stores:  # the same random weights for every system of this trace (they are deterministic)
         stores[key] = HostExpertStore.random(setup.model, devices.dtype, 0, pin=devices.is_cuda)
     run_once(setup, devices, run, stores[key])  # warm-up (allocator, kernels, threads)
-    runs = [run_once(setup, devices, run, stores[key]) for _ in range(repeats)]
+    clocks = [VisitClock() for _ in range(repeats)] if whole_visit else []
+    runs = []
+    for i in range(repeats):
+        with clocks[i].timing() if whole_visit else nullcontext():
+            runs.append(run_once(setup, devices, run, stores[key]))
+    visit = {"visit_cpu_median_us": float(np.median([1e6 * np.median(c.visits) for c in clocks]))} if clocks else {}
     calls = {} if count_calls is None else counted_calls(setup, devices, run, stores[key], count_calls)
 
     def median(key: str) -> float:
@@ -264,6 +300,7 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
         "limit_us": limit if limit is not None else float("nan"),
         "ok": "" if limit is None else ("yes" if overhead_cpu_median <= limit else "NO"),
         "decode_tokens_per_s": float(np.median([r.summary["decode_tokens_per_s"] for r in runs])),
+        **visit,
         **calls,
     }
 
@@ -332,7 +369,8 @@ def main(argv=None) -> int:
             return read_trace(path)
 
         def measured(on, name: str, label: str | None = None) -> dict:
-            row = measure(on, name, opts, run, a.batch_size, a.repeats, stores, a.count_calls) | {"system": label or name}
+            row = measure(on, name, opts, run, a.batch_size, a.repeats, stores, a.count_calls,
+                          whole_visit=a.no_tensor_work) | {"system": label or name}
             limit = "no limit" if np.isnan(row["limit_us"]) else f"limit {row['limit_us']:g}"
             # one line as each system ends: a run stopped by a time limit (scripts/gpu_check.sh) keeps those
             print(f"{row['system']}: {row['overhead_cpu_median_us']:.1f} us decision + bookkeeping (median visit, "
@@ -360,7 +398,9 @@ def main(argv=None) -> int:
           + ("; NO TENSOR WORK (computes and copies are no-ops: layer times mean nothing)" if a.no_tensor_work else "")
           + (f"; a busy wait of {a.idle_us:g} us after each layer visit" if a.idle_us else ""))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(table[PRINTED + (["calls_per_visit"] if a.count_calls is not None else [])].round(1).to_string())
+        extra = (["visit_cpu_median_us"] if a.no_tensor_work else []) + (["calls_per_visit"] if a.count_calls is not None
+                                                                          else [])
+        print(table[PRINTED + extra].round(1).to_string())
     print(f"DALI paper: {100 * PAPER_OVERHEAD:.1f}% scheduling overhead (for comparison)")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=2, default=str))

@@ -77,6 +77,21 @@ def test_counted_calls_are_the_same_in_every_replay_and_leave_out_the_counter(sy
     assert not any(n.endswith(":run_once") or n.endswith(":Replay.run") for n in names)  # (outside every stopwatch)
 
 
+def test_the_whole_visit_contains_the_stopwatched_part(tmp_path):
+    """--no-tensor-work's visit_cpu_median_us: this thread's CPU time of the whole visit, stopwatches or not; gpu-lru's
+    one-expert turns loop runs while the stopwatch is stopped, so its whole visit is well over its overhead."""
+    import json
+
+    out = tmp_path / "o.json"
+    assert exec_overhead.main(["--quick", "--no-tensor-work", "--systems", "gpu-lru,cpu-only", "--lookahead-systems",
+                               "", "--json", str(out)]) == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    for r in rows.values():
+        assert r["visit_cpu_median_us"] > r["overhead_cpu_median_us"] > 0
+    assert exec_overhead.main(["--quick", "--systems", "cpu-only", "--lookahead-systems", "", "--json", str(out)]) == 0
+    assert "visit_cpu_median_us" not in json.loads(out.read_text())["rows"][0]  # (no tensor work only: else it is not host work)
+
+
 def test_no_tensor_work_is_refused_on_cuda(capsys):
     """On CUDA the no-ops would hand the staging loop floats where it waits for events, and the tensor work
     runs on the GPU anyway: the option is refused in one line, exit status 2, before anything runs."""
