@@ -180,13 +180,15 @@ EOF
   (( ${#MISSING[@]} )) && echo "carried wheels for: ${MISSING[*]} (PYTHONPATH has $EXTRA)"
 fi
 
+# a step's seconds: QUICK_S or FULL_S, at most the budget / PARTS (step_share QUICK_S FULL_S PARTS)
+step_share() { local s=$(( QUICK ? $1 : $2 )); (( s > BUDGET / $3 )) && s=$(( BUDGET / $3 )); echo "$s"; }
+
 STATUS="$WORK/status.txt"   # one line per step: name, exit status, seconds (scripts/gpu_check_summary.py reads it)
 (( DRY )) || : > "$STATUS"
 
 # ---- tests step (--tests): the GPU tests, whose failures fail the check ----
 if (( TESTS )); then
-  t_share=$(( QUICK ? 60 : 150 ))
-  (( t_share > BUDGET / 3 )) && t_share=$(( BUDGET / 3 ))
+  t_share=$(step_share 60 150 3)
   echo
   echo "== tests: python -m pytest -m gpu (${t_share} s)"
   t0=$SECONDS
@@ -205,8 +207,7 @@ fi
 # Separate from the validation below and before it, with its own share of the budget (the workloads get
 # what is left); results go to the log (and $WORK/runtime-*.json), never into --out.
 if (( RUNTIME )); then
-  rt_share=$(( QUICK ? 30 : 90 ))
-  (( rt_share > BUDGET / 4 )) && rt_share=$(( BUDGET / 4 ))
+  rt_share=$(step_share 30 90 4)
   echo
   echo "== runtime: host overhead per MoE layer and generate speed (${rt_share} s)"
   rt0=$SECONDS
