@@ -163,7 +163,8 @@ def idle_after_visits(seconds: float):
 
 class VisitClock:
     """This thread's CPU time of each whole layer visit (``visit_cpu_median_us``, with ``--no-tensor-work``): from
-    the decision's start (``Controller.plan``) to ``OffloadRuntime.run_experts``' return, stopwatches or not. With
+    the decision's start (``Controller.plan``) to ``OffloadRuntime.run_experts``' return, stopwatches or not (an
+    ``--idle-us`` wait follows that return: :func:`measure` enters it after this clock). With
     no tensor work everything in it is host work, the parts the stopwatches leave out as device work too: the
     per-expert loop of one-expert turns (slicing the routing, stamping, issuing), the gathers and scatters of
     tiny tensors, the no-op computes' calls. The CPU worker's own time is not in it (another thread)."""
@@ -258,20 +259,28 @@ def run_once(setup, devices, run: ExecOptions, store):
 
 
 def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: int, repeats: int, stores: dict,
-            count_calls: int | None = None, whole_visit: bool = False) -> dict:
+            count_calls: int | None = None, whole_visit: bool = False, idle_s: float = 0.0) -> dict:
     # the runtime's overhead on the whole trace (no profiling split: every sequence is replayed)
     setup = prepare_replay(trace, system, opts, batch_size=batch, profiling=ProfileSpec(share=0.0))
     devices = Devices.create(run.device, opts.dtype)
     key = setup.model.name
     if key not in stores:  # the same random weights for every system of this trace (they are deterministic)
         stores[key] = HostExpertStore.random(setup.model, devices.dtype, 0, pin=devices.is_cuda)
-    run_once(setup, devices, run, stores[key])  # warm-up (allocator, kernels, threads)
-    clocks = [VisitClock() for _ in range(repeats)] if whole_visit else []
-    runs = []
-    for i in range(repeats):
-        with clocks[i].timing() if whole_visit else nullcontext():
+    clock = VisitClock() if whole_visit else None
+    runs, visit_medians = [], []
+    with ExitStack() as stack:
+        if clock is not None:
+            stack.enter_context(clock.timing())
+        if idle_s:  # (entered after the clock, so that its wait follows the visit's end, outside the clock)
+            stack.enter_context(idle_after_visits(idle_s))
+        run_once(setup, devices, run, stores[key])  # warm-up (allocator, kernels, threads)
+        for _ in range(repeats):
+            if clock is not None:
+                clock.visits.clear()
             runs.append(run_once(setup, devices, run, stores[key]))
-    visit = {"visit_cpu_median_us": float(np.median([1e6 * np.median(c.visits) for c in clocks]))} if clocks else {}
+            if clock is not None:
+                visit_medians.append(1e6 * np.median(clock.visits))
+    visit = {"visit_cpu_median_us": float(np.median(visit_medians))} if clock is not None else {}
     calls = {} if count_calls is None else counted_calls(setup, devices, run, stores[key], count_calls)
 
     def median(key: str) -> float:
@@ -360,8 +369,7 @@ def main(argv=None) -> int:
     stores: dict = {}
     plain = [n for n in a.systems.split(",") if n]
     look = [n for n in a.lookahead_systems.split(",") if n]
-    with tempfile.TemporaryDirectory() as tmp, (no_tensor_work() if a.no_tensor_work else nullcontext()), \
-            (idle_after_visits(1e-6 * a.idle_us) if a.idle_us else nullcontext()):
+    with tempfile.TemporaryDirectory() as tmp, (no_tensor_work() if a.no_tensor_work else nullcontext()):
         def synthetic(model: str):
             path = Path(tmp) / f"{model}.parquet"
             synthesize(SynthConfig(model=model, sequences=a.sequences, prompt_len=0, gen_len=a.max_tokens,
@@ -370,7 +378,7 @@ def main(argv=None) -> int:
 
         def measured(on, name: str, label: str | None = None) -> dict:
             row = measure(on, name, opts, run, a.batch_size, a.repeats, stores, a.count_calls,
-                          whole_visit=a.no_tensor_work) | {"system": label or name}
+                          whole_visit=a.no_tensor_work, idle_s=1e-6 * a.idle_us) | {"system": label or name}
             limit = "no limit" if np.isnan(row["limit_us"]) else f"limit {row['limit_us']:g}"
             # one line as each system ends: a run stopped by a time limit (scripts/gpu_check.sh) keeps those
             print(f"{row['system']}: {row['overhead_cpu_median_us']:.1f} us decision + bookkeeping (median visit, "
@@ -398,9 +406,8 @@ def main(argv=None) -> int:
           + ("; NO TENSOR WORK (computes and copies are no-ops: layer times mean nothing)" if a.no_tensor_work else "")
           + (f"; a busy wait of {a.idle_us:g} us after each layer visit" if a.idle_us else ""))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        extra = (["visit_cpu_median_us"] if a.no_tensor_work else []) + (["calls_per_visit"] if a.count_calls is not None
-                                                                          else [])
-        print(table[PRINTED + extra].round(1).to_string())
+        shown = PRINTED + [c for c in ("visit_cpu_median_us", "calls_per_visit") if c in table]
+        print(table[shown].round(1).to_string())
     print(f"DALI paper: {100 * PAPER_OVERHEAD:.1f}% scheduling overhead (for comparison)")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=2, default=str))

@@ -88,6 +88,11 @@ def test_the_whole_visit_contains_the_stopwatched_part(tmp_path):
     rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     for r in rows.values():
         assert r["visit_cpu_median_us"] > r["overhead_cpu_median_us"] > 0
+    # an --idle-us wait follows each visit: in the layer's time, not in the visit's
+    assert exec_overhead.main(["--quick", "--no-tensor-work", "--idle-us", "3000", "--systems", "cpu-only",
+                               "--lookahead-systems", "", "--json", str(out)]) == 0
+    idle = json.loads(out.read_text())["rows"][0]
+    assert idle["layer_us"] >= 3000 > idle["visit_cpu_median_us"] > idle["overhead_cpu_median_us"]
     assert exec_overhead.main(["--quick", "--systems", "cpu-only", "--lookahead-systems", "", "--json", str(out)]) == 0
     assert "visit_cpu_median_us" not in json.loads(out.read_text())["rows"][0]  # (no tensor work only: else it is not host work)
 
