@@ -136,6 +136,7 @@ def no_tensor_work():
     patches = [
         mock.patch.object(ffn.ExpertLayout, "forward_grouped", lambda self, table, x, *a, **k: x),
         mock.patch.object(ffn.ExpertLayout, "forward", lambda self, flat, x: x),
+        mock.patch.object(ffn.ExpertLayout, "forward_prepared", lambda self, views, x: x),
         mock.patch.object(dense.DenseBlock, "__call__", lambda self, x, a, kv: (x, x if self.moe else None)),
         mock.patch.object(copies, "copy_rows", lambda *a, **k: None),
         mock.patch.object(copies.CopyEngine, "copy_one", lambda self, dst, src, after=None: (0.0, 0.0)),

@@ -116,8 +116,16 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         lane, order, hits, ready, fetched = split
         staged = order[ready + fetched:]
         seg = lane[1, staged]
-        want = np.stack([lane[3, staged], r.ptr[seg], r.ptr[seg + 1], r.ptr[seg + 1] - r.ptr[seg]])
-        assert np.array_equal(wi[K.W_TURNS:K.W_TURNS + 4, :len(staged)], want)
+        assert np.array_equal(wi[K.W_TURNS:K.W_TURNS + 2, :len(staged)],
+                              np.stack([lane[3, staged], r.ptr[seg + 1] - r.ptr[seg]]))
+        # the staged experts' pairs in staging order: positions, tokens, weights (the turns' gather and scatter)
+        sel = np.concatenate([np.arange(r.ptr[s], r.ptr[s + 1]) for s in seg] + [np.zeros(0, np.int64)])
+        q = len(sel)
+        assert np.array_equal(wi[K.W_TURNS + 2, :q], r.positions[sel])
+        assert np.array_equal(wi[K.W_TURNS + 3, :q], r.positions[sel] // k)
+        assert np.array_equal(runtime._route_ws.wf[1, :q], r.weights[sel])
+        assert [a.tolist() for a in runtime._route_ws.turn_arrays(q)] == \
+            [r.positions[sel].tolist(), (r.positions[sel] // k).tolist(), r.weights[sel].tolist()]
         # the first group (hits and admitted fetches), written when it has two experts or more
         first = order[:ready + fetched]
         if len(first) < 2:
@@ -159,10 +167,14 @@ def test_the_route_workspace_grows_and_rewraps_its_tensors():
     small = ws.wi
     assert ws.fit(4, 3).wi is small  # room already
     ws.fit(40, 0)
-    assert ws.wi.shape[1] == 82 and ws.wf.shape == (82,)
-    pos, tok, w = ws.tensors
-    ws.wi[K.W_ORDER, 5], ws.wi[K.W_TOKENS, 6], ws.wf[7] = 11, 12, 0.5
+    assert ws.wi.shape[1] == 82 and ws.wf.shape == (2, 82)
+    pos, tok, w, tpos, ttok, tw = ws.tensors
+    ws.wi[K.W_ORDER, 5], ws.wi[K.W_TOKENS, 6], ws.wf[0, 7] = 11, 12, 0.5
+    ws.wi[K.W_TURNS + 2, 1], ws.wi[K.W_TURNS + 3, 2], ws.wf[1, 3] = 13, 14, 0.25
     assert pos[5] == 11 and tok[6] == 12 and w[7, 0] == 0.5  # views of the new buffers
+    assert tpos[1] == 13 and ttok[2] == 14 and tw[3, 0] == 0.25
+    turns = ws.turn_views(4)
+    assert ws.turn_views(4) is turns and [v.shape[0] for v in turns] == [4, 4, 4] and turns[2][3, 0] == 0.25
     views = ws.views(8)
     assert ws.views(8) is views and [v.shape[0] for v in views] == [8, 8, 8]  # made once per length
     assert views[0][5] == 11 and views[2][7, 0] == 0.5  # of the buffers

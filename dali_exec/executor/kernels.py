@@ -444,9 +444,10 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     n the pairs, and at least the evictions) holds the evicted rows (row :data:`W_EVICTED`), the grouping's
     order, ptr, experts and pairs per expert (:data:`W_ORDER` ..), the lane split (the five rows from
     :data:`W_LANE`), its order, the CPU experts, the token of each sorted pair (:data:`W_TOKENS`) and, from
-    :data:`W_TURNS`, the staged experts' ids, first and end pair and pairs (in staging order: a staging
-    turn's slice of the routing); ``wf`` (float32, n) the sorted weights. Returns (index of an evicted expert that is not cached or -1, the number of
-    evicted rows, grouping status, the number of experts m, partition status, the number of CPU experts
+    :data:`W_TURNS`, the staged experts' ids and pairs (in staging order: the staging turns') and those
+    experts' pairs in that order, as flat positions and tokens (one gather and one scatter serve every turn);
+    ``wf`` (float32, 2 x at least n) the sorted weights and the staged pairs' weights in staging order.
+    Returns (index of an evicted expert that is not cached or -1, the number of evicted rows, grouping status, the number of experts m, partition status, the number of CPU experts
     c, of accelerator experts g, hits, ready, fetched, admission status: ``OK`` (the fetched experts' rows
     are in the lane's row 2 and the table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not
     enough free rows), nothing admitted: the caller's ``SlotPool.admit_many`` refuses as it does), and the first
@@ -466,8 +467,8 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
         return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
-    status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf, wb[0],
-                                       wi[W_PER])
+    status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf[0],
+                                       wb[0], wi[W_PER])
     if status != OK:
         return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
@@ -478,13 +479,17 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
         wi[W_EXPERTS, :m], wi[W_PER, :m], p_experts, p_counts, source, admitted, row_of, codes, False, wb, lane,
         lorder, wi[W_CPU])
     if pstatus == 0:
-        for t in range(g - ready - fetched):  # the staged experts, in staging order
+        q = 0
+        for t in range(g - ready - fetched):  # the staged experts, in staging order, and their pairs in that order
             i = lorder[ready + fetched + t]
             s = lane[1, i]
             wi[W_TURNS, t] = lane[3, i]
-            wi[W_TURNS + 1, t] = ptr[s]
-            wi[W_TURNS + 2, t] = ptr[s + 1]
-            wi[W_TURNS + 3, t] = ptr[s + 1] - ptr[s]
+            wi[W_TURNS + 1, t] = ptr[s + 1] - ptr[s]
+            for j in range(ptr[s], ptr[s + 1]):
+                wi[W_TURNS + 2, q] = order[j]
+                wi[W_TURNS + 3, q] = tokens[j]
+                wf[1, q] = wf[0, j]
+                q += 1
     adm = OK
     if pstatus == 0 and fetched:
         n_adopt = 0
@@ -520,7 +525,7 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
         for i in range(nf):
             seg[i] = lane[1, lorder[i]]
             rows[i] = lane[2, lorder[i]]
-        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf, wi[W_EXPERTS], seg[:nf], rows[:nf], k,
+        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf[0], wi[W_EXPERTS], seg[:nf], rows[:nf], k,
                                                               layer, state, gi[0:3], gw, gi[3:6], gi[6], goffs)
     return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready
 

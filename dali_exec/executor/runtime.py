@@ -61,6 +61,8 @@ class OffloadRuntime:
                  cpu_inline: bool = False, pairs: int = 0):
         self.store, self.dev = store, devices
         self._host_layers = list(store.weights.unbind(0))  # each layer's host weights (E x numel), made once
+        self._host_experts = [list(w.unbind(0)) for w in self._host_layers]  # and each expert's (staging turns)
+        self._prepared_rows: dict[int, tuple] = {}  # _row_prepared
         #: run the CPU lane in the calling thread (when it has the lane's thread count) instead of the worker:
         #: for an accelerator that is the CPU device and shares its threads, where the lanes cannot overlap
         self.cpu_inline = cpu_inline
@@ -563,45 +565,76 @@ class OffloadRuntime:
         """What the loop of one-expert turns needs, the first turns' buffers checked (after their copies are issued:
         they hold their experts, with no copy in flight; the later turns' copies are the loop's own, as no
         background copy writes a staging buffer)."""
-        pool, layer = self.pool, plan.layer
+        pool, layer, dev = self.pool, plan.layer, self.dev
         idx = lanes.staged
         n = len(idx)
-        if routing is self._ws_routing:  # the turns' experts and slices, written by the route's compiled call
+        ws = self._route_ws
+        if routing is self._ws_routing:  # the turns' experts and pairs, written by the route's compiled call
             W = _kernels.W_TURNS
-            E, A, B, tokens = self._route_ws.wi[W:W + 4, :n].tolist()
+            E, tokens = ws.wi[W:W + 2, :n].tolist()
+            q = sum(tokens)
+            if ws.tensors is not None:  # (the CPU device: views)
+                pos, tok, w = ws.turn_views(q)
+                pairs = (pos, tok, _as_dtype(w, dev.dtype))
+            else:
+                pairs = self._pairs_on_accel(*ws.turn_arrays(q))
         else:
             sg = lanes.seg[idx]
             E = lanes.experts[idx].tolist()
-            lo, hi = routing.ptr[sg], routing.ptr[sg + 1]
-            A, B, tokens = lo.tolist(), hi.tolist(), (hi - lo).tolist()
+            lo, per = routing.ptr[sg], routing.ptr[sg + 1] - routing.ptr[sg]
+            tokens = per.tolist()
+            sel = np.repeat(lo - np.cumsum(per) + per, per) + np.arange(per.sum())  # the pairs in staging order
+            pos = routing.positions[sel]
+            pairs = self._pairs_on_accel(pos, pos // routing.top_k, routing.weights[sel])
         R = stage_rows[:halves]  # turn t's buffer: R[t % halves]
         hold_l, hold_e, inflight = pool.hold_layer, pool.hold_expert, pool.inflight
         for j in range(min(n, halves)):
             r = R[j]
             if hold_l[r] != layer or hold_e[r] != E[j] or inflight[r]:
                 pool.check_rows(np.array([r]), layer, np.array([E[j]]))  # raises, naming what is wrong
-        events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if self.dev.is_cuda else None
-        return E, A, B, tokens, R, halves, [pool.slots[r].data for r in R], self._host_layers[layer], \
-            self._droute(routing), events
+        events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if dev.is_cuda else None
+        return E, tokens, R, halves, [self._row_prepared(r) for r in R], [pool.slots[r].data for r in R], \
+            self._host_experts[layer], pairs, events
+
+    def _pairs_on_accel(self, positions: np.ndarray, tokens: np.ndarray, weights: np.ndarray) -> tuple:
+        """Pairs' (flat positions, tokens, weights as a column) as tensors on the accelerator
+        (:func:`_device_indices`)."""
+        dev = self.dev
+        pos, tok, _, _, w = _device_indices(positions, tokens, _EMPTY, None, weights, dev.accel, dev.dtype, False)
+        return pos, tok, w
+
+    def _row_prepared(self, row: int) -> tuple:
+        """Slot ``row``'s weights as the layout's ``forward_prepared`` takes them (``prepare``: views), made at
+        its first use (a slot is a fixed row of the pool's table)."""
+        v = self._prepared_rows.get(row)
+        if v is None:
+            v = self._prepared_rows[row] = self.layout.prepare(self.pool.slots[row].data)
+        return v
 
     def _single_loop(self, turns: tuple, x: torch.Tensor, out_buf: torch.Tensor) -> tuple:
         """The device work of the one-expert turns (per turn: the compute from buffer ``t % halves``, then the copy
-        of turn t + ``halves`` into it); their stamps (compute starts and ends, copy starts and ends)."""
-        E, A, B, _, _, halves, bufs, src, (pos_d, tok_d, w_d), events = turns
+        of turn t + ``halves`` into it); their stamps (compute starts and ends, copy starts and ends). The turns'
+        tokens are gathered in one call (within the first turn's interval) and their weighted outputs scattered
+        in one (within the last's): per turn no more than the expert's own calls and the copy."""
+        E, tokens, _, halves, views, bufs, src, (pos_t, tok_t, w_t), events = turns
         cuda, n = events is not None, len(E)
-        stream, mark, forward, copy_one = self.compute_stream, self.timer.mark, self.layout.forward, self.copies.copy_one
-        starts, ends, c0s, c1s = [], [], [], []
+        stream, mark, forward, copy_one = self.compute_stream, self.timer.mark, self.layout.forward_prepared, \
+            self.copies.copy_one
+        starts, ends, c0s, c1s, ys = [], [], [], [], []
+        xs = ()
         for t in range(n):
-            buf, a, b = bufs[t % halves], A[t], B[t]
             if cuda:
                 stream.wait_event(events[t])
             starts.append(mark(stream))
-            y = forward(buf, x.index_select(0, tok_d[a:b]))
-            out_buf.index_copy_(0, pos_d[a:b], y * w_d[a:b])
+            if not t:
+                xs = x.index_select(0, tok_t).split(tokens)
+            ys.append(forward(views[t % halves], xs[t]))
+            if t == n - 1:
+                out_buf.index_copy_(0, pos_t, torch.cat(ys) * w_t)
             end = mark(stream)
             ends.append(end)
             if t + halves < n:
-                c0, c1 = copy_one(buf, src[E[t + halves]], end)
+                c0, c1 = copy_one(bufs[t % halves], src[E[t + halves]], end)
                 c0s.append(c0)
                 c1s.append(c1)
                 if cuda:
@@ -611,7 +644,7 @@ class OffloadRuntime:
     def _single_done(self, plan: LayerPlan, turns: tuple, stamps: tuple) -> None:
         """After the loop: each buffer holds the expert of its last turn; the turns' intervals as one series each."""
         pool, layer, step = self.pool, plan.layer, plan.step
-        E, tokens, R, halves, cuda = turns[0], turns[3], turns[4], turns[5], turns[9] is not None
+        E, tokens, R, halves, cuda = turns[0], turns[1], turns[2], turns[3], turns[8] is not None
         starts, ends, c0s, c1s = stamps
         n = len(E)
         hold_e = pool.hold_expert
@@ -644,7 +677,7 @@ class OffloadRuntime:
             a, b = int(routing.ptr[i]), int(routing.ptr[i + 1])
             sw.stop()
             start = self.timer.mark(stream)
-            y = self.layout.forward(pool.slots[row].data, x.index_select(0, droute[1][a:b]))
+            y = self.layout.forward_prepared(self._row_prepared(row), x.index_select(0, droute[1][a:b]))
             out_buf.index_copy_(0, droute[0][a:b], y * droute[2][a:b])
             end = self.timer.mark(stream)
             sw.start()

@@ -24,16 +24,18 @@ from dali_exec.executor import kernels as _kernels
 class RouteWorkspace:
     """The buffers of ``kernels._route_partition`` (rows ``kernels.W_*``), grown when a layer has more pairs.
     ``device``: the accelerator; on the CPU device ``tensors`` wrap the sorted pairs, their tokens and their
-    weights (a column) once, for the layer's routing on the accelerator (``OffloadRuntime._droute``)."""
+    weights (a column) once, for the layer's routing on the accelerator (``OffloadRuntime._droute``), and
+    then the staged pairs' positions, tokens and weights in staging order (``turn_views``)."""
 
-    __slots__ = ("wi", "wf", "tensors", "_wrap", "_views", "_cached")
+    __slots__ = ("wi", "wf", "tensors", "_wrap", "_views", "_turn_views", "_cached")
 
     def __init__(self, device: torch.device = torch.device("cpu"), pairs: int = 0):
         self._wrap = device.type == "cpu"
         self.wi = np.zeros((_kernels.W_ROWS, 0), np.int64)
-        self.wf = np.zeros(0, np.float32)
+        self.wf = np.zeros((2, 0), np.float32)
         self.tensors = None
         self._views: dict[int, tuple] = {}
+        self._turn_views: dict[int, tuple] = {}
         self._cached: dict[tuple, tuple] = {}  # layer_views by their lengths
         self.fit(pairs, 0)
 
@@ -43,11 +45,13 @@ class RouteWorkspace:
         if need > self.wi.shape[1]:
             cap = 2 * need
             self.wi = np.zeros((_kernels.W_ROWS, cap), np.int64)
-            self.wf = np.zeros(cap, np.float32)
+            self.wf = np.zeros((2, cap), np.float32)
             if self._wrap:
-                self.tensors = (torch.from_numpy(self.wi[_kernels.W_ORDER]), torch.from_numpy(self.wi[_kernels.W_TOKENS]),
-                                torch.from_numpy(self.wf).view(-1, 1))
+                wi, t, col = self.wi, _kernels.W_TURNS, torch.from_numpy(self.wf).view(2, -1, 1)
+                self.tensors = (torch.from_numpy(wi[_kernels.W_ORDER]), torch.from_numpy(wi[_kernels.W_TOKENS]), col[0],
+                                torch.from_numpy(wi[t + 2]), torch.from_numpy(wi[t + 3]), col[1])
             self._views.clear()
+            self._turn_views.clear()
             self._cached.clear()
         return self
 
@@ -61,7 +65,7 @@ class RouteWorkspace:
         if v is None:
             wi, K = self.wi, _kernels
             v = self._cached[key] = (wi[K.W_EXPERTS, :m], wi[K.W_PTR, :m + 1], wi[K.W_PER, :m], wi[K.W_ORDER, :n],
-                                     self.wf[:n], wi[K.W_CPU, :c], wi[K.W_LANE:K.W_LANE + 5, :cols],
+                                     self.wf[0, :n], wi[K.W_CPU, :c], wi[K.W_LANE:K.W_LANE + 5, :cols],
                                      wi[K.W_LANE_ORDER, :g])
         return v
 
@@ -70,8 +74,21 @@ class RouteWorkspace:
         replay's layers have one number of pairs) and kept until the buffers grow."""
         v = self._views.get(n)
         if v is None:
-            v = self._views[n] = tuple(t.narrow(0, 0, n) for t in self.tensors)
+            v = self._views[n] = tuple(t.narrow(0, 0, n) for t in self.tensors[:3])
         return v
+
+    def turn_views(self, q: int) -> tuple:
+        """The CPU device's tensors of the first ``q`` staged pairs in staging order (flat positions, tokens,
+        weights as a column), made once per ``q`` and kept until the buffers grow."""
+        v = self._turn_views.get(q)
+        if v is None:
+            v = self._turn_views[q] = tuple(t.narrow(0, 0, q) for t in self.tensors[3:])
+        return v
+
+    def turn_arrays(self, q: int) -> tuple:
+        """The same as arrays (for a copy to another device)."""
+        t = _kernels.W_TURNS
+        return self.wi[t + 2, :q], self.wi[t + 3, :q], self.wf[1, :q]
 
 
 class GroupWorkspace:

@@ -199,13 +199,24 @@ class HFExpertLayout:
         expert is one ``torch.mm`` with the same operands: the same bits, without the grouped call's
         dispatch (a staging turn computes one expert; this is its cost on the CPU device). Elsewhere
         (CUDA's grouped kernels) the grouped call for a group of one."""
-        if x.device.type == "cpu" and flat.stride(-1) == 1:
-            w1, w2, b1, b2 = self.operands(flat)
+        return self.forward_prepared(self.prepare(flat), x)
+
+    def prepare(self, flat: torch.Tensor) -> tuple:
+        """What :meth:`forward_prepared` takes for the expert in ``flat`` (on the device it is computed on): on
+        the CPU its :meth:`operands`, else its :meth:`views`. Made once for a buffer that holds expert after
+        expert (a staging buffer)."""
+        if flat.device.type == "cpu" and flat.stride(-1) == 1:
+            return True, self.operands(flat)
+        return False, self.views(flat)
+
+    def forward_prepared(self, prepared: tuple, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` of the expert that :meth:`prepare` made ``prepared`` of."""
+        products, (w1, w2, b1, b2) = prepared
+        if products:
             y = torch.mm(x if x.dtype == w1.dtype else x.to(w1.dtype), w1)
             y = self.gate(y if b1 is None else y.add_(b1))
             y = torch.mm(y if y.dtype == w2.dtype else y.to(w2.dtype), w2)
             return y if b2 is None else y.add_(b2)
-        w1, w2, b1, b2 = self.views(flat)
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # no host-to-device copy
         y = _grouped_linear(x, w1.unsqueeze(0), offs, b1, self.transposed)
         y = self.gate(y)
