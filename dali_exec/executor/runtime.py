@@ -39,6 +39,7 @@ from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
 from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
 
 _EMPTY = np.zeros(0, np.int64)
+_NO_SLOTS = np.zeros((3, 0), np.int64)  # a slot table's state (SlotPool.state) for the host store's rows: none
 _NO_GROUP = (np.zeros((7, 0), np.int64), np.zeros(0, np.float32), np.zeros(0, np.int32))  # (the route call's)
 #: the route call's arguments whose types the runtime does not fix: the trace's ids and the plan's four arrays
 _ROUTE_LOOSE = (0, 3, 4, 5, 6)
@@ -85,6 +86,7 @@ class OffloadRuntime:
         self._out_shape: tuple[int, int] = (-1, -1)  # its shape
         self._accel_is_host = devices.accel.type == "cpu"
         self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel, pairs)
+        self._cpu_ws = GroupWorkspace(store.num_experts, devices.host, pairs)  # the CPU lane's (rows: the experts)
         #: whether the route call writes a layer's first group (the CPU device: computed before any wait) and the
         #: (pairs, lo, span, experts) of the one it wrote for this layer visit, until _group takes it
         self._first_in_route = not devices.is_cuda
@@ -729,7 +731,7 @@ class OffloadRuntime:
             return self._written(g)
         ws = self._group_ws
         if (kernel := _kernels.compiled("group_index_into")) is not None:
-            n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool)
+            n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool.state)
         else:
             gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
             if not gi.rows_ready:
@@ -821,17 +823,29 @@ class OffloadRuntime:
 
     def _cpu_lane(self, step: int, layer: int, seg: np.ndarray, x: torch.Tensor, r: LayerRouting):
         """The CPU experts (``seg``: their indices in ``r.experts``, ascending, unique) as one grouped call from
-        host memory: (flat positions, weighted outputs)."""
-        gi = GroupIndex.whole(r) if len(seg) == len(r.experts) else GroupIndex.build(r, seg, r.experts[seg])
-        pos, tok, offs, pair_rows, w = _device_indices(gi.pairs, gi.token_rows(r.top_k), gi.offs, gi.row_of_pairs,
-                                                       gi.weights, self.dev.host, self.dev.dtype, self.layout.bias)
+        host memory: (flat positions, weighted outputs). With numba its indices are written into the lane's
+        workspace by one compiled loop (``kernels._group_index_into``) and taken as views of its tensors."""
+        kernel = _kernels.compiled("group_index_into")
+        if kernel is not None:
+            ws = self._cpu_ws
+            n, lo, span, _ = ws.build(kernel, r, seg, r.experts[seg], -1, _NO_SLOTS)
+            pos, tok, pair_rows, w, offs = ws.views(n, span)
+            pair_rows = pair_rows if self.layout.bias else None
+            w, table_counts = _as_dtype(w, self.dev.dtype), ws.table_counts[:span]
+            experts, counts = ws.small[1:, :len(seg)].tolist()
+        else:
+            gi = GroupIndex.whole(r) if len(seg) == len(r.experts) else GroupIndex.build(r, seg, r.experts[seg])
+            pos, tok, offs, pair_rows, w = _device_indices(gi.pairs, gi.token_rows(r.top_k), gi.offs,
+                                                           gi.row_of_pairs, gi.weights, self.dev.host, self.dev.dtype,
+                                                           self.layout.bias)
+            lo, table_counts, experts, counts = gi.lo, gi.table_counts, gi.experts, gi.counts
         start = self.timer.mark()
-        y = self.layout.forward_grouped(gi.span(self._host_layers[layer]), x.index_select(0, tok), offs,
-                                        gi.table_counts, pair_rows) * w
+        y = self.layout.forward_grouped(self._host_layers[layer][lo:lo + len(table_counts)], x.index_select(0, tok),
+                                        offs, table_counts, pair_rows) * w
         end = self.timer.mark()
-        self.timer.add_group("cpu", step, layer, gi.experts, gi.counts, start, end)
+        self.timer.add_group("cpu", step, layer, experts, counts, start, end)
         self.groups["cpu"] += 1
-        self.grouped_experts["cpu"] += len(gi)
+        self.grouped_experts["cpu"] += len(seg)
         return pos, y
 
     def finish(self) -> None:

@@ -152,14 +152,14 @@ class GroupWorkspace:
             o = self._offs_views[span] = self.tensors[4].narrow(0, 0, span)
         return (*v, o)
 
-    def build(self, kernel, routing, seg: np.ndarray, rows: np.ndarray, layer: int, pool) -> tuple:
-        """The group of the experts ``seg`` (indices into ``routing.experts``) in slot ``rows``, checked
-        against ``pool``'s table in the same loop by ``kernel`` (the compiled ``kernels._group_index_into``):
-        (pairs, lo, span, ready)."""
+    def build(self, kernel, routing, seg: np.ndarray, rows: np.ndarray, layer: int, state: np.ndarray) -> tuple:
+        """The group of the experts ``seg`` (indices into ``routing.experts``) in table ``rows``, checked
+        against a slot table's ``state`` (``SlotPool.state``; (3, 0): none, as the host store's rows) in the same
+        loop by ``kernel`` (the compiled ``kernels._group_index_into``): (pairs, lo, span, ready)."""
         if len(routing.positions) > self.ints.shape[1]:
             self.fit(len(routing.positions))
         return kernel(routing.ptr, routing.positions, routing.weights, routing.experts, seg, rows, routing.top_k,
-                      layer, pool.state, self.ints, self.w, self.small, self.table_counts, self.offs)
+                      layer, state, self.ints, self.w, self.small, self.table_counts, self.offs)
 
 
 __all__ = ["GroupWorkspace", "RouteWorkspace"]
