@@ -54,6 +54,9 @@ def test_one_expert_as_two_products_equals_the_grouped_call(family, dtype, monke
             offs = torch.tensor([n], dtype=torch.int32)
             want = lay.forward_grouped(flat.unsqueeze(0), x, offs, np.array([n]), torch.zeros(n, dtype=torch.long))
             assert torch.equal(lay.forward(flat, x), want), (family, dtype, n, e)
+            # as a staging turn computes it: the buffer prepared once, the tokens a slice of the turns' one gather
+            tokens = torch.cat([torch.randn(3, lay.hidden, generator=g).to(dtype), x]).split([3, n])[1]
+            assert torch.equal(lay.forward_prepared(lay.prepare(flat), tokens), want), (family, dtype, n, e)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,14 +5,15 @@ and nothing is computed from a slot whose copy has not landed."""
 from __future__ import annotations
 
 import dataclasses
-
 import math
+from collections import Counter
 
 import numpy as np
 import pandas as pd
 import pytest
 
 torch = pytest.importorskip("torch")
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from dali_exec.executor import (  # noqa: E402
     ExecOptions,
@@ -270,6 +271,38 @@ def test_staged_experts_cycle_through_few_buffers(mix, staging, cached, tmp_path
     assert {k: result.summary[k] for k in COUNTERS} == {k: sim.summary[k] for k in COUNTERS}
     fetched = sum(1 for iv in result.intervals if iv.name.startswith("fetch"))
     assert fetched == result.summary["on_demand"]  # one copy (and one timeline interval) per on-demand fetch
+
+
+def test_one_expert_turns_gather_and_scatter_once_per_layer(mix, monkeypatch):
+    """The loop of one-expert turns is fused: one gather of every turn's tokens and one scatter of their weighted
+    outputs per layer visit, whatever the number of turns (before, a gather and a scatter per turn); each turn's
+    computes use its buffer's views made once (no slicing of the buffer per turn). Outputs as the reference's."""
+    over = {"memory": {"staging_slots": "2", "cache_experts": "0"}}
+    loops = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            loops[-1][getattr(func, "__name__", str(func))] += 1
+            return func(*args, **(kwargs or {}))
+
+    single_loop = OffloadRuntime._single_loop
+
+    def counted(self, turns, x, out_buf):
+        loops.append(Counter(turns=len(turns[0])))
+        with Count():
+            return single_loop(self, turns, x, out_buf)
+
+    monkeypatch.setattr(OffloadRuntime, "_single_loop", counted)
+    records = []
+    execute(mix, "gpu-lru", TINY, CPU_RUN, batch_size=BATCH, overrides=over, on_layer=records.append)
+    _check_against_reference(records, prepare_replay(mix, "gpu-lru", TINY, batch_size=BATCH, overrides=over))
+    # (a visit of at most two staged experts gives each a buffer: one group, no turns)
+    assert max(c["turns"] for c in loops) > 3 and len(loops) == sum(rec.plan.staged.sum() > 2 for rec in records)
+    for c in loops:
+        assert c["index_select"] == 1 and c["index_copy_"] == 1 and c["split"] == 1 and c["cat"] == 1, c
+        assert c["linear"] == 2 * c["turns"] and c["copy_"] == c["turns"] - 2, c
+        # per turn only the gate and up halves are sliced: the buffers' views were made once, not per turn
+        assert c["__getitem__"] == 2 * c["turns"] and c["view"] == 0, c
 
 
 def test_staged_experts_with_a_buffer_each_are_one_group_after_their_copies(mix, monkeypatch):
