@@ -6,7 +6,7 @@
 A replay of the exec_overhead benchmark's Qwen3 command (``--shape``, 4 MoE layers at scale 1/16, 32 x 32
 decode tokens, batch 32, CPU device) runs once per system, and the arguments of every compiled per-layer call
 (``route_partition``: a layer's routing grouped, checked and split, which the runtime makes through
-``kernels.Entries``; ``group_index_into``: a later group's indices, which it makes through the dispatcher) are
+``kernels.Entries``; ``group_index_into``: a later group's indices, of either lane, made through the dispatcher) are
 kept as they were before the call. Each kept call is then made again on fresh copies of its arguments, round by
 round and interleaved: through the dispatcher (``kernels.compiled(name)``, which types every argument at every
 call) and through an entry point (``Entries``: compiled for the argument types once), alone (``entry``) and with
@@ -62,12 +62,12 @@ def capture(trace, system: str, opts: ReplayOptions, batch: int, store_cache: di
         calls.append((self.name, fn, _copy(args), self))
         return fn
 
-    def built(self, kernel, routing, seg, rows, layer, pool):
+    def built(self, kernel, routing, seg, rows, layer, state):
         args = (routing.ptr, routing.positions, routing.weights, routing.experts, seg, rows, routing.top_k, layer,
-                pool.state, self.ints, self.w, self.small, self.table_counts, self.offs)
+                state, self.ints, self.w, self.small, self.table_counts, self.offs)
         key = tuple(a.dtype for a in args[:6])
         calls.append(("group_index_into", get(groups, key, args), _copy(args), groups))
-        return build(self, kernel, routing, seg, rows, layer, pool)
+        return build(self, kernel, routing, seg, rows, layer, state)
     with mock.patch.object(K.Entries, "get", kept), mock.patch.object(GroupWorkspace, "build", built):
         X.run_once(setup, devices, ExecOptions(device="cpu"), store_cache[setup.model.name])
     return calls

@@ -447,11 +447,12 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     :data:`W_TURNS`, the staged experts' ids and pairs (in staging order: the staging turns') and those
     experts' pairs in that order, as flat positions and tokens (one gather and one scatter serve every turn);
     ``wf`` (float32, 2 x at least n) the sorted weights and the staged pairs' weights in staging order.
-    Returns (index of an evicted expert that is not cached or -1, the number of evicted rows, grouping status, the number of experts m, partition status, the number of CPU experts
-    c, of accelerator experts g, hits, ready, fetched, admission status: ``OK`` (the fetched experts' rows
-    are in the lane's row 2 and the table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not
-    enough free rows), nothing admitted: the caller's ``SlotPool.admit_many`` refuses as it does), and the first
-    group's (pairs, lo, span, ready) or (-1, 0, 0, False).
+    Returns (index of an evicted expert that is not cached or -1, the number of evicted rows, grouping status,
+    the number of experts m, partition status, the number of CPU experts c, of accelerator experts g, hits,
+    ready, fetched, admission status: ``OK`` (the fetched experts' rows are in the lane's row 2 and the
+    table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not enough free rows), nothing
+    admitted: the caller's ``SlotPool.admit_many`` refuses as it does), and the first group's (pairs, lo,
+    span, ready) or (-1, 0, 0, False).
 
     The first group: when ``gi`` (``GroupWorkspace.gi``, with ``gw`` and ``goffs``: at least the pairs and
     the slot table's rows wide; empty to skip) is given, the lane split holds no prefetched expert and the
