@@ -599,11 +599,17 @@ class OffloadRuntime:
             self._host_experts[layer], pairs, events
 
     def _pairs_on_accel(self, positions: np.ndarray, tokens: np.ndarray, weights: np.ndarray) -> tuple:
-        """Pairs' (flat positions, tokens, weights as a column) as tensors on the accelerator
-        (:func:`_device_indices`)."""
+        """Pairs' (flat positions, tokens, weights as a column) as tensors on the accelerator: on CUDA one packed
+        copy of the two index arrays and one of the weights, from new pinned memory (the arrays may be reused at
+        once), without a wait."""
         dev = self.dev
-        pos, tok, _, _, w = _device_indices(positions, tokens, _EMPTY, None, weights, dev.accel, dev.dtype, False)
-        return pos, tok, w
+        w = torch.from_numpy(weights[:, None])
+        if not dev.is_cuda:
+            return torch.from_numpy(positions), torch.from_numpy(tokens), _as_dtype(w, dev.dtype)
+        ints = torch.from_numpy(np.concatenate([positions, tokens]))
+        ints, w = (t.pin_memory().to(dev.accel, non_blocking=True) for t in (ints, w))
+        n = len(positions)
+        return ints[:n], ints[n:], _as_dtype(w, dev.dtype)
 
     def _row_prepared(self, row: int) -> tuple:
         """Slot ``row``'s weights as the layout's ``forward_prepared`` takes them (``prepare``: views), made at
@@ -775,14 +781,7 @@ class OffloadRuntime:
                 self._droute_list, self._droute_of = [pos, tok, _as_dtype(w, dev.dtype)], routing
                 return self._droute_list
             pos = routing.positions
-            w = torch.from_numpy(routing.weights[:, None])
-            if dev.is_cuda:  # one packed copy
-                ints = torch.from_numpy(np.concatenate([pos, pos // routing.top_k]))
-                ints, w = (t.pin_memory().to(dev.accel, non_blocking=True) for t in (ints, w))
-                self._droute_list = [ints[:len(pos)], ints[len(pos):], _as_dtype(w, dev.dtype)]
-            else:
-                self._droute_list = [torch.from_numpy(pos), torch.from_numpy(pos // routing.top_k),
-                                     _as_dtype(w, dev.dtype)]
+            self._droute_list = list(self._pairs_on_accel(pos, pos // routing.top_k, routing.weights))
             self._droute_of = routing
         return self._droute_list
 
