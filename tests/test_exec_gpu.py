@@ -52,6 +52,30 @@ def test_every_preset_equals_the_reference_on_cuda(mix, system):
     assert result.summary["executor"]["device"].startswith("cuda")
 
 
+@pytest.mark.parametrize("staging,cached", [(1, 1), (2, 1), (2, 0), (3, 0), (4, 1)])
+def test_staged_experts_cycle_through_few_buffers_on_cuda(mix, staging, cached):
+    """As on the CPU device (test_exec_replay.py): more staged experts than staging buffers, so turns of one
+    expert (the fused loop: the turns' pairs copied to the GPU once, one gather, one scatter, each copy after the
+    event of the compute that last read its buffer) or of two; outputs as the reference's, one copy and one
+    timeline interval per on-demand fetch, the counts the simulator's."""
+    from dali_sim.sim import simulate
+    from dali_sim.sim.counters import COUNTERS
+
+    over = {"memory": {"staging_slots": str(staging), "cache_experts": str(cached)}}
+    records = []
+    result = execute(mix, "gpu-lru", OPTS, GPU, batch_size=2, overrides=over, on_layer=records.append)
+    setup = prepare_replay(mix, "gpu-lru", OPTS, batch_size=2, overrides=over)
+    assert max(int(rec.plan.staged.sum()) for rec in records) > staging  # the buffers were cycled
+    store = HostExpertStore.random(setup.model, torch.bfloat16, 0)
+    for rec in records:
+        ref = rec.residual + reference_moe(store, rec.layer, rec.gate_input, rec.ids, rec.weights)
+        torch.testing.assert_close(rec.output, ref, rtol=3e-2, atol=3e-2)
+    sim = simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=2, timing=False,
+                   profiling=setup.profiled)
+    assert {k: result.summary[k] for k in COUNTERS} == {k: sim.summary[k] for k in COUNTERS}
+    assert sum(1 for iv in result.intervals if iv.name.startswith("fetch")) == result.summary["on_demand"]
+
+
 def test_copies_overlap_computes_on_cuda(mix):
     # prefetches are what overlaps: an on-demand copy is waited for by the compute that reads it, and the
     # released mixtral-offloading code (the default reading) prefetches nothing (seen on an H200: no overlap)
