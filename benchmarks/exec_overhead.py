@@ -240,6 +240,67 @@ class CallCounter:
                 running.clear()
 
 
+class SegmentClock:
+    """The thread-CPU seconds of every stopwatch segment (``--segments``), exactly as the stopwatches count them,
+    by where the segment starts and ends: the function and line that started (or handed over to) the stopwatch and
+    the one that stopped it (or handed over from it)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        self._from: dict[int, str] = {}  # a running stopwatch -> where it started
+
+    @staticmethod
+    def _site() -> str:
+        frame = sys._getframe(2)  # (the caller of the stopwatch's method; 1 is this clock's wrapper)
+        return f"{frame.f_code.co_name}:{frame.f_lineno}"
+
+    def _add(self, w, cpu_before: float, here: str) -> None:
+        begun = self._from.pop(id(w), None)
+        if begun is not None:
+            self.seconds.setdefault(f"{begun} -> {here}", []).append(w.cpu - cpu_before)
+
+    @contextmanager
+    def timing(self):
+        watch = timing.Stopwatch
+        start, stop, hand_to = watch.start, watch.stop, watch.hand_to
+
+        def started(w):
+            out = start(w)
+            self._from[id(w)] = self._site()
+            return out
+
+        def stopped(w):
+            before = w.cpu
+            stop(w)
+            self._add(w, before, self._site())
+
+        def handed(w, other):
+            before = w.cpu
+            out = hand_to(w, other)
+            here = self._site()
+            self._add(w, before, here)
+            self._from[id(other)] = here
+            return out
+
+        with mock.patch.object(watch, "start", started), mock.patch.object(watch, "stop", stopped), \
+                mock.patch.object(watch, "hand_to", handed):
+            try:
+                yield self
+            finally:
+                self._from.clear()
+
+
+def timed_segments(setup, devices, run: ExecOptions, store) -> dict:
+    """One replay with :class:`SegmentClock`: per segment, thread-CPU us per layer visit (its median duration
+    times its occurrences per visit: robust to the first visits' one-off costs), largest first."""
+    clock = SegmentClock()
+    with clock.timing():
+        result = run_once(setup, devices, run, store)
+    visits = result.summary["overhead"]["layer_visits"]
+    per_visit = {name: 1e6 * float(np.median(s)) * len(s) / visits for name, s in clock.seconds.items()}
+    return {"segments_us_per_visit": dict(sorted(per_visit.items(), key=lambda kv: (-kv[1], kv[0])))}
+
+
 def counted_calls(setup, devices, run: ExecOptions, store, top: int) -> dict:
     """One replay with :class:`CallCounter`: calls per layer visit, and the ``top`` most frequent per visit."""
     counter = CallCounter()
@@ -260,7 +321,8 @@ def run_once(setup, devices, run: ExecOptions, store):
 
 
 def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: int, repeats: int, stores: dict,
-            count_calls: int | None = None, whole_visit: bool = False, idle_s: float = 0.0) -> dict:
+            count_calls: int | None = None, whole_visit: bool = False, idle_s: float = 0.0,
+            segments: bool = False) -> dict:
     # the runtime's overhead on the whole trace (no profiling split: every sequence is replayed)
     setup = prepare_replay(trace, system, opts, batch_size=batch, profiling=ProfileSpec(share=0.0))
     devices = Devices.create(run.device, opts.dtype)
@@ -283,6 +345,8 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
                 visit_medians.append(1e6 * np.median(clock.visits))
     visit = {"visit_cpu_median_us": float(np.median(visit_medians))} if clock is not None else {}
     calls = {} if count_calls is None else counted_calls(setup, devices, run, stores[key], count_calls)
+    if segments:
+        calls |= timed_segments(setup, devices, run, stores[key])
 
     def median(key: str) -> float:
         return float(np.median([r.summary["overhead"][key] for r in runs]))
@@ -349,6 +413,9 @@ def main(argv=None) -> int:
     ap.add_argument("--count-calls", type=int, nargs="?", const=20, metavar="N",
                     help="also count the calls made while a stopwatch runs, per layer visit, in one more replay of "
                          "each system (calls_per_visit; --json lists the N most frequent, default 20)")
+    ap.add_argument("--segments", action="store_true",
+                    help="also time each stopwatch segment (named by the function:line where it starts and ends), "
+                         "thread CPU per layer visit, in one more replay of each system (printed: the largest five)")
     ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
     a = ap.parse_args(argv)
     if a.count_calls is not None and a.count_calls < 0:
@@ -379,7 +446,8 @@ def main(argv=None) -> int:
 
         def measured(on, name: str, label: str | None = None) -> dict:
             row = measure(on, name, opts, run, a.batch_size, a.repeats, stores, a.count_calls,
-                          whole_visit=a.no_tensor_work, idle_s=1e-6 * a.idle_us) | {"system": label or name}
+                          whole_visit=a.no_tensor_work, idle_s=1e-6 * a.idle_us, segments=a.segments) | \
+                {"system": label or name}
             limit = "no limit" if np.isnan(row["limit_us"]) else f"limit {row['limit_us']:g}"
             # one line as each system ends: a run stopped by a time limit (scripts/gpu_check.sh) keeps those
             print(f"{row['system']}: {row['overhead_cpu_median_us']:.1f} us decision + bookkeeping (median visit, "
@@ -409,6 +477,9 @@ def main(argv=None) -> int:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         shown = PRINTED + [c for c in ("visit_cpu_median_us", "calls_per_visit") if c in table]
         print(table[shown].round(1).to_string())
+    for row in rows if a.segments else ():
+        top = list(row["segments_us_per_visit"].items())[:5]
+        print(f"{row['system']} segments (thread-CPU us per visit): " + "; ".join(f"{n} {us:.1f}" for n, us in top))
     print(f"DALI paper: {100 * PAPER_OVERHEAD:.1f}% scheduling overhead (for comparison)")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=2, default=str))

@@ -51,10 +51,8 @@ def test_no_tensor_work_keeps_every_count_and_skips_the_computes(system, tmp_pat
     assert all(torch.equal(a.output, b.output) for a, b in zip(recomputed, computed))
 
 
-@pytest.mark.parametrize("system", ["llamacpp", "dali"])
-def test_counted_calls_are_the_same_in_every_replay_and_leave_out_the_counter(system, tmp_path):
-    """--count-calls: the calls a visit makes while a stopwatch runs are a count, not a time (the same replay
-    counts the same), the counter's own wrappers are not in it, and nothing is counted outside a stopwatch."""
+def _small_qwen_replay(system: str, tmp_path):
+    """(setup, devices, run options, store) of a small Qwen3-shaped replay of ``system`` on the CPU device."""
     from dali_exec.executor import Devices, HostExpertStore, prepare_replay
     from dali_sim.workload.profiling import ProfileSpec
 
@@ -64,8 +62,34 @@ def test_counted_calls_are_the_same_in_every_replay_and_leave_out_the_counter(sy
     opts = ReplayOptions(layers=2, scale=1 / 32, sequences=8, max_tokens=4, dtype="fp32", precision="bf16")
     setup = prepare_replay(read_trace(path), system, opts, batch_size=8, profiling=ProfileSpec(share=0.0))
     devices = Devices.create("cpu", "fp32")
-    store = HostExpertStore.random(setup.model, devices.dtype, 0)
-    run = ExecOptions(device="cpu", cpu_threads=1)
+    return setup, devices, ExecOptions(device="cpu", cpu_threads=1), HostExpertStore.random(setup.model, devices.dtype, 0)
+
+
+@pytest.mark.parametrize("system", ["gpu-lru", "dali"])
+def test_segments_add_up_to_what_the_stopwatches_counted(system, tmp_path):
+    """--segments: the segments' thread-CPU seconds are the stopwatches' own, so over a replay they add up to its
+    decisions and bookkeeping; each is named by the sites where it starts and ends, and the per-visit figures
+    (median duration x occurrences per visit) cover the layer visits' stopwatch time."""
+    setup, devices, run, store = _small_qwen_replay(system, tmp_path)
+    with exec_overhead.no_tensor_work():
+        exec_overhead.run_once(setup, devices, run, store)  # (first calls: imports, compilation)
+        clock = exec_overhead.SegmentClock()
+        with clock.timing():
+            result = exec_overhead.run_once(setup, devices, run, store)
+        per_visit = exec_overhead.timed_segments(setup, devices, run, store)["segments_us_per_visit"]
+    counted = result.per_layer["decision_cpu_s"].sum() + result.per_layer["bookkeeping_cpu_s"].sum()
+    assert counted > 0 and abs(sum(sum(v) for v in clock.seconds.values()) - counted) < 1e-9 * max(1, counted)
+    assert all(" -> " in name for name in clock.seconds)
+    assert any(name.startswith("run:") for name in clock.seconds)  # the decision: Replay.run's own stopwatch
+    assert any(name.startswith("run_experts:") for name in clock.seconds)
+    assert list(per_visit.values()) == sorted(per_visit.values(), reverse=True) and all(v >= 0 for v in per_visit.values())
+
+
+@pytest.mark.parametrize("system", ["llamacpp", "dali"])
+def test_counted_calls_are_the_same_in_every_replay_and_leave_out_the_counter(system, tmp_path):
+    """--count-calls: the calls a visit makes while a stopwatch runs are a count, not a time (the same replay
+    counts the same), the counter's own wrappers are not in it, and nothing is counted outside a stopwatch."""
+    setup, devices, run, store = _small_qwen_replay(system, tmp_path)
     with exec_overhead.no_tensor_work():
         exec_overhead.run_once(setup, devices, run, store)  # (first calls: imports, compilation)
         first, second = (exec_overhead.counted_calls(setup, devices, run, store, top=1000) for _ in range(2))
@@ -84,10 +108,11 @@ def test_the_whole_visit_contains_the_stopwatched_part(tmp_path):
 
     out = tmp_path / "o.json"
     assert exec_overhead.main(["--quick", "--no-tensor-work", "--systems", "gpu-lru,cpu-only", "--lookahead-systems",
-                               "", "--json", str(out)]) == 0
+                               "", "--segments", "--json", str(out)]) == 0
     rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     for r in rows.values():
         assert r["visit_cpu_median_us"] > r["overhead_cpu_median_us"] > 0
+        assert r["segments_us_per_visit"] and all(" -> " in name for name in r["segments_us_per_visit"])
     # an --idle-us wait follows each visit: in the layer's time, not in the visit's
     assert exec_overhead.main(["--quick", "--no-tensor-work", "--idle-us", "3000", "--systems", "cpu-only",
                                "--lookahead-systems", "", "--json", str(out)]) == 0
