@@ -58,6 +58,11 @@ system (``sys.setprofile``; the copy thread and the CPU worker are not counted).
 the machine's speed, so a change of the host path reads in it on a machine whose timings move 10-50% from one
 run to the next; ``--json`` lists the ``--count-calls N`` most frequent per visit. The counting slows that replay,
 not the timed ones.
+
+``--segments`` adds ``segments_us_per_visit``: in one more replay of each system, every stopwatch segment's thread
+CPU, exactly as the stopwatches count it, named by the function:line that starts it and the one that ends it (a
+start, stop or hand-over), per layer visit (its median duration times its occurrences per visit); the table is
+followed by each system's five largest. Which part of the runtime the counted time falls in, without probes.
 """
 
 from __future__ import annotations
