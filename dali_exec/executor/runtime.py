@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dali_exec.executor import kernels as _kernels
+from dali_exec.executor import packed as _packed
 from dali_exec.executor.copies import BACKGROUND, CopyEngine, CopyTicket
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices
@@ -599,17 +600,15 @@ class OffloadRuntime:
             self._host_experts[layer], pairs, events
 
     def _pairs_on_accel(self, positions: np.ndarray, tokens: np.ndarray, weights: np.ndarray) -> tuple:
-        """Pairs' (flat positions, tokens, weights as a column) as tensors on the accelerator: on CUDA one packed
-        copy of the two index arrays and one of the weights, from new pinned memory (the arrays may be reused at
-        once), without a wait."""
+        """Pairs' (flat positions, tokens, weights as a column) as tensors on the accelerator: on CUDA views of one
+        transfer from new pinned memory (:func:`.packed.to_device`: the arrays may be reused at once), without a
+        wait."""
         dev = self.dev
-        w = torch.from_numpy(weights[:, None])
         if not dev.is_cuda:
-            return torch.from_numpy(positions), torch.from_numpy(tokens), _as_dtype(w, dev.dtype)
-        ints = torch.from_numpy(np.concatenate([positions, tokens]))
-        ints, w = (t.pin_memory().to(dev.accel, non_blocking=True) for t in (ints, w))
-        n = len(positions)
-        return ints[:n], ints[n:], _as_dtype(w, dev.dtype)
+            return torch.from_numpy(positions), torch.from_numpy(tokens), _as_dtype(torch.from_numpy(weights[:, None]),
+                                                                                    dev.dtype)
+        (pos, tok), (w,) = _packed.to_device([positions, tokens], [np.asarray(weights, np.float32)], dev.accel)
+        return pos, tok, _as_dtype(w.view(-1, 1), dev.dtype)
 
     def _row_prepared(self, row: int) -> tuple:
         """Slot ``row``'s weights as the layout's ``forward_prepared`` takes them (``prepare``: views), made at
@@ -942,18 +941,15 @@ def _device_indices(pairs: np.ndarray, tokens: np.ndarray, offs: np.ndarray, pai
                     device: torch.device, dtype: torch.dtype, bias: bool):
     """A group's index tensors on ``device``: flat positions, token rows, offsets (int32), row of each
     pair within the group's span (biases only; ``pair_rows`` makes them) and gate weights (n x 1,
-    ``dtype``). On CUDA one packed copy from pinned memory (and one for the weights), without a wait:
-    the arrays are copied into new pinned memory first, so the caller may reuse them at once."""
-    w = torch.from_numpy(weights[:, None])
+    ``dtype``). On CUDA views of one transfer from new pinned memory (:func:`.packed.to_device`: the offsets and
+    weights ride in its tail, no cast on the device), without a wait; the caller may reuse the arrays at once."""
     if device.type != "cuda":
         rows = torch.from_numpy(pair_rows()) if bias else None
-        return torch.from_numpy(pairs), torch.from_numpy(tokens), torch.from_numpy(offs), rows, _as_dtype(w, dtype)
-    ints = [pairs, tokens, offs.astype(np.int64)] + ([pair_rows()] if bias else [])
-    packed = torch.from_numpy(np.concatenate(ints)).pin_memory().to(device, non_blocking=True)
-    w = w.pin_memory().to(device, non_blocking=True)
-    n, m = len(pairs), len(offs)
-    pair_rows = packed[2 * n + m:] if bias else None
-    return packed[:n], packed[n:2 * n], packed[2 * n:2 * n + m].to(torch.int32), pair_rows, _as_dtype(w, dtype)
+        return torch.from_numpy(pairs), torch.from_numpy(tokens), torch.from_numpy(offs), rows, \
+            _as_dtype(torch.from_numpy(weights[:, None]), dtype)
+    ints, (offs_t, w) = _packed.to_device([pairs, tokens] + ([pair_rows()] if bias else []),
+                                          [np.asarray(offs, np.int32), np.asarray(weights, np.float32)], device)
+    return ints[0], ints[1], offs_t, ints[2] if bias else None, _as_dtype(w.view(-1, 1), dtype)
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
