@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                      + ("" if rc == 0 else " (its failures are in log.txt)"))
         if rc != 0:
             ok = False
-            why = "a test failed" if rc == 1 else EXIT_MEANING.get(rc, "an error")
+            why = {1: "a test failed", 124: "stopped by the time limit",
+                   137: "killed after the time limit"}.get(rc, "an error")
             fails.append(f"FAIL tests: `python -m pytest -m gpu` exited {rc} ({why}; see log.txt)")
     frame = pd.DataFrame(rows)
     keep = [k for k, _ in COLUMNS] + [c for c in frame.columns if c not in dict(COLUMNS) and c != "counters_differ"]

@@ -161,3 +161,19 @@ def test_quick_cpu_mode_with_carried_wheels(tmp_path, block_pip):
     assert "carried wheels for: simpy click tqdm" in r.stdout
     assert (tmp_path / "dali-site" / "simpy").is_dir() != block_pip
     assert {"mixtral-dali.exec.timeline.json", "mixtral-dali.sim.timeline.json"} <= {p.name for p in out.iterdir()}
+
+
+@pytest.mark.parametrize("rc,why", [(1, "a test failed"), (124, "stopped by the time limit"),
+                                    (137, "killed after the time limit")])
+def test_a_failed_tests_step_fails_the_verdict_and_says_why(tmp_path, rc, why):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_summary", REPO / "scripts" / "gpu_check_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    (work / "status.txt").write_text(f"tests {rc} 150\n")
+    assert summary.main(["--work", str(work), "--out", str(out), "--workloads", ""]) == 1
+    text = (out / "summary.md").read_text()
+    assert "## Verdict\n\nFAIL" in text and f"FAIL tests: `python -m pytest -m gpu` exited {rc} ({why}; see log.txt)" in text
