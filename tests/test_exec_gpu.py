@@ -39,15 +39,19 @@ def mix(tmp_path_factory):
     return read_trace(path)
 
 
-@pytest.mark.parametrize("system", [s for s in system_names() if s not in ("oracle-heuristic", "lower-bound")])
-def test_every_preset_equals_the_reference_on_cuda(mix, system):
-    records = []
-    result = execute(mix, system, OPTS, GPU, batch_size=2, on_layer=records.append)
-    setup = prepare_replay(mix, system, OPTS, batch_size=2)
+def _check_against_reference(records, setup):
+    """Each executed layer's output = its residual + the reference MoE from the host weights (bf16 tolerance)."""
     store = HostExpertStore.random(setup.model, torch.bfloat16, 0)
     for rec in records:
         ref = rec.residual + reference_moe(store, rec.layer, rec.gate_input, rec.ids, rec.weights)
         torch.testing.assert_close(rec.output, ref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("system", [s for s in system_names() if s not in ("oracle-heuristic", "lower-bound")])
+def test_every_preset_equals_the_reference_on_cuda(mix, system):
+    records = []
+    result = execute(mix, system, OPTS, GPU, batch_size=2, on_layer=records.append)
+    _check_against_reference(records, prepare_replay(mix, system, OPTS, batch_size=2))
     assert result.manifest["executor"]["host_weights_pinned"] is True
     assert result.summary["executor"]["device"].startswith("cuda")
 
@@ -66,10 +70,7 @@ def test_staged_experts_cycle_through_few_buffers_on_cuda(mix, staging, cached):
     result = execute(mix, "gpu-lru", OPTS, GPU, batch_size=2, overrides=over, on_layer=records.append)
     setup = prepare_replay(mix, "gpu-lru", OPTS, batch_size=2, overrides=over)
     assert max(int(rec.plan.staged.sum()) for rec in records) > staging  # the buffers were cycled
-    store = HostExpertStore.random(setup.model, torch.bfloat16, 0)
-    for rec in records:
-        ref = rec.residual + reference_moe(store, rec.layer, rec.gate_input, rec.ids, rec.weights)
-        torch.testing.assert_close(rec.output, ref, rtol=3e-2, atol=3e-2)
+    _check_against_reference(records, setup)
     sim = simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=2, timing=False,
                    profiling=setup.profiled)
     assert {k: result.summary[k] for k in COUNTERS} == {k: sim.summary[k] for k in COUNTERS}
