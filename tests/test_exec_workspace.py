@@ -217,7 +217,7 @@ def test_a_group_in_the_workspace_equals_group_index_and_grows():
             assert experts == gi.experts.tolist() and counts == gi.counts.tolist()
             for bias in (False, True):
                 want = _device_indices(gi.pairs, gi.pairs // k, gi.offs, gi.row_of_pairs, gi.weights,
-                                       torch.device("cpu"), torch.float32, bias)
+                                       None, torch.float32, bias)
                 rt.layout = SimpleNamespace(bias=bias)
                 got = rt._group(plan, r, seg, rows)[3]
                 for a, b in zip(got, want):

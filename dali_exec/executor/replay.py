@@ -24,7 +24,7 @@ from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_repla
 from dali_exec.executor.result import assemble_result
 from dali_exec.executor.runtime import OffloadRuntime
 from dali_exec.executor.store import STEP_INPUT, HostExpertStore, derive_seed
-from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer, paused_gc
+from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer, paused_gc, stamps_ahead
 from dali_sim.runtime.controller import Controller, LayerPlan
 from dali_sim.runtime.future import FutureDemand
 from dali_sim.sim.counters import PlanCounters
@@ -153,7 +153,8 @@ class Replay:
         bar = tqdm(total=w.num_steps, desc=f"exec {setup.sysconf.name}", unit="step", disable=not self.opts.progress,
                    delay=2, leave=False)
         try:
-            self.timer.start()
+            self.timer.start(ahead=stamps_ahead(w.num_steps * L, min(setup.model.num_experts,
+                                                                     w.config.batch_size * setup.model.top_k)))
             with paused_gc():  # no collector pauses in the middle of layers
                 for step in range(w.num_steps):
                     starts[step] = self.timer.now()

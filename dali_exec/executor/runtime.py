@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from dali_exec.executor import kernels as _kernels
-from dali_exec.executor import packed as _packed
 from dali_exec.executor.copies import BACKGROUND, CopyEngine, CopyTicket
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices
 from dali_exec.executor.grouped import GroupIndex
+from dali_exec.executor.packed import PinnedRing
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
@@ -72,9 +72,14 @@ class OffloadRuntime:
         self.timer = timer or Timer(devices.accel if devices.is_cuda else None)
         self.pool = SlotPool(capacities, prefetch_slots, staging_slots, self.layout.numel, devices.dtype, devices.accel,
                              num_experts=store.num_experts)
-        self.copies = CopyEngine(devices.copy_stream, self.timer, delay_s=copy_delay_s, device=devices.accel)
-        self.cpu = CpuWorker(cpu_threads)
         self.compute_stream = torch.cuda.current_stream(devices.accel) if devices.is_cuda else None
+        self.copies = CopyEngine(devices.copy_stream, self.timer, delay_s=copy_delay_s, device=devices.accel,
+                                 home=self.compute_stream)
+        self.cpu = CpuWorker(cpu_threads)
+        #: CUDA: the index arrays' transfers, from pinned buffers made here (words: a group of ``pairs`` pairs'
+        #: three int64 arrays and two 4-byte ones)
+        self._send = PinnedRing(devices.accel, self.compute_stream, max(256, 4 * pairs + 64)).send \
+            if devices.is_cuda else None
         L = len(capacities)
         self.swaps_landing: dict[int, list[CopyTicket]] = {}
         self.deferred: deque[tuple[int, int, int]] = deque()  # prefetches waiting for a free buffer: (layer, expert, step)
@@ -601,13 +606,13 @@ class OffloadRuntime:
 
     def _pairs_on_accel(self, positions: np.ndarray, tokens: np.ndarray, weights: np.ndarray) -> tuple:
         """Pairs' (flat positions, tokens, weights as a column) as tensors on the accelerator: on CUDA views of one
-        transfer from new pinned memory (:func:`.packed.to_device`: the arrays may be reused at once), without a
+        transfer from a pinned buffer (:class:`.packed.PinnedRing`: the arrays may be reused at once), without a
         wait."""
         dev = self.dev
         if not dev.is_cuda:
             return torch.from_numpy(positions), torch.from_numpy(tokens), _as_dtype(torch.from_numpy(weights[:, None]),
                                                                                     dev.dtype)
-        (pos, tok), (w,) = _packed.to_device([positions, tokens], [np.asarray(weights, np.float32)], dev.accel)
+        (pos, tok), (w,) = self._send([positions, tokens], [np.asarray(weights, np.float32)])
         return pos, tok, _as_dtype(w.view(-1, 1), dev.dtype)
 
     def _row_prepared(self, row: int) -> tuple:
@@ -742,7 +747,7 @@ class OffloadRuntime:
             if not gi.rows_ready:
                 pool.check_rows(gi.rows, layer, gi.experts)  # raises, naming what is wrong (or checks)
             tensors = _device_indices(gi.pairs, gi.token_rows(routing.top_k), gi.offs, gi.row_of_pairs, gi.weights,
-                                      dev.accel, dev.dtype, self.layout.bias)
+                                      self._send, dev.dtype, self.layout.bias)
             return gi.rows, gi.lo, gi.table_counts, tensors, gi.experts, gi.counts
         g_rows = ws.small[0, :g]
         if not ready:
@@ -754,7 +759,7 @@ class OffloadRuntime:
         else:
             ints = ws.ints
             tensors = _device_indices(ints[0, :n], ints[1, :n], ws.offs[:span], lambda: ints[2, :n], ws.w[:n],
-                                      dev.accel, dev.dtype, self.layout.bias)
+                                      self._send, dev.dtype, self.layout.bias)
         experts, counts = ws.small[1:, :g].tolist()
         return g_rows, lo, ws.table_counts[:span], tensors, experts, counts
 
@@ -834,7 +839,7 @@ class OffloadRuntime:
         else:
             gi = GroupIndex.whole(r) if len(seg) == len(r.experts) else GroupIndex.build(r, seg, r.experts[seg])
             pos, tok, offs, pair_rows, w = _device_indices(gi.pairs, gi.token_rows(r.top_k), gi.offs,
-                                                           gi.row_of_pairs, gi.weights, self.dev.host, self.dev.dtype,
+                                                           gi.row_of_pairs, gi.weights, None, self.dev.dtype,
                                                            self.layout.bias)
             lo, table_counts, experts, counts = gi.lo, gi.table_counts, gi.experts, gi.counts
         start = self.timer.mark()
@@ -938,17 +943,18 @@ def _routing_differs(plan: LayerPlan, routing: LayerRouting) -> None:
 
 
 def _device_indices(pairs: np.ndarray, tokens: np.ndarray, offs: np.ndarray, pair_rows, weights: np.ndarray,
-                    device: torch.device, dtype: torch.dtype, bias: bool):
-    """A group's index tensors on ``device``: flat positions, token rows, offsets (int32), row of each
-    pair within the group's span (biases only; ``pair_rows`` makes them) and gate weights (n x 1,
-    ``dtype``). On CUDA views of one transfer from new pinned memory (:func:`.packed.to_device`: the offsets and
-    weights ride in its tail, no cast on the device), without a wait; the caller may reuse the arrays at once."""
-    if device.type != "cuda":
+                    send, dtype: torch.dtype, bias: bool):
+    """A group's index tensors: flat positions, token rows, offsets (int32), row of each pair within the group's
+    span (biases only; ``pair_rows`` makes them) and gate weights (n x 1, ``dtype``). On the host (``send``
+    None) views of the arrays; else on the accelerator, views of one transfer (``send``: :meth:`.packed.PinnedRing.send`;
+    the offsets and weights ride in its tail, no cast on the device), without a wait; the caller may reuse the
+    arrays at once."""
+    if send is None:
         rows = torch.from_numpy(pair_rows()) if bias else None
         return torch.from_numpy(pairs), torch.from_numpy(tokens), torch.from_numpy(offs), rows, \
             _as_dtype(torch.from_numpy(weights[:, None]), dtype)
-    ints, (offs_t, w) = _packed.to_device([pairs, tokens] + ([pair_rows()] if bias else []),
-                                          [np.asarray(offs, np.int32), np.asarray(weights, np.float32)], device)
+    ints, (offs_t, w) = send([pairs, tokens] + ([pair_rows()] if bias else []),
+                             [np.asarray(offs, np.int32), np.asarray(weights, np.float32)])
     return ints[0], ints[1], offs_t, ints[2] if bias else None, _as_dtype(w.view(-1, 1), dtype)
 
 

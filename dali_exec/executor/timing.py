@@ -4,6 +4,12 @@
 known once the stream has passed it), else ``perf_counter()`` now. Intervals are stored as pairs of
 stamps and resolved to seconds since the run's start only at the end (:meth:`Timer.intervals`), so
 recording never waits for the device.
+
+A CUDA event is created on the device at its first record, which costs about as much host time again as
+the record (benchmarks/cuda_host_calls.py on the H200: 5.8 us a new event recorded, 2.7 us one made
+before). So :meth:`Timer.start` makes the run's events ahead (``ahead``: the driver's estimate of its
+stamps), each recorded once; a stamp takes one of them and only when they run out makes a new one. Each
+event is a stamp once: a run's intervals keep their stamps until they are read.
 """
 
 from __future__ import annotations
@@ -20,23 +26,47 @@ import torch
 from dali_sim.sim.engine import TRACKS, Activity, Interval
 
 
+#: at most this many events made ahead by :meth:`Timer.start` (about 0.4 s of host time on the H200)
+MAX_AHEAD = 1 << 16
+
+
+def stamps_ahead(visits: int, experts_per_visit: int) -> int:
+    """An estimate of a run's CUDA stamps for :meth:`Timer.start`: two per expert computed or copied a layer
+    visit (a compute's or copy's start and end; a group shares its pair), and a few for the dense part."""
+    return min(MAX_AHEAD, max(0, visits) * (2 * max(0, experts_per_visit) + 8))
+
+
 class Timer:
-    def __init__(self, cuda_device: torch.device | None = None):
+    def __init__(self, cuda_device: torch.device | None = None, *, event=None):
+        """``event`` (tests): the CUDA event class, ``torch.cuda.Event`` by default."""
         self.cuda = cuda_device
+        self._event = event if event is not None else torch.cuda.Event
+        self._stock: list = []  # events made ahead (recorded once), taken by mark()
         self._lock = threading.Lock()
         self._raw: list[tuple[str, Activity, object, object]] = []
         self.start()
 
-    def start(self) -> None:
-        """Zero both clocks (after synchronising the device)."""
+    def start(self, ahead: int = 0) -> None:
+        """Zero both clocks (after synchronising the device); on CUDA first make ``ahead`` events for the run's
+        stamps (:func:`stamps_ahead`; at most :data:`MAX_AHEAD`), so that a stamp costs one record."""
         if self.cuda is not None:
             torch.cuda.synchronize(self.cuda)
-            self._base = torch.cuda.Event(enable_timing=True)
-            self._base.record(torch.cuda.current_stream(self.cuda))
+            stream = torch.cuda.current_stream(self.cuda)
+            self.make_ahead(min(ahead, MAX_AHEAD), stream)
+            self._base = self._event(enable_timing=True)
+            self._base.record(stream)
             torch.cuda.synchronize(self.cuda)
         self.t0 = time.perf_counter()
         with self._lock:
             self._raw.clear()
+
+    def make_ahead(self, n: int, stream) -> None:
+        """At least ``n`` unused events in stock, the new ones recorded once on ``stream`` (which creates them)."""
+        make, stock = self._event, self._stock
+        for _ in range(n - len(stock)):
+            ev = make(enable_timing=True)
+            ev.record(stream)
+            stock.append(ev)
 
     def now(self) -> float:
         """Host seconds since :meth:`start`."""
@@ -44,7 +74,10 @@ class Timer:
 
     def mark(self, stream: "torch.cuda.Stream | None" = None):
         if stream is not None:
-            ev = torch.cuda.Event(enable_timing=True)
+            try:
+                ev = self._stock.pop()  # (atomic: the copy thread stamps too)
+            except IndexError:
+                ev = self._event(enable_timing=True)
             ev.record(stream)
             return ev
         return time.perf_counter()

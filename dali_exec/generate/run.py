@@ -25,7 +25,7 @@ from dali_exec.executor.devices import Devices, lane_threads
 from dali_exec.executor.problem import DTYPE_PRECISION
 from dali_exec.executor.result import executor_summary, overhead_summary
 from dali_exec.executor.runtime import OffloadRuntime
-from dali_exec.executor.timing import Timer, paused_gc
+from dali_exec.executor.timing import Timer, paused_gc, stamps_ahead
 from dali_exec.generate.experts import pack_experts
 from dali_exec.generate.session import PADDING, OffloadSession
 from dali_exec.models import get_adapter
@@ -257,7 +257,9 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(prompts), unit="seq", desc=f"generate {sysconf.name}", disable=not options.progress)
-        timer.start()
+        batches = -(-len(prompts) // options.batch_size)  # (the prompt is one step, as each new token)
+        timer.start(ahead=stamps_ahead(batches * (options.max_new_tokens + 1) * L,
+                                       min(E, options.batch_size * spec.top_k)))
         t_gen = time.perf_counter()
         with paused_gc():
             for b, start in enumerate(range(0, len(prompts), options.batch_size)):
