@@ -63,6 +63,12 @@ not the timed ones.
 CPU, exactly as the stopwatches count it, named by the function:line that starts it and the one that ends it (a
 start, stop or hand-over), per layer visit (its median duration times its occurrences per visit); the table is
 followed by each system's five largest. Which part of the runtime the counted time falls in, without probes.
+
+``--sync-sites`` (CUDA) adds ``sync_sites_per_visit``: in one more replay of each system under torch's sync debug
+mode (``torch.cuda.set_sync_debug_mode("warn")``), the calls that made the host wait for the GPU, per Python call
+site (file:line), per layer visit; the table is followed by each system's five most frequent. A wait inside a
+layer stops the host from issuing the next work while the GPU drains. Every row also has ``close_s``: the wall
+seconds a replay's ``close()`` took (its threads' end), the median over the timed runs.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ import platform
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from unittest import mock
@@ -317,17 +325,37 @@ def counted_calls(setup, devices, run: ExecOptions, store, top: int) -> dict:
             "top_calls_per_visit": {name: n / visits for name, n in ranked}}
 
 
-def run_once(setup, devices, run: ExecOptions, store):
+def sync_sites(setup, devices, run: ExecOptions, store) -> dict:
+    """One replay under torch's sync debug mode: the synchronizing calls per Python call site, per layer visit,
+    most frequent first."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = run_once(setup, devices, run, store)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    visits = result.summary["overhead"]["layer_visits"]
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return {"sync_sites_per_visit": {site: n / visits for site, n in sites.most_common()}}
+
+
+def run_once(setup, devices, run: ExecOptions, store, closes: list | None = None):
+    """One replay; ``closes`` gets the wall seconds its ``close()`` took."""
     replay = Replay(setup, devices, run, store=store)
     try:
         return replay.run()
     finally:
+        t0 = time.perf_counter()
         replay.close()
+        if closes is not None:
+            closes.append(time.perf_counter() - t0)
 
 
 def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: int, repeats: int, stores: dict,
             count_calls: int | None = None, whole_visit: bool = False, idle_s: float = 0.0,
-            segments: bool = False) -> dict:
+            segments: bool = False, syncs: bool = False) -> dict:
     # the runtime's overhead on the whole trace (no profiling split: every sequence is replayed)
     setup = prepare_replay(trace, system, opts, batch_size=batch, profiling=ProfileSpec(share=0.0))
     devices = Devices.create(run.device, opts.dtype)
@@ -335,7 +363,7 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
     if key not in stores:  # the same random weights for every system of this trace (they are deterministic)
         stores[key] = HostExpertStore.random(setup.model, devices.dtype, 0, pin=devices.is_cuda)
     clock = VisitClock() if whole_visit else None
-    runs, visit_medians = [], []
+    runs, visit_medians, closes = [], [], []
     with ExitStack() as stack:
         if clock is not None:
             stack.enter_context(clock.timing())
@@ -345,13 +373,15 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
         for _ in range(repeats):
             if clock is not None:
                 clock.visits.clear()
-            runs.append(run_once(setup, devices, run, stores[key]))
+            runs.append(run_once(setup, devices, run, stores[key], closes))
             if clock is not None:
                 visit_medians.append(1e6 * np.median(clock.visits))
     visit = {"visit_cpu_median_us": float(np.median(visit_medians))} if clock is not None else {}
     calls = {} if count_calls is None else counted_calls(setup, devices, run, stores[key], count_calls)
     if segments:
         calls |= timed_segments(setup, devices, run, stores[key])
+    if syncs:
+        calls |= sync_sites(setup, devices, run, stores[key])
 
     def median(key: str) -> float:
         return float(np.median([r.summary["overhead"][key] for r in runs]))
@@ -379,6 +409,7 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
         "limit_us": limit if limit is not None else float("nan"),
         "ok": "" if limit is None else ("yes" if overhead_cpu_median <= limit else "NO"),
         "decode_tokens_per_s": float(np.median([r.summary["decode_tokens_per_s"] for r in runs])),
+        "close_s": float(np.median(closes)),
         **visit,
         **calls,
     }
@@ -421,6 +452,10 @@ def main(argv=None) -> int:
     ap.add_argument("--segments", action="store_true",
                     help="also time each stopwatch segment (named by the function:line where it starts and ends), "
                          "thread CPU per layer visit, in one more replay of each system (printed: the largest five)")
+    ap.add_argument("--sync-sites", action="store_true",
+                    help="CUDA: also count the calls that made the host wait for the GPU, per call site and layer "
+                         "visit, in one more replay of each system under torch's sync debug mode (printed: the "
+                         "five most frequent)")
     ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
     a = ap.parse_args(argv)
     if a.count_calls is not None and a.count_calls < 0:
@@ -435,6 +470,8 @@ def main(argv=None) -> int:
         # (its no-ops return no CUDA events; there the tensor work runs on the GPU, not on the host's core)
         ap.error("--no-tensor-work is for the CPU device only (give --device cpu)")
     device = resolve_device(a.device)
+    if a.sync_sites and device.type != "cuda":
+        ap.error("--sync-sites counts CUDA synchronizations: it needs --device cuda")
     dtype = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
     opts = ReplayOptions(layers=a.layers, scale=a.scale, sequences=a.sequences, max_tokens=a.max_tokens, dtype=dtype,
                          precision=a.precision)
@@ -451,7 +488,8 @@ def main(argv=None) -> int:
 
         def measured(on, name: str, label: str | None = None) -> dict:
             row = measure(on, name, opts, run, a.batch_size, a.repeats, stores, a.count_calls,
-                          whole_visit=a.no_tensor_work, idle_s=1e-6 * a.idle_us, segments=a.segments) | \
+                          whole_visit=a.no_tensor_work, idle_s=1e-6 * a.idle_us, segments=a.segments,
+                          syncs=a.sync_sites) | \
                 {"system": label or name}
             limit = "no limit" if np.isnan(row["limit_us"]) else f"limit {row['limit_us']:g}"
             # one line as each system ends: a run stopped by a time limit (scripts/gpu_check.sh) keeps those
@@ -485,6 +523,10 @@ def main(argv=None) -> int:
     for row in rows if a.segments else ():
         top = list(row["segments_us_per_visit"].items())[:5]
         print(f"{row['system']} segments (thread-CPU us per visit): " + "; ".join(f"{n} {us:.1f}" for n, us in top))
+    for row in rows if a.sync_sites else ():
+        top = list(row["sync_sites_per_visit"].items())[:5]
+        print(f"{row['system']} synchronizing calls per visit: " + ("; ".join(f"{n} {k:.2f}" for n, k in top) or "none")
+              + f"; close {row['close_s']:.2f} s")
     print(f"DALI paper: {100 * PAPER_OVERHEAD:.1f}% scheduling overhead (for comparison)")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=2, default=str))

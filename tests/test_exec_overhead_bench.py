@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from unittest import mock
 
 import pytest
 
@@ -129,6 +130,50 @@ def test_no_tensor_work_is_refused_on_cuda(capsys):
         exec_overhead.main(["--no-tensor-work", "--device", "cuda", "--quick"])
     assert e.value.code == 2
     assert "--no-tensor-work is for the CPU device only" in capsys.readouterr().err
+
+
+def test_sync_sites_is_refused_without_cuda_and_every_row_has_its_close_time(capsys, tmp_path):
+    """--sync-sites counts CUDA synchronizations: on the CPU device it is refused in one line, exit status 2; every
+    row has close_s, the wall seconds of a replay's close()."""
+    import json
+
+    with pytest.raises(SystemExit) as e:
+        exec_overhead.main(["--sync-sites", "--device", "cpu", "--quick"])
+    assert e.value.code == 2
+    assert "--sync-sites counts CUDA synchronizations: it needs --device cuda" in capsys.readouterr().err
+    out = tmp_path / "o.json"
+    assert exec_overhead.main(["--quick", "--device", "cpu", "--systems", "cpu-only", "--lookahead-systems", "",
+                               "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert 0 < row["close_s"] < 60 and "sync_sites_per_visit" not in row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sync_sites_names_the_waits_of_a_cuda_replay(tmp_path):
+    """On CUDA: --sync-sites replays once more under the sync debug mode and names each synchronizing call by its
+    Python call site: here one the test adds at each run's end (a blocking read of a GPU value), once per run;
+    the mode is restored after."""
+    import inspect
+    import json
+
+    from dali_exec.executor.runtime import OffloadRuntime
+
+    finish = OffloadRuntime.finish
+
+    def waiting_finish(self):
+        torch.ones(1, device=self.dev.accel).item()  # (a synchronizing call, on the next line's number - 1)
+        return finish(self)
+
+    line = inspect.getsourcelines(waiting_finish)[1] + 1
+    out = tmp_path / "o.json"
+    with mock.patch.object(OffloadRuntime, "finish", waiting_finish):
+        assert exec_overhead.main(["--quick", "--device", "cuda", "--systems", "gpu-lru", "--lookahead-systems", "",
+                                   "--sync-sites", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    visits = row["steps"] * row["layers"]
+    assert row["sync_sites_per_visit"][f"test_exec_overhead_bench.py:{line}"] == pytest.approx(1 / visits)
+    assert torch.cuda.get_sync_debug_mode() == 0
 
 
 def test_kernel_calls_keeps_calls_whose_entry_points_answer_as_the_dispatcher(tmp_path):
