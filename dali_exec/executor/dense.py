@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dali_exec.executor.devices import to_device_async
 from dali_exec.executor.ffn import ExpertLayout, init_expert
 from dali_exec.executor.store import DENSE, KV_CACHE, derive_seed, drawing_pool
 from dali_sim.models.spec import ModelSpec
@@ -56,11 +57,11 @@ class StepAttention:
         mask = np.zeros((len(rows), self.q_max, self.context), bool)
         mask[:, :, 0] = True  # padding queries see position 0 (their output is discarded)
         mask[row_of, within] = np.arange(self.context)[None, :] <= positions[:, None]
-        self.mask = torch.from_numpy(mask).unsqueeze(1).to(device)
-        self.rows = torch.from_numpy(rows).to(device)
-        self.flat = torch.from_numpy(row_of * self.q_max + within).to(device)  # token -> padded query
-        self.slots = torch.from_numpy(slots).to(device)
-        self.positions = torch.from_numpy(positions).to(device)
+        self.mask = to_device_async(torch.from_numpy(mask).unsqueeze(1), device)
+        self.rows = to_device_async(torch.from_numpy(rows), device)
+        self.flat = to_device_async(torch.from_numpy(row_of * self.q_max + within), device)  # token -> padded query
+        self.slots = to_device_async(torch.from_numpy(slots), device)
+        self.positions = to_device_async(torch.from_numpy(positions), device)
         self.num_tokens = len(slots)
 
 

@@ -36,6 +36,15 @@ def host_memory_bytes(available: bool = False) -> int:
     return int(pages * os.sysconf("SC_PAGE_SIZE"))
 
 
+def to_device_async(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor on ``device`` (and ``dtype``): on CUDA queued from pinned memory, without a wait. From pageable
+    memory torch makes the host wait until the stream has drained (its sync debug mode names the call:
+    ``benchmarks/exec_overhead.py --sync-sites``), so the host stops issuing work while the GPU empties its queue."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, dtype, non_blocking=True)
+    return t.to(device, dtype)
+
+
 def resolve_device(device: str | None) -> torch.device:
     """``cuda`` / ``cpu`` / ``cuda:N``; None = CUDA if present, else the CPU device."""
     if device is None:

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from dali_exec.executor.dense import DenseBlock, DenseWeights, KVCache, StepAttention
-from dali_exec.executor.devices import Devices, lane_threads
+from dali_exec.executor.devices import Devices, lane_threads, to_device_async
 from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_replay
 from dali_exec.executor.result import assemble_result
 from dali_exec.executor.runtime import OffloadRuntime
@@ -120,7 +120,8 @@ class Replay:
 
     def _step_input(self, step: int, tokens: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(derive_seed(self.seed, STEP_INPUT, step))
-        return torch.randn((tokens, self.setup.model.hidden_size), generator=g).to(self.dense_device, self.dev.dtype)
+        return to_device_async(torch.randn((tokens, self.setup.model.hidden_size), generator=g), self.dense_device,
+                               self.dev.dtype)
 
     def _dense(self, block: DenseBlock, x, attn, what: Activity):
         """The dense part on its device: the accelerator in this thread, the CPU on the CPU lane's worker."""

@@ -76,6 +76,9 @@ class OffloadRuntime:
         self.copies = CopyEngine(devices.copy_stream, self.timer, delay_s=copy_delay_s, device=devices.accel,
                                  home=self.compute_stream)
         self.cpu = CpuWorker(cpu_threads)
+        #: CUDA: recorded after a layer's activations are queued to the host for the CPU lane (one per visit: the
+        #: lane is done before the next visit)
+        self._x_on_host = torch.cuda.Event() if devices.is_cuda else None
         #: CUDA: the index arrays' transfers, from pinned buffers made here (words: a group of ``pairs`` pairs'
         #: three int64 arrays and two 4-byte ones)
         self._send = PinnedRing(devices.accel, self.compute_stream, max(256, 4 * pairs + 64)).send \
@@ -215,11 +218,14 @@ class OffloadRuntime:
         cpu_job = None
         inline: list = []
         if cpu_seg.size:
-            x_host = x if on_host else x.to(dev.host)
+            x_host, ready = x, None
+            if not on_host:  # (queued: the CPU lane waits for it, not this thread, which goes on issuing its work)
+                x_host, ready = x.to(dev.host, non_blocking=True), self._x_on_host
+                ready.record(self.compute_stream)
             if (self.cpu_inline or not lanes.n) and torch.get_num_threads() == self.cpu.threads:
-                inline.append(lambda: self._cpu_lane(step, layer, cpu_seg, x_host, routing))
+                inline.append(lambda: self._cpu_lane(step, layer, cpu_seg, x_host, routing, ready))
             else:
-                cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing)
+                cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing, ready)
         x_acc = x if (on_accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         # every pair is computed by one lane unless uncounted tokens' own experts are left out: then those stay 0
         every_pair = uncounted_on_cpu or routing.counted is None
@@ -824,10 +830,13 @@ class OffloadRuntime:
         rows = [pool.take_prefetch(t, e).index for t, e, _ in take]
         self._copy_many(rows, [t for t, _, _ in take], [e for _, e, _ in take], BACKGROUND, ("prefetch", take[0][2]))
 
-    def _cpu_lane(self, step: int, layer: int, seg: np.ndarray, x: torch.Tensor, r: LayerRouting):
+    def _cpu_lane(self, step: int, layer: int, seg: np.ndarray, x: torch.Tensor, r: LayerRouting, ready=None):
         """The CPU experts (``seg``: their indices in ``r.experts``, ascending, unique) as one grouped call from
         host memory: (flat positions, weighted outputs). With numba its indices are written into the lane's
-        workspace by one compiled loop (``kernels._group_index_into``) and taken as views of its tensors."""
+        workspace by one compiled loop (``kernels._group_index_into``) and taken as views of its tensors.
+        ``ready`` (CUDA): the event after which ``x`` (copied from the accelerator without a wait) is there."""
+        if ready is not None:
+            ready.synchronize()
         kernel = _kernels.compiled("group_index_into")
         if kernel is not None:
             ws = self._cpu_ws
