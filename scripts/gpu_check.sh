@@ -24,8 +24,8 @@
 #   --python PY         interpreter (default: $PYTHON, else python3, else python)
 #   --no-runtime        skip the runtime step (host overhead per MoE layer, generate speed against plain
 #                       transformers: benchmarks/exec_overhead.py and generate_speed.py, after
-#                       benchmarks/cold_host.py --quick and, on CUDA, cuda_host_calls.py; 90 s, quick: 30 s,
-#                       printed to the log only)
+#                       benchmarks/cold_host.py --quick and, on CUDA, cuda_host_calls.py and exec_overhead.py
+#                       --sync-sites; 90 s, quick: 30 s, printed to the log only)
 #   --tests             first run the GPU tests (python -m pytest -m gpu: the executor on CUDA, generate on
 #                       CUDA, cuda_host_calls.py; 150 s, quick: 60 s, from the budget); a failure fails the check
 #   --dry-run           check the environment and print the commands, run nothing, write nothing
@@ -230,6 +230,11 @@ if (( RUNTIME )); then
   if [[ "$DEVICE" == cuda ]]; then  # the lane's CUDA calls per visit, each beside a cheaper form
     run timeout --signal=INT --kill-after=5 20 "$PY" "$REPO/benchmarks/cuda_host_calls.py" --json "$WORK/runtime-cuda-calls.json"
     echo "runtime CUDA host calls: exit $? after $(( SECONDS - rt0 )) s"
+    # the calls that make the host wait for the GPU inside a step, for a system without and one with a CPU lane
+    run timeout --signal=INT --kill-after=5 30 "$PY" "$REPO/benchmarks/exec_overhead.py" --device cuda --quick \
+      --shape qwen3-30b-a3b --systems gpu-lru,fiddler --lookahead-systems "" --sync-sites \
+      --json "$WORK/runtime-sync-sites.json"
+    echo "runtime sync sites: exit $? after $(( SECONDS - rt0 )) s"
   fi
   run timeout --signal=INT --kill-after=5 "$(( rt_share / 2 ))" "$PY" "$REPO/benchmarks/exec_overhead.py" \
     --device "$DEVICE" "${RT_OVERHEAD[@]}" --systems "$rt_plain" --lookahead-systems "$rt_look" \

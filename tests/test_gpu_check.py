@@ -100,8 +100,10 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert re.search(r"^\+ timeout .* -m pytest -m gpu .*tests/test_exec_gpu\.py", cuda.stderr, re.M)
     runtime = [c for c in cuda.stderr.splitlines() if c.startswith("+ ") and "benchmarks/" in c]
     assert [c.split("benchmarks/")[1].split()[0] for c in runtime] == ["cold_host.py", "cuda_host_calls.py",
-                                                                      "exec_overhead.py", "generate_speed.py"]
+                                                                      "exec_overhead.py", "exec_overhead.py",
+                                                                      "generate_speed.py"]
     assert all("--device cuda" in c for c in runtime[2:])
+    assert "--sync-sites" in runtime[2] and "--sync-sites" not in runtime[3]
 
 
 def _check_outputs(out: Path, workloads: list[str], systems: list[str]):
