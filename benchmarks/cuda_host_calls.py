@@ -8,7 +8,9 @@ On the first GPU lent (an H200, benchmarks/README.md "On a lent H200") the lane'
 5-14x the CPU device's. Under cProfile most of it was in four places: a new timing event per stamp
 (``Timer.mark``), a ``torch.cuda.stream`` context around each copy, and index arrays moved to the GPU by
 ``pin_memory()`` and ``.to()`` twice per visit. This measures each against the form that would replace it, so
-that one device call decides which change pays before any is made:
+that one device call decides which change pays before any is made. The second GPU lent measured them and the
+executor took the second form of the first three (74202af; benchmarks/README.md, "The second lent H200"):
+events made when a run starts, ``set_stream`` pairs, and a ring of pinned buffers:
 
 * ``event new + record`` (``Timer.mark``) / ``event pooled record`` (events made at set-up, recorded again);
 * ``stream context`` (``with torch.cuda.stream(s)``) / ``set_stream pair`` (``torch.cuda.set_stream`` to the
