@@ -834,9 +834,8 @@ class OffloadRuntime:
         """The CPU experts (``seg``: their indices in ``r.experts``, ascending, unique) as one grouped call from
         host memory: (flat positions, weighted outputs). With numba its indices are written into the lane's
         workspace by one compiled loop (``kernels._group_index_into``) and taken as views of its tensors.
-        ``ready`` (CUDA): the event after which ``x`` (copied from the accelerator without a wait) is there."""
-        if ready is not None:
-            ready.synchronize()
+        ``ready`` (CUDA): the event after which ``x`` (copied from the accelerator without a wait) is there, waited
+        for once the indices are built (they do not read ``x``), so the build overlaps the copy."""
         kernel = _kernels.compiled("group_index_into")
         if kernel is not None:
             ws = self._cpu_ws
@@ -851,6 +850,8 @@ class OffloadRuntime:
                                                            gi.row_of_pairs, gi.weights, None, self.dev.dtype,
                                                            self.layout.bias)
             lo, table_counts, experts, counts = gi.lo, gi.table_counts, gi.experts, gi.counts
+        if ready is not None:
+            ready.synchronize()
         start = self.timer.mark()
         y = self.layout.forward_grouped(self._host_layers[layer][lo:lo + len(table_counts)], x.index_select(0, tok),
                                         offs, table_counts, pair_rows) * w

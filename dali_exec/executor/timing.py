@@ -52,7 +52,7 @@ class Timer:
         if self.cuda is not None:
             torch.cuda.synchronize(self.cuda)
             stream = torch.cuda.current_stream(self.cuda)
-            self.make_ahead(min(ahead, MAX_AHEAD), stream)
+            self._make_ahead(min(ahead, MAX_AHEAD), stream)
             self._base = self._event(enable_timing=True)
             self._base.record(stream)
             torch.cuda.synchronize(self.cuda)
@@ -60,7 +60,7 @@ class Timer:
         with self._lock:
             self._raw.clear()
 
-    def make_ahead(self, n: int, stream) -> None:
+    def _make_ahead(self, n: int, stream) -> None:
         """At least ``n`` unused events in stock, the new ones recorded once on ``stream`` (which creates them)."""
         make, stock = self._event, self._stock
         for _ in range(n - len(stock)):
