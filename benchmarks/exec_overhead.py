@@ -64,6 +64,15 @@ CPU, exactly as the stopwatches count it, named by the function:line that starts
 start, stop or hand-over), per layer visit (its median duration times its occurrences per visit); the table is
 followed by each system's five largest. Which part of the runtime the counted time falls in, without probes.
 
+``--floor route`` and ``--floor none`` replay each system with the least host work per visit this design can
+have, to tell how much of the counted figure any rewrite of the lanes' bookkeeping could remove: the stopwatch
+counts the decision, ``start_layer`` and, with ``route``, the route's compiled call and the lane split (grouping
+and checking the routing, evictions, admissions), with ``none`` nothing more; then every routed expert is
+computed from host memory as one grouped call outside the stopwatches (the CPU lane's call: the same tensor
+work as cpu-only's, so the layer lasts as long and leaves the caches as cold). The plans and the layers'
+outputs are the normal replay's. For systems whose plans neither prefetch nor swap (their buffers need the
+lanes it skips: a refusal names the first such visit); CPU device only; no limit applies to its rows.
+
 ``--sync-sites`` (CUDA) adds ``sync_sites_per_visit``: in one more replay of each system under torch's sync debug
 mode (``torch.cuda.set_sync_debug_mode("warn")``), the calls that made the host wait for the GPU, per Python call
 site (file:line), per layer visit; the table is followed by each system's five most frequent. A wait inside a
@@ -172,6 +181,45 @@ def idle_after_visits(seconds: float):
         return out
 
     with mock.patch.object(OffloadRuntime, "run_experts", then_idle):
+        yield
+
+
+FLOORS = ("route", "none")
+
+
+class FloorRefused(ValueError):
+    """A ``--floor`` replay of a system whose plans prefetch or swap."""
+
+
+@contextmanager
+def floor_visits(floor: str):
+    """``--floor``: each layer visit's expert work with the least host work this design can have. The stopwatch
+    counts ``route`` (the route's compiled call and the lane split: grouping, checking, evictions, admissions)
+    or ``none`` (nothing) after the decision and ``start_layer``; then, outside every stopwatch, the routing is
+    grouped (``none``) and every routed expert computed from host memory as one grouped call, the CPU lane's
+    (the same tensor work as cpu-only's, so a layer lasts about as long and leaves the caches as cold). For
+    systems whose plans neither prefetch nor swap (their buffers would need the lanes this skips)."""
+    from dali_exec.executor.routing import LayerRouting
+    from dali_exec.executor.runtime import _AccelLane
+
+    def run_experts(rt, plan, x, routing, *, uncounted_on_cpu=False, handoff=None):
+        if plan.prefetches or plan.swaps:
+            raise FloorRefused(f"--floor {floor}: step {plan.step} layer {plan.layer} prefetches or swaps; the floor "
+                             "replays only systems that do neither")
+        sw = handoff.hand_to(timing.Stopwatch()) if handoff is not None else timing.Stopwatch().start()
+        if floor == "route":
+            grouped, _, split, admitted = rt._route(plan, *routing)
+            _AccelLane.of(plan, rt.pool, *split, admitted=admitted)
+        sw.stop()
+        rt._book(plan.layer, sw)
+        if floor == "none":
+            grouped = LayerRouting.group(*routing)
+        pos, y = rt._cpu_lane(plan.step, plan.layer, np.arange(len(grouped.experts)), x, grouped)
+        T, k = grouped.num_tokens, grouped.top_k
+        out = torch.zeros((T * k, x.shape[1]), dtype=y.dtype).index_copy_(0, pos, y)
+        return out.view(T, k, -1).sum(dim=1)
+
+    with mock.patch.object(OffloadRuntime, "run_experts", run_experts):
         yield
 
 
@@ -456,6 +504,11 @@ def main(argv=None) -> int:
                     help="CUDA: also count the calls that made the host wait for the GPU, per call site and layer "
                          "visit, in one more replay of each system under torch's sync debug mode (printed: the "
                          "five most frequent)")
+    ap.add_argument("--floor", choices=FLOORS,
+                    help="replay with the least host work per visit this design can have: the decision, start_layer "
+                         "and the route's compiled call with the lane split (route) or nothing more (none) counted, "
+                         "then every routed expert computed from host memory as one grouped call, uncounted; for "
+                         "systems that neither prefetch nor swap (CPU device)")
     ap.add_argument("--json", type=Path, help="write every measurement, the machine and the settings here")
     a = ap.parse_args(argv)
     if a.count_calls is not None and a.count_calls < 0:
@@ -470,6 +523,8 @@ def main(argv=None) -> int:
         # (its no-ops return no CUDA events; there the tensor work runs on the GPU, not on the host's core)
         ap.error("--no-tensor-work is for the CPU device only (give --device cpu)")
     device = resolve_device(a.device)
+    if a.floor and device.type != "cpu":
+        ap.error("--floor computes every expert from host memory: it is for the CPU device (give --device cpu)")
     if a.sync_sites and device.type != "cuda":
         ap.error("--sync-sites counts CUDA synchronizations: it needs --device cuda")
     dtype = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -479,7 +534,8 @@ def main(argv=None) -> int:
     stores: dict = {}
     plain = [n for n in a.systems.split(",") if n]
     look = [n for n in a.lookahead_systems.split(",") if n]
-    with tempfile.TemporaryDirectory() as tmp, (no_tensor_work() if a.no_tensor_work else nullcontext()):
+    with tempfile.TemporaryDirectory() as tmp, (no_tensor_work() if a.no_tensor_work else nullcontext()), \
+            (floor_visits(a.floor) if a.floor else nullcontext()):
         def synthetic(model: str):
             path = Path(tmp) / f"{model}.parquet"
             synthesize(SynthConfig(model=model, sequences=a.sequences, prompt_len=0, gen_len=a.max_tokens,
@@ -491,21 +547,27 @@ def main(argv=None) -> int:
                           whole_visit=a.no_tensor_work, idle_s=1e-6 * a.idle_us, segments=a.segments,
                           syncs=a.sync_sites) | \
                 {"system": label or name}
+            if a.floor:  # (not the system's own host work: no limit applies)
+                row |= {"limit_us": float("nan"), "ok": ""}
             limit = "no limit" if np.isnan(row["limit_us"]) else f"limit {row['limit_us']:g}"
             # one line as each system ends: a run stopped by a time limit (scripts/gpu_check.sh) keeps those
             print(f"{row['system']}: {row['overhead_cpu_median_us']:.1f} us decision + bookkeeping (median visit, "
                   f"thread CPU; {limit}), layer {row['layer_us']:.0f} us", flush=True)
             return row
 
-        if a.shape:
-            trace = synthetic(a.shape)
-            rows = [measured(trace, name) for name in plain + look]
-        else:
-            trace = read_trace(a.trace)
-            rows = [measured(trace, name) for name in plain]
-            if look:
-                synth = synthetic(trace.model.name)
-                rows += [measured(synth, name, f"{name} (synthetic)") for name in look]
+        try:
+            if a.shape:
+                trace = synthetic(a.shape)
+                rows = [measured(trace, name) for name in plain + look]
+            else:
+                trace = read_trace(a.trace)
+                rows = [measured(trace, name) for name in plain]
+                if look:
+                    synth = synthetic(trace.model.name)
+                    rows += [measured(synth, name, f"{name} (synthetic)") for name in look]
+        except FloorRefused as e:
+            print(f"exec_overhead.py: {e}", file=sys.stderr)
+            return 2
     table = pd.DataFrame(rows).set_index("system")
     machine = {"device": str(device), "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"CPU device: {cpu_name()}", "cpu": cpu_name(), "cores": os.cpu_count(),
@@ -516,7 +578,9 @@ def main(argv=None) -> int:
     print(f"replay: {source}, {a.layers} MoE layers at scale {a.scale:g}, {a.sequences} sequences x "
           f"{a.max_tokens} tokens, batch {a.batch_size}, {dtype}; median of {a.repeats} runs per system"
           + ("; NO TENSOR WORK (computes and copies are no-ops: layer times mean nothing)" if a.no_tensor_work else "")
-          + (f"; a busy wait of {a.idle_us:g} us after each layer visit" if a.idle_us else ""))
+          + (f"; a busy wait of {a.idle_us:g} us after each layer visit" if a.idle_us else "")
+          + (f"; FLOOR {a.floor}: the experts' bookkeeping reduced to " + ("the route call" if a.floor == "route" else
+                                                                         "nothing") if a.floor else ""))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         shown = PRINTED + [c for c in ("visit_cpu_median_us", "calls_per_visit") if c in table]
         print(table[shown].round(1).to_string())

@@ -271,6 +271,43 @@ def test_idle_us_is_refused_without_no_tensor_work_or_below_zero(capsys):
         assert "--idle-us" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("floor", exec_overhead.FLOORS)
+@pytest.mark.parametrize("system", ["gpu-lru", "fiddler"])
+def test_a_floor_replay_computes_the_same_layers_with_only_its_floor_counted(system, floor, tmp_path):
+    """``--floor``: the same plans and the same layer outputs (every routed expert computed from host memory
+    as one group), with the route's compiled call made once per visit under ``route`` and never under ``none``."""
+    from dali_exec.executor.runtime import OffloadRuntime
+
+    path = tmp_path / "mix.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=4, gen_len=4, seed=5,
+                           lookahead=exec_overhead.LOOKAHEAD), path)
+    trace = read_trace(path)
+    opts, run = ReplayOptions(layers=3, scale=1 / 64, dtype="fp32"), ExecOptions(device="cpu", cpu_threads=1)
+
+    def replay():
+        records = []
+        return execute(trace, system, opts, run, batch_size=2, on_layer=records.append), records
+
+    normal, full = replay()
+    routes = []
+    route = OffloadRuntime._route
+    with exec_overhead.floor_visits(floor), \
+            mock.patch.object(OffloadRuntime, "_route", lambda rt, *a: routes.append(1) or route(rt, *a)):
+        floored, reduced = replay()
+    assert {k: floored.summary[k] for k in COUNTERS} == {k: normal.summary[k] for k in COUNTERS}
+    assert len(reduced) == len(full) == normal.summary["overhead"]["layer_visits"] > 0
+    for a, b in zip(reduced, full):
+        torch.testing.assert_close(a.output, b.output)
+    assert len(routes) == (len(full) if floor == "route" else 0)
+
+
+def test_a_floor_replay_refuses_a_system_that_prefetches(capsys):
+    assert exec_overhead.main(["--quick", "--systems", "", "--lookahead-systems", "dali", "--floor", "route"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("exec_overhead.py: --floor route: step 0 layer ") and "prefetches or swaps" in err
+    assert "\n" not in err
+
+
 # ---- benchmarks/cuda_host_calls.py: the lane's CUDA calls, each beside a cheaper form -----------------------
 import cuda_host_calls  # noqa: E402
 
