@@ -543,10 +543,12 @@ def main(argv=None) -> int:
             return read_trace(path)
 
         def measured(on, name: str, label: str | None = None) -> dict:
-            row = measure(on, name, opts, run, a.batch_size, a.repeats, stores, a.count_calls,
-                          whole_visit=a.no_tensor_work, idle_s=1e-6 * a.idle_us, segments=a.segments,
-                          syncs=a.sync_sites) | \
-                {"system": label or name}
+            try:
+                row = measure(on, name, opts, run, a.batch_size, a.repeats, stores, a.count_calls,
+                              whole_visit=a.no_tensor_work, idle_s=1e-6 * a.idle_us, segments=a.segments,
+                              syncs=a.sync_sites) | {"system": label or name}
+            except FloorRefused as e:
+                raise FloorRefused(f"{label or name}: {e}") from None
             if a.floor:  # (not the system's own host work: no limit applies)
                 row |= {"limit_us": float("nan"), "ok": ""}
             limit = "no limit" if np.isnan(row["limit_us"]) else f"limit {row['limit_us']:g}"

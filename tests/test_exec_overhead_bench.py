@@ -304,7 +304,7 @@ def test_a_floor_replay_computes_the_same_layers_with_only_its_floor_counted(sys
 def test_a_floor_replay_refuses_a_system_that_prefetches(capsys):
     assert exec_overhead.main(["--quick", "--systems", "", "--lookahead-systems", "dali", "--floor", "route"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("exec_overhead.py: --floor route: step 0 layer ") and "prefetches or swaps" in err
+    assert err.startswith("exec_overhead.py: dali (synthetic): --floor route: step 0 layer ") and "prefetches" in err
     assert "\n" not in err
 
 
