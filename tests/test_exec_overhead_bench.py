@@ -21,8 +21,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import exec_overhead  # noqa: E402
 
 
-@pytest.mark.parametrize("system", ["gpu-lru", "dali"])
-def test_no_tensor_work_keeps_every_count_and_skips_the_computes(system, tmp_path):
+def _mixtral_replayer(system: str, tmp_path):
+    """A function that replays ``system`` on a small Mixtral trace (3 layers, scale 1/64, the CPU device):
+    (its result, its layer records)."""
     path = tmp_path / "mix.parquet"
     synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=4, gen_len=4, seed=5,
                            lookahead=exec_overhead.LOOKAHEAD), path)
@@ -33,7 +34,12 @@ def test_no_tensor_work_keeps_every_count_and_skips_the_computes(system, tmp_pat
         records = []
         result = execute(trace, system, opts, run, batch_size=2, on_layer=records.append)
         return result, records
+    return replay
 
+
+@pytest.mark.parametrize("system", ["gpu-lru", "dali"])
+def test_no_tensor_work_keeps_every_count_and_skips_the_computes(system, tmp_path):
+    replay = _mixtral_replayer(system, tmp_path)
     normal, computed = replay()
     with exec_overhead.no_tensor_work():
         hollow, skipped = replay()
@@ -278,16 +284,7 @@ def test_a_floor_replay_computes_the_same_layers_with_only_its_floor_counted(sys
     as one group), with the route's compiled call made once per visit under ``route`` and never under ``none``."""
     from dali_exec.executor.runtime import OffloadRuntime
 
-    path = tmp_path / "mix.parquet"
-    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=4, gen_len=4, seed=5,
-                           lookahead=exec_overhead.LOOKAHEAD), path)
-    trace = read_trace(path)
-    opts, run = ReplayOptions(layers=3, scale=1 / 64, dtype="fp32"), ExecOptions(device="cpu", cpu_threads=1)
-
-    def replay():
-        records = []
-        return execute(trace, system, opts, run, batch_size=2, on_layer=records.append), records
-
+    replay = _mixtral_replayer(system, tmp_path)
     normal, full = replay()
     routes = []
     route = OffloadRuntime._route
