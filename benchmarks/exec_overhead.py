@@ -102,7 +102,8 @@ import torch
 from dali_exec.executor import copies, dense, ffn, timing
 from dali_exec.executor import Devices, ExecOptions, HostExpertStore, Replay, ReplayOptions, prepare_replay
 from dali_exec.executor.devices import cpu_name, resolve_device
-from dali_exec.executor.runtime import OffloadRuntime
+from dali_exec.executor.routing import LayerRouting
+from dali_exec.executor.runtime import OffloadRuntime, _AccelLane
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.future import FutureDemand
 from dali_sim.sim.counters import PlanCounters
