@@ -287,10 +287,10 @@ def test_one_expert_turns_gather_and_scatter_once_per_layer(mix, monkeypatch):
 
     single_loop = OffloadRuntime._single_loop
 
-    def counted(self, turns, x, out_buf):
+    def counted(self, turns, x, out_buf, stamps):
         loops.append(Counter(turns=len(turns[0])))
         with Count():
-            return single_loop(self, turns, x, out_buf)
+            return single_loop(self, turns, x, out_buf, stamps)
 
     monkeypatch.setattr(OffloadRuntime, "_single_loop", counted)
     records = []
@@ -324,6 +324,44 @@ def test_staged_experts_with_a_buffer_each_are_one_group_after_their_copies(mix,
     assert sum(1 for iv in result.intervals if iv.name.startswith("fetch")) == result.summary["on_demand"]
     gpu = result.summary["executor"]["grouped_calls"]["gpu"]  # one group per layer visit, of all its experts
     assert gpu == {"calls": len(records), "experts": sum(int(rec.plan.on_gpu.sum()) for rec in records)}
+
+
+@pytest.mark.parametrize("system,over,kind", [
+    ("gpu-lru", {"staging_slots": "2", "cache_experts": "3"}, "first group, one-expert turns"),
+    ("gpu-lru", {"staging_slots": "8", "cache_experts": "0"}, "the staged experts' group, written by the route call"),
+    ("gpu-static", {"cache_experts": "7"}, "every expert a hit"),
+])
+def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypatch, system, over, kind):
+    """On the CPU device a lane whose device work runs in one pause (its copies, then its groups or one-expert turns)
+    is settled before that work: its records made, its staging buffers returned, the layer's end checked; the work
+    writes its stamps into the records as it runs. Copies held back: a compute that did not wait would read stale
+    buffers. Outputs as the reference's, counts as the simulator's, an interval per expert computed."""
+    settle, group = OffloadRuntime._settle_ahead, OffloadRuntime._group
+    settled, built = [], []
+
+    def spy(self, plan, lanes, stage_rows):
+        settle(self, plan, lanes, stage_rows)
+        settled.append((self.pool.staging_taken, lanes.staging_used, lanes.settled, lanes.all_cached))
+
+    monkeypatch.setattr(OffloadRuntime, "_settle_ahead", spy)
+    monkeypatch.setattr(OffloadRuntime, "_group", lambda self, *a: built.append(1) or group(self, *a))
+    records = []
+    slow = dataclasses.replace(CPU_RUN, copy_delay_s=0.001)
+    result = execute(mix, system, TINY, slow, batch_size=BATCH, overrides={"memory": over}, on_layer=records.append)
+    setup = prepare_replay(mix, system, TINY, batch_size=BATCH, overrides={"memory": over})
+    _check_against_reference(records, setup)
+    sim = simulate(setup.trace, setup.sysconf, hardware=setup.hardware, batch_size=BATCH, timing=False,
+                   profiling=setup.profiled)
+    assert {k: result.summary[k] for k in COUNTERS} == {k: sim.summary[k] for k in COUNTERS}
+    assert len(settled) > len(records) // 2, kind
+    assert all(s[:3] == (0, 0, True) for s in settled)
+    if over.get("cache_experts") == "0":  # (every group written by the route call: none built by the lane)
+        assert not built
+    if system == "gpu-static":
+        assert any(s[3] for s in settled)  # (every expert a hit: one group, nothing copied)
+    computed = [iv for iv in result.intervals if iv.track == "gpu" and iv.name.startswith("L")]
+    assert len(computed) == result.summary["executor"]["grouped_calls"]["gpu"]["experts"]
+    assert all(math.isfinite(iv.start) and iv.end >= iv.start >= 0 for iv in computed)
 
 
 def test_a_compute_from_a_slot_still_being_copied_is_caught(mix, monkeypatch):

@@ -46,24 +46,32 @@ def test_slot_pool_allocates_exactly_the_plan_and_keeps_roles():
     assert pool.resident()[0].nonzero()[0].tolist() == [6, 7]
 
 
-def test_staging_buffers_are_taken_first_free_first_and_returned_cleared():
+def test_staging_buffers_are_taken_as_consecutive_rows_and_returned_cleared():
     pool = SlotPool(np.array([1]), 0, 5, 4, torch.float32, torch.device("cpu"), num_experts=8)
-    first = pool.staging_free[:]
-    assert len(first) == 5 and np.shares_memory(pool.hold_layer, pool.state)  # the rows of one array
-    for n in (2, 4):  # two buffers (one-expert turns, cleared row by row) and more (cleared at once)
+    first = pool.staging_free
+    assert first == list(range(1, 6)) and np.shares_memory(pool.hold_layer, pool.state)  # the rows of one array
+    for n in (2, 4):  # two buffers (one-expert turns) and more
         rows = pool.take_staging_rows(n)
-        assert rows == first[:n] and pool.staging_free == first[n:]
-        pool.hold_rows(np.array(rows), 0, np.arange(n))
+        assert rows.tolist() == first[:n] and pool.staging_free == first[n:]
+        pool.hold_rows(rows, 0, np.arange(n))
         assert pool.hold_expert[rows].tolist() == list(range(n))
         pool.release_staging_rows(rows)
-        assert pool.staging_free == first[n:] + rows  # returned behind the free ones
+        assert pool.staging_free == first  # the same rows are the first free ones again
         assert (pool.hold_layer[rows] == -1).all() and (pool.hold_expert[rows] == -1).all()
-        first = pool.staging_free[:]
         pool.check_layer(0)
     with pytest.raises(AssertionError, match="6 staging buffers asked, 5 of 5 free"):
         pool.take_staging_rows(6)
+    a, b = pool.take_staging_rows(2), pool.take_staging_rows(1)
+    with pytest.raises(AssertionError, match=r"staging buffers \[1, 2\] returned, but the last ones taken are \[2, 3\]"):
+        pool.release_staging_rows(a)  # (a block is returned after the blocks taken after it)
+    with pytest.raises(AssertionError, match="2 free \\+ 0 used staging buffers"):
+        pool.check_layer(0)
+    pool.release_staging_rows(b)
+    pool.release_staging_rows(a)
     slot = pool.take_staging(0, 3)
-    assert slot.index == first[0] and pool.staging_free == first[1:]
+    assert slot.index == first[0] and pool.staging_free == first[1:] and slot.holds == (0, 3)
+    pool.release_staging(slot)
+    pool.check()
 
 
 def test_slot_check_ready_refuses_a_copy_in_flight_and_the_wrong_expert():

@@ -84,8 +84,8 @@ def test_a_replay_through_the_workspaces_equals_the_numpy_code(traces, shape, sy
     assert intervals == plain_intervals
 
 
-def _runtime(capacity=30, experts=30):
-    pool = SlotPool(np.array([capacity]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=experts)
+def _runtime(capacity=30, experts=30, staging=0):
+    pool = SlotPool(np.array([capacity]), 0, staging, 4, torch.float32, torch.device("cpu"), num_experts=experts)
     return SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _ws_routing=None,
                            _group_ws=GroupWorkspace(len(pool.slots), torch.device("cpu")), _first_in_route=True,
                            _first=None, _route_entries=K.Entries("route_partition", _ROUTE_LOOSE))
@@ -95,6 +95,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
     if K.compiled("route_partition") is None:
         pytest.skip("the route call is compiled code (numba)")
     rng = np.random.default_rng(7)
+    staged_groups = 0
     for trial in range(60):
         T, k, E = int(rng.integers(1, 30)), int(rng.integers(1, 5)), 24
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
@@ -102,12 +103,16 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         r = LayerRouting.group(ids, w)
         touch = rng.permutation(len(r.experts))
         experts = r.experts[touch]
-        source = rng.choice([HIT, FETCH, CPU], len(experts)).astype(np.int8)
-        runtime = _runtime()
-        runtime.pool.admit_many(0, experts[source == HIT].astype(np.int64))
+        # a third of the trials stage every accelerator expert: with a staging buffer for each, the route call gives
+        # them the first free ones and writes their group
+        staged_only = trial % 3 == 0
+        source = rng.choice([FETCH, CPU] if staged_only else [HIT, FETCH, CPU], len(experts)).astype(np.int8)
+        runtime = _runtime(staging=int(rng.integers(0, 30 if staged_only else 8)))
+        pool = runtime.pool
+        pool.admit_many(0, experts[source == HIT].astype(np.int64))
+        admitted = (source == FETCH) & (rng.random(len(experts)) < (0 if staged_only else 0.5))
         plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=r.counts()[touch],
-                               source=source, admitted=(source == FETCH) & (rng.random(len(experts)) < 0.5),
-                               evicted=[])
+                               source=source, admitted=admitted, evicted=[])
         routed, _, split, _ = OffloadRuntime._route(runtime, plan, ids, w)
         assert runtime._ws_routing is routed
         wi = runtime._route_ws.wi
@@ -126,19 +131,30 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         assert np.array_equal(runtime._route_ws.wf[1, :q], r.weights[sel])
         assert [a.tolist() for a in runtime._route_ws.turn_arrays(q)] == \
             [r.positions[sel].tolist(), (r.positions[sel] // k).tolist(), r.weights[sel].tolist()]
-        # the first group (hits and admitted fetches), written when it has two experts or more
+        # the first group (hits and admitted fetches), written when it has two experts or more; else, with only
+        # staged experts and a buffer for each, theirs, in the first free buffers, which hold them
         first = order[:ready + fetched]
-        if len(first) < 2:
+        staged_group = not len(first) and 0 < len(staged) <= pool.num_staging
+        staged_groups += staged_group
+        if staged_group:
+            first, rows = staged, pool.staging_first + np.arange(len(staged))
+            assert np.array_equal(lane[2, staged], rows) and np.array_equal(pool.hold_expert[rows], lane[3, staged])
+            assert (pool.hold_layer[rows] == 0).all()
+        else:
+            assert (pool.hold_layer[pool.staging_rows] == -1).all()
+        if len(first) < 2 and not staged_group:
             assert runtime._first is None
             continue
         gi = GroupIndex.build(r, lane[1, first], lane[2, first], (0, *runtime.pool.state))
-        pairs, lo, span, g = runtime._first
+        pairs, lo, span, g, is_staged = runtime._first
         gws = runtime._group_ws
         assert (pairs, lo, span, g) == (len(gi.pairs), gi.lo, len(gi.table_counts), len(first)) and gi.rows_ready
+        assert is_staged == staged_group
         assert np.array_equal(gws.ints[:, :pairs], np.stack([gi.pairs, gi.pairs // k, gi.row_of_pairs()]))
         assert np.array_equal(gws.w[:pairs], gi.weights) and np.array_equal(gws.offs[:span], gi.offs)
         assert np.array_equal(gws.small[:, :g], np.stack([gi.rows, gi.experts, gi.counts]))
         assert np.array_equal(gws.table_counts[:span], gi.table_counts)
+    assert staged_groups >= 3
 
 
 def test_the_route_call_writes_the_first_group_only_when_its_rows_are_ready():
@@ -263,9 +279,11 @@ def test_a_visit_reads_the_thread_cpu_clock_a_few_times(traces, monkeypatch):
         result = execute(trace, system, opts, RUN, batch_size=batch)
         return reads[0] / result.summary["overhead"]["layer_visits"]
 
-    # cpu-only: the decision's start, its hand-over to start_layer, start_layer's end, run_experts' start and end
+    # cpu-only: the decision's start, its hand-over to start_layer, start_layer's end, run_experts' start and end;
+    # gpu-lru and llamacpp the same: their lanes settled ahead, run_experts' end is the pause for the copies
     assert per_visit("cpu-only") == 5
     fused = per_visit("gpu-lru")
+    assert fused == 5 and per_visit("llamacpp") == 5
     with monkeypatch.context() as m:
         m.setattr(K, "compiled", lambda name: None)
         plain = per_visit("gpu-lru")

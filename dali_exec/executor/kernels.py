@@ -430,7 +430,7 @@ PLAN_CODES = np.array([_CPU, _HIT, _PREFETCHED, _FETCH], np.int64)
 
 
 def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of_all, evicted, free, layer,
-                     state, wi, wf, gi, gw, goffs):
+                     state, wi, wf, gi, gw, goffs, stage_lo, stage_n):
     """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of_all[layer]`` is the layer's
     row of the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
     :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
@@ -451,14 +451,18 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     the number of experts m, partition status, the number of CPU experts c, of accelerator experts g, hits,
     ready, fetched, admission status: ``OK`` (the fetched experts' rows are in the lane's row 2 and the
     table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not enough free rows), nothing
-    admitted: the caller's ``SlotPool.admit_many`` refuses as it does), and the first group's (pairs, lo,
-    span, ready) or (-1, 0, 0, False).
+    admitted: the caller's ``SlotPool.admit_many`` refuses as it does), the first group's (pairs, lo,
+    span, ready) or (-1, 0, 0, False), and whether the first group is of staged experts.
 
     The first group: when ``gi`` (``GroupWorkspace.gi``, with ``gw`` and ``goffs``: at least the pairs and
     the slot table's rows wide; empty to skip) is given, the lane split holds no prefetched expert and the
     fetched ones are admitted, the group of the ready and fetched experts (at least two; what the CPU
     device's accelerator lane computes first, :func:`_group_index_into` of them, their rows checked now)
-    is written there: one compiled call per layer instead of two."""
+    is written there: one compiled call per layer instead of two. When there are none of those but staged
+    experts, and the ``stage_n`` free staging buffers (consecutive rows from ``stage_lo``:
+    ``SlotPool.take_staging_rows``) hold them all, the staged experts take those rows in staging order (the
+    lane's row 2 and the table: they hold them, as the copies into them are about to be issued) and their
+    group is written instead (the CPU device's one staging turn)."""
     row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
     wb = wi[W_FLAGS:W_FLAGS + 2]  # scratch (the workspace's: nothing is allocated in this call)
     none = wi[W_EVICTED, :0]  # (no given order, every token counted)
@@ -467,11 +471,11 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     n_ev = evicted.shape[0]
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
-        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
+        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, False
     status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf[0],
                                        wb[0], wi[W_PER])
     if status != OK:
-        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False
+        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, False
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
     for j in range(flat.shape[0]):
         tokens[j] = order[j] // k
@@ -520,15 +524,23 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
                 lane[2, g_] = row
     fg_n, fg_lo, fg_span, fg_ready = -1, 0, 0, False
     nf = ready + fetched
-    if pstatus == 0 and adm == OK and ready == hits and nf >= 2 and gi.shape[1] >= flat.shape[0]:
+    staged = pstatus == 0 and nf == 0 and 0 < g <= stage_n  # (then every accelerator expert is staged)
+    if ((pstatus == 0 and adm == OK and ready == hits and nf >= 2) or staged) and gi.shape[1] >= flat.shape[0]:
         seg = wi[W_FIRST]
         rows = wi[W_FIRST + 1]
+        if staged:
+            nf = g
+            for t in range(g):  # (staging order: the lane order)
+                i = lorder[t]
+                lane[2, i] = stage_lo + t
+                hold_layer[stage_lo + t] = layer
+                hold_expert[stage_lo + t] = lane[3, i]
         for i in range(nf):
             seg[i] = lane[1, lorder[i]]
             rows[i] = lane[2, lorder[i]]
         fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf[0], wi[W_EXPERTS], seg[:nf], rows[:nf], k,
                                                               layer, state, gi[0:3], gw, gi[3:6], gi[6], goffs)
-    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready
+    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, staged
 
 
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves

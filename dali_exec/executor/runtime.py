@@ -96,8 +96,12 @@ class OffloadRuntime:
         self._accel_is_host = devices.accel.type == "cpu"
         self._group_ws = GroupWorkspace(len(self.pool.slots), devices.accel, pairs)
         self._cpu_ws = GroupWorkspace(store.num_experts, devices.host, pairs)  # the CPU lane's (rows: the experts)
+        #: the CPU device: the staged experts' group, built while the written first group's views are still to be
+        #: read (both are built before either is computed: _accelerator_lane)
+        self._staged_ws = GroupWorkspace(len(self.pool.slots), devices.accel, pairs) if not devices.is_cuda else None
         #: whether the route call writes a layer's first group (the CPU device: computed before any wait) and the
-        #: (pairs, lo, span, experts) of the one it wrote for this layer visit, until _group takes it
+        #: (pairs, lo, span, experts, whether of staged experts) of the one it wrote for this layer visit, until
+        #: _group or _accelerator_lane takes it
         self._first_in_route = not devices.is_cuda
         self._first: tuple | None = None
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
@@ -236,7 +240,7 @@ class OffloadRuntime:
             if moves:
                 sw.start()
             self._accelerator_lane(plan, lanes, routing, x_acc, out_buf, sw, inline, cpu_out)
-        if lanes.n or not moves:
+        if (lanes.n or not moves) and not lanes.settled:
             # the slot table is settled (the combine below does not touch it; swaps keep every role's count)
             self._layer_checked(step, layer, lanes.staging_used)
             sw.stop()
@@ -269,6 +273,19 @@ class OffloadRuntime:
         self.pool.check_layer(layer, staging_used)
         if self.deferred:
             raise AssertionError(f"step {step} layer {layer}: prefetches still wait for a buffer at the layer's end")
+
+    def _settle_ahead(self, plan: LayerPlan, lanes: "_AccelLane", stage_rows: np.ndarray) -> None:
+        """The CPU device, a lane whose device work (its copies, then its computes, all in this thread) runs in one
+        pause of the stopwatch, to the layer's end (``lanes.settled``): the staging buffers released and the
+        layer's end checked (:meth:`_layer_checked`) ahead of that work, its records made (their stamps written as
+        it runs). Bookkeeping after it would start on the caches its computes emptied. The rows were checked
+        when the groups and turns were built, and nothing writes them before the computes read them (no
+        background copy writes a staging buffer or a cache row of the layer being computed)."""
+        if len(stage_rows):
+            self.pool.release_staging_rows(stage_rows)
+            lanes.staging_used = 0
+        self._layer_checked(plan.step, plan.layer, 0)
+        lanes.settled = True
 
     def _combine_buffer(self, pairs: int, hidden: int, zeroed: bool) -> torch.Tensor:
         """The (pairs x hidden) buffer a layer's outputs are combined in, on the accelerator: the last layer's
@@ -307,13 +324,17 @@ class OffloadRuntime:
         else:
             gi, gw, go = _NO_GROUP
         flat, pe, pc, ps, pa = ids.reshape(-1), plan.experts, plan.counts, plan.source, plan.admitted
+        taken = pool.staging_taken  # (the free staging buffers: rows from staging_first + taken on)
         args = (flat, weights.reshape(-1), k, pe, pc, ps, pa, pool.row_of, evicted,
-                np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi, ws.wf, gi, gw, go)
+                np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi, ws.wf, gi, gw, go,
+                pool.staging_first + taken, pool.num_staging - taken)
         key = (flat.dtype, pe.dtype, pc.dtype, ps.dtype, pa.dtype)  # (_ROUTE_LOOSE's; the weights are float32)
-        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready) = \
+        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, fg_staged) = \
             self._route_entries.get(key, args)(*args)
-        # the first group (the ready and fetched experts), when written and its rows ready: used by _group
-        self._first = (fg_n, fg_lo, fg_span, ready + fetched) if fg_ready and fg_n >= 0 else None
+        # the first group (the ready and fetched experts, or the staged ones in the first free staging buffers),
+        # when written and its rows ready: (pairs, lo, span, experts, whether staged), used by _group / _written
+        self._first = (fg_n, fg_lo, fg_span, g if fg_staged else ready + fetched, fg_staged) \
+            if fg_ready and fg_n >= 0 else None
         if bad >= 0:
             raise AssertionError(f"layer {layer} expert {int(evicted[bad])} is not in the slot table's cache")
         if n_ev:
@@ -378,7 +399,14 @@ class OffloadRuntime:
         pool, layer, step = self.pool, plan.layer, plan.step
         experts, rows, seg = lanes.experts, lanes.rows, lanes.seg
         if lanes.all_cached:  # (every one a hit: one group, nothing to copy or free)
-            self._compute(plan, routing, seg, rows, x, out_buf, sw)
+            if self._first_in_route and len(seg) > 1:  # the CPU device: the lane settled ahead of its compute
+                group = self._group(plan, routing, seg, rows)
+                rec = self._group_booked(plan, group)
+                self._settle_ahead(plan, lanes, ())
+                sw.stop()
+                rec[2], rec[3] = self._forward_group(group, x, out_buf)
+            else:
+                self._compute(plan, routing, seg, rows, x, out_buf, sw)
             return
         staged = lanes.staged
         n_staged = len(staged)
@@ -387,7 +415,7 @@ class OffloadRuntime:
             raise AssertionError(f"step {step} layer {layer}: experts must be staged but there are no staging buffers")
         per_turn = n_staged if n_staged <= S else max(1, S // 2)
         halves = 1 if (n_staged <= S or S < 2) else 2  # buffer sets that alternate between turns
-        stage_rows = pool.take_staging_rows(min(S, per_turn * halves)) if n_staged else []
+        stage_rows = pool.take_staging_rows(min(S, per_turn * halves)) if n_staged else _EMPTY
         lanes.staging_used = len(stage_rows)
         # 1. the first copies: the admitted experts and the first turns (turn t < halves: the rows
         # t * per_turn ..), in touch order
@@ -404,50 +432,51 @@ class OffloadRuntime:
         # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
         ready = lanes.ready
         fg = self._first
-        singles = None  # one-expert staging turns run in the same pause (below)
-        written = fg is not None and len(first) > 0 and fg[3] == len(ready) + nf
         staged_only = self._first_in_route and n_staged and not len(ready) and not nf
-        one_turn = staged_only and per_turn == n_staged  # (every staged expert has its buffer: one group)
-        if written or (staged_only and (per_turn == 1 or one_turn)):
+        one_staged_turn = n_staged and per_turn == n_staged  # (every staged expert has its buffer: one group)
+        # (the route call wrote the ready and fetched experts' group, or, with only staged experts in one turn, theirs
+        # in the staging buffers it gave them, which are these stage_rows: the first free ones)
+        written = fg is not None and len(first) > 0 and fg[3] == (n_staged if fg[4] else len(ready) + nf)
+        if (written or staged_only) and (not n_staged or one_staged_turn or per_turn == 1):
             # the CPU device, and either the first group written by the route call (the ready and fetched
-            # experts, checked there, no prefetch among them) or only staged experts: the stopwatch stopped once
-            # for the copies and the computes after them. The written group is taken before the copies (its
-            # indices do not depend on the copies' data); one-expert turns are set up, and a group of every
-            # staged expert built and checked, once their copies are issued (the rows then hold them).
-            group = [self._written(len(ready) + nf)] if written else []  # (checked above: it is this group)
-            box = []  # the one-expert turns' set-up, then their stamps
-            prepare = None
-            if one_turn:
-                def prepare():
-                    group.append(self._group(plan, routing, seg[staged], rows[staged]))
-            elif n_staged and per_turn == 1:
-                def prepare():
-                    box.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
+            # experts, checked there, no prefetch among them) or only staged experts, the staged ones in one turn
+            # or one at a time: the stopwatch stopped once for the copies and the computes after them, to the
+            # layer's end. The written group is taken before the copies (its indices do not depend on the copies'
+            # data); the staged experts' group or turns are set up once their copies are issued (the rows then
+            # hold them); then the lane's records are made and the lane settled (:meth:`_settle_ahead`).
+            groups = [self._written(fg[3])] if written else []  # (checked above: it is this group)
+            turns = []  # the one-expert turns' set-up, then their stamp lists
+            records = []  # the groups' records
 
-            def run():  # (start, end) of the group, else (start of the first turn, None)
-                stamps = self._forward_group(group[0], x, out_buf) if group else None
-                if box:
-                    box.append(self._single_loop(box[0], x, out_buf))
-                return stamps if stamps is not None else (box[1][0][0], None)
+            def prepare():
+                if one_staged_turn:
+                    if not (written and fg[4]):
+                        groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws))
+                elif n_staged:
+                    turns.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
+                    turns.append(self._single_booked(plan, turns[0]))
+                records.extend(self._group_booked(plan, g) for g in groups)
+                self._settle_ahead(plan, lanes, stage_rows)
 
-            stamps = self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
-            if group:
-                self._group_done(plan, group[0], *stamps)
-            if box:
-                singles = box
-            fetched_events, ready, after, waiting = None, ready[:0], lanes.fetched[:0], ready[:0]
-        else:
-            fetched_events = self._copy_now(plan, first, experts, rows, sw)
-            ready, after, waiting = self._ready(lanes, rows, fetched_events)
+            def run():  # the first stamp of the lane's device work
+                for g, rec in zip(groups, records):
+                    rec[2], rec[3] = self._forward_group(g, x, out_buf)
+                if turns:
+                    self._single_loop(turns[0], x, out_buf, turns[1])
+                    self._single_after(plan, turns[0], turns[1])
+                return records[0][2] if records else turns[1][0][0]
+
+            self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
+            return
+        fetched_events = self._copy_now(plan, first, experts, rows, sw)
+        ready, after, waiting = self._ready(lanes, rows, fetched_events)
         if len(ready):
             self._compute(plan, routing, seg[ready], rows[ready], x, out_buf, sw)
         if len(after):
             self._wait_events(fetched_events, first, after)
             self._compute(plan, routing, seg[after], rows[after], x, out_buf, sw)
         # 3. staging turns
-        if singles is not None:  # (done with the first group)
-            self._single_done(plan, *singles)
-        elif n_staged and not one_turn:
+        if n_staged:
             turns = self._single_turns if per_turn == 1 else self._staging_turns
             turns(plan, routing, lanes, stage_rows, per_turn, halves, fetched_events, first, x, out_buf, sw)
         if n_staged:
@@ -496,9 +525,9 @@ class OffloadRuntime:
                   after: list | None = None, staging: bool = False, then=None, prepare=None):
         """On-demand copies of lane positions ``idx`` into their rows, from this thread; on CUDA their end
         events (aligned with ``idx``), else None (done). ``staging``: the rows are staging buffers, which
-        no background copy writes. ``then`` (the CPU device): device work run right after the copies, before the
-        stopwatch restarts; its (start, end) host stamps are returned. ``prepare``: called (bookkeeping) once the
-        rows hold their experts, before the copies are issued."""
+        no background copy writes. ``then`` (the CPU device): device work run right after the copies, which returns its
+        first host stamp; the stopwatch is not started again (``prepare`` did the bookkeeping). ``prepare``: called
+        (bookkeeping) once the rows hold their experts, before the copies are issued."""
         if not len(idx):
             return None if not self.dev.is_cuda else []
         pool, layer = self.pool, plan.layer
@@ -520,10 +549,8 @@ class OffloadRuntime:
         ends = self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, plan.step, after=after,
                                      previous=previous, pause=sw, resume=then is None)
         if then is not None:  # the CPU device: the lane waited for its copies until then's start
-            stamps = then()
-            sw.start()
-            self._wait[layer] += stamps[0] - w0
-            return stamps
+            self._wait[layer] += then() - w0
+            return None
         if ends is None:  # the CPU device: the lane waited for its copies while they were made
             self._wait[layer] += time.perf_counter() - w0
         return ends
@@ -535,7 +562,7 @@ class OffloadRuntime:
             last = int(np.searchsorted(issued, idx).max())
             self.compute_stream.wait_event(events[last])
 
-    def _staging_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
+    def _staging_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: np.ndarray,
                        per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
                        out_buf: torch.Tensor, sw: Stopwatch) -> None:
         """Turn t (``per_turn`` staged experts, in the rows of half ``t % halves``; the first ``halves`` turns
@@ -561,20 +588,21 @@ class OffloadRuntime:
                 if ends:
                     events[nxt] = ends
 
-    def _single_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
+    def _single_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: np.ndarray,
                       per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
                       out_buf: torch.Tensor, sw: Stopwatch) -> None:
         """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts). The slot table
-        is checked and settled in array operations (:meth:`_single_setup`, :meth:`_single_done`) around one loop
+        is checked and settled in array operations (:meth:`_single_setup`, :meth:`_single_booked`) before one loop
         that issues nothing but the device work (:meth:`_single_loop`) and keeps its stamps; the stopwatch is
         stopped across that loop and the intervals are recorded as one series per track (:meth:`Timer.add_series`)."""
         turns = self._single_setup(plan, routing, lanes, stage_rows, halves, first_events, first)
+        stamps = self._single_booked(plan, turns)
         sw.stop()  # the device work of every turn
-        stamps = self._single_loop(turns, x, out_buf)
+        self._single_loop(turns, x, out_buf, stamps)
         sw.start()
-        self._single_done(plan, turns, stamps)
+        self._single_after(plan, turns, stamps)
 
-    def _single_setup(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: list[int],
+    def _single_setup(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: np.ndarray,
                       halves: int, first_events, first: np.ndarray) -> tuple:
         """What the loop of one-expert turns needs, the first turns' buffers checked (after their copies are issued:
         they hold their experts, with no copy in flight; the later turns' copies are the loop's own, as no
@@ -600,7 +628,7 @@ class OffloadRuntime:
             sel = np.repeat(lo - np.cumsum(per) + per, per) + np.arange(per.sum())  # the pairs in staging order
             pos = routing.positions[sel]
             pairs = self._pairs_on_accel(pos, pos // routing.top_k, routing.weights[sel])
-        R = stage_rows[:halves]  # turn t's buffer: R[t % halves]
+        R = stage_rows[:halves].tolist()  # turn t's buffer: R[t % halves]
         hold_l, hold_e, inflight = pool.hold_layer, pool.hold_expert, pool.inflight
         for j in range(min(n, halves)):
             r = R[j]
@@ -629,17 +657,18 @@ class OffloadRuntime:
             v = self._prepared_rows[row] = self.layout.prepare(self.pool.slots[row].data)
         return v
 
-    def _single_loop(self, turns: tuple, x: torch.Tensor, out_buf: torch.Tensor) -> tuple:
+    def _single_loop(self, turns: tuple, x: torch.Tensor, out_buf: torch.Tensor, stamps: tuple) -> None:
         """The device work of the one-expert turns (per turn: the compute from buffer ``t % halves``, then the copy
-        of turn t + ``halves`` into it); their stamps (compute starts and ends, copy starts and ends). The turns'
-        tokens are gathered in one call (within the first turn's interval) and their weighted outputs scattered
-        in one (within the last's): per turn no more than the expert's own calls and the copy."""
+        of turn t + ``halves`` into it); their stamps appended to ``stamps`` (:meth:`_single_booked`'s lists:
+        compute starts and ends, copy starts and ends). The turns' tokens are gathered in one call (within the
+        first turn's interval) and their weighted outputs scattered in one (within the last's): per turn no more
+        than the expert's own calls and the copy."""
         E, tokens, _, halves, views, bufs, src, (pos_t, tok_t, w_t), events = turns
         cuda, n = events is not None, len(E)
         stream, mark, forward, copy_one = self.compute_stream, self.timer.mark, self.layout.forward_prepared, \
             self.copies.copy_one
-        starts, ends, c0s, c1s, ys = [], [], [], [], []
-        xs = ()
+        starts, ends, c0s, c1s = stamps
+        ys, xs = [], ()
         for t in range(n):
             if cuda:
                 stream.wait_event(events[t])
@@ -657,28 +686,34 @@ class OffloadRuntime:
                 c1s.append(c1)
                 if cuda:
                     events.append(c1)
-        return starts, ends, c0s, c1s
 
-    def _single_done(self, plan: LayerPlan, turns: tuple, stamps: tuple) -> None:
-        """After the loop: each buffer holds the expert of its last turn; the turns' intervals as one series each."""
-        pool, layer, step = self.pool, plan.layer, plan.step
-        E, tokens, R, halves, cuda = turns[0], turns[1], turns[2], turns[3], turns[8] is not None
-        starts, ends, c0s, c1s = stamps
-        n = len(E)
-        hold_e = pool.hold_expert
-        for j, r in enumerate(R[:min(n, halves)]):
-            last = j + (n - 1 - j) // halves * halves
+    def _single_booked(self, plan: LayerPlan, turns: tuple) -> tuple:
+        """Before the loop of one-expert turns: each buffer holds the expert of its last turn (:func:`_last_turns`);
+        the turns' intervals recorded as one series per track, of the four lists returned, which the loop fills
+        (:meth:`_single_loop`)."""
+        layer, step = plan.layer, plan.step
+        E, tokens, R, halves = turns[0], turns[1], turns[2], turns[3]
+        stamps = ([], [], [], [])
+        hold_e = self.pool.hold_expert
+        for r, last in zip(R, _last_turns(len(E), halves)):
             hold_e[r] = E[last]
-            if cuda:
-                pool.last_use[r] = ends[last]
         timer = self.timer
-        timer.add_series("gpu", "expert", step, layer, E, tokens, starts, ends)
-        if c0s:
-            timer.add_series("pcie", "fetch", step, layer, E[halves:], None, c0s, c1s)
-            if not cuda:  # the lane waited while the host copied
-                self._wait[layer] += sum(c1s) - sum(c0s)
-        self.groups["gpu"] += n
-        self.grouped_experts["gpu"] += n
+        timer.add_series("gpu", "expert", step, layer, E, tokens, stamps[0], stamps[1])
+        if len(E) > halves:  # (the loop copies turn t + halves after turn t)
+            timer.add_series("pcie", "fetch", step, layer, E[halves:], None, stamps[2], stamps[3])
+        self.groups["gpu"] += len(E)
+        self.grouped_experts["gpu"] += len(E)
+        return stamps
+
+    def _single_after(self, plan: LayerPlan, turns: tuple, stamps: tuple) -> None:
+        """After the loop of one-expert turns: on CUDA each buffer's last compute (a later copy into it waits for it);
+        on the CPU device the lane waited while the host copied."""
+        if turns[8] is not None:
+            ends, last_use = stamps[1], self.pool.last_use
+            for r, last in zip(turns[2], _last_turns(len(turns[0]), turns[3])):
+                last_use[r] = ends[last]
+        elif stamps[2]:
+            self._wait[plan.layer] += sum(stamps[3]) - sum(stamps[2])
 
     def _compute(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray, x: torch.Tensor,
                  out_buf: torch.Tensor, sw: Stopwatch):
@@ -724,28 +759,35 @@ class OffloadRuntime:
 
     def _group_done(self, plan: LayerPlan, group: tuple, start, end):
         """A group's records once computed; on CUDA its end event (:meth:`_compute`'s return value), else None."""
-        g_rows, experts, counts = group[0], group[4], group[5]
-        self.timer.add_group("gpu", plan.step, plan.layer, experts, counts, start, end)
-        self.groups["gpu"] += 1
-        self.grouped_experts["gpu"] += len(g_rows)
+        rec = self._group_booked(plan, group)
+        rec[2], rec[3] = start, end
         if self.compute_stream is None:
             return None
-        for r in g_rows.tolist():
+        for r in group[0].tolist():
             self.pool.last_use[r] = end  # a later copy into this slot waits for this compute
         return end
 
-    def _group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray) -> tuple:
+    def _group_booked(self, plan: LayerPlan, group: tuple) -> list:
+        """A group's record, made before its compute: its (start, end) stamps are to be written into the record's
+        items 2 and 3 (:meth:`Timer.add_group_open`)."""
+        self.groups["gpu"] += 1
+        self.grouped_experts["gpu"] += len(group[0])
+        return self.timer.add_group_open("gpu", plan.step, plan.layer, group[4], group[5])
+
+    def _group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray,
+               ws: GroupWorkspace | None = None) -> tuple:
         """A group of the accelerator lane (the experts ``seg`` in slot ``rows``), its rows checked: (its rows
         sorted, the first row lo of its span, the tokens per row of the span, its index tensors on the
         accelerator (:func:`_device_indices`), its experts and their tokens (lists, for the timeline)). With
         numba written into the group workspace (on the CPU device its tensors are views of it), else a
-        :class:`GroupIndex`. The layer's first group may have been written by the route call (``_first``)."""
+        :class:`GroupIndex`. The layer's first group may have been written by the route call (``_first``). ``ws``:
+        another workspace than the lane's (a group built while the last one's views are still to be read)."""
         pool, dev, layer = self.pool, self.dev, plan.layer
         g = len(seg)
         first = self._first
-        if first is not None and first[3] == g:  # the layer's first group, written (and checked) by the route call
-            return self._written(g)
-        ws = self._group_ws
+        if first is not None and first[3] == g and not first[4]:  # the layer's first group, written (and checked) by
+            return self._written(g)  # the route call
+        ws = self._group_ws if ws is None else ws
         if (kernel := _kernels.compiled("group_index_into")) is not None:
             n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool.state)
         else:
@@ -772,7 +814,7 @@ class OffloadRuntime:
     def _written(self, g: int) -> tuple:
         """:meth:`_group` of the layer's first group (``g`` experts), as the route call wrote and checked it (the CPU
         device: its tensors are views of the workspace's), taken."""
-        (n, lo, span, _), ws = self._first, self._group_ws
+        (n, lo, span, _, _), ws = self._first, self._group_ws
         self._first = None
         t_pos, t_tok, t_rows, t_w, t_offs = ws.views(n, span)
         dtype = self.dev.dtype
@@ -882,11 +924,12 @@ class _AccelLane:
     routing's experts (``seg``) and slot rows (``rows``; -1 = a staged expert, given a staging buffer by its
     turn); positions (into ``experts``) of the experts whose weights are there or coming by a prefetch
     (``ready``), of the admitted on-demand ones (``fetched``) and of the staged ones (``staged``, touch
-    order), which follow each other in ``order``; ``freed``: positions whose prefetch buffer is freed after their compute (the cache declined
-    them)."""
+    order), which follow each other in ``order``; ``freed``: positions whose prefetch buffer is freed after their
+    compute (the cache declined them); ``settled``: the slot table settled and the layer checked ahead of the lane's
+    device work, which ran to the layer's end with the stopwatch stopped (:meth:`OffloadRuntime._settle_ahead`)."""
 
     __slots__ = ("n", "experts", "seg", "rows", "order", "ready", "fetched", "staged", "freed",
-                 "prefetched_in_flight", "staging_used", "all_cached")
+                 "prefetched_in_flight", "staging_used", "all_cached", "settled")
 
     @classmethod
     def of(cls, plan: LayerPlan, pool: SlotPool, split: np.ndarray, order: np.ndarray, hits: int, ready: int,
@@ -899,6 +942,7 @@ class _AccelLane:
             return _NO_LANE
         lane = cls()
         lane.staging_used = 0
+        lane.settled = False
         lane.prefetched_in_flight = False
         lane.freed = []
         lane.n = n = split.shape[1]
@@ -929,13 +973,19 @@ class _AccelLane:
 
 def _empty_lane() -> _AccelLane:
     lane = _AccelLane()
-    lane.n, lane.staging_used, lane.prefetched_in_flight, lane.all_cached = 0, 0, False, False
+    lane.n, lane.staging_used, lane.prefetched_in_flight, lane.all_cached, lane.settled = 0, 0, False, False, False
     lane.freed = ()  # (shared: nothing may be added)
     lane.experts = lane.seg = lane.rows = lane.order = lane.ready = lane.fetched = lane.staged = _EMPTY
     return lane
 
 
 _NO_LANE = _empty_lane()  # a layer visit without accelerator experts
+
+
+def _last_turns(n: int, halves: int) -> list[int]:
+    """Of ``n`` one-expert turns that cycle through ``halves`` buffers (turn t in buffer t % halves), each used
+    buffer's last turn."""
+    return [j + (n - 1 - j) // halves * halves for j in range(min(n, halves))]
 
 
 def _checked_split(plan: LayerPlan, routing: LayerRouting, status: int, cpu_seg, lane, order, hits, ready, fetched):

@@ -120,8 +120,11 @@ class SlotPool:
         self.cache_free: list[deque[int]] = [deque(next(it) for _ in range(c)) for c in caps]
         self.prefetch_free: deque[int] = deque(next(it) for _ in range(prefetch_slots))
         self.prefetched: dict[tuple[int, int], int] = {}  # (layer, expert) -> row
-        #: free staging buffers, first taken first (a list: a layer takes and returns them by the slice)
-        self.staging_free: list[int] = [next(it) for _ in range(staging_slots)]
+        #: the staging buffers, consecutive rows: a layer visit takes the first free ones as one block and returns
+        #: it (a stack: the free ones are ``staging_rows[staging_taken:]``), so a block is a slice of rows
+        self.staging_first = n - staging_slots
+        self.staging_rows = np.arange(self.staging_first, n, dtype=np.int64)
+        self.staging_taken = 0
         self.n_cached = np.zeros(L, np.int64)
 
     @property
@@ -291,34 +294,40 @@ class SlotPool:
         self.n_cached[layer] += 1
 
     # ---- staging buffers ----------------------------------------------------------------------
+    @property
+    def staging_free(self) -> list[int]:
+        """The free staging buffers, in the order they are taken."""
+        return self.staging_rows[self.staging_taken:].tolist()
+
     def take_staging(self, layer: int, expert: int) -> Slot | None:
-        if not self.staging_free:
+        if self.staging_taken == self.num_staging:
             return None
-        row = self.staging_free.pop(0)
+        row = int(self.take_staging_rows(1)[0])
         self._hold(row, layer, expert)
         return self.slots[row]
 
     def release_staging(self, slot: Slot) -> None:
-        self._release(slot.index)
-        self.staging_free.append(slot.index)
+        self.release_staging_rows(np.array([slot.index]))
 
-    def take_staging_rows(self, n: int) -> list[int]:
-        """``n`` free staging buffers for a layer's staged experts (they hold nothing until a copy is issued
-        into them: :meth:`hold_rows`); returned with :meth:`release_staging_rows`."""
-        if n > len(self.staging_free):
-            raise AssertionError(f"{n} staging buffers asked, {len(self.staging_free)} of {self.num_staging} free")
-        free = self.staging_free
-        rows = free[:n]
-        del free[:n]
-        return rows
+    def take_staging_rows(self, n: int) -> np.ndarray:
+        """``n`` free staging buffers for a layer's staged experts, consecutive rows (a view of
+        ``staging_rows``; they hold nothing until a copy is issued into them: :meth:`hold_rows`); returned with
+        :meth:`release_staging_rows`."""
+        top = self.staging_taken
+        if n > self.num_staging - top:
+            raise AssertionError(f"{n} staging buffers asked, {self.num_staging - top} of {self.num_staging} free")
+        self.staging_taken = top + n
+        return self.staging_rows[top:top + n]
 
-    def release_staging_rows(self, rows: list[int]) -> None:
-        if len(rows) <= 2:  # (a layer's one-expert turns: two buffers)
-            for r in rows:
-                self.hold_layer[r] = self.hold_expert[r] = -1
-        else:  # (every staged expert of a layer in its own buffer: tens)
-            self.state[:2, np.array(rows, np.int64)] = -1
-        self.staging_free.extend(rows)
+    def release_staging_rows(self, rows: np.ndarray) -> None:
+        """Return the last staging buffers taken (:meth:`take_staging_rows`'s block), cleared."""
+        n, top = len(rows), self.staging_taken
+        if n > top or (n and rows[0] != self.staging_rows[top - n]):
+            raise AssertionError(f"staging buffers {np.asarray(rows).tolist()} returned, but the last ones taken are "
+                                 f"{self.staging_rows[max(0, top - n):top].tolist()}")
+        self.staging_taken = top - n
+        if n:
+            self.state[:2, rows[0]:rows[0] + n] = -1  # (consecutive rows)
 
     def hold_rows(self, rows, layer: int, experts) -> None:
         """The rows now hold these experts of ``layer`` (a copy into them is being issued)."""
@@ -363,9 +372,9 @@ class SlotPool:
         if len(self.prefetched) + len(self.prefetch_free) != self.num_prefetch:
             raise AssertionError(f"{len(self.prefetched)} prefetched + {len(self.prefetch_free)} free buffers, "
                                  f"expected {self.num_prefetch}")
-        if len(self.staging_free) + staging_in_use != self.num_staging:
-            raise AssertionError(f"{len(self.staging_free)} free + {staging_in_use} used staging buffers, "
-                                 f"expected {self.num_staging}")
+        if self.staging_taken != staging_in_use:
+            raise AssertionError(f"{self.num_staging - self.staging_taken} free + {staging_in_use} used staging "
+                                 f"buffers, expected {self.num_staging}")
 
     def check(self, staging_in_use: int = 0) -> None:
         """Each role keeps its number of slots and no slot is in two places."""
@@ -376,7 +385,7 @@ class SlotPool:
             if len(cached) != self.n_cached[layer]:
                 raise AssertionError(f"layer {layer}: {len(cached)} experts cached, {int(self.n_cached[layer])} counted")
             seen += cached + list(self.cache_free[layer])
-        seen += list(self.prefetched.values()) + list(self.prefetch_free) + list(self.staging_free)
+        seen += list(self.prefetched.values()) + list(self.prefetch_free) + self.staging_free
         if len(seen) != len(set(seen)):
             raise AssertionError("a slot is in two places of the slot table")
 

@@ -130,6 +130,16 @@ class Timer:
         with self._lock:
             self._raw.append((track, (step, layer, experts, tokens), start, end))
 
+    def add_group_open(self, track: str, step: int, layer: int, experts, tokens) -> list:
+        """:meth:`add_group` made before the call: the record, whose items 2 and 3 the caller sets to the call's
+        (start, end) stamps as it takes them (before the intervals are read)."""
+        if track not in TRACKS:
+            raise ValueError(f"unknown track {track!r}")
+        rec = [track, (step, layer, experts, tokens), None, None]
+        with self._lock:
+            self._raw.append(rec)
+        return rec
+
     def seconds(self, stamp, origin: tuple | None = None) -> float:
         """A stamp in seconds since the start (``origin``: the (host time, base event) of another start)."""
         t0, base = origin if origin is not None else (self.t0, getattr(self, "_base", None))
