@@ -28,6 +28,7 @@ from dali_exec.executor import (  # noqa: E402
 from dali_exec.executor.devices import Devices  # noqa: E402
 from dali_exec.executor.runtime import OffloadRuntime  # noqa: E402
 from dali_sim.policies import system_names  # noqa: E402
+from dali_sim.runtime.controller import PREFETCHED  # noqa: E402
 from dali_sim.sim import simulate  # noqa: E402
 from dali_sim.sim.counters import COUNTERS  # noqa: E402
 from dali_sim.trace import read_trace  # noqa: E402
@@ -330,21 +331,31 @@ def test_staged_experts_with_a_buffer_each_are_one_group_after_their_copies(mix,
     ("gpu-lru", {"staging_slots": "2", "cache_experts": "3"}, "first group, one-expert turns"),
     ("gpu-lru", {"staging_slots": "8", "cache_experts": "0"}, "the staged experts' group, written by the route call"),
     ("gpu-static", {"cache_experts": "7"}, "every expert a hit"),
+    ("mixtral-offloading-best", {}, "landed prefetches"),
 ])
 def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypatch, system, over, kind):
     """On the CPU device a lane whose device work runs in one pause (its copies, then its groups or one-expert turns)
     is settled before that work: its records made, its staging buffers returned, the layer's end checked; the work
     writes its stamps into the records as it runs. Copies held back: a compute that did not wait would read stale
-    buffers. Outputs as the reference's, counts as the simulator's, an interval per expert computed."""
-    settle, group = OffloadRuntime._settle_ahead, OffloadRuntime._group
+    buffers. Outputs as the reference's, counts as the simulator's, an interval per expert computed. With prefetches,
+    a visit's background copies land before it (drained): a lane with prefetched experts is settled once they have
+    landed (and the cache admits them)."""
+    settle, group, run_experts = OffloadRuntime._settle_ahead, OffloadRuntime._group, OffloadRuntime.run_experts
     settled, built = [], []
 
     def spy(self, plan, lanes, stage_rows):
         settle(self, plan, lanes, stage_rows)
-        settled.append((self.pool.staging_taken, lanes.staging_used, lanes.settled, lanes.all_cached))
+        settled.append((self.pool.staging_taken, lanes.staging_used, lanes.settled, lanes.all_cached,
+                        bool((plan.source == PREFETCHED).any())))
+
+    def landed_first(self, *a, **k):
+        self.copies.drain()
+        return run_experts(self, *a, **k)
 
     monkeypatch.setattr(OffloadRuntime, "_settle_ahead", spy)
     monkeypatch.setattr(OffloadRuntime, "_group", lambda self, *a: built.append(1) or group(self, *a))
+    if not over:
+        monkeypatch.setattr(OffloadRuntime, "run_experts", landed_first)
     records = []
     slow = dataclasses.replace(CPU_RUN, copy_delay_s=0.001)
     result = execute(mix, system, TINY, slow, batch_size=BATCH, overrides={"memory": over}, on_layer=records.append)
@@ -359,6 +370,8 @@ def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypa
         assert not built
     if system == "gpu-static":
         assert any(s[3] for s in settled)  # (every expert a hit: one group, nothing copied)
+    if not over:
+        assert sum(s[4] for s in settled) == sum(bool((rec.plan.source == PREFETCHED).any()) for rec in records) > 0
     computed = [iv for iv in result.intervals if iv.track == "gpu" and iv.name.startswith("L")]
     assert len(computed) == result.summary["executor"]["grouped_calls"]["gpu"]["experts"]
     assert all(math.isfinite(iv.start) and iv.end >= iv.start >= 0 for iv in computed)

@@ -432,23 +432,27 @@ class OffloadRuntime:
         # 2. what is there: hits and landed prefetches (and, without CUDA, the copies just made)
         ready = lanes.ready
         fg = self._first
-        staged_only = self._first_in_route and n_staged and not len(ready) and not nf
         one_staged_turn = n_staged and per_turn == n_staged  # (every staged expert has its buffer: one group)
         # (the route call wrote the ready and fetched experts' group, or, with only staged experts in one turn, theirs
         # in the staging buffers it gave them, which are these stage_rows: the first free ones)
         written = fg is not None and len(first) > 0 and fg[3] == (n_staged if fg[4] else len(ready) + nf)
-        if (written or staged_only) and (not n_staged or one_staged_turn or per_turn == 1):
-            # the CPU device, and either the first group written by the route call (the ready and fetched
-            # experts, checked there, no prefetch among them) or only staged experts, the staged ones in one turn
-            # or one at a time: the stopwatch stopped once for the copies and the computes after them, to the
-            # layer's end. The written group is taken before the copies (its indices do not depend on the copies'
-            # data); the staged experts' group or turns are set up once their copies are issued (the rows then
-            # hold them); then the lane's records are made and the lane settled (:meth:`_settle_ahead`).
+        if self._first_in_route and not lanes.prefetched_in_flight and not lanes.freed and \
+                (not n_staged or one_staged_turn or per_turn == 1):
+            # the CPU device, every prefetched expert landed and admitted, the staged ones in one turn or one at a
+            # time: the stopwatch stopped once for the copies and the computes after them, to the layer's end. The
+            # group of the ready and fetched experts (hits, landed prefetches, admissions) is the route call's when
+            # it wrote it (taken before the copies: its indices do not depend on the copies' data), else built with
+            # the staged experts' group or turns once the copies are issued (the rows then hold them); then the
+            # lane's records are made and the lane settled (:meth:`_settle_ahead`).
+            n_first = len(ready) + nf
             groups = [self._written(fg[3])] if written else []  # (checked above: it is this group)
             turns = []  # the one-expert turns' set-up, then their stamp lists
             records = []  # the groups' records
 
             def prepare():
+                if n_first and not (written and not fg[4]):
+                    both = lanes.order[:n_first]
+                    groups.append(self._group(plan, routing, seg[both], rows[both]))
                 if one_staged_turn:
                     if not (written and fg[4]):
                         groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws))
@@ -466,7 +470,12 @@ class OffloadRuntime:
                     self._single_after(plan, turns[0], turns[1])
                 return records[0][2] if records else turns[1][0][0]
 
-            self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
+            if len(first):
+                self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
+            else:  # (nothing to copy: landed prefetches and hits)
+                prepare()
+                sw.stop()
+                run()
             return
         fetched_events = self._copy_now(plan, first, experts, rows, sw)
         ready, after, waiting = self._ready(lanes, rows, fetched_events)
