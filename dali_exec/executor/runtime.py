@@ -280,7 +280,8 @@ class OffloadRuntime:
         layer's end checked (:meth:`_layer_checked`) ahead of that work, its records made (their stamps written as
         it runs). Bookkeeping after it would start on the caches its computes emptied. The rows were checked
         when the groups and turns were built, and nothing writes them before the computes read them (no
-        background copy writes a staging buffer or a cache row of the layer being computed)."""
+        background copy writes a staging buffer or a cache row, and the lane's prefetched experts have landed;
+        a lane that frees a prefetch buffer, which a waiting prefetch would take at once, is not settled ahead)."""
         if len(stage_rows):
             self.pool.release_staging_rows(stage_rows)
             lanes.staging_used = 0
@@ -395,7 +396,11 @@ class OffloadRuntime:
            waits for that compute's event; the host never waits);
         4. prefetched experts whose background copy is still in flight are computed once it lands (the
            host waits: the copy thread may not have issued it yet); ``inline`` (the CPU lane's work when it
-           runs in this thread) is done before that first wait."""
+           runs in this thread) is done before that first wait.
+
+        On the CPU device, where this thread does the copies and the computes, a lane with no prefetch in flight,
+        no prefetch buffer to free and its staged experts in one turn or one at a time is settled ahead of that
+        work (:meth:`_settle_ahead`), which then runs to the layer's end with the stopwatch stopped."""
         pool, layer, step = self.pool, plan.layer, plan.step
         experts, rows, seg = lanes.experts, lanes.rows, lanes.seg
         if lanes.all_cached:  # (every one a hit: one group, nothing to copy or free)
