@@ -451,7 +451,7 @@ class OffloadRuntime:
             # lane's records are made and the lane settled (:meth:`_settle_ahead`).
             n_first = len(ready) + nf
             groups = [self._written(fg[3])] if written else []  # (checked above: it is this group)
-            turns = []  # the one-expert turns' set-up, then their stamp lists
+            singles = []  # the one-expert turns' set-up, then their stamp lists
             records = []  # the groups' records
 
             def prepare():
@@ -462,18 +462,18 @@ class OffloadRuntime:
                     if not (written and fg[4]):
                         groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws))
                 elif n_staged:
-                    turns.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
-                    turns.append(self._single_booked(plan, turns[0]))
+                    singles.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
+                    singles.append(self._single_booked(plan, singles[0]))
                 records.extend(self._group_booked(plan, g) for g in groups)
                 self._settle_ahead(plan, lanes, stage_rows)
 
             def run():  # the first stamp of the lane's device work
                 for g, rec in zip(groups, records):
                     rec[2], rec[3] = self._forward_group(g, x, out_buf)
-                if turns:
-                    self._single_loop(turns[0], x, out_buf, turns[1])
-                    self._single_after(plan, turns[0], turns[1])
-                return records[0][2] if records else turns[1][0][0]
+                if singles:
+                    self._single_loop(singles[0], x, out_buf, singles[1])
+                    self._single_after(plan, singles[0], singles[1])
+                return records[0][2] if records else singles[1][0][0]
 
             if len(first):
                 self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
