@@ -26,7 +26,7 @@ from dali_sim.models.presets import get_model  # noqa: E402
 from dali_sim.models.scaled import scale_model  # noqa: E402
 from dali_sim.policies import placement_dali as PD  # noqa: E402
 from dali_sim.policies import system_names  # noqa: E402
-from dali_sim.runtime.controller import CPU, FETCH, HIT  # noqa: E402
+from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED  # noqa: E402
 from dali_sim.sim.counters import COUNTERS  # noqa: E402
 from dali_sim.trace import read_trace  # noqa: E402
 from dali_sim.trace.synth import SynthConfig, synthesize  # noqa: E402
@@ -84,8 +84,8 @@ def test_a_replay_through_the_workspaces_equals_the_numpy_code(traces, shape, sy
     assert intervals == plain_intervals
 
 
-def _runtime(capacity=30, experts=30, staging=0):
-    pool = SlotPool(np.array([capacity]), 0, staging, 4, torch.float32, torch.device("cpu"), num_experts=experts)
+def _runtime(capacity=30, experts=30, staging=0, prefetch=0):
+    pool = SlotPool(np.array([capacity]), prefetch, staging, 4, torch.float32, torch.device("cpu"), num_experts=experts)
     return SimpleNamespace(pool=pool, _route_ws=RouteWorkspace(), _ws_routing=None,
                            _group_ws=GroupWorkspace(len(pool.slots), torch.device("cpu")), _first_in_route=True,
                            _first=None, _route_entries=K.Entries("route_partition", _ROUTE_LOOSE))
@@ -95,7 +95,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
     if K.compiled("route_partition") is None:
         pytest.skip("the route call is compiled code (numba)")
     rng = np.random.default_rng(7)
-    staged_groups = 0
+    staged_groups = prefetched_groups = 0
     for trial in range(60):
         T, k, E = int(rng.integers(1, 30)), int(rng.integers(1, 5)), 24
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
@@ -106,10 +106,13 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         # a third of the trials stage every accelerator expert: with a staging buffer for each, the route call gives
         # them the first free ones and writes their group
         staged_only = trial % 3 == 0
-        source = rng.choice([FETCH, CPU] if staged_only else [HIT, FETCH, CPU], len(experts)).astype(np.int8)
-        runtime = _runtime(staging=int(rng.integers(0, 30 if staged_only else 8)))
+        kinds = [FETCH, CPU] if staged_only else [HIT, FETCH, CPU] + [PREFETCHED] * (trial % 3 == 1)
+        source = rng.choice(kinds, len(experts)).astype(np.int8)
+        runtime = _runtime(staging=int(rng.integers(0, 30 if staged_only else 8)), prefetch=len(experts))
         pool = runtime.pool
         pool.admit_many(0, experts[source == HIT].astype(np.int64))
+        for e in experts[source == PREFETCHED].tolist():  # (landed: the group is written with their buffers' rows)
+            pool.take_prefetch(0, e)
         admitted = (source == FETCH) & (rng.random(len(experts)) < (0 if staged_only else 0.5))
         plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=r.counts()[touch],
                                source=source, admitted=admitted, evicted=[])
@@ -131,8 +134,12 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         assert np.array_equal(runtime._route_ws.wf[1, :q], r.weights[sel])
         assert [a.tolist() for a in runtime._route_ws.turn_arrays(q)] == \
             [r.positions[sel].tolist(), (r.positions[sel] // k).tolist(), r.weights[sel].tolist()]
-        # the first group (hits and admitted fetches), written when it has two experts or more; else, with only
-        # staged experts and a buffer for each, theirs, in the first free buffers, which hold them
+        # the first group (hits, prefetched experts in their buffers and admitted fetches), written when it has two
+        # experts or more; else, with only staged experts and a buffer for each, theirs, in the first free buffers,
+        # which hold them
+        pre = order[:ready][lane[4, order[:ready]] == K.PREFETCHED_KIND]
+        assert len(pre) == ready - hits
+        assert np.array_equal(lane[2, pre], [pool.prefetched[(0, int(e))] for e in lane[3, pre]])
         first = order[:ready + fetched]
         staged_group = not len(first) and 0 < len(staged) <= pool.num_staging
         staged_groups += staged_group
@@ -147,6 +154,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
             continue
         gi = GroupIndex.build(r, lane[1, first], lane[2, first], (0, *runtime.pool.state))
         pairs, lo, span, g, is_staged = runtime._first
+        prefetched_groups += len(pre) > 0
         gws = runtime._group_ws
         assert (pairs, lo, span, g) == (len(gi.pairs), gi.lo, len(gi.table_counts), len(first)) and gi.rows_ready
         assert is_staged == staged_group
@@ -154,7 +162,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         assert np.array_equal(gws.w[:pairs], gi.weights) and np.array_equal(gws.offs[:span], gi.offs)
         assert np.array_equal(gws.small[:, :g], np.stack([gi.rows, gi.experts, gi.counts]))
         assert np.array_equal(gws.table_counts[:span], gi.table_counts)
-    assert staged_groups >= 3
+    assert staged_groups >= 3 and prefetched_groups >= 3
 
 
 def test_the_route_call_writes_the_first_group_only_when_its_rows_are_ready():
@@ -163,15 +171,19 @@ def test_the_route_call_writes_the_first_group_only_when_its_rows_are_ready():
     ids = np.array([[0, 1], [1, 2]])
     w = np.full((2, 2), 0.5, np.float32)
     r = LayerRouting.group(ids, w)
-    for busy in (False, True):
-        runtime = _runtime()
-        runtime.pool.admit_many(0, np.array([0, 1, 2]))
-        if busy:  # a copy into one of the rows still in flight: not written; the compute-time group checks
-            runtime.pool.inflight[runtime.pool.row_of[0, 1]] = 1
+    for busy, prefetched in ((False, False), (True, False), (False, True), (True, True)):
+        runtime = _runtime(prefetch=1)
+        pool = runtime.pool
+        pool.admit_many(0, np.array([0, 2] if prefetched else [0, 1, 2]))
+        row = pool.take_prefetch(0, 1).index if prefetched else pool.row_of[0, 1]
+        if busy:  # a copy into one of the rows still in flight (a prefetch, or a swap): not written; the compute-time
+            pool.inflight[row] = 1  # group checks
+        source = np.array([HIT, PREFETCHED if prefetched else HIT, HIT], np.int8)
         plan = SimpleNamespace(layer=0, step=0, experts=np.array([0, 1, 2], np.int16), counts=r.counts(),
-                               source=np.full(3, HIT, np.int8), admitted=np.zeros(3, bool), evicted=[])
+                               source=source, admitted=np.zeros(3, bool), evicted=[])
         OffloadRuntime._route(runtime, plan, ids, w)
         assert (runtime._first is None) == busy
+        assert busy or runtime._group_ws.small[0, :3].tolist() == sorted([pool.row_of[0, 0], row, pool.row_of[0, 2]])
         runtime._first_in_route = False  # (on CUDA: never)
         OffloadRuntime._route(runtime, plan, ids, w)
         assert runtime._first is None

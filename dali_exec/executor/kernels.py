@@ -429,8 +429,8 @@ W_ROWS = 21
 PLAN_CODES = np.array([_CPU, _HIT, _PREFETCHED, _FETCH], np.int64)
 
 
-def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of_all, evicted, free, layer,
-                     state, wi, wf, gi, gw, goffs, stage_lo, stage_n):
+def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, row_of_all, prefetch_row_all, evicted,
+                     free, layer, state, wi, wf, gi, gw, goffs, stage_lo, stage_n):
     """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of_all[layer]`` is the layer's
     row of the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
     :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
@@ -455,10 +455,11 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     span, ready) or (-1, 0, 0, False), and whether the first group is of staged experts.
 
     The first group: when ``gi`` (``GroupWorkspace.gi``, with ``gw`` and ``goffs``: at least the pairs and
-    the slot table's rows wide; empty to skip) is given, the lane split holds no prefetched expert and the
-    fetched ones are admitted, the group of the ready and fetched experts (at least two; what the CPU
-    device's accelerator lane computes first, :func:`_group_index_into` of them, their rows checked now)
-    is written there: one compiled call per layer instead of two. When there are none of those but staged
+    the slot table's rows wide; empty to skip) is given and the fetched experts are admitted, the group of the
+    ready and fetched experts (at least two; what the CPU device's accelerator lane computes first,
+    :func:`_group_index_into` of them, their rows checked now: a prefetch still in flight leaves it unwritten)
+    is written there: one compiled call per layer instead of two. A prefetched expert's row is its prefetch
+    buffer's, ``prefetch_row_all[layer]`` (``SlotPool.prefetch_row``), also written into the lane's row 2. When there are none of those but staged
     experts, and the ``stage_n`` free staging buffers (consecutive rows from ``stage_lo``:
     ``SlotPool.take_staging_rows``) hold them all, the staged experts take those rows in staging order (the
     lane's row 2 and the table: they hold them, as the copies into them are about to be issued) and their
@@ -525,7 +526,19 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     fg_n, fg_lo, fg_span, fg_ready = -1, 0, 0, False
     nf = ready + fetched
     staged = pstatus == 0 and nf == 0 and 0 < g <= stage_n  # (then every accelerator expert is staged)
-    if ((pstatus == 0 and adm == OK and ready == hits and nf >= 2) or staged) and gi.shape[1] >= flat.shape[0]:
+    first = pstatus == 0 and adm == OK and nf >= 2
+    if first and ready > hits:  # the prefetched experts' rows: their buffers'
+        prow = prefetch_row_all[layer]
+        for t in range(ready):
+            i = lorder[t]
+            if lane[4, i] == PREFETCHED_KIND:
+                e = lane[3, i]
+                r = prow[e] if e < prow.shape[0] else -1
+                if r < 0:  # (not prefetched: the caller's SlotPool.pop_prefetched says so)
+                    first = False
+                    break
+                lane[2, i] = r
+    if (first or staged) and gi.shape[1] >= flat.shape[0]:
         seg = wi[W_FIRST]
         rows = wi[W_FIRST + 1]
         if staged:

@@ -326,7 +326,7 @@ class OffloadRuntime:
             gi, gw, go = _NO_GROUP
         flat, pe, pc, ps, pa = ids.reshape(-1), plan.experts, plan.counts, plan.source, plan.admitted
         taken = pool.staging_taken  # (the free staging buffers: rows from staging_first + taken on)
-        args = (flat, weights.reshape(-1), k, pe, pc, ps, pa, pool.row_of, evicted,
+        args = (flat, weights.reshape(-1), k, pe, pc, ps, pa, pool.row_of, pool.prefetch_row, evicted,
                 np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi, ws.wf, gi, gw, go,
                 pool.staging_first + taken, pool.num_staging - taken)
         key = (flat.dtype, pe.dtype, pc.dtype, ps.dtype, pa.dtype)  # (_ROUTE_LOOSE's; the weights are float32)

@@ -116,6 +116,9 @@ class SlotPool:
         self.last_use: list = [None] * n
         L, E = len(caps), int(num_experts or 1)
         self.row_of = np.full((L, E), -1, np.int64)  # cache row of (layer, expert), -1: not cached
+        #: prefetch buffer row of (layer, expert) while it is prefetched, -1: none (``prefetched`` as an array, which
+        #: the compiled route call reads)
+        self.prefetch_row = np.full((L, E), -1, np.int64)
         it = iter(range(n))
         self.cache_free: list[deque[int]] = [deque(next(it) for _ in range(c)) for c in caps]
         self.prefetch_free: deque[int] = deque(next(it) for _ in range(prefetch_slots))
@@ -135,6 +138,7 @@ class SlotPool:
         if expert >= self.row_of.shape[1]:
             grow = np.full((self.row_of.shape[0], expert + 1 - self.row_of.shape[1]), -1, np.int64)
             self.row_of = np.concatenate([self.row_of, grow], axis=1)
+            self.prefetch_row = np.concatenate([self.prefetch_row, grow], axis=1)
 
     def _hold(self, rows, layer: int, experts) -> None:
         self.hold_layer[rows] = layer
@@ -270,14 +274,17 @@ class SlotPool:
             raise AssertionError(f"all {self.num_prefetch} prefetch buffers are taken")
         row = self.prefetch_free.popleft()
         self._hold(row, layer, expert)
-        self.prefetched[(layer, expert)] = row
+        self._width(expert)
+        self.prefetched[(layer, expert)] = self.prefetch_row[layer, expert] = row
         return self.slots[row]
 
     def pop_prefetched(self, layer: int, expert: int) -> Slot:
         try:
-            return self.slots[self.prefetched.pop((layer, expert))]
+            row = self.prefetched.pop((layer, expert))
         except KeyError:
             raise AssertionError(f"layer {layer} expert {expert} was not prefetched") from None
+        self.prefetch_row[layer, expert] = -1
+        return self.slots[row]
 
     def release_prefetch(self, slot: Slot) -> None:
         self._release(slot.index)
@@ -388,6 +395,9 @@ class SlotPool:
         seen += list(self.prefetched.values()) + list(self.prefetch_free) + self.staging_free
         if len(seen) != len(set(seen)):
             raise AssertionError("a slot is in two places of the slot table")
+        layers, experts = np.nonzero(self.prefetch_row >= 0)
+        if {(int(la), int(e)): int(self.prefetch_row[la, e]) for la, e in zip(layers, experts)} != self.prefetched:
+            raise AssertionError("the prefetch buffers' rows by (layer, expert) differ from the prefetched experts")
 
     def resident(self) -> np.ndarray:
         """(L, E) bool: which experts the cache slots hold (compare with the controller's contents)."""
