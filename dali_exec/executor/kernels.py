@@ -459,11 +459,11 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     ready and fetched experts (at least two; what the CPU device's accelerator lane computes first,
     :func:`_group_index_into` of them, their rows checked now: a prefetch still in flight leaves it unwritten)
     is written there: one compiled call per layer instead of two. A prefetched expert's row is its prefetch
-    buffer's, ``prefetch_row_all[layer]`` (``SlotPool.prefetch_row``), also written into the lane's row 2. When there are none of those but staged
-    experts, and the ``stage_n`` free staging buffers (consecutive rows from ``stage_lo``:
-    ``SlotPool.take_staging_rows``) hold them all, the staged experts take those rows in staging order (the
-    lane's row 2 and the table: they hold them, as the copies into them are about to be issued) and their
-    group is written instead (the CPU device's one staging turn)."""
+    buffer's, ``prefetch_row_all[layer]`` (``SlotPool.prefetch_row``), also written into the lane's row 2.
+    When there are none of those but staged experts, and the ``stage_n`` free staging buffers (consecutive rows
+    from ``stage_lo``: ``SlotPool.take_staging_rows``) hold them all, the staged experts take those rows in
+    staging order (the lane's row 2 and the table: they hold them, as the copies into them are about to be
+    issued) and their group is written instead (the CPU device's one staging turn)."""
     row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
     wb = wi[W_FLAGS:W_FLAGS + 2]  # scratch (the workspace's: nothing is allocated in this call)
     none = wi[W_EVICTED, :0]  # (no given order, every token counted)
