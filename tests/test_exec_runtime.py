@@ -62,8 +62,9 @@ def test_staging_buffers_are_taken_as_consecutive_rows_and_returned_cleared():
     with pytest.raises(AssertionError, match="6 staging buffers asked, 5 of 5 free"):
         pool.take_staging_rows(6)
     a, b = pool.take_staging_rows(2), pool.take_staging_rows(1)
-    with pytest.raises(AssertionError, match=r"staging buffers \[1, 2\] returned, but the last ones taken are \[2, 3\]"):
-        pool.release_staging_rows(a)  # (a block is returned after the blocks taken after it)
+    # (a block is returned after the blocks taken after it)
+    with pytest.raises(AssertionError, match=r"buffers \[1, 2\] returned, but the last ones taken are \[2, 3\]"):
+        pool.release_staging_rows(a)
     with pytest.raises(AssertionError, match="2 free \\+ 0 used staging buffers"):
         pool.check_layer(0)
     pool.release_staging_rows(b)
