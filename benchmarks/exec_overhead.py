@@ -200,8 +200,6 @@ def floor_visits(floor: str):
     grouped (``none``) and every routed expert computed from host memory as one grouped call, the CPU lane's
     (the same tensor work as cpu-only's, so a layer lasts about as long and leaves the caches as cold). For
     systems whose plans neither prefetch nor swap (their buffers would need the lanes this skips)."""
-    from dali_exec.executor.routing import LayerRouting
-    from dali_exec.executor.runtime import _AccelLane
 
     def run_experts(rt, plan, x, routing, *, uncounted_on_cpu=False, handoff=None):
         if plan.prefetches or plan.swaps:

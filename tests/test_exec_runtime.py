@@ -46,6 +46,24 @@ def test_slot_pool_allocates_exactly_the_plan_and_keeps_roles():
     assert pool.resident()[0].nonzero()[0].tolist() == [6, 7]
 
 
+def test_prefetch_buffers_are_found_by_layer_and_expert_and_counted():
+    pool = _pool(prefetch=2)
+    slot = pool.take_prefetch(1, 40)  # (an expert id beyond the table's width: it grows)
+    assert pool.prefetch_row[1, 40] == slot.index and pool.n_prefetched == 1 and slot.holds == (1, 40)
+    with pytest.raises(AssertionError, match="layer 1 expert 40 is already prefetched"):
+        pool.take_prefetch(1, 40)
+    for layer, expert in ((0, 40), (1, 3), (1, 99)):
+        with pytest.raises(AssertionError, match=f"layer {layer} expert {expert} was not prefetched"):
+            pool.pop_prefetched(layer, expert)
+    pool.check()
+    assert pool.pop_prefetched(1, 40) is slot and pool.prefetch_row[1, 40] == -1 and pool.n_prefetched == 0
+    pool.release_prefetch(slot)
+    pool.check()
+    pool.prefetch_row[0, 1] = pool.prefetch_free[0]  # a buffer the count does not know of
+    with pytest.raises(AssertionError, match="1 experts prefetched, 0 counted"):
+        pool.check()
+
+
 def test_staging_buffers_are_taken_as_consecutive_rows_and_returned_cleared():
     pool = SlotPool(np.array([1]), 0, 5, 4, torch.float32, torch.device("cpu"), num_experts=8)
     first = pool.staging_free

@@ -139,7 +139,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         # which hold them
         pre = order[:ready][lane[4, order[:ready]] == K.PREFETCHED_KIND]
         assert len(pre) == ready - hits
-        assert np.array_equal(lane[2, pre], [pool.prefetched[(0, int(e))] for e in lane[3, pre]])
+        assert np.array_equal(lane[2, pre], pool.prefetch_row[0, lane[3, pre]]) and (lane[2, pre] >= 0).all()
         first = order[:ready + fetched]
         staged_group = not len(first) and 0 < len(staged) <= pool.num_staging
         staged_groups += staged_group

@@ -116,13 +116,13 @@ class SlotPool:
         self.last_use: list = [None] * n
         L, E = len(caps), int(num_experts or 1)
         self.row_of = np.full((L, E), -1, np.int64)  # cache row of (layer, expert), -1: not cached
-        #: prefetch buffer row of (layer, expert) while it is prefetched, -1: none (``prefetched`` as an array, which
-        #: the compiled route call reads)
+        #: prefetch buffer row of (layer, expert) while it is prefetched, -1: none (an array: the compiled route call
+        #: reads it); ``n_prefetched`` of them
         self.prefetch_row = np.full((L, E), -1, np.int64)
+        self.n_prefetched = 0
         it = iter(range(n))
         self.cache_free: list[deque[int]] = [deque(next(it) for _ in range(c)) for c in caps]
         self.prefetch_free: deque[int] = deque(next(it) for _ in range(prefetch_slots))
-        self.prefetched: dict[tuple[int, int], int] = {}  # (layer, expert) -> row
         #: the staging buffers, consecutive rows: a layer visit takes the first free ones as one block and returns
         #: it (a stack: the free ones are ``staging_rows[staging_taken:]``), so a block is a slice of rows
         self.staging_first = n - staging_slots
@@ -268,22 +268,23 @@ class SlotPool:
 
     # ---- prefetch buffers ---------------------------------------------------------------------
     def take_prefetch(self, layer: int, expert: int) -> Slot:
-        if (layer, expert) in self.prefetched:
+        self._width(expert)
+        if self.prefetch_row[layer, expert] >= 0:
             raise AssertionError(f"layer {layer} expert {expert} is already prefetched")
         if not self.prefetch_free:
             raise AssertionError(f"all {self.num_prefetch} prefetch buffers are taken")
         row = self.prefetch_free.popleft()
         self._hold(row, layer, expert)
-        self._width(expert)
-        self.prefetched[(layer, expert)] = self.prefetch_row[layer, expert] = row
+        self.prefetch_row[layer, expert] = row
+        self.n_prefetched += 1
         return self.slots[row]
 
     def pop_prefetched(self, layer: int, expert: int) -> Slot:
-        try:
-            row = self.prefetched.pop((layer, expert))
-        except KeyError:
-            raise AssertionError(f"layer {layer} expert {expert} was not prefetched") from None
+        row = int(self.prefetch_row[layer, expert]) if expert < self.prefetch_row.shape[1] else -1
+        if row < 0:
+            raise AssertionError(f"layer {layer} expert {expert} was not prefetched")
         self.prefetch_row[layer, expert] = -1
+        self.n_prefetched -= 1
         return self.slots[row]
 
     def release_prefetch(self, slot: Slot) -> None:
@@ -376,8 +377,8 @@ class SlotPool:
         if self.n_cached[layer] + len(self.cache_free[layer]) != self.capacities[layer]:
             cached, free, cap = int(self.n_cached[layer]), len(self.cache_free[layer]), self.capacities[layer]
             raise AssertionError(f"layer {layer}: {cached} cached + {free} free slots, capacity {cap}")
-        if len(self.prefetched) + len(self.prefetch_free) != self.num_prefetch:
-            raise AssertionError(f"{len(self.prefetched)} prefetched + {len(self.prefetch_free)} free buffers, "
+        if self.n_prefetched + len(self.prefetch_free) != self.num_prefetch:
+            raise AssertionError(f"{self.n_prefetched} prefetched + {len(self.prefetch_free)} free buffers, "
                                  f"expected {self.num_prefetch}")
         if self.staging_taken != staging_in_use:
             raise AssertionError(f"{self.num_staging - self.staging_taken} free + {staging_in_use} used staging "
@@ -392,12 +393,12 @@ class SlotPool:
             if len(cached) != self.n_cached[layer]:
                 raise AssertionError(f"layer {layer}: {len(cached)} experts cached, {int(self.n_cached[layer])} counted")
             seen += cached + list(self.cache_free[layer])
-        seen += list(self.prefetched.values()) + list(self.prefetch_free) + self.staging_free
+        prefetched = self.prefetch_row[self.prefetch_row >= 0].tolist()
+        if len(prefetched) != self.n_prefetched:
+            raise AssertionError(f"{len(prefetched)} experts prefetched, {self.n_prefetched} counted")
+        seen += prefetched + list(self.prefetch_free) + self.staging_free
         if len(seen) != len(set(seen)):
             raise AssertionError("a slot is in two places of the slot table")
-        layers, experts = np.nonzero(self.prefetch_row >= 0)
-        if {(int(la), int(e)): int(self.prefetch_row[la, e]) for la, e in zip(layers, experts)} != self.prefetched:
-            raise AssertionError("the prefetch buffers' rows by (layer, expert) differ from the prefetched experts")
 
     def resident(self) -> np.ndarray:
         """(L, E) bool: which experts the cache slots hold (compare with the controller's contents)."""
