@@ -403,15 +403,8 @@ class OffloadRuntime:
         work (:meth:`_settle_ahead`), which then runs to the layer's end with the stopwatch stopped."""
         pool, layer, step = self.pool, plan.layer, plan.step
         experts, rows, seg = lanes.experts, lanes.rows, lanes.seg
-        if lanes.all_cached:  # (every one a hit: one group, nothing to copy or free)
-            if self._first_in_route and len(seg) > 1:  # the CPU device: the lane settled ahead of its compute
-                group = self._group(plan, routing, seg, rows)
-                rec = self._group_booked(plan, group)
-                self._settle_ahead(plan, lanes, ())
-                sw.stop()
-                rec[2], rec[3] = self._forward_group(group, x, out_buf)
-            else:
-                self._compute(plan, routing, seg, rows, x, out_buf, sw)
+        if lanes.all_cached and not self._first_in_route:  # (CUDA, every one a hit: one group, nothing to copy or free)
+            self._compute(plan, routing, seg, rows, x, out_buf, sw)
             return
         staged = lanes.staged
         n_staged = len(staged)
@@ -450,16 +443,17 @@ class OffloadRuntime:
             # the staged experts' group or turns once the copies are issued (the rows then hold them); then the
             # lane's records are made and the lane settled (:meth:`_settle_ahead`).
             n_first = len(ready) + nf
+            written_staged = written and fg[4]
             groups = [self._written(fg[3])] if written else []  # (checked above: it is this group)
             singles = []  # the one-expert turns' set-up, then their stamp lists
             records = []  # the groups' records
 
             def prepare():
-                if n_first and not (written and not fg[4]):
+                if n_first and not (written and not written_staged):  # (else the written group is theirs)
                     both = lanes.order[:n_first]
                     groups.append(self._group(plan, routing, seg[both], rows[both]))
                 if one_staged_turn:
-                    if not (written and fg[4]):
+                    if not written_staged:
                         groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws))
                 elif n_staged:
                     singles.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
