@@ -367,6 +367,51 @@ def test_beside_wake_cost_is_the_accelerator_call_as_the_worker_wakes_minus_it_b
         worker.close()
 
 
+def test_handoff_cost_is_the_median_submission_to_a_worker_asleep_after_a_flush(monkeypatch):
+    """Microbench.handoff_seconds: ``contention_rounds`` x ``repeats`` hand-overs, each after the host's caches
+    were flushed and the calling thread kept busy for ``wake_gap_s`` (the worker asleep meanwhile), each timed
+    around the submission alone (not the job's run, not the wait for it); the median is kept. The real
+    measurement hands real jobs over, each finished."""
+    from dali_exec.calibrate import micro
+    from dali_exec.executor.cpu_worker import CpuWorker
+    from dali_exec.executor.devices import Devices
+
+    model = scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32")
+    settings = MicroSettings(repeats=2, warmup=0, contention_rounds=3, wake_gap_s=0.001)
+    worker = CpuWorker(1)
+    try:
+        real = micro.Microbench(model, Devices.create("cpu", "fp32"), worker, settings).handoff_seconds()
+        assert 0.0 < real < 0.1
+    finally:
+        worker.close()
+
+    clock, events = [0.0], []
+
+    class Job:
+        def result(self):
+            events.append("result")
+            clock[0] += 1.0  # (the wait for the job: not timed)
+
+    class Worker:
+        threads = 1
+        costs = iter([5e-6, 9e-6, 7e-6, 30e-6, 6e-6, 8e-6])
+
+        def submit(self, fn):
+            fn()
+            events.append("submit")
+            clock[0] += next(self.costs)
+            return Job()
+
+    monkeypatch.setattr(micro.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(micro, "_busy", lambda s: events.append(("busy", s)))
+    bench = micro.Microbench(model, Devices.create("cpu", "fp32"), Worker(), settings)
+    flushes = []
+    monkeypatch.setattr(bench, "flush", lambda lane: lambda: flushes.append(lane))
+    assert bench.handoff_seconds() == pytest.approx(7.5e-6)  # the median of the six submissions
+    assert events == [("busy", 0.001), "submit", "result"] * 6
+    assert flushes == ["cpu"] * 6
+
+
 def test_host_decisions_are_the_median_host_interval_of_a_replay_of_each_named_system(monkeypatch):
     """The calibrated decision time per layer visit is measured where the executor pays it, inside a replay
     (caches cold after each layer's work): the median of the replay's ``host`` intervals, one per visit, for

@@ -4,6 +4,7 @@ and their errors, and the `dali hw` command group."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import subprocess
@@ -490,7 +491,7 @@ def test_measured_format_2_round_trip_with_contention_host_and_d2h(tmp_path):
     table = {k: {lane: 1.0 + 0.25 * i for i, lane in enumerate(k.split("+"))} for k in lane_combinations()}
     host = HostCosts(layer_s=4e-4, gpu_expert_s=3e-5, cpu_expert_s=1e-4, copy_s=5e-6, decision_s={"dali": 6e-5})
     v2 = dataclasses.replace(p, contention=table, host=host, d2h=CurveTable((1024.0, 65536.0), (1e-5, 3e-5)),
-                             lanes={"gpu": 2e-5, "cpu": 5e-5}, lane_wake={"cpu": 3e-4})
+                             lanes={"gpu": 2e-5, "cpu": 5e-5}, lane_wake={"cpu": 3e-4, "host": 2e-5})
     out = write_measured_profile(tmp_path / "v2.json", v2)
     data = json.loads(out.read_text())
     assert data["format_version"] == 2 and set(data["contention"]) == set(lane_combinations())
@@ -499,6 +500,8 @@ def test_measured_format_2_round_trip_with_contention_host_and_d2h(tmp_path):
     cm = CostModel(q, get_model_for(q))
     assert (cm.lane_overhead("gpu"), cm.lane_overhead("cpu")) == (2e-5, 5e-5)  # a grouped call's fixed part
     assert CostModel(p, get_model_for(p)).lane_overhead("cpu") == 0.0  # not measured: in the expert tables
+    assert (cm.lane_wake("cpu"), cm.lane_wake("gpu"), cm.handoff_time()) == (3e-4, 0.0, 2e-5)
+    assert CostModel(p, get_model_for(p)).handoff_time() == 0.0  # not measured: none
     assert cm.contention.rates({"cpu": 0.0, "h2d": 0.0}) == {"cpu": 1 / 1.0, "h2d": 1 / 1.25}
     # a missing combination or lane, or a slowdown below 1, names the field
     for mutate, where in ((lambda d: d["contention"].pop("cpu+h2d"), "contention.cpu+h2d: missing"),
@@ -507,6 +510,7 @@ def test_measured_format_2_round_trip_with_contention_host_and_d2h(tmp_path):
                           (lambda d: d["host"].pop("copy_s"), "host.copy_s: missing"),
                           (lambda d: d["lanes"].update(cpu=-1e-6), "lanes.cpu: must be >= 0"),
                           (lambda d: d["lane_wake"].update(cpu=-1e-6), "lane_wake.cpu: must be >= 0"),
+                          (lambda d: d["lane_wake"].update(host=-1e-6), "lane_wake.host: must be >= 0"),
                           (lambda d: d["lane_wake"].update(disk=1.0), "lane_wake: unknown"),
                           (lambda d: d["host"]["decision_s"].update(dali=-1.0), "host.decision_s.dali: must be >= 0")):
         bad = json.loads(out.read_text())

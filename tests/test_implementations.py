@@ -4,6 +4,7 @@ hand-computed cases (round-number profiles) and on the cost model's own formulas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 from importlib import resources
 
@@ -253,6 +254,70 @@ def test_the_accelerator_lane_pays_the_wake_of_the_cpu_lane_beside_it(tmp_path, 
     out = _engine(overlap_trace, split_system(cpu_experts), prof, impl, shortcut)
     overhead = [s for s in _spans(out) if s[:2] == ("gpu", "overhead L0") and s[2] < 1.0]
     assert overhead == ([("gpu", "overhead L0", 0.5, 0.625)] if charged else [])
+
+
+@pytest.mark.parametrize("wakes, cpu_experts, handed", [("never", [0], False), ("always", [0], True),
+                                                        ("beside-gpu", [0], True), ("always", [0, 1, 2], True),
+                                                        ("beside-gpu", [0, 1, 2], False)])
+def test_the_host_pays_its_hand_over_of_the_cpu_lane_to_a_sleeping_worker(tmp_path, overlap_trace, wakes,
+                                                                         cpu_experts, handed):
+    """A profile whose host pays 0.125 s to hand work to a sleeping thread (``lane_wake.host``): wherever the
+    implementation hands the CPU lane to its worker, the layer visit's host time is 0.125 s before its dense part
+    (0.5 s) and the lanes start after both: in the 3 of the 4 layer visits with E0 on the CPU lane, in all 4 with
+    every expert there; with "beside-gpu" only beside GPU experts (every expert on the CPU: the executor runs
+    the lane inline)."""
+    prof = round_number_profile(tmp_path / "handoff.json", OVERLAP_MODEL, lane_wake={"host": 0.125})
+    impl = dataclasses.replace(get_implementation("bare"), name="handoff", cpu_lane_wakes=wakes)
+    out = _engine(overlap_trace, split_system(cpu_experts), prof, impl)
+    got = _spans(out)
+    host = [s for s in got if s[0] == "host"]
+    e0 = [s for s in got if s[:2] == ("cpu", "L0 E0")][0]
+    if handed:
+        assert host[0] == ("host", "host L0", 0, 0.125) and all(b - a == 0.125 for _, _, a, b in host)
+        assert len(host) == (3 if cpu_experts == [0] else 4)  # (E0 is in 3 of the 4 layer visits)
+        assert e0[2] == 0.625
+    else:
+        assert host == [] and e0[2] == 0.5
+    assert CostModel(load_profile(prof), OVERLAP_MODEL).handoff_time() == 0.125
+
+
+@pytest.mark.parametrize("host_s", [0.0, 0.125])
+def test_the_host_pays_its_hand_over_of_background_copies_to_a_sleeping_copy_thread(tmp_path, overlap_trace, host_s):
+    """gpu-lru with an oracle prefetcher (no cache; 3 staging, 4 prefetch buffers): step 0 layer 0 issues its
+    prefetches with no copy in flight (the copy thread asleep: the host pays 0.125 s), step 0 layer 1 while the
+    prefetch of L1 E0 is still copying (8-10 s: nothing), step 1 layer 0 with the link idle again (at 13.5 s: it
+    pays); the layer's work starts after the hand-over."""
+    oracle = {"cache": {"policy": "lru"}, "prefetch": {"policy": "oracle", "k": "2"},
+              "memory": {"cache_experts": "0", "staging_slots": "3", "prefetch_slots": "4"}}
+    prof = round_number_profile(tmp_path / "handoff.json", OVERLAP_MODEL, lane_wake={"host": host_s} if host_s else None)
+    impl = dataclasses.replace(get_implementation("bare"), name="handoff", cpu_lane_wakes="always")
+    got = _spans(_engine(overlap_trace, resolve_system("gpu-lru", oracle), prof, impl))
+    host = [s for s in got if s[0] == "host"]
+    if host_s:
+        assert host == [("host", "host L0", 0, 0.125), ("host", "host L0", 13.5, 13.625)]
+        assert ("gpu", "dense L0", 0.125, 0.625) in got and ("pcie", "prefetch L1 E1", 13.5, 15.5) in got
+    else:
+        assert host == [] and ("gpu", "dense L0", 0.0, 0.5) in got
+
+
+def test_a_swap_request_hands_over_only_to_a_copy_thread_no_prefetch_of_the_visit_woke():
+    """The rule of ``SimEngine._handoffs`` for one visit: the CPU lane handed over (as ``cpu_lane_wakes``), plus
+    one request of background copies when none was in flight at the visit's start: its prefetches (issued first)
+    or, without them, its swaps (after the lanes)."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(cpu_wake_beside_gpu=True)
+    handoffs = functools.partial(SimEngine._handoffs, engine)
+    plan = lambda prefetches, swaps: SimpleNamespace(prefetches=prefetches, swaps=swaps)  # noqa: E731
+    cpu = object()
+    assert handoffs(plan([], []), None, 3, True) == 0
+    assert handoffs(plan([], [(1, 2)]), None, 3, True) == 1
+    assert handoffs(plan([(1, 0)], [(1, 2)]), None, 3, True) == 1  # (the swaps find the thread the prefetches woke)
+    assert handoffs(plan([(1, 0)], [(1, 2)]), None, 3, False) == 0  # (copies in flight: the thread is awake)
+    assert handoffs(plan([(1, 0)], []), cpu, 3, True) == 2
+    assert handoffs(plan([], []), cpu, 0, True) == 0  # (beside-gpu: every expert on the CPU lane runs inline)
+    engine.cpu_wake_beside_gpu = False
+    assert handoffs(plan([], []), cpu, 0, False) == 1
 
 
 def test_the_executor_on_the_cpu_device_wakes_its_cpu_lane_beside_accelerator_experts_only():

@@ -99,6 +99,17 @@ def robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(fit.slope), float(fit.intercept)
 
 
+def _nothing() -> None:
+    """The job of :meth:`Microbench.handoff_seconds`."""
+
+
+def _busy(seconds: float) -> None:
+    """Keeps this thread running (reading the clock) for ``seconds``."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class _Flush:
     """Evicts a device's caches: writes a buffer twice the last-level cache (host LLC or GPU L2)."""
 
@@ -285,6 +296,24 @@ class Microbench:
         gap = self.s.wake_gap_s
         diffs = [self._timed(lane, op, gap) - self._timed(lane, op) for _ in range(max(1, self.s.contention_rounds))]
         return max(0.0, float(np.median(diffs)))
+
+    def handoff_seconds(self) -> float:
+        """What handing a job to the CPU lane's worker costs the calling thread when the worker slept
+        ``wake_gap_s`` on its queue (``CpuWorker.submit`` of a call that does nothing; the executor hands the CPU
+        lane to that worker and background copies to its copy thread through the same kind of queue): wall seconds
+        of the hand-over alone, the median over ``contention_rounds`` x ``repeats`` hand-overs. Before each the
+        host's caches are flushed and the calling thread stays busy for the gap (as a replay's thread runs the
+        layer's dense part while the worker sleeps: a caller that slept too would pay its own wake-up)."""
+        flush, gap = self.flush("cpu"), self.s.wake_gap_s
+        times = []
+        for _ in range(max(1, self.s.contention_rounds) * self.s.repeats):
+            flush()
+            _busy(gap)
+            t0 = time.perf_counter()
+            job = self.worker.submit(_nothing)
+            times.append(time.perf_counter() - t0)
+            job.result()
+        return float(np.median(times))
 
     def beside_wake_seconds(self) -> float:
         """What the accelerator lane's call of 2 one-token experts costs more when, as it starts, the CPU lane's

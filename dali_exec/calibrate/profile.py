@@ -123,7 +123,8 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     jobs = [(f"{key}#{r}", job) for r in range(rounds) for key, job in tables]  # round by round
     if cfg.contention:
         jobs.append(("contention", bench.contention))
-        jobs.append(("lane_wake", lambda: {"cpu": bench.wake_seconds("cpu"), "gpu": bench.beside_wake_seconds()}))
+        jobs.append(("lane_wake", lambda: {"cpu": bench.wake_seconds("cpu"), "gpu": bench.beside_wake_seconds(),
+                                           "host": bench.handoff_seconds()}))
     if cfg.host is not None:
         run = ExecOptions(device=str(devices.accel), cpu_threads=cpu_threads, accel_threads=accel_threads)
         jobs.append(("host", lambda: measure_host_costs(cfg.full_model(), cfg.scale, cfg.dtype, devices, run, cfg.host)))
@@ -184,7 +185,9 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "lane_wake": (f"cpu: a call of 2 one-token experts on the CPU lane after {cfg.settings.wake_gap_s * 1e3:g} ms "
                       "of sleep minus the same call straight after the previous one; gpu: the same call on the "
                       "accelerator lane as the sleeping CPU lane's worker is handed one, minus it beside the "
-                      f"sleeping worker; each the median over {cfg.settings.contention_rounds} rounds")
+                      f"sleeping worker; each the median over {cfg.settings.contention_rounds} rounds; host: the "
+                      "calling thread's hand-over of a job to the worker asleep as long, the median of "
+                      f"{cfg.settings.contention_rounds * cfg.settings.repeats} hand-overs")
         if cfg.contention else "not measured",
     }
     gpu_name = accel if cuda else f"{accel} (measured as the executor's accelerator)"

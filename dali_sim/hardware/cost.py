@@ -358,6 +358,14 @@ class CostModel:
         check_device(device)
         return float(self._costs.wake(device))
 
+    def handoff_time(self) -> float:
+        """Host seconds the calling thread spends handing work to a thread that sleeps on its queue (measured
+        profiles: ``MeasuredProfile.lane_wake["host"]``; 0 on analytic ones). The executor hands the CPU lane to
+        its worker and background copies to its copy thread so; the engine charges it on the host track where
+        the implementation's ``cpu_lane_wakes`` says the CPU lane is handed over, and where a layer visit
+        issues background copies while none is in flight."""
+        return float(self._costs.wake("host"))
+
     def _need(self, ok: bool, what: str) -> None:
         if not ok:
             raise ProfileError(f"{self._where()}: implementation {self.impl.name!r} needs {what}, which a measured "

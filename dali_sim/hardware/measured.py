@@ -31,6 +31,8 @@ DENSE_TABLES = ("gpu_dense", "cpu_dense")
 OPTIONAL_DENSE_TABLES = ("gpu_dense_block", "cpu_dense_block")
 #: the dense tables in prefill layout, each optional: without one, prefill steps use the decode-layout table
 PREFILL_TABLES = {f"{k}_prefill": k for k in DENSE_TABLES + OPTIONAL_DENSE_TABLES}
+#: ``lane_wake``'s entries: the two lanes' calls after their thread slept, the host's hand-over to such a thread
+WAKE_KEYS = ("gpu", "cpu", "host")
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,8 @@ class MeasuredProfile:
     # call per expert, whose expert tables include it)
     lanes: Mapping[str, float] | None = None
     # seconds a lane's call costs more when its thread slept before it (the executor's CPU-lane worker waits
-    # on its queue between layers; the machine then runs its next call on a cold, possibly slowed core);
-    # None = 0
+    # on its queue between layers; the machine then runs its next call on a cold, possibly slowed core), and
+    # ("host") what handing work to such a sleeping thread costs the calling thread; None = 0
     lane_wake: Mapping[str, float] | None = None
     path: str = field(default="", compare=False)
 
@@ -314,8 +316,8 @@ def measured_profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") 
     lane_wake = None
     if top.has("lane_wake"):
         wr = top.table("lane_wake")
-        wr.reject_unknown({"gpu", "cpu"})
-        lane_wake = {d: wr.number(d, strict=False) for d in ("gpu", "cpu") if wr.has(d)}
+        wr.reject_unknown(set(WAKE_KEYS))
+        lane_wake = {d: wr.number(d, strict=False) for d in WAKE_KEYS if wr.has(d)}
     return MeasuredProfile(
         name=top.string("name"), description=top.string("description", default="", nonempty=False),
         gpu=devices["gpu"], cpu=devices["cpu"], link_name=lr.string("name"), model=shape,
@@ -436,8 +438,8 @@ class TableCosts:
         return float((self.profile.lanes or {}).get(device, 0.0))
 
     def wake(self, device: str) -> float:
-        """What a lane's call costs more after its thread slept (``MeasuredProfile.lane_wake``; 0 when not
-        measured)."""
+        """What a lane's call costs more after its thread slept, or (``"host"``) what waking such a thread with
+        work costs the calling thread (``MeasuredProfile.lane_wake``; 0 when not measured)."""
         return float((self.profile.lane_wake or {}).get(device, 0.0))
 
     def transfer(self, n_bytes: np.ndarray) -> np.ndarray:

@@ -178,6 +178,8 @@ class SimEngine:
         self.cpu_wake = costs.lane_wake("cpu") if impl.cpu_lane_wakes != "never" else 0.0
         self.gpu_wake = costs.lane_wake("gpu") if impl.cpu_lane_wakes != "never" else 0.0
         self.cpu_wake_beside_gpu = impl.cpu_lane_wakes == "beside-gpu"
+        #: what the host pays to hand work to a sleeping thread (the CPU lane's worker, the copy thread)
+        self.handoff = costs.handoff_time() if impl.cpu_lane_wakes != "never" else 0.0
         self.waits_all = impl.compute_waits_copies
         # calls on what has landed: the GPU lane's fixed part per group of experts present when one starts
         self.per_group = self.lane_overhead["gpu"] if impl.gpu_calls == "landed" else 0.0
@@ -334,6 +336,17 @@ class SimEngine:
         overhead = self.lane_overhead["cpu"] + (self.cpu_wake if wakes else 0.0)
         return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, overhead,
                         experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
+
+    def _handoffs(self, plan: LayerPlan, cpu: _CpuLane | None, n_gpu: int, copies_asleep: bool) -> int:
+        """How many times the layer visit's host hands work to a sleeping thread (each costs ``handoff``): the
+        CPU lane to its worker where that lane's call wakes it (``cpu_lane_wakes``, as :meth:`_cpu_work`), and its
+        background copies (prefetches issued before the dense part, swaps after the lanes: one request each) to the
+        copy thread when none of the earlier ones is in flight at the visit's start; a swap request after
+        prefetches of the same visit is taken as finding the thread awake."""
+        n = int(cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0))
+        if copies_asleep:
+            n += 1 if plan.prefetches else int(bool(plan.swaps))
+        return n
 
     def _gpu_prologue(self, plan: LayerPlan, n_gpu: int, cpu_too: bool) -> list[tuple[float, str]]:
         """What the GPU lane runs before its experts, as (seconds, activity kind): activations in (dense part on
@@ -588,6 +601,7 @@ class SimEngine:
                 yield ev
         plan = self.ctl.plan(step, layer)
         self.counters.add(plan)
+        copies_asleep = not self.background_open  # (the copy thread sleeps: no background copy in flight)
         for target, e in plan.prefetches:
             self.arrivals[(target, e)] = self._background(Activity("prefetch", step, target, e))
         for e in plan.prefetch_wasted:
@@ -605,6 +619,8 @@ class SimEngine:
         copies = gpu.n_fetch + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
         host = self.costs.host_layer_time(gpu.n, len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
+        if self.handoff:
+            host += self.handoff * self._handoffs(plan, cpu, gpu.n, copies_asleep)
         if self._uncontended(gpu.arrivals.values()) and not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
             # nothing can change while the layer runs: the whole layer is computed directly
             now = env.now
