@@ -410,8 +410,6 @@ def test_prefill_layout_of_steps():
 
 
 def _with_prefill_table(p, rows=((0.001, 0.002), (0.004, 0.010))):
-    import dataclasses
-
     from dali_sim.hardware.measured import PrefillTable
 
     # sequences [1, 4] x new tokens per sequence [1, 32]
@@ -481,8 +479,6 @@ def test_measured_round_trip(tmp_path):
 def test_measured_format_2_round_trip_with_contention_host_and_d2h(tmp_path):
     """Format 2 adds the slowdowns per lane combination, the executor's host costs and the d2h table;
     a format-1 file (the example) still loads, without them, and is written back as format 2."""
-    import dataclasses
-
     from dali_sim.hardware.contention import lane_combinations
     from dali_sim.hardware.measured import CurveTable, HostCosts
 
@@ -601,7 +597,7 @@ def test_measured_dict_errors_without_file():
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
-def test_cli_list_and_show():
+def test_cli_list_and_show(tmp_path):
     r = CliRunner()
     res = r.invoke(hw, ["list"])
     assert res.exit_code == 0
@@ -613,7 +609,13 @@ def test_cli_list_and_show():
     d = json.loads(res.output)
     assert d["cpu"]["mem_bandwidth_gbs"] == 83.2 and d["cpu"]["mem_bandwidth_gbs_source"]
     res = r.invoke(hw, ["show", str(EXAMPLE)])
-    assert res.exit_code == 0 and "gpu_dense" in res.output
+    assert res.exit_code == 0 and "gpu_dense" in res.output and "sleeping threads" not in res.output
+    woken = dataclasses.replace(load_profile(EXAMPLE), lanes={"gpu": 2e-5, "cpu": 5e-5},
+                                lane_wake={"cpu": 1.1e-4, "gpu": 2.5e-4, "host": 2.1e-5})
+    res = r.invoke(hw, ["show", str(write_measured_profile(tmp_path / "woken.json", woken))])
+    assert res.exit_code == 0 and "a grouped call's fixed part: gpu lane 20 us, cpu lane 50 us" in res.output
+    assert ("sleeping threads: a CPU-lane call after its worker slept +110 us, the accelerator's call beside that "
+            "wake-up +250 us, the host's hand-over to a sleeping thread +21 us") in res.output
 
 
 def test_cli_cost_json_matches_cost_model():

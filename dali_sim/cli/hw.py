@@ -91,6 +91,13 @@ def show_cmd(profile: str, as_json: bool) -> None:
             click.echo(f"executor host time: {1e6 * h.layer_s:.0f} us per layer visit + {1e6 * h.gpu_expert_s:.0f} us per "
                        f"GPU expert + {1e6 * h.cpu_expert_s:.0f} us per CPU expert + {1e6 * h.copy_s:.0f} us per copy; "
                        "decisions per layer visit: " + ", ".join(f"{k} {1e6 * v:.0f} us" for k, v in h.decision_s.items()))
+        if p.lanes is not None:
+            click.echo("a grouped call's fixed part: " + ", ".join(f"{d} lane {1e6 * v:.0f} us" for d, v in p.lanes.items()))
+        if p.lane_wake is not None:
+            wake = {"cpu": "a CPU-lane call after its worker slept", "gpu": "the accelerator's call beside that wake-up",
+                    "host": "the host's hand-over to a sleeping thread"}
+            click.echo("sleeping threads: " + ", ".join(f"{what} +{1e6 * p.lane_wake[d]:.0f} us" for d, what in wake.items()
+                                                      if d in p.lane_wake))
         click.echo(f"provenance: {json.dumps(dict(p.provenance))}")
 
 
