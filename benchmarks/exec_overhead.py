@@ -73,6 +73,13 @@ work as cpu-only's, so the layer lasts as long and leaves the caches as cold). T
 outputs are the normal replay's. For systems whose plans neither prefetch nor swap (their buffers need the
 lanes it skips: a refusal names the first such visit); CPU device only; no limit applies to its rows.
 
+``--handoffs`` adds ``handoffs_per_visit`` and ``handoff_cpu_us``: in one more replay of each system, every hand-over
+of the replay's thread to a thread asleep on its queue, per kind (``cpu_lane``: a job to the CPU lane's worker;
+``copy_thread``: background copies that wake the copy thread), per layer visit, and the median thread CPU of one.
+Waking a sleeping thread is a system call and an interrupt its waker pays for: on the 2-core VM about as much as
+the rest of a layer visit's bookkeeping of a system without one (benchmarks/README.md, "Hand-overs to sleeping
+threads"); the simulator charges it too (``lane_wake.host``, docs/hardware.md).
+
 ``--sync-sites`` (CUDA) adds ``sync_sites_per_visit``: in one more replay of each system under torch's sync debug
 mode (``torch.cuda.set_sync_debug_mode("warn")``), the calls that made the host wait for the GPU, per Python call
 site (file:line), per layer visit; the table is followed by each system's five most frequent. A wait inside a
@@ -88,6 +95,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -101,6 +109,7 @@ import torch
 
 from dali_exec.executor import copies, dense, ffn, timing
 from dali_exec.executor import Devices, ExecOptions, HostExpertStore, Replay, ReplayOptions, prepare_replay
+from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import cpu_name, resolve_device
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.runtime import OffloadRuntime, _AccelLane
@@ -361,6 +370,43 @@ def timed_segments(setup, devices, run: ExecOptions, store) -> dict:
     return {"segments_us_per_visit": dict(sorted(per_visit.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
+@contextmanager
+def timed_handoffs(seconds: dict[str, list[float]]):
+    """Every hand-over of this thread to a sleeping thread (``--handoffs``), its thread-CPU seconds appended to
+    ``seconds``: ``cpu_lane``, a job given to the CPU lane's worker (``CpuWorker.submit``); ``copy_thread``,
+    background copies that woke the copy thread (``CopyEngine._wake_loop`` finding it idle; not its close)."""
+    submit, wake, main = CpuWorker.submit, copies.CopyEngine._wake_loop, threading.main_thread()
+
+    def submitted(worker, fn, *args, **kwargs):
+        if threading.current_thread() is not main:
+            return submit(worker, fn, *args, **kwargs)
+        c0 = time.thread_time()
+        job = submit(worker, fn, *args, **kwargs)
+        seconds["cpu_lane"].append(time.thread_time() - c0)
+        return job
+
+    def woken(engine):
+        if not engine._idle or engine._closed or threading.current_thread() is not main:
+            return wake(engine)
+        c0 = time.thread_time()
+        wake(engine)
+        seconds["copy_thread"].append(time.thread_time() - c0)
+
+    with mock.patch.object(CpuWorker, "submit", submitted), mock.patch.object(copies.CopyEngine, "_wake_loop", woken):
+        yield
+
+
+def handoffs(setup, devices, run: ExecOptions, store) -> dict:
+    """One replay with :func:`timed_handoffs`: per kind, hand-overs per layer visit and their median thread-CPU us
+    (nan without any)."""
+    seconds: dict[str, list[float]] = {"cpu_lane": [], "copy_thread": []}
+    with timed_handoffs(seconds):
+        result = run_once(setup, devices, run, store)
+    visits = result.summary["overhead"]["layer_visits"]
+    return {"handoffs_per_visit": {k: len(v) / visits for k, v in seconds.items()},
+            "handoff_cpu_us": {k: 1e6 * float(np.median(v)) if v else float("nan") for k, v in seconds.items()}}
+
+
 def counted_calls(setup, devices, run: ExecOptions, store, top: int) -> dict:
     """One replay with :class:`CallCounter`: calls per layer visit, and the ``top`` most frequent per visit."""
     counter = CallCounter()
@@ -402,7 +448,7 @@ def run_once(setup, devices, run: ExecOptions, store, closes: list | None = None
 
 def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: int, repeats: int, stores: dict,
             count_calls: int | None = None, whole_visit: bool = False, idle_s: float = 0.0,
-            segments: bool = False, syncs: bool = False) -> dict:
+            segments: bool = False, syncs: bool = False, handovers: bool = False) -> dict:
     # the runtime's overhead on the whole trace (no profiling split: every sequence is replayed)
     setup = prepare_replay(trace, system, opts, batch_size=batch, profiling=ProfileSpec(share=0.0))
     devices = Devices.create(run.device, opts.dtype)
@@ -429,6 +475,8 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
         calls |= timed_segments(setup, devices, run, stores[key])
     if syncs:
         calls |= sync_sites(setup, devices, run, stores[key])
+    if handovers:
+        calls |= handoffs(setup, devices, run, stores[key])
 
     def median(key: str) -> float:
         return float(np.median([r.summary["overhead"][key] for r in runs]))
@@ -496,6 +544,10 @@ def main(argv=None) -> int:
     ap.add_argument("--count-calls", type=int, nargs="?", const=20, metavar="N",
                     help="also count the calls made while a stopwatch runs, per layer visit, in one more replay of "
                          "each system (calls_per_visit; --json lists the N most frequent, default 20)")
+    ap.add_argument("--handoffs", action="store_true",
+                    help="also time, in one more replay of each system, every hand-over of the replay's thread to a "
+                         "sleeping thread (a job to the CPU lane's worker, background copies that wake the copy thread): "
+                         "hand-overs per layer visit and their median thread CPU")
     ap.add_argument("--segments", action="store_true",
                     help="also time each stopwatch segment (named by the function:line where it starts and ends), "
                          "thread CPU per layer visit, in one more replay of each system (printed: the largest five)")
@@ -545,7 +597,7 @@ def main(argv=None) -> int:
             try:
                 row = measure(on, name, opts, run, a.batch_size, a.repeats, stores, a.count_calls,
                               whole_visit=a.no_tensor_work, idle_s=1e-6 * a.idle_us, segments=a.segments,
-                              syncs=a.sync_sites) | {"system": label or name}
+                              syncs=a.sync_sites, handovers=a.handoffs) | {"system": label or name}
             except FloorRefused as e:
                 raise FloorRefused(f"{label or name}: {e}") from None
             if a.floor:  # (not the system's own host work: no limit applies)
@@ -588,6 +640,10 @@ def main(argv=None) -> int:
     for row in rows if a.segments else ():
         top = list(row["segments_us_per_visit"].items())[:5]
         print(f"{row['system']} segments (thread-CPU us per visit): " + "; ".join(f"{n} {us:.1f}" for n, us in top))
+    for row in rows if a.handoffs else ():
+        print(f"{row['system']} hand-overs to a sleeping thread per visit: " + "; ".join(
+            f"{kind.replace('_', ' ')} {n:.2f} (median {row['handoff_cpu_us'][kind]:.1f} us thread CPU)"
+            for kind, n in row["handoffs_per_visit"].items()))
     for row in rows if a.sync_sites else ():
         top = list(row["sync_sites_per_visit"].items())[:5]
         print(f"{row['system']} synchronizing calls per visit: " + ("; ".join(f"{n} {k:.2f}" for n, k in top) or "none")

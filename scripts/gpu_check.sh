@@ -230,9 +230,10 @@ if (( RUNTIME )); then
   if [[ "$DEVICE" == cuda ]]; then  # the lane's CUDA calls per visit, each beside a cheaper form
     run timeout --signal=INT --kill-after=5 20 "$PY" "$REPO/benchmarks/cuda_host_calls.py" --json "$WORK/runtime-cuda-calls.json"
     echo "runtime CUDA host calls: exit $? after $(( SECONDS - rt0 )) s"
-    # the calls that make the host wait for the GPU inside a step, for a system without and one with a CPU lane
+    # the calls that make the host wait for the GPU inside a step, for a system without and one with a CPU lane,
+    # and what waking that CPU lane's worker costs the host (--handoffs)
     run timeout --signal=INT --kill-after=5 30 "$PY" "$REPO/benchmarks/exec_overhead.py" --device cuda --quick \
-      --shape qwen3-30b-a3b --systems gpu-lru,fiddler --lookahead-systems "" --sync-sites \
+      --shape qwen3-30b-a3b --systems gpu-lru,fiddler --lookahead-systems "" --sync-sites --handoffs \
       --json "$WORK/runtime-sync-sites.json"
     echo "runtime sync sites: exit $? after $(( SECONDS - rt0 )) s"
   fi

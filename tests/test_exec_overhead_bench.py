@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dali_exec.executor import ExecOptions, ReplayOptions, execute  # noqa: E402
+from dali_sim.runtime.controller import CPU  # noqa: E402
 from dali_sim.sim.counters import COUNTERS  # noqa: E402
 from dali_sim.trace import read_trace  # noqa: E402
 from dali_sim.trace.synth import SynthConfig, synthesize  # noqa: E402
@@ -90,6 +91,29 @@ def test_segments_add_up_to_what_the_stopwatches_counted(system, tmp_path):
     assert any(name.startswith("run:") for name in clock.seconds)  # the decision: Replay.run's own stopwatch
     assert any(name.startswith("run_experts:") for name in clock.seconds)
     assert list(per_visit.values()) == sorted(per_visit.values(), reverse=True) and all(v >= 0 for v in per_visit.values())
+
+
+@pytest.mark.parametrize("system", ["dali", "hybrimoe"])
+def test_handoffs_time_each_wake_of_the_cpu_worker_and_of_the_copy_thread(system, tmp_path):
+    """--handoffs: the replay's thread hands the CPU lane to its worker in every layer visit with experts on both
+    lanes (one thread each: a lane alone on the CPU runs inline) and nowhere else; it wakes the copy thread at most
+    per request of background copies (the prefetches, issued at once or when a buffer frees, and the swaps), and
+    not at the end (``close``); each hand-over is timed (thread CPU), and the patches go."""
+    path = tmp_path / "mix.parquet"
+    synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=4, gen_len=4, seed=5,
+                           lookahead=exec_overhead.LOOKAHEAD), path)
+    trace = read_trace(path)
+    opts, run = ReplayOptions(layers=3, scale=1 / 64, dtype="fp32"), ExecOptions(device="cpu", cpu_threads=1,
+                                                                                accel_threads=1)
+    records, seconds = [], {"cpu_lane": [], "copy_thread": []}
+    submit = exec_overhead.CpuWorker.submit
+    with exec_overhead.timed_handoffs(seconds):
+        execute(trace, system, opts, run, batch_size=2, on_layer=records.append)
+    assert exec_overhead.CpuWorker.submit is submit
+    both = sum(bool((r.plan.source == CPU).any() and (r.plan.source != CPU).any()) for r in records)
+    copying = sum(len(r.plan.prefetches) + bool(r.plan.swaps) for r in records)  # (each wake issues some)
+    assert len(seconds["cpu_lane"]) == both and len(seconds["copy_thread"]) <= copying
+    assert (both or copying) and all(s > 0 for v in seconds.values() for s in v)
 
 
 @pytest.mark.parametrize("system", ["llamacpp", "dali"])
