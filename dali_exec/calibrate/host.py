@@ -14,7 +14,9 @@ later validated):
   covers (step time minus dense parts, expert computes, copies and the policies' own decision time) is
   fitted by non-negative least squares as ``layers x layer_s + GPU experts x gpu_expert_s + CPU experts
   x cpu_expert_s + copies x copy_s``: ``copy_s`` is what one on-demand copy costs the host besides the
-  copy itself (issuing it, the hand-off to the copy thread, waking up when it lands, a staging turn).
+  copy itself (issuing it, the hand-off to the copy thread, waking up when it lands, a staging turn). The
+  hand-over of the CPU lane to its sleeping worker (cpu-only's, on CUDA) is taken out first: the simulator
+  charges it apart (``lane_wake.host``, measured by ``Microbench.handoff_seconds``).
 * **decisions**: ``Controller.plan`` (and counting) per layer visit in a replay of every system preset
   (or of ``HostSettings.systems``), the median of the replay's ``host`` intervals, on the same workload
   with the memory plan of the default budget. Measured inside replays, not in a loop of plans: after a
@@ -100,9 +102,12 @@ def _critical_busy(result, steps: int) -> np.ndarray:
 
 
 def _bookkeeping_rows(trace: Trace, opts: ReplayOptions, devices: Devices, run: ExecOptions,
-                      store: HostExpertStore, s: HostSettings, *, dense: DenseWeights | None = None):
+                      store: HostExpertStore, s: HostSettings, *, dense: DenseWeights | None = None,
+                      handoff_s: float = 0.0):
     """(rows of [layer visits, GPU experts, CPU experts, copies], unexplained seconds) per step of the
-    replays."""
+    replays. ``handoff_s``: what handing the CPU lane to its sleeping worker costs the host (``lane_wake.host``,
+    which the simulator charges apart), taken out of each step where cpu-only's replay hands its lane over
+    (on CUDA, where the lane's threads differ from the calling thread's; on the CPU device it runs inline)."""
     X, y = [], []
     big = repr(float(1 << 20))
     full = {"memory": {"gpu_memory_gib": big, "cache_experts": str(trace.num_experts)}}
@@ -113,10 +118,15 @@ def _bookkeeping_rows(trace: Trace, opts: ReplayOptions, devices: Devices, run: 
             replay = Replay(setup, devices, run, seed=s.seed, store=store, dense=dense)
             try:
                 replay.run()  # warm-up (lazy initialisation)
+                before = replay.runtime.cpu_handoffs
                 result = replay.run()
+                handed = replay.runtime.cpu_handoffs - before
             finally:
                 replay.close()
             w = setup.workload
+            visits = w.num_steps * w.num_layers
+            if handed not in (0, visits if system == "cpu-only" else 0):  # (all or nothing: one lane, one rule)
+                raise AssertionError(f"host fit: {system} handed {handed} of {visits} layer visits to the CPU worker")
             per_step = result.per_step
             covered = _critical_busy(result, w.num_steps)
             counts = np.zeros((w.num_steps, 3))  # GPU experts, CPU experts, copies
@@ -125,9 +135,10 @@ def _bookkeeping_rows(trace: Trace, opts: ReplayOptions, devices: Devices, run: 
                     _, c, _ = w.activated(step, layer)
                     counts[step, 1 if system == "cpu-only" else 0] += len(c)
                     counts[step, 2] += len(c) if system == "gpu-lru" else 0
+            handoffs = handoff_s * w.num_layers if handed else 0.0  # (per step: every layer visit)
             for step in range(w.num_steps):
                 X.append([w.num_layers, *counts[step]])
-                y.append(float(per_step["time_s"].iloc[step]) - covered[step])
+                y.append(float(per_step["time_s"].iloc[step]) - covered[step] - handoffs)
     return np.array(X, float), np.array(y, float)
 
 
@@ -156,8 +167,9 @@ def decision_seconds(trace: Trace, opts: ReplayOptions, devices: Devices, run: E
 
 
 def measure_host_costs(model: ModelSpec, scale: float, dtype: str, devices: Devices, run: ExecOptions,
-                       s: HostSettings = HostSettings()) -> HostCosts:
-    """The executor's :class:`HostCosts` for ``model`` (full size) replayed at ``scale`` in ``dtype``."""
+                       s: HostSettings = HostSettings(), handoff_s: float = 0.0) -> HostCosts:
+    """The executor's :class:`HostCosts` for ``model`` (full size) replayed at ``scale`` in ``dtype``;
+    ``handoff_s``: the host's hand-over to a sleeping thread, charged apart (:func:`_bookkeeping_rows`)."""
     with tempfile.TemporaryDirectory(prefix="dali-host-") as tmp:
         trace = workload_trace(model, s, Path(tmp))
         opts = ReplayOptions(scale=scale, layers=min(s.layers, model.num_moe_layers), dtype=dtype)
@@ -165,7 +177,7 @@ def measure_host_costs(model: ModelSpec, scale: float, dtype: str, devices: Devi
         store = HostExpertStore.random(setup.model, devices.dtype, s.seed, pin=devices.is_cuda)
         dense = DenseWeights(setup.model, devices.dtype, s.seed)
         run = dataclasses.replace(run, progress=False)
-        X, y = _bookkeeping_rows(trace, opts, devices, run, store, s, dense=dense)
+        X, y = _bookkeeping_rows(trace, opts, devices, run, store, s, dense=dense, handoff_s=handoff_s)
         coef, _ = nnls(X, np.maximum(y, 0.0))
         decisions = decision_seconds(trace, opts, devices, run, store, s, dense=dense)
     return HostCosts(layer_s=float(coef[0]), gpu_expert_s=float(coef[1]), cpu_expert_s=float(coef[2]),

@@ -109,6 +109,9 @@ class OffloadRuntime:
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
         self.groups = {"gpu": 0, "cpu": 0}
         self.grouped_experts = {"gpu": 0, "cpu": 0}
+        #: CPU-lane jobs handed to the worker so far (each wakes it when it sleeps: a cost of the calling thread that
+        #: the simulator charges apart, ``lane_wake.host``, so the calibration's host fit takes it out)
+        self.cpu_handoffs = 0
 
     # ---- setup --------------------------------------------------------------------------------
     def load(self, resident: np.ndarray) -> None:
@@ -230,6 +233,7 @@ class OffloadRuntime:
                 inline.append(lambda: self._cpu_lane(step, layer, cpu_seg, x_host, routing, ready))
             else:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing, ready)
+                self.cpu_handoffs += 1
         x_acc = x if (on_accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         # every pair is computed by one lane unless uncounted tokens' own experts are left out: then those stay 0
         every_pair = uncounted_on_cpu or routing.counted is None
