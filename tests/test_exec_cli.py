@@ -479,18 +479,15 @@ def test_calibrate_systems_option_names_the_presets_whose_decisions_are_measured
     assert r.exit_code == 2 and "--systems" in r.output and "'no-such'" in r.output and not out.exists()
 
 
-@pytest.mark.parametrize("accel_threads, handed", [(1, False), (2, True)])
-def test_host_fit_takes_out_the_hand_overs_the_simulator_charges_apart(accel_threads, handed):
-    """The host fit's rows leave out ``handoff_s`` per layer visit where cpu-only's replay hands its CPU lane to
-    the worker (the lanes' threads differ: 1 against 2) and nowhere else (the same threads: the lane runs inline;
-    the GPU-lane systems have no CPU lane): with 1 s per hand-over the cpu-only rows fall by 2 s (2 layers)."""
+def _host_fit_rows(run, **kw):
+    """The host fit's rows (``calibrate.host._bookkeeping_rows``) of a small Mixtral workload (2 layers at scale
+    1/64, one batch size) on the CPU device with ``run``'s threads."""
     import tempfile
     from pathlib import Path
 
     from dali_exec.calibrate.host import HostSettings, _bookkeeping_rows, workload_trace
     from dali_exec.executor.devices import Devices
     from dali_exec.executor.problem import ReplayOptions, prepare_replay
-    from dali_exec.executor.replay import ExecOptions
     from dali_exec.executor.store import HostExpertStore
 
     s = HostSettings(layers=2, sequences=2, prompt_tokens=3, decode_tokens=2, batch_sizes=(1,))
@@ -499,8 +496,17 @@ def test_host_fit_takes_out_the_hand_overs_the_simulator_charges_apart(accel_thr
         trace = workload_trace(get_model("mixtral-8x7b"), s, Path(tmp))
         opts = ReplayOptions(scale=1 / 64, layers=2, dtype="fp32")
         store = HostExpertStore.random(prepare_replay(trace, "cpu-only", opts).model, devices.dtype, 0)
-        run = ExecOptions(device="cpu", cpu_threads=1, accel_threads=accel_threads)
-        _, y = _bookkeeping_rows(trace, opts, devices, run, store, s, handoff_s=1.0)
+        return _bookkeeping_rows(trace, opts, devices, run, store, s, **kw)
+
+
+@pytest.mark.parametrize("accel_threads, handed", [(1, False), (2, True)])
+def test_host_fit_takes_out_the_hand_overs_the_simulator_charges_apart(accel_threads, handed):
+    """The host fit's rows leave out ``handoff_s`` per layer visit where cpu-only's replay hands its CPU lane to
+    the worker (the lanes' threads differ: 1 against 2) and nowhere else (the same threads: the lane runs inline;
+    the GPU-lane systems have no CPU lane): with 1 s per hand-over the cpu-only rows fall by 2 s (2 layers)."""
+    from dali_exec.executor.replay import ExecOptions
+
+    _, y = _host_fit_rows(ExecOptions(device="cpu", cpu_threads=1, accel_threads=accel_threads), handoff_s=1.0)
     steps = len(y) // 3
     cpu, gpu = y[:steps], y[steps:]
     assert (abs(gpu) < 0.5).all()  # (seconds of bookkeeping: far below the 2 s a hand-over would take out)
@@ -511,22 +517,9 @@ def test_host_fit_rows_count_every_on_demand_copy():
     """The host-cost replays: cpu-only rows count CPU experts, gpu-static rows GPU experts, and the
     serial gpu-lru rows (no cache, one staging buffer) count each GPU expert as one on-demand copy too,
     so ``copy_s`` is fitted from real staging turns; every row has its layer visits."""
-    import tempfile
-    from pathlib import Path
-
-    from dali_exec.calibrate.host import HostSettings, _bookkeeping_rows, workload_trace
-    from dali_exec.executor.devices import Devices
-    from dali_exec.executor.problem import ReplayOptions, prepare_replay
     from dali_exec.executor.replay import ExecOptions
-    from dali_exec.executor.store import HostExpertStore
 
-    s = HostSettings(layers=2, sequences=2, prompt_tokens=3, decode_tokens=2, batch_sizes=(1,))
-    devices = Devices.create("cpu", "fp32")
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = workload_trace(get_model("mixtral-8x7b"), s, Path(tmp))
-        opts = ReplayOptions(scale=1 / 64, layers=2, dtype="fp32")
-        store = HostExpertStore.random(prepare_replay(trace, "cpu-only", opts).model, devices.dtype, 0)
-        X, y = _bookkeeping_rows(trace, opts, devices, ExecOptions(device="cpu"), store, s)
+    X, y = _host_fit_rows(ExecOptions(device="cpu"))
     steps = len(y) // 3
     cpu, gpu, lru = X[:steps], X[steps:2 * steps], X[2 * steps:]
     assert (X[:, 0] == 2).all() and len(y) == 3 * steps
