@@ -14,7 +14,7 @@ later validated):
   covers (step time minus dense parts, expert computes, copies and the policies' own decision time) is
   fitted by non-negative least squares as ``layers x layer_s + GPU experts x gpu_expert_s + CPU experts
   x cpu_expert_s + copies x copy_s``: ``copy_s`` is what one on-demand copy costs the host besides the
-  copy itself (issuing it, the hand-off to the copy thread, waking up when it lands, a staging turn). The
+  copy itself (issuing it from the calling thread, waking up when it lands, a staging turn). The
   hand-over of the CPU lane to its sleeping worker (cpu-only's, on CUDA) is taken out first: the simulator
   charges it apart (``lane_wake.host``, measured by ``Microbench.handoff_seconds``).
 * **decisions**: ``Controller.plan`` (and counting) per layer visit in a replay of every system preset
