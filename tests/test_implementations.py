@@ -4,7 +4,6 @@ hand-computed cases (round-number profiles) and on the cost model's own formulas
 from __future__ import annotations
 
 import dataclasses
-import functools
 import tomllib
 from importlib import resources
 
@@ -300,24 +299,27 @@ def test_the_host_pays_its_hand_over_of_background_copies_to_a_sleeping_copy_thr
         assert host == [] and ("gpu", "dense L0", 0.0, 0.5) in got
 
 
-def test_a_swap_request_hands_over_only_to_a_copy_thread_no_prefetch_of_the_visit_woke():
-    """The rule of ``SimEngine._handoffs`` for one visit: the CPU lane handed over (as ``cpu_lane_wakes``), plus
-    one request of background copies when none was in flight at the visit's start: its prefetches (issued first)
-    or, without them, its swaps (after the lanes)."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("shortcut", [True, False])
+def test_a_swap_request_hands_over_after_the_lanes_to_a_sleeping_copy_thread(tmp_path, overlap_trace, monkeypatch,
+                                                                             shortcut):
+    """A cache that swaps expert 2 in for expert 0 after step 0 layer 0 (2 slots, no prefetches, nothing on the CPU):
+    no hand-over before the layer, one of 0.125 s as its lanes end at 4.5 s with no background copy in flight
+    (the copy thread sleeps), then the swap and the next layer; the layers after it move by 0.125 s."""
+    from dali_sim.policies.base import CACHES
+    from test_sim_prefetch import SwapIn, with_policy
 
-    engine = SimpleNamespace(cpu_wake_beside_gpu=True)
-    handoffs = functools.partial(SimEngine._handoffs, engine)
-    plan = lambda prefetches, swaps: SimpleNamespace(prefetches=prefetches, swaps=swaps)  # noqa: E731
-    cpu = object()
-    assert handoffs(plan([], []), None, 3, True) == 0
-    assert handoffs(plan([], [(1, 2)]), None, 3, True) == 1
-    assert handoffs(plan([(1, 0)], [(1, 2)]), None, 3, True) == 1  # (the swaps find the thread the prefetches woke)
-    assert handoffs(plan([(1, 0)], [(1, 2)]), None, 3, False) == 0  # (copies in flight: the thread is awake)
-    assert handoffs(plan([(1, 0)], []), cpu, 3, True) == 2
-    assert handoffs(plan([], []), cpu, 0, True) == 0  # (beside-gpu: every expert on the CPU lane runs inline)
-    engine.cpu_wake_beside_gpu = False
-    assert handoffs(plan([], []), cpu, 0, False) == 1
+    monkeypatch.setitem(CACHES._items, SwapIn.name, SwapIn)
+    system = with_policy("cache", SwapIn, {"memory": {"cache_experts": "2", "staging_slots": "2"}})
+    impl = dataclasses.replace(get_implementation("bare"), name="handoff", cpu_lane_wakes="always")
+    spans_of = {}
+    for host_s in (0.0, 0.125):
+        prof = round_number_profile(tmp_path / f"handoff{host_s}.json", OVERLAP_MODEL,
+                                    lane_wake={"host": host_s} if host_s else None)
+        spans_of[host_s] = _spans(_engine(overlap_trace, system, prof, impl, shortcut))
+    assert [s for s in spans_of[0.125] if s[0] == "host"] == [("host", "host L0", 4.5, 4.625)]
+    assert ("pcie", "swap L0 +E2 -E0", 4.5, 6.5) in spans_of[0.0]
+    assert ("pcie", "swap L0 +E2 -E0", 4.625, 6.625) in spans_of[0.125]
+    assert ("gpu", "dense L1", 4.5, 5.0) in spans_of[0.0] and ("gpu", "dense L1", 4.625, 5.125) in spans_of[0.125]
 
 
 def test_the_executor_on_the_cpu_device_wakes_its_cpu_lane_beside_accelerator_experts_only():

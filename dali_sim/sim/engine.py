@@ -338,15 +338,13 @@ class SimEngine:
                         experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
 
     def _handoffs(self, plan: LayerPlan, cpu: _CpuLane | None, n_gpu: int, copies_asleep: bool) -> int:
-        """How many times the layer visit's host hands work to a sleeping thread (each costs ``handoff``): the
-        CPU lane to its worker where that lane's call wakes it (``cpu_lane_wakes``, as :meth:`_cpu_work`), and its
-        background copies (prefetches issued before the dense part, swaps after the lanes: one request each) to the
-        copy thread when none of the earlier ones is in flight at the visit's start; a swap request after
-        prefetches of the same visit is taken as finding the thread awake."""
-        n = int(cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0))
-        if copies_asleep:
-            n += 1 if plan.prefetches else int(bool(plan.swaps))
-        return n
+        """How many times the layer visit's host hands work to a sleeping thread before its dense part (each costs
+        ``handoff``): the CPU lane to its worker where that lane's call wakes it (``cpu_lane_wakes``, as
+        :meth:`_cpu_work`), and its prefetches (one request) to the copy thread when no background copy was in
+        flight as the visit started. Its swaps (one request, after its lanes) are charged there, where no
+        background copy is in flight then (:meth:`_layer`)."""
+        return int(cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0)) + \
+            int(bool(plan.prefetches) and copies_asleep)
 
     def _gpu_prologue(self, plan: LayerPlan, n_gpu: int, cpu_too: bool) -> list[tuple[float, str]]:
         """What the GPU lane runs before its experts, as (seconds, activity kind): activations in (dense part on
@@ -631,7 +629,11 @@ class SimEngine:
             lanes = t + dense
             cpu_end = self._cpu_lane_end(plan, cpu, lanes)
             gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, gpu, prologue)
-            yield env.timeout(max(cpu_end, gpu_end) - now)
+            end = max(cpu_end, gpu_end)
+            if plan.swaps and self.handoff:  # (no background copy is open here: none was as the layer started)
+                self._log_layer("host", end, end + self.handoff, "host", plan)
+                end += self.handoff
+            yield env.timeout(end - now)
         else:
             yield from self._compute("host", host, Activity("host", step, layer))
             yield from self._compute(self.dense_device, dense, Activity("dense", step, layer),
@@ -643,6 +645,8 @@ class SimEngine:
             yield from self._gpu_lane(plan, gpu, self._workloads(plan), prologue)
             if cpu_proc is not None:
                 yield cpu_proc
+            if plan.swaps and self.handoff and not self.background_open:  # (the copy thread sleeps: woken for them)
+                yield from self._compute("host", self.handoff, Activity("host", step, layer))
         if plan.swaps:
             self.swaps_landing[layer] = [self._background(Activity("swap", step, layer, a, other=b))
                                          for a, b in plan.swaps]
