@@ -437,7 +437,7 @@ class OffloadRuntime:
         one_staged_turn = n_staged and per_turn == n_staged  # (every staged expert has its buffer: one group)
         # (the route call wrote the ready and fetched experts' group, or, with only staged experts in one turn, theirs
         # in the staging buffers it gave them, which are these stage_rows: the first free ones)
-        written = fg is not None and len(first) > 0 and fg[3] == (n_staged if fg[4] else len(ready) + nf)
+        written = fg is not None and fg[3] == (n_staged if fg[4] else len(ready) + nf)
         if self._first_in_route and not lanes.prefetched_in_flight and not lanes.freed and \
                 (not n_staged or one_staged_turn or per_turn == 1):
             # the CPU device, every prefetched expert landed and admitted, the staged ones in one turn or one at a
@@ -491,7 +491,6 @@ class OffloadRuntime:
         if n_staged:
             turns = self._single_turns if per_turn == 1 else self._staging_turns
             turns(plan, routing, lanes, stage_rows, per_turn, halves, fetched_events, first, x, out_buf, sw)
-        if n_staged:
             pool.release_staging_rows(stage_rows)
             lanes.staging_used = 0
         # 4. prefetches still in flight
