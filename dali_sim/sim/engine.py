@@ -341,10 +341,14 @@ class SimEngine:
         """How many times the layer visit's host hands work to a sleeping thread before its dense part (each costs
         ``handoff``): the CPU lane to its worker where that lane's call wakes it (``cpu_lane_wakes``, as
         :meth:`_cpu_work`), and its prefetches (one request) to the copy thread when no background copy was in
-        flight as the visit started. Its swaps (one request, after its lanes) are charged there, where no
-        background copy is in flight then (:meth:`_layer`)."""
+        flight as the visit started. Its swaps are charged after its lanes (:meth:`_swap_handoff`)."""
         return int(cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0)) + \
             int(bool(plan.prefetches) and copies_asleep)
+
+    def _swap_handoff(self, plan: LayerPlan) -> float:
+        """Host seconds of handing the visit's swaps (one request, after its lanes) to the copy thread: ``handoff``
+        where no background copy is in flight then (the thread sleeps), else 0."""
+        return self.handoff if plan.swaps and not self.background_open else 0.0
 
     def _gpu_prologue(self, plan: LayerPlan, n_gpu: int, cpu_too: bool) -> list[tuple[float, str]]:
         """What the GPU lane runs before its experts, as (seconds, activity kind): activations in (dense part on
@@ -630,10 +634,10 @@ class SimEngine:
             cpu_end = self._cpu_lane_end(plan, cpu, lanes)
             gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, gpu, prologue)
             end = max(cpu_end, gpu_end)
-            if plan.swaps and self.handoff:  # (no background copy is open here: none was as the layer started)
-                self._log_layer("host", end, end + self.handoff, "host", plan)
-                end += self.handoff
-            yield env.timeout(end - now)
+            swap = self._swap_handoff(plan)  # (no background copy is open: none was as the layer started)
+            if swap:
+                self._log_layer("host", end, end + swap, "host", plan)
+            yield env.timeout(end + swap - now)
         else:
             yield from self._compute("host", host, Activity("host", step, layer))
             yield from self._compute(self.dense_device, dense, Activity("dense", step, layer),
@@ -645,8 +649,9 @@ class SimEngine:
             yield from self._gpu_lane(plan, gpu, self._workloads(plan), prologue)
             if cpu_proc is not None:
                 yield cpu_proc
-            if plan.swaps and self.handoff and not self.background_open:  # (the copy thread sleeps: woken for them)
-                yield from self._compute("host", self.handoff, Activity("host", step, layer))
+            swap = self._swap_handoff(plan)
+            if swap:
+                yield from self._compute("host", swap, Activity("host", step, layer))
         if plan.swaps:
             self.swaps_landing[layer] = [self._background(Activity("swap", step, layer, a, other=b))
                                          for a, b in plan.swaps]
