@@ -85,6 +85,16 @@ def test_counters_match_exactly_and_times_are_compared(validated):
         assert r["overhead_s"] > 0 and math.isclose(r["sim_plus_overhead_s"], r["sim_s"] + r["overhead_s"])
         assert s["overhead"]["layer_visits"] == r["steps"] * 2
         assert 0 <= r["idle_exec_s"] < r["exec_s"] and r["idle_sim_s"] >= 0
+    # hand-overs to sleeping threads (CPU device, one thread per lane: the CPU lane is handed over only beside
+    # accelerator experts): the CPU lane's as simulated; cpu-only and gpu-lru hand nothing over, dali both kinds
+    handed = {s["row"]["system"]: s["row"] for s in report.systems}
+    for name, r in handed.items():
+        assert r["cpu_lane_handoffs_exec"] == r["cpu_lane_handoffs_sim"], name
+    assert [handed[n]["copy_thread_handoffs_exec"] for n in ("cpu-only", "gpu-lru")] == [0, 0]
+    assert handed["cpu-only"]["cpu_lane_handoffs_exec"] == handed["gpu-lru"]["cpu_lane_handoffs_exec"] == 0
+    dali = handed["dali"]
+    assert dali["cpu_lane_handoffs_exec"] > 0 and dali["copy_thread_handoffs_exec"] > 0
+    assert dali["copy_thread_handoffs_sim"] > 0
     gpu_lru = report.systems[1]
     assert gpu_lru["counters"]["on_demand"]["exec"] > 0 and "fetch" in gpu_lru["busy"]
     assert report.systems[0]["counters"]["cpu_experts"]["exec"] > 0 and "cpu_expert" in report.systems[0]["busy"]
@@ -393,6 +403,15 @@ def test_verdict_thresholds_on_synthetic_results():
     assert not verdict([_verdict_row("dali", 1.0, 1.0, p90=0.4)], Thresholds(step_p90=0.25))["ok"]
     assert not verdict([_verdict_row("dali", 1.0, 1.0, exact=False)])["ok"]
     assert verdict([_verdict_row("oracle", 1.0, 1.0, exact=False, expected=False)])["ok"]
+    # the CPU lane's hand-overs to its worker must match; the copy thread's may differ; absent counts are not checked
+    handed = _verdict_row("dali", 1.0, 1.0) | {"cpu_lane_handoffs_exec": 12, "cpu_lane_handoffs_sim": 11,
+                                               "copy_thread_handoffs_exec": 7, "copy_thread_handoffs_sim": 5}
+    assert verdict([handed])["failures"] == ["dali: the CPU lane was handed to its sleeping worker 12 times executed, "
+                                             "11 simulated (the implementation's cpu_lane_wakes rule does not "
+                                             "describe this run)"]
+    assert verdict([handed | {"cpu_lane_handoffs_sim": 12}])["ok"]
+    assert verdict([handed | {"cpu_lane_handoffs_sim": None}])["ok"]
+    assert verdict([handed | {"expected_exact": False}])["ok"]  # (plans that differ run to run hand over differently)
     with pytest.raises(ValueError, match="threshold total"):
         Thresholds(total=float("nan"))
 
@@ -453,6 +472,14 @@ def test_compare_on_hand_made_results():
     assert r["idle_exec_s"] == pytest.approx(4.0 - 2.5 - 0.5 - 0.2)  # busy [0, 2.5], [3, 3.5], [3.6, 3.8]
     assert c["counters"]["on_demand"] == {"exec": 3, "sim": 3}
     assert c["busy"]["fetch"]["exec_n"] == 1 and c["busy"]["fetch"]["exec_s"] == 1.5 and "prefetch" not in c["busy"]
+    assert {k: r[k] for k in r if "handoffs" in k} == {  # (neither summary has counts)
+        "cpu_lane_handoffs_exec": None, "cpu_lane_handoffs_sim": None,
+        "copy_thread_handoffs_exec": None, "copy_thread_handoffs_sim": None}
+    executed.summary["handoffs"] = {"cpu_lane": 4, "copy_thread": 2}
+    simulated.summary["handoffs"] = {"cpu_lane": 4, "copy_thread": 3}
+    r = compare(executed, simulated)["row"]
+    assert (r["cpu_lane_handoffs_exec"], r["cpu_lane_handoffs_sim"]) == (4, 4)
+    assert (r["copy_thread_handoffs_exec"], r["copy_thread_handoffs_sim"]) == (2, 3)
     different = compare(executed, _result([1.0, 1.0, 0.5], {"on_demand": 2, "hits": 1}))["row"]
     assert not different["exact"] and different["counters_differ"] == ["on_demand"]
     with pytest.raises(ValueError, match="different steps"):

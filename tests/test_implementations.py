@@ -277,6 +277,9 @@ def test_the_host_pays_its_hand_over_of_the_cpu_lane_to_a_sleeping_worker(tmp_pa
         assert e0[2] == 0.625
     else:
         assert host == [] and e0[2] == 0.5
+    # counted as charged (what dali exec validate compares with the executor's), and where nothing sleeps not at all
+    assert out.handoffs == ({"cpu_lane": len(host), "copy_thread": 0} if wakes != "never" else
+                            {"cpu_lane": 0, "copy_thread": 0})
     assert CostModel(load_profile(prof), OVERLAP_MODEL).handoff_time() == 0.125
 
 
@@ -290,8 +293,10 @@ def test_the_host_pays_its_hand_over_of_background_copies_to_a_sleeping_copy_thr
               "memory": {"cache_experts": "0", "staging_slots": "3", "prefetch_slots": "4"}}
     prof = round_number_profile(tmp_path / "handoff.json", OVERLAP_MODEL, lane_wake={"host": host_s} if host_s else None)
     impl = dataclasses.replace(get_implementation("bare"), name="handoff", cpu_lane_wakes="always")
-    got = _spans(_engine(overlap_trace, resolve_system("gpu-lru", oracle), prof, impl))
+    out = _engine(overlap_trace, resolve_system("gpu-lru", oracle), prof, impl)
+    got = _spans(out)
     host = [s for s in got if s[0] == "host"]
+    assert out.handoffs == {"cpu_lane": 0, "copy_thread": 2}  # (counted whether the profile charges them or not)
     if host_s:
         assert host == [("host", "host L0", 0, 0.125), ("host", "host L0", 13.5, 13.625)]
         assert ("gpu", "dense L0", 0.125, 0.625) in got and ("pcie", "prefetch L1 E1", 13.5, 15.5) in got
@@ -315,7 +320,9 @@ def test_a_swap_request_hands_over_after_the_lanes_to_a_sleeping_copy_thread(tmp
     for host_s in (0.0, 0.125):
         prof = round_number_profile(tmp_path / f"handoff{host_s}.json", OVERLAP_MODEL,
                                     lane_wake={"host": host_s} if host_s else None)
-        spans_of[host_s] = _spans(_engine(overlap_trace, system, prof, impl, shortcut))
+        out = _engine(overlap_trace, system, prof, impl, shortcut)
+        spans_of[host_s] = _spans(out)
+        assert out.handoffs == {"cpu_lane": 0, "copy_thread": 1}
     assert [s for s in spans_of[0.125] if s[0] == "host"] == [("host", "host L0", 4.5, 4.625)]
     assert ("pcie", "swap L0 +E2 -E0", 4.5, 6.5) in spans_of[0.0]
     assert ("pcie", "swap L0 +E2 -E0", 4.625, 6.625) in spans_of[0.125]

@@ -139,6 +139,7 @@ class CopyEngine:
         self._closed = False
         self._open = 0  # submitted and not done
         self.copies = 0
+        self.wakes = 0  # requests that woke the copy thread from its sleep (hand-overs: dali_sim's HANDOFF_KINDS)
         self.error: BaseException | None = None  # the first failed copy (every waiter raises it)
         self._thread = threading.Thread(target=self._loop, name="dali-copy", daemon=True)
         self._thread.start()
@@ -184,6 +185,7 @@ class CopyEngine:
                     inflight[r] += 1
             heapq.heappush(self._heap, (priority, t.seq, t))
             self._open += 1
+            self.wakes += self._idle
             self._wake_loop()
         return t
 

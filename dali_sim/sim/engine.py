@@ -38,6 +38,8 @@ from dali_sim.workload.builder import Workload
 
 ON_DEMAND, BACKGROUND = 0, 1  # PCIe priorities (lower first)
 TRACKS = ("gpu", "cpu", "pcie", "host")  # the order of SimEngine.busy (and of dali_sim.sim.lanes)
+#: the threads a layer visit's host hands work to while they sleep: the CPU lane's worker, the copy thread
+HANDOFF_KINDS = ("cpu_lane", "copy_thread")
 TRACK_INDEX = {t: i for i, t in enumerate(TRACKS)}
 #: the lane of the contention model each track's activities load (the host work runs on the accelerator
 #: lane's thread)
@@ -98,6 +100,8 @@ class EngineOutput:
     events: int  # intervals simulated (dense parts + expert computes + copies + host work)
     intervals: list[Interval]
     slowed: dict[str, float] = field(default_factory=dict)  # seconds each lane lost to contention
+    #: hand-overs to a thread asleep on its queue, per HANDOFF_KINDS (empty: not counted)
+    handoffs: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -178,8 +182,12 @@ class SimEngine:
         self.cpu_wake = costs.lane_wake("cpu") if impl.cpu_lane_wakes != "never" else 0.0
         self.gpu_wake = costs.lane_wake("gpu") if impl.cpu_lane_wakes != "never" else 0.0
         self.cpu_wake_beside_gpu = impl.cpu_lane_wakes == "beside-gpu"
-        #: what the host pays to hand work to a sleeping thread (the CPU lane's worker, the copy thread)
-        self.handoff = costs.handoff_time() if impl.cpu_lane_wakes != "never" else 0.0
+        #: whether the implementation hands work to threads that sleep between layers (the CPU lane's worker, the
+        #: copy thread), what the host pays per hand-over, and how many it made (HANDOFF_KINDS; counted whatever
+        #: the profile charges: ``dali exec validate`` compares them with the executor's)
+        self.hands_over = impl.cpu_lane_wakes != "never"
+        self.handoff = costs.handoff_time() if self.hands_over else 0.0
+        self.handoffs = dict.fromkeys(HANDOFF_KINDS, 0)
         self.waits_all = impl.compute_waits_copies
         # calls on what has landed: the GPU lane's fixed part per group of experts present when one starts
         self.per_group = self.lane_overhead["gpu"] if impl.gpu_calls == "landed" else 0.0
@@ -339,16 +347,25 @@ class SimEngine:
 
     def _handoffs(self, plan: LayerPlan, cpu: _CpuLane | None, n_gpu: int, copies_asleep: bool) -> int:
         """How many times the layer visit's host hands work to a sleeping thread before its dense part (each costs
-        ``handoff``): the CPU lane to its worker where that lane's call wakes it (``cpu_lane_wakes``, as
-        :meth:`_cpu_work`), and its prefetches (one request) to the copy thread when no background copy was in
-        flight as the visit started. Its swaps are charged after its lanes (:meth:`_swap_handoff`)."""
-        return int(cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0)) + \
-            int(bool(plan.prefetches) and copies_asleep)
+        ``handoff``; counted in ``handoffs``): the CPU lane to its worker where that lane's call wakes it
+        (``cpu_lane_wakes``, as :meth:`_cpu_work`), and its prefetches (one request) to the copy thread when no
+        background copy was in flight as the visit started. Its swaps are charged after its lanes
+        (:meth:`_swap_handoff`)."""
+        if not self.hands_over:
+            return 0
+        to_cpu = int(cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0))
+        to_copies = int(bool(plan.prefetches) and copies_asleep)
+        self.handoffs["cpu_lane"] += to_cpu
+        self.handoffs["copy_thread"] += to_copies
+        return to_cpu + to_copies
 
     def _swap_handoff(self, plan: LayerPlan) -> float:
         """Host seconds of handing the visit's swaps (one request, after its lanes) to the copy thread: ``handoff``
-        where no background copy is in flight then (the thread sleeps), else 0."""
-        return self.handoff if plan.swaps and not self.background_open else 0.0
+        where no background copy is in flight then (the thread sleeps; counted in ``handoffs``), else 0."""
+        if not (self.hands_over and plan.swaps and not self.background_open):
+            return 0.0
+        self.handoffs["copy_thread"] += 1
+        return self.handoff
 
     def _gpu_prologue(self, plan: LayerPlan, n_gpu: int, cpu_too: bool) -> list[tuple[float, str]]:
         """What the GPU lane runs before its experts, as (seconds, activity kind): activations in (dense part on
@@ -621,8 +638,7 @@ class SimEngine:
         copies = gpu.n_fetch + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
         host = self.costs.host_layer_time(gpu.n, len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
-        if self.handoff:
-            host += self.handoff * self._handoffs(plan, cpu, gpu.n, copies_asleep)
+        host += self.handoff * self._handoffs(plan, cpu, gpu.n, copies_asleep)
         if self._uncontended(gpu.arrivals.values()) and not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
             # nothing can change while the layer runs: the whole layer is computed directly
             now = env.now
@@ -686,4 +702,4 @@ class SimEngine:
         # background copies may still run after the last layer: the makespan is the last step's end
         busy = dict(zip(TRACKS, self.busy.tolist()))
         return EngineOutput(out["starts"], out["ends"], self.layer_time, self.layer_wait, busy, self.events,
-                            self.intervals, dict(self.lanes.slowed_s))
+                            self.intervals, dict(self.lanes.slowed_s), dict(self.handoffs))

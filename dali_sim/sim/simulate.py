@@ -318,6 +318,7 @@ def timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict
         "tpot_s": _mean(per_seq["tpot_s"]),
         "busy": {k: ratio(v, makespan) for k, v in out.busy.items()},
         "events": out.events,
+        "handoffs": dict(out.handoffs),
     }
 
 __all__ = ["DEFAULT_HARDWARE", "SimResult", "implementation_for", "per_sequence", "profile_config", "profiled_input",
