@@ -99,6 +99,25 @@ def test_every_preset_equals_the_reference_and_counts_like_the_simulator(mix, sy
     assert result.config["system"] == sim.config["system"]
 
 
+@pytest.mark.parametrize("system", ["hybrimoe", "mixtral-offloading-best"])
+def test_prefetches_wait_for_a_buffer_where_the_simulators_at_use_rule_says(mix, system):
+    """The executor frees a prefetch buffer once done with it (the simulator's ``prefetch_buffers = "at-use"``):
+    the prefetches that found none free as their visit started are those :func:`buffers_at_use` finds in the
+    replay's own plans."""
+    from dali_sim.sim.engine import buffers_at_use
+
+    records = []
+    small = {"memory": {"prefetch_slots": "2"}}
+    result = execute(mix, system, TINY, CPU_RUN, batch_size=BATCH, on_layer=records.append, overrides=small)
+    setup = prepare_replay(mix, system, TINY, batch_size=BATCH, overrides=small)
+    held, waited = 0, 0
+    for rec in records:
+        start, _, _, held = buffers_at_use(rec.plan, held, setup.memory.prefetch_slots)
+        waited += len(rec.plan.prefetches) - start
+    assert result.summary["prefetch_issued"] > waited > 0  # (with 2 buffers, some wait: 1 of 10, 4 of 14)
+    assert result.summary["executor"]["prefetches_waited"] == waited
+
+
 def test_result_has_every_simulator_key(mix):
     result = execute(mix, "dali", TINY, CPU_RUN, batch_size=BATCH)
     setup = prepare_replay(mix, "dali", TINY, batch_size=BATCH)

@@ -9,7 +9,7 @@ from importlib import resources
 
 import numpy as np
 import pytest
-from conftest import OVERLAP_MODEL, WHOLE, round_number_profile
+from conftest import OVERLAP_MODEL, WHOLE, round_number_profile, tiny_model
 from test_hardware import EXAMPLE as EXAMPLE_MEASURED
 from test_hardware import TOY_PARAMS, toy_model, toy_profile_dict
 from test_sim_overlap import spans, split_system
@@ -18,6 +18,7 @@ from dali_sim.hardware import CostModel, load_profile, profile_from_dict
 from dali_sim.hardware.implementation import (
     EXECUTOR,
     KERNEL_KEYS,
+    PREFETCH_BUFFERS,
     Implementation,
     get_implementation,
     implementation_from_dict,
@@ -327,6 +328,69 @@ def test_a_swap_request_hands_over_after_the_lanes_to_a_sleeping_copy_thread(tmp
     assert ("pcie", "swap L0 +E2 -E0", 4.5, 6.5) in spans_of[0.0]
     assert ("pcie", "swap L0 +E2 -E0", 4.625, 6.625) in spans_of[0.125]
     assert ("gpu", "dense L1", 4.5, 5.0) in spans_of[0.0] and ("gpu", "dense L1", 4.625, 5.125) in spans_of[0.125]
+
+
+@pytest.fixture(scope="module")
+def chain_trace(tmp_path_factory):
+    """3 MoE layers of 3 experts, top-1: layer l routes its one decode token to expert l, for 2 steps."""
+    from dali_sim.trace import TraceWriter
+
+    path = tmp_path_factory.mktemp("chain") / "chain.parquet"
+    with TraceWriter(path, tiny_model(num_layers=3, moe_layers=(0, 1, 2), num_experts=3, top_k=1),
+                     provenance={"source": "hand-written", "command": "tests/test_implementations.py"}) as w:
+        for pos in range(2):
+            for layer in range(3):
+                w.write(seq_id=0, phase="decode", pos=pos, layer=layer, experts=np.array([[layer]]),
+                        weights=np.array([[1.0]], np.float32))
+    return read_trace(path)
+
+
+def _next_layer_system(monkeypatch, cache_experts: int):
+    """gpu-lru whose prefetcher asks at layer l for expert l + 1 of layer l + 1 (one prefetch buffer)."""
+    from dali_sim.policies.base import PREFETCHERS, PrefetchPolicy
+    from test_sim_prefetch import with_policy
+
+    class NextOne(PrefetchPolicy):
+        name = "test-next-one"
+
+        def prefetch(self, view):
+            return [(view.layer + 1, view.layer + 1)] if view.layer + 1 < view.num_layers else []
+
+    monkeypatch.setitem(PREFETCHERS._items, NextOne.name, NextOne)
+    return with_policy("prefetch", NextOne, {"memory": {"cache_experts": str(cache_experts), "staging_slots": "1",
+                                                        "prefetch_slots": "1"}})
+
+
+@pytest.mark.parametrize("shortcut", [True, False])
+@pytest.mark.parametrize("cache_experts, held_until", [(0, "lane"), (1, "dense")])
+def test_a_prefetch_that_finds_no_free_buffer_waits_until_the_runtime_is_done_with_one(
+        tmp_path, chain_trace, monkeypatch, shortcut, cache_experts, held_until):
+    """One prefetch buffer; layer 0 prefetches L1 E1 (0-2 s: the link is idle, the copy thread asleep, the host pays
+    0.125 s), layer 1 uses it and asks for L2 E2. The controller counts the buffer free as layer 1's plan is made
+    ("at-plan": the copy runs 5-7 s, its hand-over 5-5.125). The executor ("at-use") frees it when done with it:
+    without a cache, the buffer of the declined E1 after its compute (5.5-6.5 s), with one cache slot as the cache
+    adopts E1 after the dense part (5-5.5 s); the waiting prefetch is handed over to the sleeping copy thread then
+    (0.125 s of host) and its copy follows, so layer 2 waits for it."""
+    system = _next_layer_system(monkeypatch, cache_experts)
+    prof = round_number_profile(tmp_path / "handoff.json", chain_trace.model, lane_wake={"host": 0.125})
+    got = {}
+    for buffers in PREFETCH_BUFFERS:
+        impl = dataclasses.replace(get_implementation("bare"), name="buffers", cpu_lane_wakes="always",
+                                   prefetch_buffers=buffers)
+        out = _engine(chain_trace, system, prof, impl, shortcut)
+        got[buffers] = (_spans(out), out.handoffs)
+    plan_spans, plan_handed = got["at-plan"]
+    use_spans, use_handed = got["at-use"]
+    assert {("host", "host L1", 5.0, 5.125), ("pcie", "prefetch L2 E2", 5.0, 7.0)} <= set(plan_spans)
+    assert ("host", "host L1", 5.0, 5.125) not in use_spans
+    if held_until == "lane":
+        assert {("gpu", "dense L1", 5.0, 5.5), ("gpu", "L1 E1", 5.5, 6.5), ("host", "host L1", 6.5, 6.625),
+                ("pcie", "prefetch L2 E2", 6.625, 8.625), ("gpu", "L2 E2", 8.625, 9.625)} <= set(use_spans)
+    else:
+        assert {("gpu", "dense L1", 5.0, 5.5), ("host", "host L1", 5.5, 5.625), ("gpu", "L1 E1", 5.625, 6.625),
+                ("pcie", "prefetch L2 E2", 5.625, 7.625), ("gpu", "L2 E2", 7.625, 8.625)} <= set(use_spans)
+    # the same requests, each handed over once (the copy thread sleeps every time)
+    assert use_handed == plan_handed == {"cpu_lane": 0, "copy_thread": 4 if cache_experts == 0 else 2}
 
 
 def test_the_executor_on_the_cpu_device_wakes_its_cpu_lane_beside_accelerator_experts_only():

@@ -153,6 +153,7 @@ class Replay:
         starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
         prev_threads = torch.get_num_threads()
         handed = self._handoffs()  # (the runtime's counts so far: this run's are their growth)
+        waited = self.runtime.prefetches_waited
         if self.accel_threads is not None:
             torch.set_num_threads(self.accel_threads)
         moe_blocks = set(setup.model.moe_layers)
@@ -213,6 +214,7 @@ class Replay:
             "host_weights_pinned": self.store.pinned,
             "slot_bytes": self.runtime.slot_bytes,
             "grouped_calls": self.runtime.grouped_calls(),
+            "prefetches_waited": self.runtime.prefetches_waited - waited,
             "dense_part": "RMSNorm + QKV projection + attention over a KV cache + output projection + router "
                           "logits + shared experts (docs/executor.md)",
             "gate_weights": "trace" if setup.trace.meta.has_weights else "1/top_k (the trace has none)",

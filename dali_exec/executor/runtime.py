@@ -112,6 +112,9 @@ class OffloadRuntime:
         #: CPU-lane jobs handed to the worker so far (each wakes it when it sleeps: a cost of the calling thread that
         #: the simulator charges apart, ``lane_wake.host``, so the calibration's host fit takes it out)
         self.cpu_handoffs = 0
+        #: prefetches that found no free buffer as their layer visit started (the simulator's "at-use" prefetch
+        #: buffers: dali_sim.sim.engine.buffers_at_use)
+        self.prefetches_waited = 0
 
     # ---- setup --------------------------------------------------------------------------------
     def load(self, resident: np.ndarray) -> None:
@@ -156,6 +159,7 @@ class OffloadRuntime:
         for target, e in plan.prefetches:
             self.deferred.append((target, e, plan.step))
         self._issue_deferred()
+        self.prefetches_waited += len(self.deferred)
         if handoff is not None:
             sw.hand_to(handoff[1])
         else:

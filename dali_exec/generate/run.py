@@ -300,6 +300,7 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         "host_weights_pinned": store.pinned,
         "slot_bytes": runtime.slot_bytes,
         "grouped_calls": runtime.grouped_calls(),
+        "prefetches_waited": runtime.prefetches_waited,
         "setup_s": setup_s,
     }
     return _result(session, spec, sysconf, profile, mem, hardware, options, seed, executor, generated, wall_s,

@@ -34,6 +34,11 @@ LM_HEAD = ("none", "last", "all")
 #: when the CPU lane's call pays the profile's lane_wake: never, every call (a worker thread that sleeps
 #: between layers), or only beside GPU experts (a layer without them runs the CPU lane inline)
 CPU_LANE_WAKES = ("never", "always", "beside-gpu")
+#: when the buffer of a prefetched expert that a layer visit uses is free for the next prefetch: as the visit's
+#: plan is made (the controller's accounting: every prefetch starts at its visit's start), or once the runtime is
+#: done with it (adopted by the cache after the dense part, or, declined, after the accelerator lane computed it):
+#: until then the visit's prefetches that find no free buffer wait
+PREFETCH_BUFFERS = ("at-plan", "at-use")
 GPU_CALLS = ("layer", "landed")  # the GPU lane's fixed part: once per layer, or again after each wait for a copy  # logits for no token, every decode token and a prompt's last, or every token
 #: kernel counts an implementation declares (``kernels``), each per MoE layer unless said otherwise
 KERNEL_KEYS = {
@@ -74,6 +79,7 @@ class Implementation:
     gpu_calls: str = "layer"  # the GPU lane's fixed part (lane overhead) once per layer, or per call on what has landed
     evict_writeback: bool = False  # an eviction copies the evicted expert back to the host (one more copy on the link)
     cpu_lane_wakes: str = "never"  # CPU_LANE_WAKES: which CPU-lane calls pay the profile's lane_wake (a sleeping worker)
+    prefetch_buffers: str = "at-plan"  # PREFETCH_BUFFERS: when a used prefetch's buffer takes the next prefetch
     cuda_graphs: str = "none"  # steps replayed from a captured graph: none | full-gpu (1-token steps, all on GPU) | decode
     host_op_us: float = 0.0  # framework host time per GPU kernel beyond the profile's launch_us (e.g. Python)
     kernels: Mapping[str, int] = field(default_factory=dict)  # kernel counts (KERNEL_KEYS); missing = 0
@@ -84,7 +90,7 @@ class Implementation:
         for key, allowed in (("copy_from", COPY_FROM), ("host", HOST_MODELS), ("gpu_experts", GPU_KERNELS),
                              ("cuda_graphs", CUDA_GRAPHS), ("lanes_overlap", OVERLAP), ("shared_overlap", OVERLAP),
                              ("lm_head", LM_HEAD), ("gpu_calls", GPU_CALLS),
-                             ("cpu_lane_wakes", CPU_LANE_WAKES)):
+                             ("cpu_lane_wakes", CPU_LANE_WAKES), ("prefetch_buffers", PREFETCH_BUFFERS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{where}: {key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         for f in fields(self):
@@ -162,5 +168,5 @@ def get_implementation(name: str | Implementation) -> Implementation:
     return impls[name]
 
 
-__all__ = ["ANY", "COPY_FROM", "CPU_LANE_WAKES", "CUDA_GRAPHS", "EXECUTOR", "GPU_CALLS", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "LM_HEAD", "OVERLAP", "Implementation", "get_implementation",
+__all__ = ["ANY", "COPY_FROM", "CPU_LANE_WAKES", "CUDA_GRAPHS", "EXECUTOR", "GPU_CALLS", "GPU_KERNELS", "HOST_MODELS", "KERNEL_KEYS", "LM_HEAD", "OVERLAP", "PREFETCH_BUFFERS", "Implementation", "get_implementation",
            "implementation_from_dict", "implementation_names"]

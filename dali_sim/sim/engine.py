@@ -104,6 +104,23 @@ class EngineOutput:
     handoffs: dict[str, int] = field(default_factory=dict)
 
 
+def buffers_at_use(plan: LayerPlan, held: int, slots: int) -> tuple[int, int, int, int]:
+    """One layer visit of ``slots`` prefetch buffers that the runtime frees once done with them (dali's executor:
+    ``OffloadRuntime.start_layer``, ``run_experts``, ``_accelerator_lane``), ``held`` by earlier prefetches as it
+    starts: (how many of its prefetches start with it, the buffers freed after its dense part as the cache adopts
+    its prefetched experts, those freed after its accelerator lane of the ones the cache declined, the buffers held
+    at its end). The buffers of its wasted prefetches are free first; its other prefetches wait, in order, for
+    the buffers freed later in the visit (the controller counts those free as the plan is made)."""
+    prefetched = plan.source == PREFETCHED
+    adopted = int(np.count_nonzero(prefetched & plan.admitted))
+    declined = int(np.count_nonzero(prefetched)) - adopted
+    held -= len(plan.prefetch_wasted)
+    if not 0 <= held <= slots or len(plan.prefetches) > slots - held + adopted + declined:
+        raise AssertionError(f"step {plan.step} layer {plan.layer}: {len(plan.prefetches)} prefetches, {held} of "
+                             f"{slots} buffers held, {adopted + declined} freed in the visit")
+    return min(len(plan.prefetches), slots - held), adopted, declined, held + len(plan.prefetches) - adopted - declined
+
+
 @dataclass
 class _CpuLane:
     """The CPU lane of one layer: activations in, per-layer overhead, experts (id, tokens), results out."""
@@ -188,6 +205,10 @@ class SimEngine:
         self.hands_over = impl.cpu_lane_wakes != "never"
         self.handoff = costs.handoff_time() if self.hands_over else 0.0
         self.handoffs = dict.fromkeys(HANDOFF_KINDS, 0)
+        #: prefetch buffers freed only once the runtime is done with them (``prefetch_buffers = "at-use"``): the
+        #: buffers held by prefetches issued and not yet adopted or released, as seen between layer visits
+        self.buffers_at_use = impl.prefetch_buffers == "at-use"
+        self.prefetch_held = 0
         self.waits_all = impl.compute_waits_copies
         # calls on what has landed: the GPU lane's fixed part per group of experts present when one starts
         self.per_group = self.lane_overhead["gpu"] if impl.gpu_calls == "landed" else 0.0
@@ -345,19 +366,43 @@ class SimEngine:
         return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, overhead,
                         experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
 
-    def _handoffs(self, plan: LayerPlan, cpu: _CpuLane | None, n_gpu: int, copies_asleep: bool) -> int:
+    def _handoffs(self, cpu: _CpuLane | None, n_gpu: int, prefetches: bool, copies_asleep: bool) -> int:
         """How many times the layer visit's host hands work to a sleeping thread before its dense part (each costs
         ``handoff``; counted in ``handoffs``): the CPU lane to its worker where that lane's call wakes it
-        (``cpu_lane_wakes``, as :meth:`_cpu_work`), and its prefetches (one request) to the copy thread when no
-        background copy was in flight as the visit started. Its swaps are charged after its lanes
-        (:meth:`_swap_handoff`)."""
+        (``cpu_lane_wakes``, as :meth:`_cpu_work`), and the ``prefetches`` it starts then (one request) to the copy
+        thread when no background copy was in flight as the visit started. Prefetches that wait for a buffer
+        (:meth:`_start_waiting`) and its swaps (:meth:`_swap_handoff`) are charged where they are handed over."""
         if not self.hands_over:
             return 0
         to_cpu = int(cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0))
-        to_copies = int(bool(plan.prefetches) and copies_asleep)
+        to_copies = int(prefetches and copies_asleep)
         self.handoffs["cpu_lane"] += to_cpu
         self.handoffs["copy_thread"] += to_copies
         return to_cpu + to_copies
+
+    def _prefetch_buffers(self, plan: LayerPlan) -> tuple[list, list, int]:
+        """The visit's prefetches split into (those that start with it, those that wait for a buffer), and the
+        buffers that free up for the waiting ones after its dense part (the others wait for its accelerator
+        lane): all start with it unless buffers are freed only once used (``prefetch_buffers = "at-use"``:
+        :func:`buffers_at_use`)."""
+        prefetches = plan.prefetches
+        if not self.buffers_at_use or (not prefetches and not plan.prefetch_used and not plan.prefetch_wasted):
+            return prefetches, [], 0
+        start, adopted, _, self.prefetch_held = buffers_at_use(plan, self.prefetch_held, self.ctl.prefetch_slots)
+        return prefetches[:start], prefetches[start:], adopted
+
+    def _start_waiting(self, plan: LayerPlan, waiting: list, free: int):
+        """SimPy: the first ``free`` of the prefetches that wait for a buffer start now, as one request (its
+        hand-over to the copy thread, where no background copy is in flight, paid by the host first); returns
+        the others."""
+        now, rest = waiting[:free], waiting[free:]
+        if now:
+            if self.hands_over and not self.background_open:
+                self.handoffs["copy_thread"] += 1
+                yield from self._compute("host", self.handoff, Activity("host", plan.step, plan.layer))
+            for target, e in now:
+                self.arrivals[(target, e)] = self._background(Activity("prefetch", plan.step, target, e))
+        return rest
 
     def _swap_handoff(self, plan: LayerPlan) -> float:
         """Host seconds of handing the visit's swaps (one request, after its lanes) to the copy thread: ``handoff``
@@ -621,7 +666,8 @@ class SimEngine:
         plan = self.ctl.plan(step, layer)
         self.counters.add(plan)
         copies_asleep = not self.background_open  # (the copy thread sleeps: no background copy in flight)
-        for target, e in plan.prefetches:
+        starting, waiting, adopted = self._prefetch_buffers(plan)
+        for target, e in starting:
             self.arrivals[(target, e)] = self._background(Activity("prefetch", step, target, e))
         for e in plan.prefetch_wasted:
             self.arrivals.pop((layer, e), None)
@@ -638,8 +684,9 @@ class SimEngine:
         copies = gpu.n_fetch + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
         host = self.costs.host_layer_time(gpu.n, len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
-        host += self.handoff * self._handoffs(plan, cpu, gpu.n, copies_asleep)
-        if self._uncontended(gpu.arrivals.values()) and not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
+        host += self.handoff * self._handoffs(cpu, gpu.n, bool(starting), copies_asleep)
+        if not waiting and self._uncontended(gpu.arrivals.values()) and \
+                not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
             # nothing can change while the layer runs: the whole layer is computed directly
             now = env.now
             if host > 0:
@@ -658,11 +705,15 @@ class SimEngine:
             yield from self._compute("host", host, Activity("host", step, layer))
             yield from self._compute(self.dense_device, dense, Activity("dense", step, layer),
                                      float(self.dense_demand[step]))
+            if waiting:  # the buffers of the prefetched experts the cache adopts are free once the routing is grouped
+                waiting = yield from self._start_waiting(plan, waiting, adopted)
             cpu_proc = env.process(self._cpu_lane(plan, cpu)) if cpu is not None else None
             if self.serial_lanes[step] and cpu_proc is not None:
                 yield cpu_proc
                 cpu_proc = None
             yield from self._gpu_lane(plan, gpu, self._workloads(plan), prologue)
+            if waiting:  # the rest once those of the ones it declines are computed (buffers_at_use: they fit)
+                yield from self._start_waiting(plan, waiting, len(waiting))
             if cpu_proc is not None:
                 yield cpu_proc
             swap = self._swap_handoff(plan)
