@@ -128,7 +128,8 @@ def round_number_profile(path: Path, model, *, gpu=(1.0, 2.0), cpu=(3.0, 6.0), x
 
 
 TIMING_KEYS = {"makespan_s", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
-               "prefill_throughput", "decode_throughput", "ttft_s", "tpot_s", "busy", "events", "handoffs"}
+               "prefill_throughput", "decode_throughput", "ttft_s", "tpot_s", "busy", "events", "handoffs",
+               "prefetches_waited"}
 
 
 def feed_online(trace, system: str, overrides=None, *, batch: int, frequencies: bool = True):

@@ -90,6 +90,7 @@ def test_counters_match_exactly_and_times_are_compared(validated):
     handed = {s["row"]["system"]: s["row"] for s in report.systems}
     for name, r in handed.items():
         assert r["cpu_lane_handoffs_exec"] == r["cpu_lane_handoffs_sim"], name
+        assert r["prefetches_waited_exec"] == r["prefetches_waited_sim"] is not None, name
     assert [handed[n]["copy_thread_handoffs_exec"] for n in ("cpu-only", "gpu-lru")] == [0, 0]
     assert handed["cpu-only"]["cpu_lane_handoffs_exec"] == handed["gpu-lru"]["cpu_lane_handoffs_exec"] == 0
     dali = handed["dali"]
@@ -412,6 +413,11 @@ def test_verdict_thresholds_on_synthetic_results():
     assert verdict([handed | {"cpu_lane_handoffs_sim": 12}])["ok"]
     assert verdict([handed | {"cpu_lane_handoffs_sim": None}])["ok"]
     assert verdict([handed | {"expected_exact": False}])["ok"]  # (plans that differ run to run hand over differently)
+    # so must the prefetches that waited for a buffer
+    waited = _verdict_row("hybrimoe", 1.0, 1.0) | {"prefetches_waited_exec": 4, "prefetches_waited_sim": 0}
+    assert verdict([waited])["failures"] == ["hybrimoe: prefetches waited for a buffer 4 times executed, 0 simulated "
+                                             "(the implementation's prefetch_buffers rule does not describe this run)"]
+    assert verdict([waited | {"prefetches_waited_sim": 4}])["ok"]
     with pytest.raises(ValueError, match="threshold total"):
         Thresholds(total=float("nan"))
 
@@ -472,14 +478,15 @@ def test_compare_on_hand_made_results():
     assert r["idle_exec_s"] == pytest.approx(4.0 - 2.5 - 0.5 - 0.2)  # busy [0, 2.5], [3, 3.5], [3.6, 3.8]
     assert c["counters"]["on_demand"] == {"exec": 3, "sim": 3}
     assert c["busy"]["fetch"]["exec_n"] == 1 and c["busy"]["fetch"]["exec_s"] == 1.5 and "prefetch" not in c["busy"]
-    assert {k: r[k] for k in r if "handoffs" in k} == {  # (neither summary has counts)
-        "cpu_lane_handoffs_exec": None, "cpu_lane_handoffs_sim": None,
-        "copy_thread_handoffs_exec": None, "copy_thread_handoffs_sim": None}
-    executed.summary["handoffs"] = {"cpu_lane": 4, "copy_thread": 2}
-    simulated.summary["handoffs"] = {"cpu_lane": 4, "copy_thread": 3}
+    counts = ("cpu_lane_handoffs", "copy_thread_handoffs", "prefetches_waited")
+    assert {k: r[k] for k in r if k.startswith(counts)} == {  # (neither summary has counts)
+        f"{k}_{side}": None for k in counts for side in ("exec", "sim")}
+    executed.summary |= {"handoffs": {"cpu_lane": 4, "copy_thread": 2}, "prefetches_waited": 1}
+    simulated.summary |= {"handoffs": {"cpu_lane": 4, "copy_thread": 3}, "prefetches_waited": 1}
     r = compare(executed, simulated)["row"]
     assert (r["cpu_lane_handoffs_exec"], r["cpu_lane_handoffs_sim"]) == (4, 4)
     assert (r["copy_thread_handoffs_exec"], r["copy_thread_handoffs_sim"]) == (2, 3)
+    assert (r["prefetches_waited_exec"], r["prefetches_waited_sim"]) == (1, 1)
     different = compare(executed, _result([1.0, 1.0, 0.5], {"on_demand": 2, "hits": 1}))["row"]
     assert not different["exact"] and different["counters_differ"] == ["on_demand"]
     with pytest.raises(ValueError, match="different steps"):

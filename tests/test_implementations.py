@@ -379,6 +379,8 @@ def test_a_prefetch_that_finds_no_free_buffer_waits_until_the_runtime_is_done_wi
                                    prefetch_buffers=buffers)
         out = _engine(chain_trace, system, prof, impl, shortcut)
         got[buffers] = (_spans(out), out.handoffs)
+        # layer 1's, in each step that prefetches (with a cache slot, step 1 finds every expert cached)
+        assert out.prefetches_waited == (0 if buffers == "at-plan" else 2 if cache_experts == 0 else 1)
     plan_spans, plan_handed = got["at-plan"]
     use_spans, use_handed = got["at-use"]
     assert {("host", "host L1", 5.0, 5.125), ("pcie", "prefetch L2 E2", 5.0, 7.0)} <= set(plan_spans)

@@ -28,7 +28,7 @@ from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer, paused_gc,
 from dali_sim.runtime.controller import Controller, LayerPlan
 from dali_sim.runtime.future import FutureDemand
 from dali_sim.sim.counters import PlanCounters
-from dali_sim.sim.engine import HANDOFF_KINDS, Activity, EngineOutput
+from dali_sim.sim.engine import Activity, EngineOutput
 from dali_sim.sim.simulate import DEFAULT_HARDWARE, SimResult
 from dali_sim.trace.reader import Trace, read_trace
 from dali_sim.workload.profiling import ProfileSpec
@@ -137,10 +137,6 @@ class Replay:
 
         return run() if track == "gpu" else self.runtime.cpu.run(run)
 
-    def _handoffs(self) -> dict[str, int]:
-        """The runtime's hand-overs to a sleeping thread so far, per ``HANDOFF_KINDS`` (the simulator's count)."""
-        return dict(zip(HANDOFF_KINDS, (self.runtime.cpu_handoffs, self.runtime.copies.wakes)))
-
     def run(self, on_layer: Callable[[LayerRecord], None] | None = None) -> SimResult:
         setup, w, dev = self.setup, self.setup.workload, self.dev
         L = w.num_layers
@@ -152,7 +148,7 @@ class Replay:
         layer_time = np.zeros(L)
         starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
         prev_threads = torch.get_num_threads()
-        handed = self._handoffs()  # (the runtime's counts so far: this run's are their growth)
+        handed = self.runtime.handoffs()  # (the runtime's counts so far: this run's are their growth)
         waited = self.runtime.prefetches_waited
         if self.accel_threads is not None:
             torch.set_num_threads(self.accel_threads)
@@ -203,9 +199,9 @@ class Replay:
             bar.close()
             torch.set_num_threads(prev_threads)
         busy, count, intervals = self.timer.summary()  # intervals resolved when read (a timeline)
-        handoffs = {k: n - handed[k] for k, n in self._handoffs().items()}
+        handoffs = {k: n - handed[k] for k, n in self.runtime.handoffs().items()}
         out = EngineOutput(starts, ends, layer_time, self.runtime.layer_wait.copy(), busy, count, intervals,
-                           handoffs=handoffs)
+                           handoffs=handoffs, prefetches_waited=self.runtime.prefetches_waited - waited)
         executor = {
             "devices": dev.describe(),
             "options": {k: v for k, v in dataclasses.asdict(self.opts).items() if k != "progress"},
@@ -214,7 +210,6 @@ class Replay:
             "host_weights_pinned": self.store.pinned,
             "slot_bytes": self.runtime.slot_bytes,
             "grouped_calls": self.runtime.grouped_calls(),
-            "prefetches_waited": self.runtime.prefetches_waited - waited,
             "dense_part": "RMSNorm + QKV projection + attention over a KV cache + output projection + router "
                           "logits + shared experts (docs/executor.md)",
             "gate_weights": "trace" if setup.trace.meta.has_weights else "1/top_k (the trace has none)",

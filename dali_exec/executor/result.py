@@ -38,11 +38,10 @@ def overhead_summary(per_layer: pd.DataFrame, visits: int, per_visit: np.ndarray
 
 
 def executor_summary(executor: dict[str, Any]) -> dict[str, Any]:
-    """``summary["executor"]``: the device, the grouped calls per lane with the experts they computed
-    (docs/executor.md: one call per group of experts whose weights are present), and the prefetches that waited
-    for a buffer as their layer visit started (docs/executor.md, "Prefetches")."""
+    """``summary["executor"]``: the device, and the grouped calls per lane with the experts they computed
+    (docs/executor.md: one call per group of experts whose weights are present)."""
     return {"device": executor["devices"]["accelerator"], "device_name": executor["devices"]["accelerator_name"],
-            "grouped_calls": executor["grouped_calls"], "prefetches_waited": executor["prefetches_waited"]}
+            "grouped_calls": executor["grouped_calls"]}
 
 
 def assemble_result(setup: ReplaySetup, controller: Controller, counters: PlanCounters, out: EngineOutput, *,

@@ -38,6 +38,7 @@ from dali_exec.executor.store import HostExpertStore
 from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer
 from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
 from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
+from dali_sim.sim.engine import HANDOFF_KINDS
 
 _EMPTY = np.zeros(0, np.int64)
 _NO_SLOTS = np.zeros((3, 0), np.int64)  # a slot table's state (SlotPool.state) for the host store's rows: none
@@ -128,6 +129,10 @@ class OffloadRuntime:
     def grouped_calls(self) -> dict[str, dict[str, int]]:
         """Per lane: grouped calls made so far and the experts they computed."""
         return {lane: {"calls": self.groups[lane], "experts": self.grouped_experts[lane]} for lane in self.groups}
+
+    def handoffs(self) -> dict[str, int]:
+        """Hand-overs to a sleeping thread so far, per ``HANDOFF_KINDS`` (the simulator's ``summary["handoffs"]``)."""
+        return dict(zip(HANDOFF_KINDS, (self.cpu_handoffs, self.copies.wakes)))
 
     @property
     def slot_bytes(self) -> int:

@@ -300,7 +300,6 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         "host_weights_pinned": store.pinned,
         "slot_bytes": runtime.slot_bytes,
         "grouped_calls": runtime.grouped_calls(),
-        "prefetches_waited": runtime.prefetches_waited,
         "setup_s": setup_s,
     }
     return _result(session, spec, sysconf, profile, mem, hardware, options, seed, executor, generated, wall_s,
@@ -322,7 +321,8 @@ def _result(session: OffloadSession, spec, sysconf, profile, mem, hardware, opti
     w, t, rt = session.w, session.times, session.runtime
     busy, count, intervals = session.timer.summary()  # intervals resolved when read (a timeline)
     out = EngineOutput(np.array(session.step_start), np.array(session.step_end), session.layer_times(),
-                       rt.layer_wait.copy(), busy, count, intervals)
+                       rt.layer_wait.copy(), busy, count, intervals, handoffs=rt.handoffs(),
+                       prefetches_waited=rt.prefetches_waited)
     summary, per_layer, per_seq, per_step = result_tables(
         w, session.counters, out, spec, system=sysconf.name, hardware=profile.name, batch_size=options.batch_size,
         bounds=controller.bounds, oracles=controller.oracles)

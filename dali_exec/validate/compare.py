@@ -24,6 +24,9 @@ from dali_sim.sim.simulate import SimResult
 #: the counters shown side by side (all of COUNTERS are checked for the "exact" flag)
 SHOWN_COUNTERS = ("hits", "on_demand", "prefetch_issued", "prefetch_used", "admitted", "evicted", "staged", "swaps",
                   "cpu_experts", "gpu_experts", "transfers", "bytes_h2d")
+#: the runtime's own counts beside them (``<count>_exec`` / ``_sim``): hand-overs to a sleeping thread per kind, and
+#: the prefetches that waited for a buffer
+RUNTIME_COUNTS = (*(f"{k}_handoffs" for k in HANDOFF_KINDS), "prefetches_waited")
 #: derived rates that follow from the counters (equal when the counters are)
 RATES = ("hit_rate", "gpu_fraction", "prefetch_precision", "prefetch_recall")
 #: activity kinds of timeline intervals (docs/simulator.md, Timelines)
@@ -134,12 +137,15 @@ def counters_equal(executed: SimResult, simulated: SimResult) -> tuple[bool, lis
     return not differ, differ
 
 
-def handoff_columns(executed: dict[str, Any], simulated: dict[str, Any]) -> dict[str, int | None]:
-    """The hand-overs to a sleeping thread per kind (``HANDOFF_KINDS``), executed and simulated, from the two
-    summaries (``{kind}_handoffs_exec`` / ``_sim``; None where a summary has no count: a result from before
-    they were counted)."""
-    he, hs = executed.get("handoffs") or {}, simulated.get("handoffs") or {}
-    return {f"{k}_handoffs_{side}": h.get(k) for k in HANDOFF_KINDS for side, h in (("exec", he), ("sim", hs))}
+def runtime_count_columns(executed: dict[str, Any], simulated: dict[str, Any]) -> dict[str, int | None]:
+    """``RUNTIME_COUNTS`` from the two summaries, executed and simulated (``<count>_exec`` / ``_sim``; None where
+    a summary has no count: a result from before they were counted)."""
+    out = {}
+    for side, summary in (("exec", executed), ("sim", simulated)):
+        counts = {f"{k}_handoffs": n for k, n in (summary.get("handoffs") or {}).items()}
+        counts["prefetches_waited"] = summary.get("prefetches_waited")
+        out |= {f"{k}_{side}": counts.get(k) for k in RUNTIME_COUNTS}
+    return out
 
 
 def expected_exact(system_config: dict[str, Any]) -> bool:
@@ -187,7 +193,7 @@ def compare(executed: SimResult, simulated: SimResult, exec_step_s: np.ndarray |
         "exact": exact,
         "expected_exact": expected_exact(executed.config["system"]),
         "counters_differ": differ,
-        **handoff_columns(se, ss),
+        **runtime_count_columns(se, ss),
     }
     counters = {k: {"exec": se[k], "sim": ss[k]} for k in (*SHOWN_COUNTERS, *RATES)}
     be, bs = busy_by_kind(executed.intervals), busy_by_kind(simulated.intervals)
@@ -202,7 +208,8 @@ class Thresholds:
     """When a validation fails (docs/validation.md, "Verdict"): a system's total time off by more than
     ``total`` (relative), its per-step |error| 90th percentile above ``step_p90`` (None: not checked), two
     systems whose measured times differ by more than ``order_margin`` ordered the other way round by the
-    simulator, or counters that must match and do not (among them the CPU lane's hand-overs to its worker)."""
+    simulator, or counters that must match and do not (among them the CPU lane's hand-overs to its worker and
+    the prefetches that waited for a buffer)."""
 
     total: float = 0.15
     step_p90: float | None = None
@@ -229,10 +236,12 @@ def verdict(rows: list[dict[str, Any]], thresholds: Thresholds = Thresholds()) -
                             f"{100 * thresholds.step_p90:.0f}%")
         if r["expected_exact"] and not r["exact"]:
             failures.append(f"{r['system']}: counters differ ({', '.join(r['counters_differ'])}) where they must match")
-        cpu_e, cpu_s = r.get("cpu_lane_handoffs_exec"), r.get("cpu_lane_handoffs_sim")
-        if r["expected_exact"] and None not in (cpu_e, cpu_s) and cpu_e != cpu_s:
-            failures.append(f"{r['system']}: the CPU lane was handed to its sleeping worker {cpu_e} times executed, "
-                            f"{cpu_s} simulated (the implementation's cpu_lane_wakes rule does not describe this run)")
+        for key, what, rule in (("cpu_lane_handoffs", "the CPU lane was handed to its sleeping worker", "cpu_lane_wakes"),
+                                ("prefetches_waited", "prefetches waited for a buffer", "prefetch_buffers")):
+            e, s = r.get(f"{key}_exec"), r.get(f"{key}_sim")
+            if r["expected_exact"] and None not in (e, s) and e != s:
+                failures.append(f"{r['system']}: {what} {e} times executed, {s} simulated (the implementation's "
+                                f"{rule} rule does not describe this run)")
     for i, a in enumerate(rows):
         for b in rows[i + 1:]:
             ea, eb, sa, sb = a["exec_s"], b["exec_s"], a["sim_s"], b["sim_s"]
@@ -265,6 +274,6 @@ def rank_agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "discordant_pairs": int(disc), "pairs": int(pairs)}
 
 
-__all__ = ["KINDS", "RATES", "SHOWN_COUNTERS", "Thresholds", "activity_kind", "busy_by_kind", "compare",
-           "counters_equal", "expected_exact", "handoff_columns", "idle_seconds", "lanes_overlap_seconds", "rank_agreement", "rel_err",
-           "step_table", "verdict"]
+__all__ = ["KINDS", "RATES", "RUNTIME_COUNTS", "SHOWN_COUNTERS", "Thresholds", "activity_kind", "busy_by_kind",
+           "compare", "counters_equal", "expected_exact", "idle_seconds", "lanes_overlap_seconds", "rank_agreement",
+           "rel_err", "runtime_count_columns", "speedup_error", "step_table", "verdict"]

@@ -11,8 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from dali_exec.validate.compare import KINDS, SHOWN_COUNTERS, speedup_error
-from dali_sim.sim.engine import HANDOFF_KINDS
+from dali_exec.validate.compare import KINDS, RUNTIME_COUNTS, SHOWN_COUNTERS, speedup_error
 from dali_sim.files import atomic_output, write_text_atomic
 from dali_sim.jsonsafe import json_safe
 
@@ -143,14 +142,15 @@ def markdown(report) -> str:
             cells.append(_num(e) if e == m else f"{_num(e)} / {_num(m)}")
         h = s["counters"]["hit_rate"]
         cells.append(_apct(h["exec"]) if h["exec"] == h["sim"] else f"{_apct(h['exec'])} / {_apct(h['sim'])}")
-        for k in HANDOFF_KINDS:
-            e, m = s["row"].get(f"{k}_handoffs_exec"), s["row"].get(f"{k}_handoffs_sim")
+        for k in RUNTIME_COUNTS:
+            e, m = s["row"].get(f"{k}_exec"), s["row"].get(f"{k}_sim")
             cells.append(_num(e) if e == m else f"{_num(e)} / {_num(m)}")
         rows.append(cells)
-    lines += _table(["system", *SHOWN_COUNTERS, "hit_rate", *(f"{k}_handoffs" for k in HANDOFF_KINDS)], rows)
+    lines += _table(["system", *SHOWN_COUNTERS, "hit_rate", *RUNTIME_COUNTS], rows)
     lines += ["", "A hand-over is a request to a thread asleep on its queue (the CPU lane's worker, the copy "
-                  "thread), which the host pays for (the profile's lane_wake.host). The CPU lane's must match; the "
-                  "copy thread's depend on when its copies land, on both sides."]
+                  "thread), which the host pays for (the profile's lane_wake.host); prefetches_waited: prefetches "
+                  "that found no free buffer as their layer visit started. The CPU lane's hand-overs and the waiting "
+                  "prefetches must match; the copy thread's hand-overs depend on when its copies land, on both sides."]
     lines += ["", "## Busy time by activity (seconds, executor / simulator, error)", "",
               "Summed interval lengths per kind; lanes overlap, so these do not add up to the total time.", ""]
     rows = []

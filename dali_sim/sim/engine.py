@@ -102,6 +102,7 @@ class EngineOutput:
     slowed: dict[str, float] = field(default_factory=dict)  # seconds each lane lost to contention
     #: hand-overs to a thread asleep on its queue, per HANDOFF_KINDS (empty: not counted)
     handoffs: dict[str, int] = field(default_factory=dict)
+    prefetches_waited: int = 0  # prefetches that found no free buffer as their layer visit started
 
 
 def buffers_at_use(plan: LayerPlan, held: int, slots: int) -> tuple[int, int, int, int]:
@@ -209,6 +210,7 @@ class SimEngine:
         #: buffers held by prefetches issued and not yet adopted or released, as seen between layer visits
         self.buffers_at_use = impl.prefetch_buffers == "at-use"
         self.prefetch_held = 0
+        self.prefetches_waited = 0
         self.waits_all = impl.compute_waits_copies
         # calls on what has landed: the GPU lane's fixed part per group of experts present when one starts
         self.per_group = self.lane_overhead["gpu"] if impl.gpu_calls == "landed" else 0.0
@@ -389,6 +391,7 @@ class SimEngine:
         if not self.buffers_at_use or (not prefetches and not plan.prefetch_used and not plan.prefetch_wasted):
             return prefetches, [], 0
         start, adopted, _, self.prefetch_held = buffers_at_use(plan, self.prefetch_held, self.ctl.prefetch_slots)
+        self.prefetches_waited += len(prefetches) - start
         return prefetches[:start], prefetches[start:], adopted
 
     def _start_waiting(self, plan: LayerPlan, waiting: list, free: int):
@@ -753,4 +756,4 @@ class SimEngine:
         # background copies may still run after the last layer: the makespan is the last step's end
         busy = dict(zip(TRACKS, self.busy.tolist()))
         return EngineOutput(out["starts"], out["ends"], self.layer_time, self.layer_wait, busy, self.events,
-                            self.intervals, dict(self.lanes.slowed_s), dict(self.handoffs))
+                            self.intervals, dict(self.lanes.slowed_s), dict(self.handoffs), self.prefetches_waited)

@@ -319,6 +319,7 @@ def timed_summary(w: Workload, out: EngineOutput, per_seq: pd.DataFrame) -> dict
         "busy": {k: ratio(v, makespan) for k, v in out.busy.items()},
         "events": out.events,
         "handoffs": dict(out.handoffs),
+        "prefetches_waited": out.prefetches_waited,
     }
 
 __all__ = ["DEFAULT_HARDWARE", "SimResult", "implementation_for", "per_sequence", "profile_config", "profiled_input",
