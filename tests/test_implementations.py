@@ -362,15 +362,18 @@ def _next_layer_system(monkeypatch, cache_experts: int):
 
 
 @pytest.mark.parametrize("shortcut", [True, False])
-@pytest.mark.parametrize("cache_experts, held_until", [(0, "lane"), (1, "dense")])
+@pytest.mark.parametrize("cache_experts", [0, 1])
 def test_a_prefetch_that_finds_no_free_buffer_waits_until_the_runtime_is_done_with_one(
-        tmp_path, chain_trace, monkeypatch, shortcut, cache_experts, held_until):
+        tmp_path, chain_trace, monkeypatch, shortcut, cache_experts):
     """One prefetch buffer; layer 0 prefetches L1 E1 (0-2 s: the link is idle, the copy thread asleep, the host pays
     0.125 s), layer 1 uses it and asks for L2 E2. The controller counts the buffer free as layer 1's plan is made
-    ("at-plan": the copy runs 5-7 s, its hand-over 5-5.125). The executor ("at-use") frees it when done with it:
-    without a cache, the buffer of the declined E1 after its compute (5.5-6.5 s), with one cache slot as the cache
-    adopts E1 after the dense part (5-5.5 s); the waiting prefetch is handed over to the sleeping copy thread then
-    (0.125 s of host) and its copy follows, so layer 2 waits for it."""
+    ("at-plan": the copy runs 5-7 s, its hand-over 5-5.125). A runtime frees it once done with it. Without a
+    cache the buffer of the declined E1 frees after its compute (5.5-6.5 s): a thread doing the work in order
+    ("in-order", the CPU device) then hands the waiting prefetch to the sleeping copy thread (0.125 s of host)
+    and its copy follows; one that issues the work and goes on ("at-use", CUDA) has asked before (its host time
+    hidden behind the lane) and the copy, which waits for E1's compute, follows it at once. With one cache slot
+    the cache adopts E1: in order after the dense part (5-5.5 s), hand-over, copy; at-use as the routing is
+    grouped while the dense part is queued: as at-plan. Layer 2 waits for the copy."""
     system = _next_layer_system(monkeypatch, cache_experts)
     prof = round_number_profile(tmp_path / "handoff.json", chain_trace.model, lane_wake={"host": 0.125})
     got = {}
@@ -378,21 +381,36 @@ def test_a_prefetch_that_finds_no_free_buffer_waits_until_the_runtime_is_done_wi
         impl = dataclasses.replace(get_implementation("bare"), name="buffers", cpu_lane_wakes="always",
                                    prefetch_buffers=buffers)
         out = _engine(chain_trace, system, prof, impl, shortcut)
-        got[buffers] = (_spans(out), out.handoffs)
-        # layer 1's, in each step that prefetches (with a cache slot, step 1 finds every expert cached)
-        assert out.prefetches_waited == (0 if buffers == "at-plan" else 2 if cache_experts == 0 else 1)
-    plan_spans, plan_handed = got["at-plan"]
-    use_spans, use_handed = got["at-use"]
-    assert {("host", "host L1", 5.0, 5.125), ("pcie", "prefetch L2 E2", 5.0, 7.0)} <= set(plan_spans)
-    assert ("host", "host L1", 5.0, 5.125) not in use_spans
-    if held_until == "lane":
+        got[buffers] = set(_spans(out))
+        # the same requests, each handed over once (the copy thread sleeps every time)
+        assert out.handoffs == {"cpu_lane": 0, "copy_thread": 4 if cache_experts == 0 else 2}, buffers
+        # layer 1's found no free buffer, in each step that prefetches (with a cache slot, step 1 has all cached)
+        assert out.prefetches_waited == (0 if buffers == "at-plan" else 2 if cache_experts == 0 else 1), buffers
+    at_plan = {("host", "host L1", 5.0, 5.125), ("pcie", "prefetch L2 E2", 5.0, 7.0), ("gpu", "dense L1", 5.125, 5.625)}
+    assert at_plan <= got["at-plan"]
+    if cache_experts == 0:
         assert {("gpu", "dense L1", 5.0, 5.5), ("gpu", "L1 E1", 5.5, 6.5), ("host", "host L1", 6.5, 6.625),
-                ("pcie", "prefetch L2 E2", 6.625, 8.625), ("gpu", "L2 E2", 8.625, 9.625)} <= set(use_spans)
+                ("pcie", "prefetch L2 E2", 6.625, 8.625), ("gpu", "L2 E2", 8.625, 9.625)} <= got["in-order"]
+        assert {("gpu", "dense L1", 5.0, 5.5), ("gpu", "L1 E1", 5.5, 6.5), ("pcie", "prefetch L2 E2", 6.5, 8.5),
+                ("gpu", "L2 E2", 8.5, 9.5)} <= got["at-use"]
+        assert not any(s[:2] == ("host", "host L1") for s in got["at-use"])
     else:
         assert {("gpu", "dense L1", 5.0, 5.5), ("host", "host L1", 5.5, 5.625), ("gpu", "L1 E1", 5.625, 6.625),
-                ("pcie", "prefetch L2 E2", 5.625, 7.625), ("gpu", "L2 E2", 7.625, 8.625)} <= set(use_spans)
-    # the same requests, each handed over once (the copy thread sleeps every time)
-    assert use_handed == plan_handed == {"cpu_lane": 0, "copy_thread": 4 if cache_experts == 0 else 2}
+                ("pcie", "prefetch L2 E2", 5.625, 7.625), ("gpu", "L2 E2", 7.625, 8.625)} <= got["in-order"]
+        assert got["at-use"] == got["at-plan"]
+
+
+def test_the_executor_frees_prefetch_buffers_in_order_on_the_cpu_device():
+    """dali's executor (``at-use`` on CUDA) does a layer's work in its own thread on the CPU device: ``in-order``."""
+    from dali_sim.hardware.cost import executor_on
+
+    impl = get_implementation(EXECUTOR)
+    assert impl.prefetch_buffers == "at-use"
+    base = load_profile(EXAMPLE_MEASURED)
+    for cpu_device, want in ((True, "in-order"), (False, "at-use")):
+        prof = dataclasses.replace(base, provenance={**base.provenance, "devices": {"gpu_is_cpu_device": cpu_device}})
+        assert executor_on(prof, impl).prefetch_buffers == want
+    assert all(get_implementation(n).prefetch_buffers == "at-plan" for n in implementation_names() if n != EXECUTOR)
 
 
 def test_the_executor_on_the_cpu_device_wakes_its_cpu_lane_beside_accelerator_experts_only():

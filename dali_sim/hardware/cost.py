@@ -214,13 +214,16 @@ def executor_on(profile: Profile, impl: Implementation) -> Implementation:
     they are done now"): its computes wait for them, as ``compute_waits_copies`` says; on CUDA they run on
     the copy stream beside the computes. With equal lane thread counts there (the default) a layer without
     accelerator experts runs its CPU lane in the calling thread (runtime.py ``run_experts``), so only a CPU
-    call beside accelerator experts wakes the worker (``cpu_lane_wakes = "beside-gpu"``)."""
+    call beside accelerator experts wakes the worker (``cpu_lane_wakes = "beside-gpu"``). Its thread does the
+    layer's work in order there, so a used prefetch's buffer frees after the dense part or the accelerator lane
+    (``prefetch_buffers = "in-order"``)."""
     if (impl.name == EXECUTOR and profile.kind != "analytic"
             and profile.provenance.get("devices", {}).get("gpu_is_cpu_device")):
         threads = profile.provenance.get("threads", {})
         same = threads.get("cpu_lane") is not None and threads.get("cpu_lane") == threads.get("accelerator_lane")
         wakes = "beside-gpu" if same and impl.cpu_lane_wakes == "always" else impl.cpu_lane_wakes
-        return dataclasses.replace(impl, compute_waits_copies=True, cpu_lane_wakes=wakes)
+        buffers = "in-order" if impl.prefetch_buffers == "at-use" else impl.prefetch_buffers
+        return dataclasses.replace(impl, compute_waits_copies=True, cpu_lane_wakes=wakes, prefetch_buffers=buffers)
     return impl
 
 

@@ -36,9 +36,12 @@ LM_HEAD = ("none", "last", "all")
 CPU_LANE_WAKES = ("never", "always", "beside-gpu")
 #: when the buffer of a prefetched expert that a layer visit uses is free for the next prefetch: as the visit's
 #: plan is made (the controller's accounting: every prefetch starts at its visit's start), or once the runtime is
-#: done with it (adopted by the cache after the dense part, or, declined, after the accelerator lane computed it):
-#: until then the visit's prefetches that find no free buffer wait
-PREFETCH_BUFFERS = ("at-plan", "at-use")
+#: done with it, the visit's prefetches that find no free buffer waiting until then: ``at-use`` a runtime that
+#: issues the layer's work and goes on (the cache adopts as the routing is grouped, while the dense part is
+#: queued; a declined expert's buffer takes its next copy once the accelerator lane has computed the layer's
+#: prefetched experts), ``in-order`` one whose thread does the work in order (adopted after the dense part,
+#: declined after the accelerator lane)
+PREFETCH_BUFFERS = ("at-plan", "at-use", "in-order")
 GPU_CALLS = ("layer", "landed")  # the GPU lane's fixed part: once per layer, or again after each wait for a copy  # logits for no token, every decode token and a prompt's last, or every token
 #: kernel counts an implementation declares (``kernels``), each per MoE layer unless said otherwise
 KERNEL_KEYS = {

@@ -22,6 +22,7 @@ on the dense device. Events are coarse: one per activity.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, field
 
@@ -108,10 +109,10 @@ class EngineOutput:
 def buffers_at_use(plan: LayerPlan, held: int, slots: int) -> tuple[int, int, int, int]:
     """One layer visit of ``slots`` prefetch buffers that the runtime frees once done with them (dali's executor:
     ``OffloadRuntime.start_layer``, ``run_experts``, ``_accelerator_lane``), ``held`` by earlier prefetches as it
-    starts: (how many of its prefetches start with it, the buffers freed after its dense part as the cache adopts
-    its prefetched experts, those freed after its accelerator lane of the ones the cache declined, the buffers held
-    at its end). The buffers of its wasted prefetches are free first; its other prefetches wait, in order, for
-    the buffers freed later in the visit (the controller counts those free as the plan is made)."""
+    starts: (how many of its prefetches find a free buffer as it starts, the buffers freed later in it as the cache
+    adopts its prefetched experts, those freed once the accelerator lane has computed the ones the cache declined,
+    the buffers held at its end). The buffers of its wasted prefetches are free first; its other prefetches wait,
+    in order, for the buffers freed later in the visit (the controller counts those free as the plan is made)."""
     prefetched = plan.source == PREFETCHED
     adopted = int(np.count_nonzero(prefetched & plan.admitted))
     declined = int(np.count_nonzero(prefetched)) - adopted
@@ -206,9 +207,9 @@ class SimEngine:
         self.hands_over = impl.cpu_lane_wakes != "never"
         self.handoff = costs.handoff_time() if self.hands_over else 0.0
         self.handoffs = dict.fromkeys(HANDOFF_KINDS, 0)
-        #: prefetch buffers freed only once the runtime is done with them (``prefetch_buffers = "at-use"``): the
+        #: prefetch buffers freed only once the runtime is done with them (``prefetch_buffers`` not ``at-plan``): the
         #: buffers held by prefetches issued and not yet adopted or released, as seen between layer visits
-        self.buffers_at_use = impl.prefetch_buffers == "at-use"
+        self.buffers = impl.prefetch_buffers
         self.prefetch_held = 0
         self.prefetches_waited = 0
         self.waits_all = impl.compute_waits_copies
@@ -385,14 +386,35 @@ class SimEngine:
     def _prefetch_buffers(self, plan: LayerPlan) -> tuple[list, list, int]:
         """The visit's prefetches split into (those that start with it, those that wait for a buffer), and the
         buffers that free up for the waiting ones after its dense part (the others wait for its accelerator
-        lane): all start with it unless buffers are freed only once used (``prefetch_buffers = "at-use"``:
-        :func:`buffers_at_use`)."""
+        lane). All start with it where the plan frees the buffers (``prefetch_buffers = "at-plan"``); else
+        (:func:`buffers_at_use`) those that find a free one, and with ``at-use`` also those the buffers of the
+        prefetched experts the cache adopts take (the runtime adopts them as it groups the routing, while the
+        dense part is queued). ``prefetches_waited`` counts those that find none free as the visit starts."""
         prefetches = plan.prefetches
-        if not self.buffers_at_use or (not prefetches and not plan.prefetch_used and not plan.prefetch_wasted):
+        if self.buffers == "at-plan" or (not prefetches and not plan.prefetch_used and not plan.prefetch_wasted):
             return prefetches, [], 0
         start, adopted, _, self.prefetch_held = buffers_at_use(plan, self.prefetch_held, self.ctl.prefetch_slots)
         self.prefetches_waited += len(prefetches) - start
+        if self.buffers == "at-use":
+            start, adopted = min(len(prefetches), start + adopted), 0
         return prefetches[:start], prefetches[start:], adopted
+
+    def _release_request(self, gpu: _GpuSide):
+        """``prefetch_buffers = "at-use"``: the request of the prefetches still waiting once the cache's adoptions
+        freed their buffers, made as the runtime's host has issued the accelerator lane, after its waits for the
+        layer's prefetched experts to land: a hand-over where the copy thread then sleeps (counted; its host time
+        is hidden behind the lane's device work). Their copies follow the computes of the experts whose buffers they
+        take (:meth:`_gpu_lane`'s ``release``)."""
+        landing = [ev for ev in gpu.arrivals.values() if not ev.triggered]
+        if landing:
+            yield self.env.all_of(landing)
+        if self.hands_over and not self.background_open:
+            self.handoffs["copy_thread"] += 1
+
+    def _issue(self, plan: LayerPlan, prefetches: list) -> None:
+        """Background copies of ``prefetches`` ((target layer, expert)), their arrivals kept for the target layer."""
+        for target, e in prefetches:
+            self.arrivals[(target, e)] = self._background(Activity("prefetch", plan.step, target, e))
 
     def _start_waiting(self, plan: LayerPlan, waiting: list, free: int):
         """SimPy: the first ``free`` of the prefetches that wait for a buffer start now, as one request (its
@@ -403,8 +425,7 @@ class SimEngine:
             if self.hands_over and not self.background_open:
                 self.handoffs["copy_thread"] += 1
                 yield from self._compute("host", self.handoff, Activity("host", plan.step, plan.layer))
-            for target, e in now:
-                self.arrivals[(target, e)] = self._background(Activity("prefetch", plan.step, target, e))
+            self._issue(plan, now)
         return rest
 
     def _swap_handoff(self, plan: LayerPlan) -> float:
@@ -487,9 +508,11 @@ class SimEngine:
         yield self.lanes.run("gpu", self._expert_time("gpu", n), 0.0)
         self._log_expert("gpu", start, self.env.now, "expert", plan, e, n)
 
-    def _gpu_lane(self, plan: LayerPlan, gpu: _GpuSide, counts, prologue):
-        """Event-by-event GPU lane (the link may be contended, rates may change)."""
+    def _gpu_lane(self, plan: LayerPlan, gpu: _GpuSide, counts, prologue, release=None):
+        """Event-by-event GPU lane (the link may be contended, rates may change); ``release()`` is called once it
+        has computed every prefetched expert (their buffers free: ``prefetch_buffers = "at-use"``)."""
         env = self.env
+        holding = set(gpu.arrivals) if release is not None else None  # prefetched experts not yet computed
         ready, fetches = gpu.ready(), gpu.fetches()
         events = [(e, staged, env.event()) for e, staged in fetches]
         for e, _, ev in events:
@@ -541,6 +564,10 @@ class SimEngine:
             yield from self._gpu_compute(plan, e, counts[e])
             if e in staging:
                 self.staging.release(staging.pop(e))
+            if holding:
+                holding.discard(e)
+                if not holding:
+                    release()
         yield from self._compute("gpu", self._gpu_epilogue(plan, gpu), Activity("handoff", plan.step, plan.layer))
 
     def _uncontended(self, arrivals) -> bool:
@@ -670,8 +697,7 @@ class SimEngine:
         self.counters.add(plan)
         copies_asleep = not self.background_open  # (the copy thread sleeps: no background copy in flight)
         starting, waiting, adopted = self._prefetch_buffers(plan)
-        for target, e in starting:
-            self.arrivals[(target, e)] = self._background(Activity("prefetch", step, target, e))
+        self._issue(plan, starting)
         for e in plan.prefetch_wasted:
             self.arrivals.pop((layer, e), None)
         gpu = self._gpu_sources(plan)
@@ -708,14 +734,18 @@ class SimEngine:
             yield from self._compute("host", host, Activity("host", step, layer))
             yield from self._compute(self.dense_device, dense, Activity("dense", step, layer),
                                      float(self.dense_demand[step]))
-            if waiting:  # the buffers of the prefetched experts the cache adopts are free once the routing is grouped
+            if waiting and adopted:  # in-order: the adopted experts' buffers are free once the routing is grouped
                 waiting = yield from self._start_waiting(plan, waiting, adopted)
             cpu_proc = env.process(self._cpu_lane(plan, cpu)) if cpu is not None else None
             if self.serial_lanes[step] and cpu_proc is not None:
                 yield cpu_proc
                 cpu_proc = None
-            yield from self._gpu_lane(plan, gpu, self._workloads(plan), prologue)
-            if waiting:  # the rest once those of the ones it declines are computed (buffers_at_use: they fit)
+            release = None
+            if waiting and self.buffers == "at-use":  # the rest as the lane has computed the declined ones
+                env.process(self._release_request(gpu))
+                release = functools.partial(self._issue, plan, waiting)
+            yield from self._gpu_lane(plan, gpu, self._workloads(plan), prologue, release)
+            if waiting and release is None:  # in-order: the rest after the lane (buffers_at_use: they fit)
                 yield from self._start_waiting(plan, waiting, len(waiting))
             if cpu_proc is not None:
                 yield cpu_proc
