@@ -23,6 +23,7 @@ and its copies have landed.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 
 import numpy as np
@@ -39,12 +40,22 @@ class SlotNotReady(AssertionError):
 
 
 class Slot:
-    """One row of the pool (a view of its arrays)."""
+    """One row of the pool (a view of its arrays). It refers to its pool weakly: the pool holds its slots, and a
+    cycle between them would keep a finished run's slot table (the largest buffer a run allocates) alive until
+    the cyclic collector ran, which replays, running with it paused, leave to chance: a validation of 5 systems x
+    3 replays kept them all and ran out of host memory."""
 
-    __slots__ = ("index", "data", "pool")
+    __slots__ = ("index", "data", "_pool")
 
     def __init__(self, index: int, data: torch.Tensor, pool: "SlotPool"):
-        self.index, self.data, self.pool = index, data, pool
+        self.index, self.data, self._pool = index, data, weakref.ref(pool)
+
+    @property
+    def pool(self) -> "SlotPool":
+        pool = self._pool()
+        if pool is None:
+            raise RuntimeError(f"slot {self.index}: its slot pool is gone")
+        return pool
 
     @property
     def holds(self) -> tuple[int, int] | None:
