@@ -46,6 +46,16 @@ def test_slot_pool_allocates_exactly_the_plan_and_keeps_roles():
     assert pool.resident()[0].nonzero()[0].tolist() == [6, 7]
 
 
+def test_a_slot_outliving_its_pool_says_so():
+    """A slot refers to its pool weakly (the pool holds its slots: no cycle keeps a run's slot table alive)."""
+    pool = SlotPool(np.array([1]), 0, 1, 4, torch.float32, torch.device("cpu"), num_experts=8)
+    slot = pool.slots[0]
+    assert slot.pool is pool and slot.holds is None
+    del pool
+    with pytest.raises(RuntimeError, match="slot 0: its slot pool is gone"):
+        slot.holds
+
+
 def test_prefetch_buffers_are_found_by_layer_and_expert_and_counted():
     pool = _pool(prefetch=2)
     slot = pool.take_prefetch(1, 40)  # (an expert id beyond the table's width: it grows)

@@ -223,6 +223,7 @@ class Replay:
 
     def close(self) -> None:
         self.runtime.close()
+        self.timer.clear()  # (its records hold the copies' tickets, hence the run's slot table)
 
 
 def execute(trace: Trace | str | Path, system: str, options: ReplayOptions = ReplayOptions(),

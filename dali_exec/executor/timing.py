@@ -60,6 +60,13 @@ class Timer:
         with self._lock:
             self._raw.clear()
 
+    def clear(self) -> None:
+        """Drop the recorded stamps and the events made ahead: a finished run's records hold its copies' tickets,
+        hence its slot buffers (a result's unread intervals keep their own copy: :class:`LazyIntervals`)."""
+        with self._lock:
+            self._raw.clear()
+        self._stock.clear()
+
     def _make_ahead(self, n: int, stream) -> None:
         """At least ``n`` unused events in stock, the new ones recorded once on ``stream`` (which creates them)."""
         make, stock = self._event, self._stock
