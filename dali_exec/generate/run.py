@@ -302,8 +302,10 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         "grouped_calls": runtime.grouped_calls(),
         "setup_s": setup_s,
     }
-    return _result(session, spec, sysconf, profile, mem, hardware, options, seed, executor, generated, wall_s,
-                   model, model_path, prompts_source, residuals, controller)
+    result = _result(session, spec, sysconf, profile, mem, hardware, options, seed, executor, generated, wall_s,
+                     model, model_path, prompts_source, residuals, controller)
+    session.timer.clear()  # (its records hold the copies' tickets, hence the slot table: the result has its own)
+    return result
 
 
 def _release(blocks) -> None:
