@@ -365,8 +365,9 @@ class CostModel:
         """Host seconds the calling thread spends handing work to a thread that sleeps on its queue (measured
         profiles: ``MeasuredProfile.lane_wake["host"]``; 0 on analytic ones). The executor hands the CPU lane to
         its worker and background copies to its copy thread so; the engine charges it on the host track where
-        the implementation's ``cpu_lane_wakes`` says the CPU lane is handed over, and where a layer visit's
-        prefetches (at its start) or swaps (after its lanes) find no background copy in flight."""
+        the implementation's ``cpu_lane_wakes`` says the CPU lane is handed over, and where a request of
+        background copies (a visit's prefetches, those that waited for a buffer, its swaps) finds no background
+        copy in flight."""
         return float(self._costs.wake("host"))
 
     def _need(self, ok: bool, what: str) -> None:

@@ -369,19 +369,22 @@ class SimEngine:
         return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, overhead,
                         experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
 
-    def _handoffs(self, cpu: _CpuLane | None, n_gpu: int, prefetches: bool, copies_asleep: bool) -> int:
-        """How many times the layer visit's host hands work to a sleeping thread before its dense part (each costs
-        ``handoff``; counted in ``handoffs``): the CPU lane to its worker where that lane's call wakes it
-        (``cpu_lane_wakes``, as :meth:`_cpu_work`), and the ``prefetches`` it starts then (one request) to the copy
-        thread when no background copy was in flight as the visit started. Prefetches that wait for a buffer
-        (:meth:`_start_waiting`) and its swaps (:meth:`_swap_handoff`) are charged where they are handed over."""
-        if not self.hands_over:
-            return 0
-        to_cpu = int(cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0))
-        to_copies = int(prefetches and copies_asleep)
-        self.handoffs["cpu_lane"] += to_cpu
-        self.handoffs["copy_thread"] += to_copies
-        return to_cpu + to_copies
+    def _cpu_handoff(self, cpu: _CpuLane | None, n_gpu: int) -> float:
+        """Host seconds of handing the layer's CPU lane to its sleeping worker: ``handoff`` where that lane's call
+        wakes it (``cpu_lane_wakes``, as :meth:`_cpu_work`; counted in ``handoffs``), else 0."""
+        if not (self.hands_over and cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0)):
+            return 0.0
+        self.handoffs["cpu_lane"] += 1
+        return self.handoff
+
+    def _copy_request(self, asleep: bool) -> float:
+        """Host seconds of handing one request of background copies (a visit's prefetches, those that waited for
+        a buffer, its swaps) to the copy thread: ``handoff`` where the thread sleeps (``asleep``: no background copy
+        in flight as the request is made; counted in ``handoffs``), else 0."""
+        if not (self.hands_over and asleep):
+            return 0.0
+        self.handoffs["copy_thread"] += 1
+        return self.handoff
 
     def _prefetch_buffers(self, plan: LayerPlan) -> tuple[list, list, int]:
         """The visit's prefetches split into (those that start with it, those that wait for a buffer), and the
@@ -408,8 +411,7 @@ class SimEngine:
         landing = [ev for ev in gpu.arrivals.values() if not ev.triggered]
         if landing:
             yield self.env.all_of(landing)
-        if self.hands_over and not self.background_open:
-            self.handoffs["copy_thread"] += 1
+        self._copy_request(not self.background_open)
 
     def _issue(self, plan: LayerPlan, prefetches: list) -> None:
         """Background copies of ``prefetches`` ((target layer, expert)), their arrivals kept for the target layer."""
@@ -422,19 +424,10 @@ class SimEngine:
         the others."""
         now, rest = waiting[:free], waiting[free:]
         if now:
-            if self.hands_over and not self.background_open:
-                self.handoffs["copy_thread"] += 1
-                yield from self._compute("host", self.handoff, Activity("host", plan.step, plan.layer))
+            yield from self._compute("host", self._copy_request(not self.background_open),
+                                     Activity("host", plan.step, plan.layer))
             self._issue(plan, now)
         return rest
-
-    def _swap_handoff(self, plan: LayerPlan) -> float:
-        """Host seconds of handing the visit's swaps (one request, after its lanes) to the copy thread: ``handoff``
-        where no background copy is in flight then (the thread sleeps; counted in ``handoffs``), else 0."""
-        if not (self.hands_over and plan.swaps and not self.background_open):
-            return 0.0
-        self.handoffs["copy_thread"] += 1
-        return self.handoff
 
     def _gpu_prologue(self, plan: LayerPlan, n_gpu: int, cpu_too: bool) -> list[tuple[float, str]]:
         """What the GPU lane runs before its experts, as (seconds, activity kind): activations in (dense part on
@@ -713,7 +706,8 @@ class SimEngine:
         copies = gpu.n_fetch + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
         host = self.costs.host_layer_time(gpu.n, len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
-        host += self.handoff * self._handoffs(cpu, gpu.n, bool(starting), copies_asleep)
+        # the hand-overs before the dense part: the CPU lane to its worker, the prefetches starting now
+        host += self._cpu_handoff(cpu, gpu.n) + self._copy_request(bool(starting) and copies_asleep)
         if not waiting and self._uncontended(gpu.arrivals.values()) and \
                 not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
             # nothing can change while the layer runs: the whole layer is computed directly
@@ -726,7 +720,7 @@ class SimEngine:
             cpu_end = self._cpu_lane_end(plan, cpu, lanes)
             gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, gpu, prologue)
             end = max(cpu_end, gpu_end)
-            swap = self._swap_handoff(plan)  # (no background copy is open: none was as the layer started)
+            swap = self._copy_request(bool(plan.swaps) and not self.background_open)  # (the swaps' request)
             if swap:
                 self._log_layer("host", end, end + swap, "host", plan)
             yield env.timeout(end + swap - now)
@@ -749,9 +743,8 @@ class SimEngine:
                 yield from self._start_waiting(plan, waiting, len(waiting))
             if cpu_proc is not None:
                 yield cpu_proc
-            swap = self._swap_handoff(plan)
-            if swap:
-                yield from self._compute("host", swap, Activity("host", step, layer))
+            swap = self._copy_request(bool(plan.swaps) and not self.background_open)  # (the swaps' request)
+            yield from self._compute("host", swap, Activity("host", step, layer))
         if plan.swaps:
             self.swaps_landing[layer] = [self._background(Activity("swap", step, layer, a, other=b))
                                          for a, b in plan.swaps]
