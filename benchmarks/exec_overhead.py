@@ -116,6 +116,7 @@ from dali_exec.executor.runtime import OffloadRuntime, _AccelLane
 from dali_sim.runtime.controller import Controller
 from dali_sim.runtime.future import FutureDemand
 from dali_sim.sim.counters import PlanCounters
+from dali_sim.sim.engine import HANDOFF_KINDS
 from dali_sim.trace import read_trace
 from dali_sim.trace.synth import SynthConfig, synthesize
 from dali_sim.workload.profiling import ProfileSpec
@@ -399,7 +400,7 @@ def timed_handoffs(seconds: dict[str, list[float]]):
 def handoffs(setup, devices, run: ExecOptions, store) -> dict:
     """One replay with :func:`timed_handoffs`: per kind, hand-overs per layer visit and their median thread-CPU us
     (nan without any)."""
-    seconds: dict[str, list[float]] = {"cpu_lane": [], "copy_thread": []}
+    seconds: dict[str, list[float]] = {kind: [] for kind in HANDOFF_KINDS}
     with timed_handoffs(seconds):
         result = run_once(setup, devices, run, store)
     visits = result.summary["overhead"]["layer_visits"]
