@@ -538,3 +538,18 @@ def test_validate_refuses_a_set_for_a_system_it_does_not_run(mix_path, tmp_path)
                                  "--set", "dali:prefetch.k=2", "-o", str(tmp_path / "val")])
     assert r.exit_code == 1 and "system 'dali' is not one of the systems run here" in r.output
     assert not (tmp_path / "val").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("accel_threads", [1, 2])
+def test_dense_parts_on_the_cpu_are_handed_to_the_worker_only_for_other_threads(mix_path, tmp_path, accel_threads):
+    """moe-lightning runs its dense parts on the CPU lane: in the replay's thread where that thread has the lane's
+    thread count (1 and 1: none handed over), else on the lane's sleeping worker, once per layer visit (1 and 2),
+    as the simulator counts them (executor_on: cpu_lane_wakes "beside-gpu" for equal threads, else "always")."""
+    run = ExecOptions(device="cpu", cpu_threads=1, accel_threads=accel_threads)
+    cfg = ValidationConfig(systems=("moe-lightning",), replay=TINY, run=run, batch_size=2, calibration=QUICK_CAL,
+                           timelines=False, plot=False)
+    report = validate(mix_path, cfg, tmp_path / "out", log=lambda _: None)
+    r = report.rows[0]
+    visits = r["steps"] * 2
+    assert r["cpu_lane_handoffs_exec"] == r["cpu_lane_handoffs_sim"] == (0 if accel_threads == 1 else visits)
+    assert report.systems[0]["counters"]["cpu_experts"]["exec"] == 0  # (no CPU expert: only dense parts handed over)

@@ -168,8 +168,8 @@ def _engine(trace, system, profile_path, impl, shortcut=True):
                       required=placement.required_capacities(w.num_layers, w.num_experts))
     ctl = Controller(w, costs, placement, cache, prefetch, mem.capacities, cache_init=system.memory.cache_init,
                      prefetch_slots=mem.prefetch_slots, staging_slots=mem.staging_slots)
-    engine = SimEngine(w, ctl, costs, PlanCounters(w.num_layers), staging_slots=mem.staging_slots, record=True,
-                       shortcut=shortcut)
+    engine = SimEngine(w, ctl, costs, PlanCounters(w.num_layers), dense_device=system.dense_device,
+                       staging_slots=mem.staging_slots, record=True, shortcut=shortcut)
     return engine.run()
 
 
@@ -282,6 +282,63 @@ def test_the_host_pays_its_hand_over_of_the_cpu_lane_to_a_sleeping_worker(tmp_pa
     assert out.handoffs == ({"cpu_lane": len(host), "copy_thread": 0} if wakes != "never" else
                             {"cpu_lane": 0, "copy_thread": 0})
     assert CostModel(load_profile(prof), OVERLAP_MODEL).handoff_time() == 0.125
+
+
+@pytest.mark.parametrize("wakes, shortcut", [("never", True), ("always", True), ("always", False),
+                                             ("beside-gpu", True)])
+def test_a_dense_part_on_the_cpu_is_handed_to_the_sleeping_cpu_worker_as_a_cpu_lane_call(tmp_path, overlap_trace,
+                                                                                       wakes, shortcut):
+    """Every expert on the GPU (3 cache slots: nothing to copy after the first uses), the dense parts on the CPU
+    (0.5 s), a host hand-over of 0.125 s and a worker's wake of 0.25 s: a dense part is a CPU-lane call with no GPU
+    expert beside it, so where every such call goes to the sleeping worker ("always") each of the 4 layer visits
+    pays the hand-over on the host, then its dense part takes 0.75 s; with "beside-gpu" (the executor runs such a
+    call in its own thread) or "never", nothing. The direct path and the SimPy path agree."""
+    prof = round_number_profile(tmp_path / "dense.json", OVERLAP_MODEL, lane_wake={"host": 0.125, "cpu": 0.25})
+    impl = dataclasses.replace(get_implementation("bare"), name="dense-handoff", cpu_lane_wakes=wakes)
+    system = dataclasses.replace(split_system([], slots=3), dense_device="cpu")
+    out = _engine(overlap_trace, system, prof, impl, shortcut=shortcut)
+    got = _spans(out)
+    host = [s for s in got if s[0] == "host"]
+    dense = [s for s in got if s[1].startswith("dense")]
+    assert len(dense) == 4 and all(s[0] == "cpu" for s in dense)
+    handed = wakes == "always"
+    assert [b - a for _, _, a, b in dense] == [0.75 if handed else 0.5] * 4
+    assert [(b - a) for _, _, a, b in host] == ([0.125] * 4 if handed else [])
+    assert dense[0][2] == (0.125 if handed else 0.0)  # (the first visit: its dense part after the hand-over)
+    assert out.handoffs == {"cpu_lane": 4 if handed else 0, "copy_thread": 0}
+
+
+@pytest.mark.parametrize("wakes", ["always", "beside-gpu"])
+def test_a_dense_block_on_the_cpu_is_handed_over_as_a_layers_dense_part_is(tmp_path, wakes):
+    """A model whose first block is dense (0.25 s on the CPU) before 2 MoE layers (every expert cached on the GPU),
+    one sequence of 2 decode steps, everything dense on the CPU: with "always" each of the 2 blocks and 4 dense
+    parts is handed to the sleeping worker (0.125 s on the host, 0.25 s more on the CPU lane), the block's
+    hand-over logged as host work of no layer; with "beside-gpu" nothing is."""
+    import json
+
+    from dali_sim.trace import TraceWriter
+
+    model = tiny_model(num_layers=3, moe_layers=(1, 2), num_experts=3, top_k=2)
+    path = tmp_path / "block.parquet"
+    with TraceWriter(path, model, provenance={"source": "hand-written", "command": "tests"}) as w:
+        for pos, phase in ((0, "prefill"), (1, "decode")):
+            for layer in (1, 2):  # (the blocks')
+                w.write(seq_id=0, phase=phase, pos=pos, layer=layer, experts=np.array([[0, 1]]),
+                        weights=np.array([[0.5, 0.5]], np.float32))
+    prof = round_number_profile(tmp_path / "block.json", model, lane_wake={"host": 0.125, "cpu": 0.25})
+    data = json.loads(prof.read_text())
+    data["tables"]["cpu_dense_block"] = {"tokens": [1, 2], "context_lens": [0], "seconds": [[0.25, 0.25]]}
+    prof.write_text(json.dumps(data))
+    impl = dataclasses.replace(get_implementation("bare"), name="block-handoff", cpu_lane_wakes=wakes)
+    system = dataclasses.replace(split_system([], slots=3), dense_device="cpu")
+    out = _engine(read_trace(path), system, prof, impl)
+    got = _spans(out)
+    blocks = [s for s in got if s[1] == "dense block 0"]
+    handed = wakes == "always"
+    assert [b - a for _, _, a, b in blocks] == [0.5 if handed else 0.25] * 2
+    assert [s for s in got if s[1] == "host"] == ([("host", "host", 0, 0.125)] + [("host", "host", blocks[1][2] - 0.125,
+                                                                                   blocks[1][2])] if handed else [])
+    assert out.handoffs == {"cpu_lane": 6 if handed else 0, "copy_thread": 0}
 
 
 @pytest.mark.parametrize("host_s", [0.0, 0.125])

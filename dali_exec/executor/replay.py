@@ -124,7 +124,8 @@ class Replay:
                                self.dev.dtype)
 
     def _dense(self, block: DenseBlock, x, attn, what: Activity):
-        """The dense part on its device: the accelerator in this thread, the CPU on the CPU lane's worker."""
+        """The dense part on its device: the accelerator in this thread, the CPU on the CPU lane
+        (:meth:`OffloadRuntime.on_cpu_lane`: its worker, unless this thread has the lane's threads)."""
         track = self.setup.sysconf.dense_device
         on_cuda = self.dev.is_cuda and track == "gpu"
         stream = self.runtime.compute_stream if on_cuda else None
@@ -135,7 +136,7 @@ class Replay:
             self.timer.add(track, what, start, self.timer.mark(stream))
             return out
 
-        return run() if track == "gpu" else self.runtime.cpu.run(run)
+        return run() if track == "gpu" else self.runtime.on_cpu_lane(run)
 
     def run(self, on_layer: Callable[[LayerRecord], None] | None = None) -> SimResult:
         setup, w, dev = self.setup, self.setup.workload, self.dev

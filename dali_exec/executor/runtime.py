@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 import numpy as np
 import torch
@@ -129,6 +130,15 @@ class OffloadRuntime:
     def grouped_calls(self) -> dict[str, dict[str, int]]:
         """Per lane: grouped calls made so far and the experts they computed."""
         return {lane: {"calls": self.groups[lane], "experts": self.grouped_experts[lane]} for lane in self.groups}
+
+    def on_cpu_lane(self, fn: Callable):
+        """``fn()`` run on the CPU lane with nothing beside it (a dense part on the CPU), its value returned: in the
+        calling thread where it has the lane's thread count (torch's is per thread), as a layer's CPU lane without
+        accelerator experts runs; else handed to the lane's worker (counted in ``cpu_handoffs``) and waited for."""
+        if torch.get_num_threads() == self.cpu.threads:
+            return fn()
+        self.cpu_handoffs += 1
+        return self.cpu.run(fn)
 
     def handoffs(self) -> dict[str, int]:
         """Hand-overs to a sleeping thread so far, per ``HANDOFF_KINDS`` (the simulator's ``summary["handoffs"]``)."""

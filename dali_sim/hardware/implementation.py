@@ -32,7 +32,8 @@ CUDA_GRAPHS = ("none", "full-gpu", "decode")
 OVERLAP = ("always", "decode", "never")  # when two things may run at the same time: in every step, decode only, never
 LM_HEAD = ("none", "last", "all")
 #: when the CPU lane's call pays the profile's lane_wake: never, every call (a worker thread that sleeps
-#: between layers), or only beside GPU experts (a layer without them runs the CPU lane inline)
+#: between layers), or only beside GPU experts (a layer without them runs the CPU lane inline); a dense part on
+#: the CPU is such a call without GPU experts
 CPU_LANE_WAKES = ("never", "always", "beside-gpu")
 #: when the buffer of a prefetched expert that a layer visit uses is free for the next prefetch: as the visit's
 #: plan is made (the controller's accounting: every prefetch starts at its visit's start), or once the runtime is

@@ -79,7 +79,7 @@ class Activity:
         if self.kind == "lm_head":
             return "lm_head"
         if self.kind in ("host", "overhead", "shared", "handoff"):
-            return f"{self.kind} L{self.layer}"
+            return f"{self.kind} L{self.layer}" if self.layer >= 0 else self.kind
         return f"{self.kind} L{self.layer} E{self.expert}"
 
     def args(self) -> dict:
@@ -207,6 +207,9 @@ class SimEngine:
         self.hands_over = impl.cpu_lane_wakes != "never"
         self.handoff = costs.handoff_time() if self.hands_over else 0.0
         self.handoffs = dict.fromkeys(HANDOFF_KINDS, 0)
+        #: a dense part or block on the CPU is a CPU-lane call with no GPU expert beside it: handed to the worker
+        #: (and paying its wake) where such a call is (cpu_lane_wakes "always"), inline with "beside-gpu"
+        self.dense_handed = dense_device == "cpu" and self._hands_cpu_lane(beside_gpu=False)
         #: prefetch buffers freed only once the runtime is done with them (``prefetch_buffers`` not ``at-plan``): the
         #: buffers held by prefetches issued and not yet adopted or released, as seen between layer visits
         self.buffers = impl.prefetch_buffers
@@ -364,15 +367,19 @@ class SimEngine:
         experts = list(zip(plan.experts[on_cpu].tolist(), counts.tolist()))
         off_dense = self.dense_device != "cpu"  # the lane's activations live on the dense device
         pairs = int(counts.sum())
-        wakes = self.cpu_wake and (not self.cpu_wake_beside_gpu or gpu.n > 0)
-        overhead = self.lane_overhead["cpu"] + (self.cpu_wake if wakes else 0.0)
+        overhead = self.lane_overhead["cpu"] + (self.cpu_wake if self._hands_cpu_lane(gpu.n > 0) else 0.0)
         return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, overhead,
                         experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
 
-    def _cpu_handoff(self, cpu: _CpuLane | None, n_gpu: int) -> float:
-        """Host seconds of handing the layer's CPU lane to its sleeping worker: ``handoff`` where that lane's call
-        wakes it (``cpu_lane_wakes``, as :meth:`_cpu_work`; counted in ``handoffs``), else 0."""
-        if not (self.hands_over and cpu is not None and (not self.cpu_wake_beside_gpu or n_gpu > 0)):
+    def _hands_cpu_lane(self, beside_gpu: bool) -> bool:
+        """Is a CPU-lane call (``beside_gpu``: with GPU experts in the same layer) handed to the lane's sleeping
+        worker, waking it (``cpu_lane_wakes``)? Else it runs inline or nothing sleeps."""
+        return self.hands_over and (beside_gpu or not self.cpu_wake_beside_gpu)
+
+    def _cpu_handoff(self, handed: bool) -> float:
+        """Host seconds of handing a CPU-lane call to its sleeping worker: ``handoff`` where ``handed``
+        (:meth:`_hands_cpu_lane`; counted in ``handoffs``), else 0."""
+        if not handed:
             return 0.0
         self.handoffs["cpu_lane"] += 1
         return self.handoff
@@ -695,7 +702,7 @@ class SimEngine:
             self.arrivals.pop((layer, e), None)
         gpu = self._gpu_sources(plan)
         cpu = self._cpu_work(plan, gpu)
-        dense = float(self.dense_moe[step])
+        dense = float(self.dense_moe[step]) + (self.cpu_wake if self.dense_handed else 0.0)
         prologue = self._gpu_prologue(plan, gpu.n, cpu is not None)
         device_s = 0.0
         if self.counts_launches:  # the GPU work the layer's launches start (a launch-bound layer takes longer)
@@ -706,8 +713,11 @@ class SimEngine:
         copies = gpu.n_fetch + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
         host = self.costs.host_layer_time(gpu.n, len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
-        # the hand-overs before the dense part: the CPU lane to its worker, the prefetches starting now
-        host += self._cpu_handoff(cpu, gpu.n) + self._copy_request(bool(starting) and copies_asleep)
+        # the hand-overs before the lanes: the dense part (on the CPU) and the CPU lane to its worker, the prefetches
+        # starting now
+        lane_handed = cpu is not None and self._hands_cpu_lane(gpu.n > 0)
+        host += (self._cpu_handoff(self.dense_handed) + self._cpu_handoff(lane_handed)
+                 + self._copy_request(bool(starting) and copies_asleep))
         if not waiting and self._uncontended(gpu.arrivals.values()) and \
                 not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
             # nothing can change while the layer runs: the whole layer is computed directly
@@ -762,9 +772,13 @@ class SimEngine:
                 if block in moe_blocks:
                     yield from self._layer(step, layer)
                     layer += 1
-                else:
-                    yield from self._compute(self.dense_device, self.dense_block[step], Activity("block", step, block),
-                                             float(demand[step]))
+                else:  # (on the CPU, handed to the lane's worker as a layer's dense part is: host work, no layer's)
+                    handoff = self._cpu_handoff(self.dense_handed)
+                    if handoff:
+                        yield from self._compute("host", handoff, Activity("host", step))
+                    wake = self.cpu_wake if self.dense_handed else 0.0
+                    yield from self._compute(self.dense_device, self.dense_block[step] + wake,
+                                             Activity("block", step, block), float(demand[step]))
             if self.lm_head is not None:
                 yield from self._compute(self.dense_device, float(self.lm_head[step]), Activity("lm_head", step))
             ends[step] = self.env.now
