@@ -241,7 +241,8 @@ def test_the_calibrated_profile_covers_the_workload(validated, mix_path):
     assert pre.sequences[-1] >= seqs[shared].max() - 1e-9 and pre.queries[-1] >= queries[shared].max() - 1e-9
     assert list(pre.sequences) == list(pts["prefill_sequences"]) and list(pre.queries) == list(pts["prefill_queries"])
     assert list(p.gpu_expert.x) == list(pts["expert_tokens"]) and pts["expert_tokens"][:3] == (1, 2, 4)
-    assert p.provenance["threads"] == {"cpu_lane": 1, "accelerator_lane": 1} and p.provenance["dtype"] == "fp32"
+    assert p.provenance["threads"] == {"cpu_lane": 1, "accelerator_lane": 1, "main_thread": 1}
+    assert p.provenance["dtype"] == "fp32"
     spent = p.provenance["seconds"]  # where the calibration's time went, table by table (each table's rounds)
     assert {"experts", "h2d", "gpu_dense", "cpu_dense", "host"} <= set(spent) and min(spent.values()) > 0
     assert not any("#" in k for k in spent)
@@ -328,6 +329,7 @@ def test_replays_are_round_by_round_and_compared_by_their_medians(mix_path, vali
     (dict(replay=ReplayOptions(layers=2, scale=1 / 32, dtype="fp32")), "model.hidden_size (64 there, 128 here)"),
     (dict(replay=ReplayOptions(layers=2, scale=1 / 64, dtype="bf16")), "dtype ('fp32' there, 'bf16' here)"),
     (dict(run=ExecOptions(device="cpu", cpu_threads=2, accel_threads=1)), "threads.cpu_lane (1 there, 2 here)"),
+    (dict(run=ExecOptions(device="cpu", cpu_threads=1, accel_threads=2)), "threads.main_thread (1 there, 2 here)"),
 ])
 def test_a_profile_of_another_replay_is_refused(mix_path, validated, tmp_path, change, message):
     _, first, _ = validated

@@ -470,19 +470,30 @@ def test_the_executor_frees_prefetch_buffers_in_order_on_the_cpu_device():
     assert all(get_implementation(n).prefetch_buffers == "at-plan" for n in implementation_names() if n != EXECUTOR)
 
 
-def test_the_executor_on_the_cpu_device_wakes_its_cpu_lane_beside_accelerator_experts_only():
-    """dali's executor submits the CPU lane to its sleeping worker; on the CPU device with equal lane
-    threads a layer without accelerator experts runs it inline (runtime.py run_experts)."""
+def test_the_executor_wakes_its_cpu_lane_beside_accelerator_experts_only_where_its_thread_has_the_lanes_threads():
+    """dali's executor submits the CPU lane to its sleeping worker; where the replay's thread has the lane's thread
+    count (the profile's threads.main_thread; in older profiles the CPU device's accelerator_lane) a CPU-lane call
+    without accelerator experts runs inline (runtime.py run_experts, OffloadRuntime.on_cpu_lane): on the CPU device
+    by default, on CUDA where --cpu-threads is the main thread's. Only the CPU device changes the other traits."""
     from dali_sim.hardware.cost import executor_on
 
     impl = get_implementation("dali-executor")
     assert impl.cpu_lane_wakes == "always"
     base = load_profile(EXAMPLE_MEASURED)
-    for threads, devices, want in (({"cpu_lane": 1, "accelerator_lane": 1}, {"gpu_is_cpu_device": True}, "beside-gpu"),
-                                   ({"cpu_lane": 1, "accelerator_lane": 2}, {"gpu_is_cpu_device": True}, "always"),
-                                   ({"cpu_lane": 7, "accelerator_lane": None}, {"gpu_is_cpu_device": False}, "always")):
+    cpu, cuda = {"gpu_is_cpu_device": True}, {"gpu_is_cpu_device": False}
+    for threads, devices, want in (({"cpu_lane": 1, "accelerator_lane": 1}, cpu, "beside-gpu"),
+                                   ({"cpu_lane": 1, "accelerator_lane": 1, "main_thread": 1}, cpu, "beside-gpu"),
+                                   ({"cpu_lane": 1, "accelerator_lane": 2}, cpu, "always"),
+                                   ({"cpu_lane": 7, "accelerator_lane": None}, cuda, "always"),
+                                   ({"cpu_lane": 7, "accelerator_lane": None, "main_thread": 16}, cuda, "always"),
+                                   ({"cpu_lane": 7, "accelerator_lane": None, "main_thread": 7}, cuda, "beside-gpu")):
         prof = dataclasses.replace(base, provenance={**base.provenance, "threads": threads, "devices": devices})
-        assert executor_on(prof, impl).cpu_lane_wakes == want
+        got = executor_on(prof, impl)
+        assert got.cpu_lane_wakes == want, threads
+        on_cpu = devices["gpu_is_cpu_device"]
+        assert (got.compute_waits_copies, got.prefetch_buffers) == ((True, "in-order") if on_cpu else
+                                                                    (impl.compute_waits_copies, "at-use")), threads
+    assert executor_on(base, get_implementation("pytorch-eager")) == get_implementation("pytorch-eager")
 
 
 def test_activation_handovers_frame_the_cpu_lane(tmp_path, overlap_trace):

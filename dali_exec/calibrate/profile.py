@@ -98,6 +98,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     prev = torch.get_num_threads()
     if accel_threads is not None:
         torch.set_num_threads(accel_threads)
+    main_threads = torch.get_num_threads()  # (the replay's thread: whether the CPU lane's work may run inline)
     bench = Microbench(model, devices, worker, cfg.settings, accel_threads)
     xb = model.expert_bytes
     elem = torch.empty((), dtype=devices.dtype).element_size()
@@ -170,7 +171,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "devices": {"gpu": accel, "cpu": cpu_name(), "gpu_is_cpu_device": not cuda},
         "model_shape": cfg.model_shape, "scale": cfg.scale, "dtype": cfg.dtype,
         "seconds": {k: round(v, 3) for k, v in spent.items()},
-        "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads},
+        "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads, "main_thread": main_threads},
         "experts": f"each expert's share of a grouped call: the slope of a repeated-medians (Siegel) line through calls of "
                    f"{', '.join(map(str, bench.group_sizes()))} experts; its intercept is the lane's fixed part "
                    "per layer (lanes); the two lanes' calls interleaved, point by point",

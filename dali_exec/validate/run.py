@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
+import torch
 
 from dali_exec.calibrate import CalibrationConfig, MicroSettings, calibrate
 from dali_exec.calibrate.host import HostSettings
@@ -202,10 +203,14 @@ def check_profile(profile: Any, model: ModelSpec, devices: Devices, threads: tup
         wrong.insert(0, f"calibrated for {prov.get('model_shape')} at scale {prov['scale']:g}, the replay is "
                         f"{model.name}")
     dev, thr = prov.get("devices", {}), prov.get("threads", {})
+    # (the replay's thread: the accelerator lane's threads on the CPU device, else unchanged; profiles from before
+    # main_thread was recorded are not checked for it)
+    main = threads[1] if threads[1] is not None else torch.get_num_threads()
     for key, value, mine in (("devices.gpu", dev.get("gpu"), devices.accel_name()),
                              ("devices.cpu", dev.get("cpu"), cpu_name()),
                              ("threads.cpu_lane", thr.get("cpu_lane"), threads[0]),
                              ("threads.accelerator_lane", thr.get("accelerator_lane"), threads[1]),
+                             ("threads.main_thread", thr.get("main_thread", main), main),
                              ("dtype", prov.get("dtype"), dtype)):
         if value != mine:
             wrong.append(f"{key} ({value!r} there, {mine!r} here)")

@@ -208,23 +208,29 @@ def _out(result: np.ndarray, scalar: bool):
 
 
 def executor_on(profile: Profile, impl: Implementation) -> Implementation:
-    """``impl`` as it runs on ``profile``'s machine. dali's executor on the CPU device (no CUDA, a measured
-    profile with ``gpu_is_cpu_device``) makes a layer's on-demand copies on the accelerator lane itself,
-    before its grouped call (dali_exec/executor/copies.py ``CopyEngine.issue_now``: "on the CPU device ...
-    they are done now"): its computes wait for them, as ``compute_waits_copies`` says; on CUDA they run on
-    the copy stream beside the computes. With equal lane thread counts there (the default) a layer without
-    accelerator experts runs its CPU lane in the calling thread (runtime.py ``run_experts``), so only a CPU
-    call beside accelerator experts wakes the worker (``cpu_lane_wakes = "beside-gpu"``). Its thread does the
-    layer's work in order there, so a used prefetch's buffer frees after the dense part or the accelerator lane
-    (``prefetch_buffers = "in-order"``)."""
-    if (impl.name == EXECUTOR and profile.kind != "analytic"
-            and profile.provenance.get("devices", {}).get("gpu_is_cpu_device")):
-        threads = profile.provenance.get("threads", {})
-        same = threads.get("cpu_lane") is not None and threads.get("cpu_lane") == threads.get("accelerator_lane")
-        wakes = "beside-gpu" if same and impl.cpu_lane_wakes == "always" else impl.cpu_lane_wakes
-        buffers = "in-order" if impl.prefetch_buffers == "at-use" else impl.prefetch_buffers
-        return dataclasses.replace(impl, compute_waits_copies=True, cpu_lane_wakes=wakes, prefetch_buffers=buffers)
-    return impl
+    """``impl`` as it runs on ``profile``'s machine (a measured profile; dali's executor only).
+
+    Where the replay's thread has the CPU lane's thread count (the profile's ``threads.main_thread``; in profiles
+    from before it was recorded, ``threads.accelerator_lane``, which sets it on the CPU device) it runs a CPU-lane
+    call with no accelerator expert beside it itself (runtime.py ``run_experts``, ``OffloadRuntime.on_cpu_lane``),
+    so only a CPU call beside accelerator experts wakes the worker (``cpu_lane_wakes = "beside-gpu"``). That is the
+    default on the CPU device (half the cores each), on CUDA only with ``--cpu-threads`` set to the main thread's.
+
+    On the CPU device (``gpu_is_cpu_device``) it also makes a layer's on-demand copies on the accelerator lane
+    itself, before its grouped call (dali_exec/executor/copies.py ``CopyEngine.issue_now``: "on the CPU device ...
+    they are done now"): its computes wait for them, as ``compute_waits_copies`` says (on CUDA they run on the copy
+    stream beside the computes); and its thread does the layer's work in order, so a used prefetch's buffer frees
+    after the dense part or the accelerator lane (``prefetch_buffers = "in-order"``)."""
+    if impl.name != EXECUTOR or profile.kind == "analytic":
+        return impl
+    threads = profile.provenance.get("threads", {})
+    main = threads.get("main_thread", threads.get("accelerator_lane"))
+    inline = threads.get("cpu_lane") is not None and threads.get("cpu_lane") == main
+    wakes = "beside-gpu" if inline and impl.cpu_lane_wakes == "always" else impl.cpu_lane_wakes
+    if not profile.provenance.get("devices", {}).get("gpu_is_cpu_device"):
+        return dataclasses.replace(impl, cpu_lane_wakes=wakes)
+    buffers = "in-order" if impl.prefetch_buffers == "at-use" else impl.prefetch_buffers
+    return dataclasses.replace(impl, compute_waits_copies=True, cpu_lane_wakes=wakes, prefetch_buffers=buffers)
 
 
 class CostModel:
