@@ -14,7 +14,8 @@
 #                       <workload>.png, and the executor's and simulator's timelines of dali on the first
 #                       workload (Perfetto JSON); default: $OUT if set, else ./gpu-check-out
 #   --work DIR          intermediate files: traces, profiles, timelines (default: a new folder in /tmp)
-#   --systems A,B,...   systems to run (default: cpu-only,gpu-lru,dali,llamacpp,ktransformers,hybrimoe,dali-plus)
+#   --systems A,B,...   systems to run (default: cpu-only,gpu-lru,dali,llamacpp,ktransformers,hybrimoe,dali-plus,
+#                       moe-lightning-best: the last, dense parts on the CPU lane, runs where the budget allows)
 #   --workloads A,B     any of: mixtral, deepseek (default: both)
 #   --budget SECONDS    wall-clock budget of the whole check; systems that would not fit are skipped
 #                       (default: 420, quick: 300)
@@ -41,7 +42,7 @@ DEVICE=cuda
 QUICK=0
 OUT_DIR=${OUT:-./gpu-check-out}
 WORK=""
-SYSTEMS=cpu-only,gpu-lru,dali,llamacpp,ktransformers,hybrimoe,dali-plus
+SYSTEMS=cpu-only,gpu-lru,dali,llamacpp,ktransformers,hybrimoe,dali-plus,moe-lightning-best
 WORKLOADS=mixtral,deepseek
 BUDGET=""
 PY=${PYTHON:-}
