@@ -5,7 +5,8 @@
 For each model shape: a synthetic trace (6 sequences of 32 prompt + 16 generated tokens: the first 2 are the
 profiling input (the default split), the other 4 are evaluated; the lookahead
 columns of every system), replayed at scale 1/4 on its first MoE layers, batch 4, by `dali exec
-validate` for cpu-only, gpu-lru, llamacpp, hybrimoe and dali, each replayed ``--replays`` times round by
+validate` for cpu-only, gpu-lru, llamacpp, hybrimoe, dali and moe-lightning-best (attention on the CPU lane, every
+expert of the next layer not cached streamed during the previous one), each replayed ``--replays`` times round by
 round over the systems and compared by the medians (its total, each step); the first repeat calibrates the machine
 (the profile is kept), the others reuse that profile, so the repeats show how long one profile holds on
 the machine; with ``--calibrate-each`` every repeat calibrates first, as three separate `dali exec
@@ -39,7 +40,7 @@ from dali_exec.validate import ValidationConfig, validate  # noqa: E402
 from dali_exec.validate.compare import Thresholds, speedup_error  # noqa: E402
 
 BATCH = 4
-SYSTEMS = ("cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali")
+SYSTEMS = ("cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali", "moe-lightning-best")
 THRESHOLDS = Thresholds(total=0.15, step_p90=0.25, order_margin=0.10)  # the targets
 
 

@@ -316,7 +316,7 @@ def test_cpu_validation_quick(tmp_path):
     every system validated, counters exact, load averages, the machine's drift and the verdict recorded."""
     _run("cpu_validation", tmp_path, "--shapes", "deepseek-v2-lite")
     df = pd.read_csv(tmp_path / "cpu_validation.csv")
-    assert list(df["system"]) == ["cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali"]
+    assert list(df["system"]) == ["cpu-only", "gpu-lru", "llamacpp", "hybrimoe", "dali", "moe-lightning-best"]
     assert df["counters_exact"].all() and (df["exec_s"] > 0).all() and (df["sim_s"] > 0).all()
     assert np.allclose(df["total_err"], df["sim_s"] / df["exec_s"] - 1)
     base = df.iloc[0]
