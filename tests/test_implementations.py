@@ -4,6 +4,7 @@ hand-computed cases (round-number profiles) and on the cost model's own formulas
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from importlib import resources
 
@@ -30,7 +31,7 @@ from dali_sim.runtime.memory import plan_memory
 from dali_sim.sim.counters import PlanCounters
 from dali_sim.sim.engine import SimEngine
 from dali_sim.sim.simulate import simulate
-from dali_sim.trace import read_trace
+from dali_sim.trace import TraceWriter, read_trace
 from dali_sim.workload.builder import Workload, WorkloadConfig
 
 
@@ -311,13 +312,9 @@ def test_a_dense_part_on_the_cpu_is_handed_to_the_sleeping_cpu_worker_as_a_cpu_l
 @pytest.mark.parametrize("wakes", ["always", "beside-gpu"])
 def test_a_dense_block_on_the_cpu_is_handed_over_as_a_layers_dense_part_is(tmp_path, wakes):
     """A model whose first block is dense (0.25 s on the CPU) before 2 MoE layers (every expert cached on the GPU),
-    one sequence of 2 decode steps, everything dense on the CPU: with "always" each of the 2 blocks and 4 dense
+    one sequence of 2 steps (a one-token prompt, a decode step), everything dense on the CPU: with "always" each of the 2 blocks and 4 dense
     parts is handed to the sleeping worker (0.125 s on the host, 0.25 s more on the CPU lane), the block's
     hand-over logged as host work of no layer; with "beside-gpu" nothing is."""
-    import json
-
-    from dali_sim.trace import TraceWriter
-
     model = tiny_model(num_layers=3, moe_layers=(1, 2), num_experts=3, top_k=2)
     path = tmp_path / "block.parquet"
     with TraceWriter(path, model, provenance={"source": "hand-written", "command": "tests"}) as w:
