@@ -1,6 +1,6 @@
 """The executor against the simulator on this machine's CPU device (docs/validation.md, section 2).
 
-    python experiments/cpu_validation.py [--repeats 3] [--replays 3] [--calibrate-each] [--out DIR] [--shapes mixtral-8x7b,deepseek-v2-lite]
+    python experiments/cpu_validation.py [--repeats 3] [--replays 3] [--calibrate-each] [--out DIR] [--shapes mixtral-8x7b,deepseek-v2-lite,qwen3-30b-a3b]
 
 For each model shape: a synthetic trace (6 sequences of 32 prompt + 16 generated tokens: the first 2 are the
 profiling input (the default split), the other 4 are evaluated; the lookahead
@@ -54,6 +54,7 @@ class Shape:
 SHAPES = {
     "mixtral-8x7b": Shape("mixtral-8x7b", 8, 24.0),  # 1 cache slot per layer at bf16
     "deepseek-v2-lite": Shape("deepseek-v2-lite", 6, 12.0),
+    "qwen3-30b-a3b": Shape("qwen3-30b-a3b", 8, 24.0),  # small experts (128, top-8): where host work weighs most
 }
 
 
