@@ -135,10 +135,16 @@ class OffloadRuntime:
         """``fn()`` run on the CPU lane with nothing beside it (a dense part on the CPU), its value returned: in the
         calling thread where it has the lane's thread count (torch's is per thread), as a layer's CPU lane without
         accelerator experts runs; else handed to the lane's worker (counted in ``cpu_handoffs``) and waited for."""
-        if torch.get_num_threads() == self.cpu.threads:
+        if self._has_cpu_lane_threads():
             return fn()
         self.cpu_handoffs += 1
         return self.cpu.run(fn)
+
+    def _has_cpu_lane_threads(self) -> bool:
+        """Does the calling thread have the CPU lane's thread count (torch's is per thread), so that CPU-lane work
+        with nothing beside it runs here instead of waking the worker? (The simulator's ``executor_on`` mirrors this
+        rule: the profile's ``threads.main_thread`` against ``threads.cpu_lane``.)"""
+        return torch.get_num_threads() == self.cpu.threads
 
     def handoffs(self) -> dict[str, int]:
         """Hand-overs to a sleeping thread so far, per ``HANDOFF_KINDS`` (the simulator's ``summary["handoffs"]``)."""
@@ -248,7 +254,7 @@ class OffloadRuntime:
             if not on_host:  # (queued: the CPU lane waits for it, not this thread, which goes on issuing its work)
                 x_host, ready = x.to(dev.host, non_blocking=True), self._x_on_host
                 ready.record(self.compute_stream)
-            if (self.cpu_inline or not lanes.n) and torch.get_num_threads() == self.cpu.threads:
+            if (self.cpu_inline or not lanes.n) and self._has_cpu_lane_threads():
                 inline.append(lambda: self._cpu_lane(step, layer, cpu_seg, x_host, routing, ready))
             else:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing, ready)

@@ -773,9 +773,7 @@ class SimEngine:
                     yield from self._layer(step, layer)
                     layer += 1
                 else:  # (on the CPU, handed to the lane's worker as a layer's dense part is: host work, no layer's)
-                    handoff = self._cpu_handoff(self.dense_handed)
-                    if handoff:
-                        yield from self._compute("host", handoff, Activity("host", step))
+                    yield from self._compute("host", self._cpu_handoff(self.dense_handed), Activity("host", step))
                     wake = self.cpu_wake if self.dense_handed else 0.0
                     yield from self._compute(self.dense_device, self.dense_block[step] + wake,
                                              Activity("block", step, block), float(demand[step]))
