@@ -337,10 +337,10 @@ def test_one_expert_turns_gather_and_scatter_once_per_layer(mix, monkeypatch):
 
     single_loop = OffloadRuntime._single_loop
 
-    def counted(self, turns, x, out_buf, stamps):
-        loops.append(Counter(turns=len(turns[0])))
+    def counted(self, turns, x, out_buf):
+        loops.append(Counter(turns=len(turns.experts)))
         with Count():
-            return single_loop(self, turns, x, out_buf, stamps)
+            return single_loop(self, turns, x, out_buf)
 
     monkeypatch.setattr(OffloadRuntime, "_single_loop", counted)
     records = []

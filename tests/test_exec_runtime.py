@@ -191,9 +191,14 @@ def test_timer_summary_equals_the_resolved_intervals():
     timer.add_copies("fetch", 0, 1, [3, 5, 6], a, a + 0.003)
     timer.add_activity("host", "host", 0, 1, a, a + 0.001)
     timer.add("cpu", Activity("expert", 0, 1, 2, tokens=1), a + 0.001, a + 0.002)
-    # a loop of staging turns: one series per track, one interval per turn
-    timer.add_series("gpu", "expert", 0, 1, [7, 9], [4, 1], [a + 0.005, a + 0.007], [a + 0.006, a + 0.008])
-    timer.add_series("pcie", "fetch", 0, 1, [9], None, [a + 0.0055], [a + 0.0065])
+    # a loop of staging turns through one buffer: one series per track, one interval per turn (the stamp lists
+    # filled after they are recorded, as the loop does)
+    starts, ends, c0, c1 = [], [], [], []
+    timer.add_turns(0, 1, [7, 9], [4, 1], 1, starts, ends, c0, c1)
+    starts += [a + 0.005, a + 0.007]
+    ends += [a + 0.006, a + 0.008]
+    c0.append(a + 0.0055)
+    c1.append(a + 0.0065)
     busy, count, lazy = timer.summary()
     resolved = timer.intervals()
     assert count == len(resolved) == 10 and list(lazy) == resolved and len(lazy) == 10
@@ -209,6 +214,19 @@ def test_timer_summary_equals_the_resolved_intervals():
     # once resolved, a run's intervals let go of its timer (whose stamps hold the copies' tickets, hence the
     # run's buffers: a validation keeping several replays' results ran out of memory)
     assert lazy._timer is None and lazy._raw == [] and list(lazy) == resolved
+
+
+def test_timer_turns_that_fit_their_buffers_record_no_copy():
+    """Turns no more than the buffers: each buffer's copy was issued before the loop (recorded with the layer's
+    copies), so the loop's record has computes only; more turns add one fetch per later turn."""
+    timer = Timer()
+    a = timer.mark()
+    timer.add_turns(0, 2, [4, 6], [1, 3], 2, [a, a + 0.002], [a + 0.001, a + 0.003], [], [])
+    timer.add_turns(0, 3, [1, 2, 5], [2, 2, 2], 2, [a, a + 0.01, a + 0.02], [a + 0.005, a + 0.015, a + 0.025],
+                    [a + 0.006], [a + 0.008])
+    got = [(iv.track, iv.name) for iv in timer.intervals()]
+    assert got == [("gpu", "L2 E4"), ("gpu", "L3 E1"), ("gpu", "L2 E6"), ("pcie", "fetch L3 E5"), ("gpu", "L3 E2"),
+                   ("gpu", "L3 E5")]
 
 
 def test_copy_errors_reach_the_waiter():

@@ -67,6 +67,7 @@ class OffloadRuntime:
         self._host_layers = list(store.weights.unbind(0))  # each layer's host weights (E x numel), made once
         self._host_experts = [list(w.unbind(0)) for w in self._host_layers]  # and each expert's (staging turns)
         self._prepared_rows: dict[int, tuple] = {}  # _row_prepared
+        self._turn_bufs: dict[tuple, tuple] = {}  # _turn_buffers
         #: run the CPU lane in the calling thread (when it has the lane's thread count) instead of the worker:
         #: for an accelerator that is the CPU device and shares its threads, where the lanes cannot overlap
         self.cpu_inline = cpu_inline
@@ -474,7 +475,7 @@ class OffloadRuntime:
             n_first = len(ready) + nf
             written_staged = written and fg[4]
             groups = [self._written(fg[3])] if written else []  # (checked above: it is this group)
-            singles = []  # the one-expert turns' set-up, then their stamp lists
+            singles = []  # the one-expert turns (:class:`_Turns`)
             records = []  # the groups' records
 
             def prepare():
@@ -485,8 +486,7 @@ class OffloadRuntime:
                     if not written_staged:
                         groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws))
                 elif n_staged:
-                    singles.append(self._single_setup(plan, routing, lanes, stage_rows, halves, None, first))
-                    singles.append(self._single_booked(plan, singles[0]))
+                    singles.append(self._single_prepare(plan, routing, lanes, stage_rows, halves, None, first))
                 records.extend(self._group_booked(plan, g) for g in groups)
                 self._settle_ahead(plan, lanes, stage_rows)
 
@@ -494,9 +494,9 @@ class OffloadRuntime:
                 for g, rec in zip(groups, records):
                     rec[2], rec[3] = self._forward_group(g, x, out_buf)
                 if singles:
-                    self._single_loop(singles[0], x, out_buf, singles[1])
-                    self._single_after(plan, singles[0], singles[1])
-                return records[0][2] if records else singles[1][0][0]
+                    self._single_loop(singles[0], x, out_buf)
+                    self._single_after(plan, singles[0])
+                return records[0][2] if records else singles[0].starts[0]
 
             if len(first):
                 self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
@@ -628,21 +628,21 @@ class OffloadRuntime:
                       per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
                       out_buf: torch.Tensor, sw: Stopwatch) -> None:
         """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts). The slot table
-        is checked and settled in array operations (:meth:`_single_setup`, :meth:`_single_booked`) before one loop
-        that issues nothing but the device work (:meth:`_single_loop`) and keeps its stamps; the stopwatch is
-        stopped across that loop and the intervals are recorded as one series per track (:meth:`Timer.add_series`)."""
-        turns = self._single_setup(plan, routing, lanes, stage_rows, halves, first_events, first)
-        stamps = self._single_booked(plan, turns)
+        is checked and settled and the turns' records made (:meth:`_single_prepare`) before one loop that issues
+        nothing but the device work (:meth:`_single_loop`) and keeps its stamps; the stopwatch is stopped across
+        that loop and the intervals are recorded as one series per track (:meth:`Timer.add_turns`)."""
+        turns = self._single_prepare(plan, routing, lanes, stage_rows, halves, first_events, first)
         sw.stop()  # the device work of every turn
-        self._single_loop(turns, x, out_buf, stamps)
+        self._single_loop(turns, x, out_buf)
         sw.start()
-        self._single_after(plan, turns, stamps)
+        self._single_after(plan, turns)
 
-    def _single_setup(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: np.ndarray,
-                      halves: int, first_events, first: np.ndarray) -> tuple:
+    def _single_prepare(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: np.ndarray,
+                        halves: int, first_events, first: np.ndarray) -> "_Turns":
         """What the loop of one-expert turns needs, the first turns' buffers checked (after their copies are issued:
         they hold their experts, with no copy in flight; the later turns' copies are the loop's own, as no
-        background copy writes a staging buffer)."""
+        background copy writes a staging buffer); then each buffer holds the expert of its last turn, and the turns'
+        intervals are recorded as one series per track, of the stamp lists the loop fills."""
         pool, layer, dev = self.pool, plan.layer, self.dev
         idx = lanes.staged
         n = len(idx)
@@ -665,14 +665,30 @@ class OffloadRuntime:
             pos = routing.positions[sel]
             pairs = self._pairs_on_accel(pos, pos // routing.top_k, routing.weights[sel])
         R = stage_rows[:halves].tolist()  # turn t's buffer: R[t % halves]
+        last = [j + (n - 1 - j) // halves * halves for j in range(min(n, halves))]  # each used buffer's last turn
         hold_l, hold_e, inflight = pool.hold_layer, pool.hold_expert, pool.inflight
-        for j in range(min(n, halves)):
+        for j, lt in enumerate(last):
             r = R[j]
             if hold_l[r] != layer or hold_e[r] != E[j] or inflight[r]:
                 pool.check_rows(np.array([r]), layer, np.array([E[j]]))  # raises, naming what is wrong
+            hold_e[r] = E[lt]
+        views, bufs = self._turn_buffers(R)
         events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if dev.is_cuda else None
-        return E, tokens, R, halves, [self._row_prepared(r) for r in R], [pool.slots[r].data for r in R], \
-            self._host_experts[layer], pairs, events
+        turns = _Turns(E, tokens, R, halves, last, views, bufs, self._host_experts[layer], pairs, events)
+        self.timer.add_turns(plan.step, layer, E, tokens, halves, turns.starts, turns.ends, turns.copy_starts,
+                             turns.copy_ends)
+        self.groups["gpu"] += n
+        self.grouped_experts["gpu"] += n
+        return turns
+
+    def _turn_buffers(self, rows: list[int]) -> tuple:
+        """Staging rows ``rows``' (weights as ``forward_prepared`` takes them, buffers), made at their first use
+        (the staging buffers a layer takes are the same rows from visit to visit)."""
+        key = tuple(rows)
+        v = self._turn_bufs.get(key)
+        if v is None:
+            v = self._turn_bufs[key] = ([self._row_prepared(r) for r in rows], [self.pool.slots[r].data for r in rows])
+        return v
 
     def _pairs_on_accel(self, positions: np.ndarray, tokens: np.ndarray, weights: np.ndarray) -> tuple:
         """Pairs' (flat positions, tokens, weights as a column) as tensors on the accelerator: on CUDA views of one
@@ -693,17 +709,19 @@ class OffloadRuntime:
             v = self._prepared_rows[row] = self.layout.prepare(self.pool.slots[row].data)
         return v
 
-    def _single_loop(self, turns: tuple, x: torch.Tensor, out_buf: torch.Tensor, stamps: tuple) -> None:
+    def _single_loop(self, turns: "_Turns", x: torch.Tensor, out_buf: torch.Tensor) -> None:
         """The device work of the one-expert turns (per turn: the compute from buffer ``t % halves``, then the copy
-        of turn t + ``halves`` into it); their stamps appended to ``stamps`` (:meth:`_single_booked`'s lists:
-        compute starts and ends, copy starts and ends). The turns' tokens are gathered in one call (within the
-        first turn's interval) and their weighted outputs scattered in one (within the last's): per turn no more
-        than the expert's own calls and the copy."""
-        E, tokens, _, halves, views, bufs, src, (pos_t, tok_t, w_t), events = turns
+        of turn t + ``halves`` into it); their stamps appended to the turns' lists (compute starts and ends, copy
+        starts and ends). The turns' tokens are gathered in one call (within the first turn's interval) and their
+        weighted outputs scattered in one (within the last's): per turn no more than the expert's own calls and the
+        copy."""
+        E, tokens, halves, views, bufs, src, events = turns.experts, turns.tokens, turns.halves, turns.views, \
+            turns.bufs, turns.src, turns.events
+        pos_t, tok_t, w_t = turns.pairs
         cuda, n = events is not None, len(E)
         stream, mark, forward, copy_one = self.compute_stream, self.timer.mark, self.layout.forward_prepared, \
             self.copies.copy_one
-        starts, ends, c0s, c1s = stamps
+        starts, ends, c0s, c1s = turns.starts, turns.ends, turns.copy_starts, turns.copy_ends
         ys, xs = [], ()
         for t in range(n):
             if cuda:
@@ -723,33 +741,15 @@ class OffloadRuntime:
                 if cuda:
                     events.append(c1)
 
-    def _single_booked(self, plan: LayerPlan, turns: tuple) -> tuple:
-        """Before the loop of one-expert turns: each buffer holds the expert of its last turn (:func:`_last_turns`);
-        the turns' intervals recorded as one series per track, of the four lists returned, which the loop fills
-        (:meth:`_single_loop`)."""
-        layer, step = plan.layer, plan.step
-        E, tokens, R, halves = turns[0], turns[1], turns[2], turns[3]
-        stamps = ([], [], [], [])
-        hold_e = self.pool.hold_expert
-        for r, last in zip(R, _last_turns(len(E), halves)):
-            hold_e[r] = E[last]
-        timer = self.timer
-        timer.add_series("gpu", "expert", step, layer, E, tokens, stamps[0], stamps[1])
-        if len(E) > halves:  # (the loop copies turn t + halves after turn t)
-            timer.add_series("pcie", "fetch", step, layer, E[halves:], None, stamps[2], stamps[3])
-        self.groups["gpu"] += len(E)
-        self.grouped_experts["gpu"] += len(E)
-        return stamps
-
-    def _single_after(self, plan: LayerPlan, turns: tuple, stamps: tuple) -> None:
+    def _single_after(self, plan: LayerPlan, turns: "_Turns") -> None:
         """After the loop of one-expert turns: on CUDA each buffer's last compute (a later copy into it waits for it);
         on the CPU device the lane waited while the host copied."""
-        if turns[8] is not None:
-            ends, last_use = stamps[1], self.pool.last_use
-            for r, last in zip(turns[2], _last_turns(len(turns[0]), turns[3])):
+        if turns.events is not None:
+            ends, last_use = turns.ends, self.pool.last_use
+            for r, last in zip(turns.rows, turns.last):
                 last_use[r] = ends[last]
-        elif stamps[2]:
-            self._wait[plan.layer] += sum(stamps[3]) - sum(stamps[2])
+        elif turns.copy_starts:
+            self._wait[plan.layer] += sum(turns.copy_ends) - sum(turns.copy_starts)
 
     def _compute(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray, x: torch.Tensor,
                  out_buf: torch.Tensor, sw: Stopwatch):
@@ -955,6 +955,22 @@ class OffloadRuntime:
 
 
 
+class _Turns:
+    """A layer's one-expert staging turns (:meth:`OffloadRuntime._single_prepare`): their experts and tokens (turn
+    order), the ``halves`` buffers they cycle through (turn t in ``rows[t % halves]``) and each used buffer's last
+    turn, the buffers' prepared weights (``views``) and tensors (``bufs``), the layer's host weights (``src``), the
+    turns' pairs on the accelerator (flat positions, tokens, weights), on CUDA the end events of the first turns'
+    copies (the loop appends its own), and the stamp lists the loop fills (the timeline's series hold them)."""
+
+    __slots__ = ("experts", "tokens", "rows", "halves", "last", "views", "bufs", "src", "pairs", "events", "starts",
+                 "ends", "copy_starts", "copy_ends")
+
+    def __init__(self, experts, tokens, rows, halves, last, views, bufs, src, pairs, events):
+        self.experts, self.tokens, self.rows, self.halves, self.last = experts, tokens, rows, halves, last
+        self.views, self.bufs, self.src, self.pairs, self.events = views, bufs, src, pairs, events
+        self.starts, self.ends, self.copy_starts, self.copy_ends = [], [], [], []
+
+
 class _AccelLane:
     """The accelerator experts of one layer visit (touch order): their ids (``experts``), indices into the
     routing's experts (``seg``) and slot rows (``rows``; -1 = a staged expert, given a staging buffer by its
@@ -1016,12 +1032,6 @@ def _empty_lane() -> _AccelLane:
 
 
 _NO_LANE = _empty_lane()  # a layer visit without accelerator experts
-
-
-def _last_turns(n: int, halves: int) -> list[int]:
-    """Of ``n`` one-expert turns that cycle through ``halves`` buffers (turn t in buffer t % halves), each used
-    buffer's last turn."""
-    return [j + (n - 1 - j) // halves * halves for j in range(min(n, halves))]
 
 
 def _checked_split(plan: LayerPlan, routing: LayerRouting, status: int, cpu_seg, lane, order, hits, ready, fetched):

@@ -139,7 +139,7 @@ class SlotPool:
         self.staging_first = n - staging_slots
         self.staging_rows = np.arange(self.staging_first, n, dtype=np.int64)
         self.staging_taken = 0
-        self.n_cached = np.zeros(L, np.int64)
+        self.n_cached = [0] * L  # (Python ints: read and written per layer visit)
 
     @property
     def nbytes(self) -> int:
@@ -341,12 +341,14 @@ class SlotPool:
     def release_staging_rows(self, rows: np.ndarray) -> None:
         """Return the last staging buffers taken (:meth:`take_staging_rows`'s block), cleared."""
         n, top = len(rows), self.staging_taken
-        if n > top or (n and rows[0] != self.staging_rows[top - n]):
+        if not n:
+            return
+        first = int(rows[0])
+        if n > top or first != self.staging_first + top - n:
             raise AssertionError(f"staging buffers {np.asarray(rows).tolist()} returned, but the last ones taken are "
                                  f"{self.staging_rows[max(0, top - n):top].tolist()}")
         self.staging_taken = top - n
-        if n:
-            self.state[:2, rows[0]:rows[0] + n] = -1  # (consecutive rows)
+        self.state[:2, first:first + n] = -1  # (consecutive rows)
 
     def hold_rows(self, rows, layer: int, experts) -> None:
         """The rows now hold these experts of ``layer`` (a copy into them is being issued)."""

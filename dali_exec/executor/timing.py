@@ -117,15 +117,20 @@ class Timer:
         with self._lock:
             self._raw.append(("pcie", (kind, step, layer, experts), start, end))
 
-    def add_series(self, track: str, kind: str, step: int, layer: int, experts: list[int], tokens: list[int] | None,
-                   starts: list, ends: list) -> None:
-        """Intervals of one loop (a layer's staging turns), ``starts[i]`` .. ``ends[i]`` for ``experts[i]``: with
-        ``tokens``, each a grouped call of that one expert (``kind`` "expert", as :meth:`add_group` records it);
-        without, each one copy of ``kind`` (as :meth:`add_copies` records a single copy). One entry for all."""
-        if track not in TRACKS:
-            raise ValueError(f"unknown track {track!r}")
+    def add_turns(self, step: int, layer: int, experts: list[int], tokens: list[int], halves: int, starts: list,
+                  ends: list, copy_starts: list, copy_ends: list) -> None:
+        """A layer's loop of one-expert staging turns cycling through ``halves`` buffers, as one series per track
+        (one entry each, under one lock): ``starts[i]`` .. ``ends[i]`` the compute of ``experts[i]`` (a grouped call
+        of that one expert with ``tokens[i]`` rows, on ``gpu``, as :meth:`add_group` records it), and
+        ``copy_starts[i]`` .. ``copy_ends[i]`` the copy of ``experts[halves + i]`` (a ``pcie`` fetch of one expert,
+        as :meth:`add_copies` records a single copy) into the buffer turn i computed from. The lists may still be
+        filled (by the loop) until the intervals are read."""
+        gpu = ("gpu", _Series("expert", step, layer, experts, tokens, starts, ends), None, None)
         with self._lock:
-            self._raw.append((track, _Series(kind, step, layer, experts, tokens, starts, ends), None, None))
+            self._raw.append(gpu)
+            if len(experts) > halves:
+                self._raw.append(("pcie", _Series("fetch", step, layer, experts[halves:], None, copy_starts, copy_ends),
+                                  None, None))
 
     def add_group(self, track: str, step: int, layer: int, experts: np.ndarray, tokens: np.ndarray, start,
                   end) -> None:
@@ -219,7 +224,7 @@ class Timer:
 
 
 class _Series:
-    """What :meth:`Timer.add_series` records: one loop's intervals, resolved when they are read."""
+    """What :meth:`Timer.add_turns` records per track: one loop's intervals, resolved when they are read."""
 
     __slots__ = ("kind", "step", "layer", "experts", "tokens", "starts", "ends")
 
