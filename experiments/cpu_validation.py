@@ -87,7 +87,9 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
         after = loadavg()
         for r in report.rows:
             rows.append({"shape": shape.model, "repeat": rep, "system": r["system"], "exec_s": r["exec_s"],
-                         "exec_s_min": r["exec_s_min"], "exec_s_max": r["exec_s_max"], "sim_s": r["sim_s"], "total_err": r["total_rel_err"],
+                         "exec_s_min": r["exec_s_min"], "exec_s_max": r["exec_s_max"], "sim_s": r["sim_s"],
+                         "sim_s_rounds_min": r["sim_s_rounds_min"], "sim_s_rounds_max": r["sim_s_rounds_max"],
+                         "total_err": r["total_rel_err"],
                          "speedup_err": speedup_error(r, report.rows[0]),
                          "step_err_median": r["step_abs_err_median"], "step_err_p90": r["step_abs_err_p90"],
                          "counters_exact": r["exact"], "load_before": before, "load_after": after,
@@ -165,7 +167,9 @@ def main(argv=None) -> int:
              "the first repeat calibrates the machine and the others reuse its profile. ")
           + "total_err = simulated / measured - 1; speedup_err = the simulated speedup over "
           f"{SYSTEMS[0]} / the measured one - 1 (the machine's drift, common to every system, cancels in it); "
-          "step_err = the per-step |relative error|. probe_*_ms: the "
+          "step_err = the per-step |relative error|. sim_s_rounds_min/max: the totals simulated with each of "
+          "the calibration's rounds of expert tables and fixed parts per call instead of their medians (how much of "
+          "sim_s the calibration alone leaves open). probe_*_ms: the "
           "calibration's grouped call of one-token experts on each lane, summed (SpeedProbe), before the "
           "repeat's calibration (or first replay) and after its last replay; "
           "machine_drift = the probe after the repeat over the probe when its profile was calibrated, - 1 "

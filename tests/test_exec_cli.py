@@ -300,6 +300,29 @@ def test_tables_are_measured_in_rounds_and_each_point_keeps_its_median(monkeypat
         MicroSettings(table_rounds=0)
 
 
+def test_a_calibration_keeps_each_rounds_expert_tables_and_fixed_parts(monkeypatch):
+    """The profile's expert tables and ``lanes`` are the rounds' medians; ``provenance.expert_rounds`` keeps every
+    round's, lane by lane (what a validation simulates once per round: docs/validation.md, "The calibration's
+    rounds")."""
+    from dali_exec.calibrate import micro
+
+    per_round = iter([((1.0, 2e-4), (1.0, 3.4e-4)), ((1.2, 2.1e-4), (0.8, 1.6e-4)), ((1.1, 2.2e-4), (0.9, 2e-4))])
+
+    def lanes_expert_seconds(self, lanes, tokens):
+        return tuple(([1e-4 * n * f for n in tokens], fixed) for f, fixed in next(per_round))
+
+    monkeypatch.setattr(micro.Microbench, "lanes_expert_seconds", lanes_expert_seconds)
+    cfg = CalibrationConfig("mixtral-8x7b", scale=1 / 64, dtype="fp32", device="cpu", cpu_threads=1,
+                            accel_threads=1, expert_tokens=(1, 2), dense_tokens=(1, 2), context_lens=(4,),
+                            settings=MicroSettings(repeats=1, warmup=0, table_rounds=3), contention=False, host=None)
+    p = calibrate(cfg)
+    assert p.lanes == {"gpu": pytest.approx(2.1e-4), "cpu": pytest.approx(2e-4)}
+    assert p.gpu_expert.seconds == pytest.approx((1.1e-4, 2.2e-4)) and p.cpu_expert.seconds == pytest.approx((9e-5, 1.8e-4))
+    rounds = p.provenance["expert_rounds"]
+    assert rounds["gpu"]["fixed"] == [2e-4, 2.1e-4, 2.2e-4] and rounds["cpu"]["fixed"] == [3.4e-4, 1.6e-4, 2e-4]
+    assert np.allclose(rounds["cpu"]["shares"], [[1e-4, 2e-4], [8e-5, 1.6e-4], [9e-5, 1.8e-4]])
+
+
 def test_wake_up_cost_is_the_call_after_a_sleep_minus_the_call_straight_after_another(monkeypatch):
     """Microbench.wake_seconds: each round times the lane's call after ``wake_gap_s`` of sleep and straight
     (caches flushed both times) and keeps the median difference, never below 0."""

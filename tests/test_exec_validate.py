@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from dali_exec.calibrate import MicroSettings  # noqa: E402
 from dali_exec.executor import ExecOptions, ReplayOptions, prepare_replay  # noqa: E402
 from dali_exec.validate import ValidationConfig, calibration_points, validate  # noqa: E402
+from dali_sim.hardware.measured import read_measured_profile  # noqa: E402
 from dali_exec.validate.drift import SpeedProbe, drift_warning, overlap_warning, spread_warnings  # noqa: E402
 from dali_exec.validate.run import CACHE_CAUTION_FACTOR, cache_caution, step_expert_bytes  # noqa: E402
 from dali_exec.validate.compare import (  # noqa: E402
@@ -256,6 +257,48 @@ def test_a_bound_reading_next_use_times_validates_too(mix_path, validated, tmp_p
     report = validate(mix_path, cfg, tmp_path)
     assert report.systems[0]["row"]["exact"] and report.systems[0]["config"]["system"]["cache"]["policy"] == "belady"
     assert not (tmp_path / "profile.json").exists() and not (tmp_path / "validation.png").exists()
+
+
+def test_each_calibration_rounds_tables_are_simulated_and_their_range_reported(mix_path, validated, tmp_path):
+    """A profile that kept its rounds (``provenance.expert_rounds``) is simulated once more per round, with that
+    round's expert tables and fixed parts per call: their totals' range is in the row (``sim_s_rounds_min`` /
+    ``_max``), the table and the JSON, and a warning when it spans more than ``max_drift`` of the simulated total.
+    A slower round simulates slower; a round equal to the medians simulates the same total."""
+    from dali_exec.validate.rounds import round_profiles, rounds_warning
+
+    _, first, _ = validated
+    data = json.loads((first / "profile.json").read_text())
+    shares = {lane: data["tables"][f"{lane}_expert"]["seconds"] for lane in ("gpu", "cpu")}
+    fixed = data.get("lanes") or {"gpu": 0.0, "cpu": 0.0}
+    data["provenance"]["expert_rounds"] = {
+        lane: {"shares": [shares[lane], [3 * x for x in shares[lane]]], "fixed": [fixed[lane], 3 * fixed[lane] + 1e-4]}
+        for lane in ("gpu", "cpu")}
+    path = tmp_path / "rounds.json"
+    path.write_text(json.dumps(data))
+    written = round_profiles(read_measured_profile(path), tmp_path)
+    assert [read_measured_profile(p).gpu_expert.seconds for p in written] == [
+        pytest.approx(shares["gpu"]), pytest.approx([3 * x for x in shares["gpu"]])]
+    assert read_measured_profile(written[1]).lanes["cpu"] == pytest.approx(3 * fixed["cpu"] + 1e-4)
+    one = dict(data, provenance={**data["provenance"], "expert_rounds": {
+        lane: {"shares": r["shares"][:1], "fixed": r["fixed"][:1]} for lane, r in data["provenance"]["expert_rounds"].items()}})
+    (tmp_path / "one.json").write_text(json.dumps(one))
+    assert round_profiles(read_measured_profile(tmp_path / "one.json"), tmp_path) == []  # (one round: no range)
+    lines = []
+    cfg = ValidationConfig(systems=("cpu-only", "gpu-lru"), replay=TINY, run=CPU_RUN, batch_size=2, warmup=False,
+                           profile=str(path), timelines=False, plot=False, drift_probe=False)
+    report = validate(mix_path, cfg, tmp_path / "out", log=lines.append)
+    for s in report.systems:
+        r = s["row"]
+        low, high = s["sim_s_rounds"]
+        assert low == pytest.approx(r["sim_s"]) and high > 1.5 * r["sim_s"]
+        assert (r["sim_s_rounds_min"], r["sim_s_rounds_max"]) == (low, high)
+        warning = rounds_warning(r["system"], r["sim_s"], s["sim_s_rounds"], cfg.max_drift)
+        assert warning in report.warnings and f"WARNING: {warning}" in lines
+    md = (tmp_path / "out" / "validation.md").read_text()
+    assert f"{report.rows[0]['sim_s']:,.3f} ({report.rows[0]['sim_s_rounds_min']:,.3f}-" in md
+    assert json.loads((tmp_path / "out" / "validation.json").read_text())["systems"][0]["sim_s_rounds"] == \
+        report.systems[0]["sim_s_rounds"]
+    assert rounds_warning("x", 1.0, [0.96, 1.05], 0.1) is None and "x: " in rounds_warning("x", 1.0, [0.9, 1.05], 0.1)
 
 
 def test_time_budget_skips_the_systems_that_would_not_fit(mix_path, validated, tmp_path):

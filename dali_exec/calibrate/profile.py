@@ -142,6 +142,11 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     finally:
         torch.set_num_threads(prev)
         worker.close()
+    # each lane's expert table and fixed part round by round (the profile keeps their medians): what a validation
+    # simulates once per round, to show how far the calibration's own rounds move a prediction
+    expert_rounds = {lane: {"shares": [results[f"experts#{r}"][j][0] for r in range(rounds)],
+                            "fixed": [results[f"experts#{r}"][j][1] for r in range(rounds)]}
+                     for j, lane in enumerate(("gpu", "cpu"))}
     for key, _ in tables:
         results[key] = median_of_rounds([results.pop(f"{key}#{r}") for r in range(rounds)])
     (gpu_expert, gpu_fixed), (cpu_expert, cpu_fixed) = results.pop("experts")
@@ -175,6 +180,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "experts": f"each expert's share of a grouped call: the slope of a repeated-medians (Siegel) line through calls of "
                    f"{', '.join(map(str, bench.group_sizes()))} experts; its intercept is the lane's fixed part "
                    "per layer (lanes); the two lanes' calls interleaved, point by point",
+        "expert_rounds": expert_rounds,  # (seconds; the tables and lanes keep their medians)
         "statistic": f"per point the median over {cfg.settings.table_rounds} rounds (every table in turn) of the "
                      f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs"
                      + (", caches flushed before each run" if cfg.settings.cold else ""),

@@ -92,7 +92,10 @@ def markdown(report) -> str:
         "calibration and the replays moves every system's total error alike and cancels in it."
         + (f" Each system was replayed {st['replays']} times, round by round over the systems: exec s is the "
            "median of its totals (their range in parentheses), each step's time the median of that step's."
-           if st.get("replays", 1) > 1 else ""),
+           if st.get("replays", 1) > 1 else "")
+        + (" sim s in parentheses: the range of the totals simulated with each calibration round's expert tables "
+           "and fixed parts per call instead of their medians (docs/validation.md, \"The calibration's rounds\")."
+           if any(s.get("sim_s_rounds") for s in report.systems) else ""),
         "",
         "## Time",
         "",
@@ -106,7 +109,9 @@ def markdown(report) -> str:
         speedup = ("1 (the base)" if r is base else
                    f"{_num(base['exec_s'] / r['exec_s'], 2)} / {_num(base['sim_s'] / r['sim_s'], 2)} "
                    f"({_pct(speedup_error(r, base))})" if r["exec_s"] and r["sim_s"] else "-")
-        rows.append([r["system"], exec_s, _num(r["sim_s"]), _pct(r["total_rel_err"]), speedup,
+        sim_s = _num(r["sim_s"]) + (f" ({_num(r['sim_s_rounds_min'])}-{_num(r['sim_s_rounds_max'])})"
+                                     if math.isfinite(r.get("sim_s_rounds_min", math.nan)) else "")
+        rows.append([r["system"], exec_s, sim_s, _pct(r["total_rel_err"]), speedup,
                      _apct(r["step_abs_err_median"]), _apct(r["step_abs_err_p90"]),
                      f"{_num(r['decode_tokens_per_s_exec'], 1)} / {_num(r['decode_tokens_per_s_sim'], 1)}",
                      f"{_num(ov.get('overhead_us_per_layer'), 0)} ({_apct(ov.get('fraction_of_layer_time'))})",

@@ -34,6 +34,7 @@ from dali_exec.executor.replay import ExecOptions, Replay
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.validate.compare import Thresholds, compare, lanes_overlap_seconds, rank_agreement, verdict
 from dali_exec.validate.drift import ProbeReading, SpeedProbe, drift_warning, overlap_warning, spread_warnings
+from dali_exec.validate.rounds import round_profiles, rounds_warning
 from dali_sim import __version__
 from dali_sim.hardware.measured import MeasuredProfile, ModelShape, prefill_layout, write_measured_profile
 from dali_sim.hardware.profile import load_profile
@@ -246,7 +247,7 @@ def _warmup_options(setup: ReplaySetup, opts: ReplayOptions) -> ReplayOptions:
     return dataclasses.replace(opts, sequences=len(first), max_tokens=tokens)
 
 
-def _simulate(setup: ReplaySetup, profile: str, cfg: ValidationConfig, tmp: Path):
+def _simulate(setup: ReplaySetup, profile: str, cfg: ValidationConfig, tmp: Path, timeline: bool = True):
     w = setup.workload.config
     kw = {}
     s = setup.sysconf
@@ -254,7 +255,7 @@ def _simulate(setup: ReplaySetup, profile: str, cfg: ValidationConfig, tmp: Path
         kw["future"] = write_future(setup.trace, w, out=tmp / f"{s.name}.future.parquet", share=0.0)
     # the executor's evaluated (reduced) trace with its profiling input: the simulator sees what it replayed
     return simulate(setup.trace, setup.sysconf, hardware=profile, batch_size=w.batch_size,
-                    prefill_chunk=w.prefill_chunk, seed=cfg.seed, timeline=True, profiling=setup.profiled, **kw)
+                    prefill_chunk=w.prefill_chunk, seed=cfg.seed, timeline=timeline, profiling=setup.profiled, **kw)
 
 
 def _execute(trace: Trace, system: str, opts: ReplayOptions, run: ExecOptions, kw: dict, devices: Devices,
@@ -335,7 +336,8 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
         profile_path = str(write_measured_profile(out / "profile.json", measured))
     else:
         profile_path = str(cfg.profile)
-    check_profile(load_profile(profile_path), model, devices, threads, opts.dtype, profile_path)
+    profile = load_profile(profile_path)
+    check_profile(profile, model, devices, threads, opts.dtype, profile_path)
 
     say(f"drawing the host weights of {model.name} ({model.num_moe_layers} x {model.num_experts} experts, "
         f"{model.expert_bytes * model.num_moe_layers * model.num_experts / 2**30:.2f} GiB)")
@@ -366,7 +368,9 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
     longest = 0.0  # the slowest replay of a system so far (warm-up, replay and, in the first round, simulation)
     runs: dict[str, list] = {}  # system -> its executed results, round by round
     simulated: dict[str, Any] = {}
+    by_round: dict[str, list[float]] = {}  # system -> its simulated totals with each calibration round's tables
     with tempfile.TemporaryDirectory(prefix="dali-validate-") as tmpdir:
+        variants = round_profiles(profile, Path(tmpdir))
         for round_ in range(cfg.replays):
             systems = [s for s in cfg.systems if s in runs] if round_ else list(cfg.systems)
             elapsed = time.perf_counter() - t_start
@@ -389,11 +393,13 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                                                profile_path, cfg)
                     if not round_:
                         simulated[system] = _simulate(setup, profile_path, cfg, Path(tmpdir))
+                        by_round[system] = [float(_simulate(setup, v, cfg, Path(tmpdir), timeline=False)
+                                                  .summary["makespan_s"]) for v in variants]
                 except Exception as exc:  # one system's failure must not lose the others (KeyboardInterrupt passes)
                     runs.pop(system, None)
                     report.failed.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
                     say(f"{system}: FAILED ({report.failed[-1]['error']})")
-                    _report_systems(report, cfg, runs, simulated, command)
+                    _report_systems(report, cfg, runs, simulated, by_round, command)
                     write_tables(report, out)
                     continue
                 executed.manifest["command"] = command
@@ -404,7 +410,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                     f"{r['exec_s']:.3f} s, simulated {r['sim_s']:.3f} s ({100 * r['total_rel_err']:+.1f}%), per-step "
                     f"|error| median {100 * r['step_abs_err_median']:.1f}%, counters "
                     f"{'exact' if r['exact'] else 'DIFFER: ' + ', '.join(r['counters_differ'])}")
-                _report_systems(report, cfg, runs, simulated, command)
+                _report_systems(report, cfg, runs, simulated, by_round, command)
                 report.settings["elapsed_s"] = time.perf_counter() - t_start
                 write_tables(report, out)
         else:
@@ -428,6 +434,8 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                   overlap_warning(probe_before.overlap, after.overlap, cfg.max_drift, both))
         late += [w for w in warned if w is not None]
     late += spread_warnings(report.rows, cfg.max_drift)
+    late += [w for s in report.systems if s["sim_s_rounds"]
+             if (w := rounds_warning(s["row"]["system"], s["row"]["sim_s"], s["sim_s_rounds"], cfg.max_drift)) is not None]
     for w in late:
         say(f"WARNING: {w}")
     report.warnings += late
@@ -446,8 +454,9 @@ def _probe(model: ModelSpec, devices: Devices) -> ProbeReading:
 
 
 def _report_systems(report: ValidationReport, cfg: ValidationConfig, runs: dict[str, list],
-                    simulated: dict[str, Any], command: str) -> None:
-    """The report's comparisons, ranking and verdict from the replays so far (each system by its median)."""
+                    simulated: dict[str, Any], by_round: dict[str, list[float]], command: str) -> None:
+    """The report's comparisons, ranking and verdict from the replays so far (each system by its median; with its
+    totals simulated with each calibration round's tables, ``sim_s_rounds``, where the profile kept them)."""
     report.systems = []
     for system in cfg.systems:
         if system not in runs:
@@ -455,7 +464,10 @@ def _report_systems(report: ValidationReport, cfg: ValidationConfig, runs: dict[
         executed, step_s = _median_run(runs[system])
         cmp = compare(executed, simulated[system], exec_step_s=step_s)
         totals = [float(r.summary["makespan_s"]) for r in runs[system]]
-        cmp["row"].update(replays=len(totals), exec_s_min=min(totals), exec_s_max=max(totals))
+        rounds = by_round.get(system, [])
+        cmp["row"].update(replays=len(totals), exec_s_min=min(totals), exec_s_max=max(totals),
+                          sim_s_rounds_min=min(rounds, default=math.nan), sim_s_rounds_max=max(rounds, default=math.nan))
+        cmp["sim_s_rounds"] = rounds
         cmp["config"] = {"system": executed.config["system"], "memory": executed.manifest["memory"]}
         report.systems.append(cmp)
     report.ranking = rank_agreement(report.rows)
