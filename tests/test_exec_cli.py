@@ -317,7 +317,8 @@ def test_a_calibration_keeps_each_rounds_expert_tables_and_fixed_parts(monkeypat
                             settings=MicroSettings(repeats=1, warmup=0, table_rounds=3), contention=False, host=None)
     p = calibrate(cfg)
     assert p.lanes == {"gpu": pytest.approx(2.1e-4), "cpu": pytest.approx(2e-4)}
-    assert p.gpu_expert.seconds == pytest.approx((1.1e-4, 2.2e-4)) and p.cpu_expert.seconds == pytest.approx((9e-5, 1.8e-4))
+    assert p.gpu_expert.seconds == pytest.approx((1.1e-4, 2.2e-4))
+    assert p.cpu_expert.seconds == pytest.approx((9e-5, 1.8e-4))
     rounds = p.provenance["expert_rounds"]
     assert rounds["gpu"]["fixed"] == [2e-4, 2.1e-4, 2.2e-4] and rounds["cpu"]["fixed"] == [3.4e-4, 1.6e-4, 2e-4]
     assert np.allclose(rounds["cpu"]["shares"], [[1e-4, 2e-4], [8e-5, 1.6e-4], [9e-5, 1.8e-4]])

@@ -263,7 +263,8 @@ def test_each_calibration_rounds_tables_are_simulated_and_their_range_reported(m
     """A profile that kept its rounds (``provenance.expert_rounds``) is simulated once more per round, with that
     round's expert tables and fixed parts per call: their totals' range is in the row (``sim_s_rounds_min`` /
     ``_max``), the table and the JSON, and a warning when it spans more than ``max_drift`` of the simulated total.
-    A slower round simulates slower; a round equal to the medians simulates the same total."""
+    A slower round simulates slower; a round equal to the medians simulates the same total. Rounds that do not fit
+    the profile's tables, or would make an invalid profile, are refused naming the profile and the round."""
     from dali_exec.validate.rounds import round_profiles, rounds_warning
 
     _, first, _ = validated
@@ -279,10 +280,21 @@ def test_each_calibration_rounds_tables_are_simulated_and_their_range_reported(m
     assert [read_measured_profile(p).gpu_expert.seconds for p in written] == [
         pytest.approx(shares["gpu"]), pytest.approx([3 * x for x in shares["gpu"]])]
     assert read_measured_profile(written[1]).lanes["cpu"] == pytest.approx(3 * fixed["cpu"] + 1e-4)
-    one = dict(data, provenance={**data["provenance"], "expert_rounds": {
-        lane: {"shares": r["shares"][:1], "fixed": r["fixed"][:1]} for lane, r in data["provenance"]["expert_rounds"].items()}})
+    first_round = {lane: {"shares": r["shares"][:1], "fixed": r["fixed"][:1]}
+                   for lane, r in data["provenance"]["expert_rounds"].items()}
+    one = dict(data, provenance={**data["provenance"], "expert_rounds": first_round})
     (tmp_path / "one.json").write_text(json.dumps(one))
     assert round_profiles(read_measured_profile(tmp_path / "one.json"), tmp_path) == []  # (one round: no range)
+    for bad, message in (({"gpu": {"fixed": [1e-4, 1e-4]}}, ": must map gpu and cpu"),
+                         ({lane: {"shares": [shares[lane]], "fixed": [1e-4, 1e-4]} for lane in ("gpu", "cpu")},
+                          r"\.gpu: 2 rounds of fixed parts and of shares \(\d+ points each\) expected, "
+                          r"got 2 and \[\d+\]"),
+                         ({lane: {"shares": [shares[lane], [-1.0] * len(shares[lane])], "fixed": [1e-4, 1e-4]}
+                           for lane in ("gpu", "cpu")}, r", round 1: tables\.gpu_expert\.seconds\[0\]: must be >= 0")):
+        broken = dict(data, provenance={**data["provenance"], "expert_rounds": bad})
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="bad.json: provenance.expert_rounds" + message):
+            round_profiles(read_measured_profile(tmp_path / "bad.json"), tmp_path)
     lines = []
     cfg = ValidationConfig(systems=("cpu-only", "gpu-lru"), replay=TINY, run=CPU_RUN, batch_size=2, warmup=False,
                            profile=str(path), timelines=False, plot=False, drift_probe=False)

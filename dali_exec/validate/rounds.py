@@ -24,7 +24,7 @@ def round_profiles(profile: MeasuredProfile, out: Path) -> list[str]:
     rounds = profile.provenance.get("expert_rounds")
     if not rounds:
         return []
-    n = len(rounds["gpu"]["fixed"])
+    n = _rounds(profile, rounds)
     if n < 2:
         return []
     paths = []
@@ -34,8 +34,29 @@ def round_profiles(profile: MeasuredProfile, out: Path) -> list[str]:
             gpu_expert=CurveTable(profile.gpu_expert.x, tuple(rounds["gpu"]["shares"][r])),
             cpu_expert=CurveTable(profile.cpu_expert.x, tuple(rounds["cpu"]["shares"][r])),
             lanes={lane: float(rounds[lane]["fixed"][r]) for lane in LANES})
-        paths.append(str(write_measured_profile(out / f"profile.round{r}.json", variant)))
+        path = out / f"profile.round{r}.json"
+        try:
+            paths.append(str(write_measured_profile(path, variant)))
+        except ValueError as exc:  # (the reader's message, without the temporary file's name)
+            raise ValueError(f"{profile.path or profile.name}: provenance.expert_rounds, round {r}: "
+                             f"{str(exc).replace(f'{path}: ', '')}") from None
     return paths
+
+
+def _rounds(profile: MeasuredProfile, rounds) -> int:
+    """The number of rounds in ``provenance.expert_rounds``, its shape checked against the profile's expert tables
+    (each lane: as many shares lists, each as long as the table, as fixed parts)."""
+    where = f"{profile.path or profile.name}: provenance.expert_rounds"
+    try:
+        n = len(rounds["gpu"]["fixed"])
+        for lane in LANES:
+            r, points = rounds[lane], len(getattr(profile, f"{lane}_expert").x)
+            if len(r["fixed"]) != n or len(r["shares"]) != n or any(len(s) != points for s in r["shares"]):
+                raise ValueError(f"{where}.{lane}: {n} rounds of fixed parts and of shares ({points} points each) "
+                                 f"expected, got {len(r['fixed'])} and {[len(s) for s in r['shares']]}")
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{where}: must map gpu and cpu to their rounds' shares and fixed parts ({exc!r})") from None
+    return n
 
 
 def rounds_warning(system: str, sim_s: float, totals: list[float], limit: float) -> str | None:

@@ -434,8 +434,8 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
                   overlap_warning(probe_before.overlap, after.overlap, cfg.max_drift, both))
         late += [w for w in warned if w is not None]
     late += spread_warnings(report.rows, cfg.max_drift)
-    late += [w for s in report.systems if s["sim_s_rounds"]
-             if (w := rounds_warning(s["row"]["system"], s["row"]["sim_s"], s["sim_s_rounds"], cfg.max_drift)) is not None]
+    late += [w for s in report.systems if s["sim_s_rounds"] and
+             (w := rounds_warning(s["row"]["system"], s["row"]["sim_s"], s["sim_s_rounds"], cfg.max_drift))]
     for w in late:
         say(f"WARNING: {w}")
     report.warnings += late
@@ -466,7 +466,8 @@ def _report_systems(report: ValidationReport, cfg: ValidationConfig, runs: dict[
         totals = [float(r.summary["makespan_s"]) for r in runs[system]]
         rounds = by_round.get(system, [])
         cmp["row"].update(replays=len(totals), exec_s_min=min(totals), exec_s_max=max(totals),
-                          sim_s_rounds_min=min(rounds, default=math.nan), sim_s_rounds_max=max(rounds, default=math.nan))
+                          sim_s_rounds_min=min(rounds, default=math.nan),
+                          sim_s_rounds_max=max(rounds, default=math.nan))
         cmp["sim_s_rounds"] = rounds
         cmp["config"] = {"system": executed.config["system"], "memory": executed.manifest["memory"]}
         report.systems.append(cmp)
