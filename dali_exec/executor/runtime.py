@@ -180,7 +180,8 @@ class OffloadRuntime:
             self._free_prefetch(self.pool.pop_prefetched(layer, e))
         for target, e in plan.prefetches:
             self.deferred.append((target, e, plan.step))
-        self._issue_deferred()
+        if self.deferred:  # (the check of _issue_deferred, without its call where nothing waits)
+            self._issue_deferred()
         self.prefetches_waited += len(self.deferred)
         if handoff is not None:
             sw.hand_to(handoff[1])
@@ -237,7 +238,8 @@ class OffloadRuntime:
             routing, cpu_seg, split, admitted = self._route(plan, *routing)
         T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
         lanes = _AccelLane.of(plan, pool, *split, admitted=admitted)
-        self._issue_deferred()  # adoptions may have freed prefetch buffers
+        if self.deferred:  # adoptions may have freed prefetch buffers
+            self._issue_deferred()
 
         # the CPU lane starts first and runs while the accelerator lane works; inline (same thread and
         # threads) it runs when the accelerator lane would first wait for a copy, or after it
@@ -487,7 +489,7 @@ class OffloadRuntime:
                         groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws))
                 elif n_staged:
                     singles.append(self._single_prepare(plan, routing, lanes, stage_rows, halves, None, first))
-                records.extend(self._group_booked(plan, g) for g in groups)
+                records.extend([self._group_booked(plan, g) for g in groups])
                 self._settle_ahead(plan, lanes, stage_rows)
 
             def run():  # the first stamp of the lane's device work
