@@ -210,6 +210,7 @@ class SimEngine:
         #: a dense part or block on the CPU is a CPU-lane call with no GPU expert beside it: handed to the worker
         #: (and paying its wake) where such a call is (cpu_lane_wakes "always"), inline with "beside-gpu"
         self.dense_handed = dense_device == "cpu" and self._hands_cpu_lane(beside_gpu=False)
+        self.dense_wake = self.cpu_wake if self.dense_handed else 0.0  # what such a call pays as the worker wakes
         #: prefetch buffers freed only once the runtime is done with them (``prefetch_buffers`` not ``at-plan``): the
         #: buffers held by prefetches issued and not yet adopted or released, as seen between layer visits
         self.buffers = impl.prefetch_buffers
@@ -702,7 +703,7 @@ class SimEngine:
             self.arrivals.pop((layer, e), None)
         gpu = self._gpu_sources(plan)
         cpu = self._cpu_work(plan, gpu)
-        dense = float(self.dense_moe[step]) + (self.cpu_wake if self.dense_handed else 0.0)
+        dense = float(self.dense_moe[step]) + self.dense_wake
         prologue = self._gpu_prologue(plan, gpu.n, cpu is not None)
         device_s = 0.0
         if self.counts_launches:  # the GPU work the layer's launches start (a launch-bound layer takes longer)
@@ -772,10 +773,10 @@ class SimEngine:
                 if block in moe_blocks:
                     yield from self._layer(step, layer)
                     layer += 1
-                else:  # (on the CPU, handed to the lane's worker as a layer's dense part is: host work, no layer's)
-                    yield from self._compute("host", self._cpu_handoff(self.dense_handed), Activity("host", step))
-                    wake = self.cpu_wake if self.dense_handed else 0.0
-                    yield from self._compute(self.dense_device, self.dense_block[step] + wake,
+                else:
+                    if self.dense_handed:  # (handed to the lane's worker as a layer's dense part is: host work)
+                        yield from self._compute("host", self._cpu_handoff(True), Activity("host", step))
+                    yield from self._compute(self.dense_device, self.dense_block[step] + self.dense_wake,
                                              Activity("block", step, block), float(demand[step]))
             if self.lm_head is not None:
                 yield from self._compute(self.dense_device, float(self.lm_head[step]), Activity("lm_head", step))
