@@ -95,7 +95,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
     if K.compiled("route_partition") is None:
         pytest.skip("the route call is compiled code (numba)")
     rng = np.random.default_rng(7)
-    staged_groups = prefetched_groups = 0
+    staged_groups = prefetched_groups = staged_heads = 0
     for trial in range(60):
         T, k, E = int(rng.integers(1, 30)), int(rng.integers(1, 5)), 24
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
@@ -143,12 +143,24 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         first = order[:ready + fetched]
         staged_group = not len(first) and 0 < len(staged) <= pool.num_staging
         staged_groups += staged_group
-        if staged_group:
-            first, rows = staged, pool.staging_first + np.arange(len(staged))
-            assert np.array_equal(lane[2, staged], rows) and np.array_equal(pool.hold_expert[rows], lane[3, staged])
-            assert (pool.hold_layer[rows] == 0).all()
+        # the staging schedule's start (_accelerator_lane's rule): the first turns' experts hold the first free
+        # staging buffers, the rest none; the lane's first copies (fetched and those, ascending) listed
+        S, ns = pool.num_staging, len(staged)
+        if ns and S < 1:
+            assert runtime._copies == -1 and (pool.hold_layer[pool.staging_rows] == -1).all()
         else:
-            assert (pool.hold_layer[pool.staging_rows] == -1).all()
+            per_turn = ns if ns <= S else max(1, S // 2)
+            head = staged[:per_turn * (1 if ns <= S or S < 2 else 2)]
+            rows = pool.staging_first + np.arange(len(head))
+            assert np.array_equal(lane[2, head], rows) and np.array_equal(pool.hold_expert[rows], lane[3, head])
+            assert (pool.hold_layer[rows] == 0).all() and (pool.hold_layer[pool.staging_rows[len(head):]] == -1).all()
+            copies = np.sort(np.concatenate([order[ready:ready + fetched], head]))
+            assert runtime._copies == len(copies)
+            assert np.array_equal(wi[K.W_COPIES:K.W_COPIES + 3, :len(copies)],
+                                  np.stack([copies, lane[2, copies], lane[3, copies]]))
+            staged_heads += 0 < len(head) < ns
+        if staged_group:
+            first = staged
         if len(first) < 2 and not staged_group:
             assert runtime._first is None
             continue
@@ -162,7 +174,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         assert np.array_equal(gws.w[:pairs], gi.weights) and np.array_equal(gws.offs[:span], gi.offs)
         assert np.array_equal(gws.small[:, :g], np.stack([gi.rows, gi.experts, gi.counts]))
         assert np.array_equal(gws.table_counts[:span], gi.table_counts)
-    assert staged_groups >= 3 and prefetched_groups >= 3
+    assert staged_groups >= 3 and prefetched_groups >= 3 and staged_heads >= 3
 
 
 def test_the_route_call_writes_the_first_group_only_when_its_rows_are_ready():
@@ -192,6 +204,7 @@ def test_the_route_call_writes_the_first_group_only_when_its_rows_are_ready():
 def test_the_route_workspace_grows_and_rewraps_its_tensors():
     ws = RouteWorkspace(torch.device("cpu"), pairs=4)
     assert ws.wi.shape == (K.W_ROWS, 10) and ws.tensors[0].shape == (10,)
+    assert sorted(ws._turn_views) == [0, 1, 2, 3, 4]  # the staged pairs' views of every length made at set-up
     small = ws.wi
     assert ws.fit(4, 3).wi is small  # room already
     ws.fit(40, 0)

@@ -423,7 +423,8 @@ def _rank_order(ids, weights, rows):
 #: rows of the int64 workspace of :func:`_route_partition` (see ``workspace.RouteWorkspace``)
 W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKENS, W_TURNS = 0, 1, 2, 3, 4, 5, 10, 11, 12, 13
 W_FIRST, W_FLAGS = 17, 19  # the first group's experts and rows; scratch flags (two rows each)
-W_ROWS = 21
+W_COPIES = 21  # the accelerator lane's first copies: lane positions, slot rows, experts (three rows)
+W_ROWS = 24
 #: the plan's source codes in the order :func:`_partition` takes them (CPU, HIT, PREFETCHED, FETCH); a global
 #: array, which numba compiles in as a constant
 PLAN_CODES = np.array([_CPU, _HIT, _PREFETCHED, _FETCH], np.int64)
@@ -452,7 +453,8 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     ready, fetched, admission status: ``OK`` (the fetched experts' rows are in the lane's row 2 and the
     table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not enough free rows), nothing
     admitted: the caller's ``SlotPool.admit_many`` refuses as it does), the first group's (pairs, lo,
-    span, ready) or (-1, 0, 0, False), and whether the first group is of staged experts.
+    span, ready) or (-1, 0, 0, False), whether the first group is of staged experts, and the number of the
+    lane's first copies listed (see below) or -1.
 
     The first group: when ``gi`` (``GroupWorkspace.gi``, with ``gw`` and ``goffs``: at least the pairs and
     the slot table's rows wide; empty to skip) is given and the fetched experts are admitted, the group of the
@@ -463,7 +465,14 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     When there are none of those but staged experts, and the ``stage_n`` free staging buffers (consecutive rows
     from ``stage_lo``: ``SlotPool.take_staging_rows``) hold them all, the staged experts take those rows in
     staging order (the lane's row 2 and the table: they hold them, as the copies into them are about to be
-    issued) and their group is written instead (the CPU device's one staging turn)."""
+    issued) and their group is written instead (the CPU device's one staging turn).
+
+    The staging schedule's start (``OffloadRuntime._accelerator_lane``'s rule: ``per_turn`` staged experts a turn,
+    in ``halves`` alternating sets of buffers), when the fetched experts are admitted (or there are none): the
+    first turns' staged experts take the first staging buffers in staging order (the lane's row 2 and the table,
+    as for the one turn above), and the lane's first copies (the fetched experts and those, lane positions
+    ascending) are listed in rows :data:`W_COPIES` .. + 2 (positions, slot rows, experts); their number is the
+    last value returned (-1: not done, the caller's own code does it)."""
     row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
     wb = wi[W_FLAGS:W_FLAGS + 2]  # scratch (the workspace's: nothing is allocated in this call)
     none = wi[W_EVICTED, :0]  # (no given order, every token counted)
@@ -472,11 +481,11 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     n_ev = evicted.shape[0]
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
-        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, False
+        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, False, -1
     status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf[0],
                                        wb[0], wi[W_PER])
     if status != OK:
-        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, False
+        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, False, -1
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
     for j in range(flat.shape[0]):
         tokens[j] = order[j] // k
@@ -525,6 +534,28 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
                 lane[2, g_] = row
     fg_n, fg_lo, fg_span, fg_ready = -1, 0, 0, False
     nf = ready + fetched
+    n_copies = -1
+    ns = g - nf  # the staged experts
+    if pstatus == 0 and adm == OK and (ns == 0 or stage_n >= 1):
+        per_turn = ns if ns <= stage_n else max(1, stage_n // 2)
+        n_head = min(ns, per_turn * (1 if (ns <= stage_n or stage_n < 2) else 2))  # the first turns' experts
+        for t in range(n_head):  # (staging order: the lane order)
+            i = lorder[nf + t]
+            lane[2, i] = stage_lo + t
+            hold_layer[stage_lo + t] = layer
+            hold_expert[stage_lo + t] = lane[3, i]
+        a, b, end = ready, nf, nf + n_head  # the fetched ones and those, each ascending, merged
+        for j in range(nf - ready + n_head):
+            if b >= end or (a < nf and lorder[a] < lorder[b]):
+                i = lorder[a]
+                a += 1
+            else:
+                i = lorder[b]
+                b += 1
+            wi[W_COPIES, j] = i
+            wi[W_COPIES + 1, j] = lane[2, i]
+            wi[W_COPIES + 2, j] = lane[3, i]
+        n_copies = nf - ready + n_head
     staged = pstatus == 0 and nf == 0 and 0 < g <= stage_n  # (then every accelerator expert is staged)
     first = pstatus == 0 and adm == OK and nf >= 2
     if first and ready > hits:  # the prefetched experts' rows: their buffers'
@@ -541,19 +572,14 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     if (first or staged) and gi.shape[1] >= flat.shape[0]:
         seg = wi[W_FIRST]
         rows = wi[W_FIRST + 1]
-        if staged:
+        if staged:  # (their rows given above: the first staging buffers)
             nf = g
-            for t in range(g):  # (staging order: the lane order)
-                i = lorder[t]
-                lane[2, i] = stage_lo + t
-                hold_layer[stage_lo + t] = layer
-                hold_expert[stage_lo + t] = lane[3, i]
         for i in range(nf):
             seg[i] = lane[1, lorder[i]]
             rows[i] = lane[2, lorder[i]]
         fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf[0], wi[W_EXPERTS], seg[:nf], rows[:nf], k,
                                                               layer, state, gi[0:3], gw, gi[3:6], gi[6], goffs)
-    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, staged
+    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, staged, n_copies
 
 
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves

@@ -107,6 +107,9 @@ class OffloadRuntime:
         #: _group or _accelerator_lane takes it
         self._first_in_route = not devices.is_cuda
         self._first: tuple | None = None
+        #: the accelerator lane's first copies listed by the route call for this layer visit (their number, in the route
+        #: workspace's rows ``kernels.W_COPIES``..), -1: none listed, until _accelerator_lane takes them
+        self._copies = -1
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
@@ -229,7 +232,7 @@ class OffloadRuntime:
         layer, step = plan.layer, plan.step
         dev, pool = self.dev, self.pool
         if isinstance(routing, LayerRouting):
-            self._first = None
+            self._first, self._copies = None, -1
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
@@ -337,7 +340,7 @@ class OffloadRuntime:
         and :meth:`_partition`)."""
         pool, layer = self.pool, plan.layer
         if _kernels.compiled("route_partition") is None:
-            self._first = None
+            self._first, self._copies = None, -1
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             routing = LayerRouting.group(ids, weights)
@@ -362,8 +365,8 @@ class OffloadRuntime:
                 np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi, ws.wf, gi, gw, go,
                 pool.staging_first + taken, pool.num_staging - taken)
         key = (flat.dtype, pe.dtype, pc.dtype, ps.dtype, pa.dtype)  # (_ROUTE_LOOSE's; the weights are float32)
-        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, fg_staged) = \
-            self._route_entries.get(key, args)(*args)
+        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, fg_staged,
+         self._copies) = self._route_entries.get(key, args)(*args)
         # the first group (the ready and fetched experts, or the staged ones in the first free staging buffers),
         # when written and its rows ready: (pairs, lo, span, experts, whether staged), used by _group / _written
         self._first = (fg_n, fg_lo, fg_span, g if fg_staged else ready + fetched, fg_staged) \
@@ -449,10 +452,13 @@ class OffloadRuntime:
         lanes.staging_used = len(stage_rows)
         # 1. the first copies: the admitted experts and the first turns (turn t < halves: the rows
         # t * per_turn ..), in touch order
-        head = staged[:per_turn * halves]
-        rows[head] = stage_rows[:len(head)]
         nf = len(lanes.fetched)  # (fetched and staged are consecutive in the lane order)
-        if n_staged:  # the fetched and the first staged ones (each ascending) merged
+        listed, self._copies = self._copies, -1
+        if listed >= 0:  # by the route call, which gave the first turns' experts these buffers (the first free ones)
+            first = self._route_ws.wi[_kernels.W_COPIES, :listed]
+        elif n_staged:  # the fetched and the first staged ones (each ascending) merged
+            head = staged[:per_turn * halves]
+            rows[head] = stage_rows[:len(head)]
             first = lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)]
             if nf:
                 first = first.copy()
@@ -501,13 +507,14 @@ class OffloadRuntime:
                 return records[0][2] if records else singles[0].starts[0]
 
             if len(first):
-                self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf)
+                self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf,
+                               listed=listed >= 0)
             else:  # (nothing to copy: landed prefetches and hits)
                 prepare()
                 sw.stop()
                 run()
             return
-        fetched_events = self._copy_now(plan, first, experts, rows, sw)
+        fetched_events = self._copy_now(plan, first, experts, rows, sw, listed=listed >= 0)
         ready, after, waiting = self._ready(lanes, rows, fetched_events)
         if len(ready):
             self._compute(plan, routing, seg[ready], rows[ready], x, out_buf, sw)
@@ -560,18 +567,22 @@ class OffloadRuntime:
         return ready, after, waiting
 
     def _copy_now(self, plan: LayerPlan, idx: np.ndarray, experts: np.ndarray, rows: np.ndarray, sw: Stopwatch,
-                  after: list | None = None, staging: bool = False, then=None, prepare=None):
+                  after: list | None = None, staging: bool = False, then=None, prepare=None, listed: bool = False):
         """On-demand copies of lane positions ``idx`` into their rows, from this thread; on CUDA their end
         events (aligned with ``idx``), else None (done). ``staging``: the rows are staging buffers, which
         no background copy writes. ``then`` (the CPU device): device work run right after the copies, which returns its
         first host stamp; the stopwatch is not started again (``prepare`` did the bookkeeping). ``prepare``: called
-        (bookkeeping) once the rows hold their experts, before the copies are issued."""
+        (bookkeeping) once the rows hold their experts, before the copies are issued. ``listed``: ``idx`` are the
+        copies the route call listed (``kernels.W_COPIES``), whose rows it made hold their experts."""
         if not len(idx):
             return None if not self.dev.is_cuda else []
         pool, layer = self.pool, plan.layer
-        ri, ei = rows[idx], experts[idx]
-        pool.hold_rows(ri, layer, ei)
-        r, e = ri.tolist(), ei.tolist()
+        if listed:
+            r, e = self._route_ws.wi[_kernels.W_COPIES + 1:_kernels.W_COPIES + 3, :len(idx)].tolist()
+        else:
+            ri, ei = rows[idx], experts[idx]
+            pool.hold_rows(ri, layer, ei)
+            r, e = ri.tolist(), ei.tolist()
         tickets = pool.tickets
         held = () if staging else pool.ticketed.intersection(r)  # rows a background copy wrote
         previous = [t for i in held if not (t := tickets[i]).done]
@@ -667,7 +678,7 @@ class OffloadRuntime:
             pos = routing.positions[sel]
             pairs = self._pairs_on_accel(pos, pos // routing.top_k, routing.weights[sel])
         R = stage_rows[:halves].tolist()  # turn t's buffer: R[t % halves]
-        last = [j + (n - 1 - j) // halves * halves for j in range(min(n, halves))]  # each used buffer's last turn
+        last = [n - 1] if halves == 1 else [(n - 1) & ~1, (n - 2) | 1]  # each buffer's last turn: the last even, odd one
         hold_l, hold_e, inflight = pool.hold_layer, pool.hold_expert, pool.inflight
         for j, lt in enumerate(last):
             r = R[j]

@@ -348,7 +348,12 @@ class SlotPool:
             raise AssertionError(f"staging buffers {np.asarray(rows).tolist()} returned, but the last ones taken are "
                                  f"{self.staging_rows[max(0, top - n):top].tolist()}")
         self.staging_taken = top - n
-        self.state[:2, first:first + n] = -1  # (consecutive rows)
+        if n <= 2:  # (a layer's staging turns' two buffers: scalar writes, several times cheaper than a slice's)
+            hold_layer, hold_expert = self.hold_layer, self.hold_expert
+            for r in range(first, first + n):
+                hold_layer[r] = hold_expert[r] = -1
+        else:
+            self.state[:2, first:first + n] = -1  # (consecutive rows)
 
     def hold_rows(self, rows, layer: int, experts) -> None:
         """The rows now hold these experts of ``layer`` (a copy into them is being issued)."""

@@ -25,12 +25,16 @@ class RouteWorkspace:
     """The buffers of ``kernels._route_partition`` (rows ``kernels.W_*``), grown when a layer has more pairs.
     ``device``: the accelerator; on the CPU device ``tensors`` wrap the sorted pairs, their tokens and their
     weights (a column) once, for the layer's routing on the accelerator (``OffloadRuntime._droute``), and
-    then the staged pairs' positions, tokens and weights in staging order (``turn_views``)."""
+    then the staged pairs' positions, tokens and weights in staging order (``turn_views``). ``pairs``: the
+    (token, rank) pairs of a typical layer visit; the staged pairs' views of every length up to them are made
+    with the tensors, not at their first use within a layer visit (the staged pairs vary from visit to visit:
+    a new length cost 3-5 us per visit on average on the development VM, benchmarks/README.md)."""
 
-    __slots__ = ("wi", "wf", "tensors", "_wrap", "_views", "_turn_views", "_cached")
+    __slots__ = ("wi", "wf", "tensors", "_wrap", "_views", "_turn_views", "_cached", "_eager")
 
     def __init__(self, device: torch.device = torch.device("cpu"), pairs: int = 0):
         self._wrap = device.type == "cpu"
+        self._eager = pairs
         self.wi = np.zeros((_kernels.W_ROWS, 0), np.int64)
         self.wf = np.zeros((2, 0), np.float32)
         self.tensors = None
@@ -53,6 +57,9 @@ class RouteWorkspace:
             self._views.clear()
             self._turn_views.clear()
             self._cached.clear()
+            if self._wrap:
+                for q in range(min(self._eager, cap) + 1):
+                    self.turn_views(q)
         return self
 
     def layer_views(self, m: int, n: int, c: int, g: int, cols: int) -> tuple:
