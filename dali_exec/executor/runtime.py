@@ -454,9 +454,9 @@ class OffloadRuntime:
         # t * per_turn ..), in touch order
         nf = len(lanes.fetched)  # (fetched and staged are consecutive in the lane order)
         listed, self._copies = self._copies, -1
-        if listed >= 0:  # by the route call, which gave the first turns' experts these buffers (the first free ones)
+        if listed > 0:  # by the route call, which gave the first turns' experts these buffers (the first free ones)
             first = self._route_ws.wi[_kernels.W_COPIES, :listed]
-        elif n_staged:  # the fetched and the first staged ones (each ascending) merged
+        elif n_staged and listed < 0:  # the fetched and the first staged ones (each ascending) merged
             head = staged[:per_turn * halves]
             rows[head] = stage_rows[:len(head)]
             first = lanes.order[len(lanes.ready):len(lanes.ready) + nf + len(head)]
@@ -869,8 +869,8 @@ class OffloadRuntime:
         dtype = self.dev.dtype
         tensors = (t_pos, t_tok, t_offs, t_rows if self.layout.bias else None,
                    t_w if t_w.dtype == dtype else t_w.to(dtype))
-        small = ws.small[:, :g].copy()  # (rows, experts, tokens: the timeline keeps the last two)
-        return small[0], lo, ws.table_counts[:span], tensors, small[1], small[2]
+        experts, counts = ws.small[1:, :g].tolist()  # (as _group's: the timeline keeps them)
+        return ws.small[0, :g], lo, ws.table_counts[:span], tensors, experts, counts
 
     def _droute(self, routing: LayerRouting) -> list:
         """The layer's routing on the accelerator (flat positions, token rows, weights), made once per layer
