@@ -350,3 +350,36 @@ def test_cuda_host_calls_times_every_call_on_cuda(tmp_path):
     us = json.loads(out.read_text())["us_per_call"]
     assert set(us) == set(cuda_host_calls.cases(torch.device("cuda")))
     assert all(0 < v < 1e5 for v in us.values())
+
+
+def test_visit_statements_charges_each_interval_to_its_statement_and_changes_nothing(tmp_path, capsys):
+    """benchmarks/visit_statements.py: a stamped replay (its counters checked against a plain one inside), every
+    visit's route call counted once, the decision's statements with ``--controller``, and the refusals."""
+    import json
+
+    import visit_statements
+    from dali_exec.executor import kernels as K
+
+    out = tmp_path / "statements.json"
+    small = ["--shape", "mixtral-8x7b", "--layers", "2", "--scale", str(1 / 64), "--sequences", "2", "--max-tokens", "4",
+             "--batch-size", "2"]
+    assert visit_statements.main(["--system", "gpu-lru", *small, "--controller", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    rows = {r["statement"]: r for r in got["rows"]}
+    assert len(rows) == len(got["rows"])  # (each statement its own label)
+    assert got["figures"]["visits"] > 0 and got["figures"]["counted_us_per_visit"] > 0
+    assert all(r["counted_us_per_visit"] >= 0 and r["uncounted_us_per_visit"] >= 0 for r in rows.values())
+    counted = sum(r["counted_us_per_visit"] for r in rows.values())
+    assert abs(counted - got["figures"]["counted_us_per_visit"]) < 1e-6
+    route = [r for s, r in rows.items() if s.startswith("run_experts:") and "self._route(plan, *routing)" in s]
+    assert len(route) == 1 and route[0]["runs_per_visit"] == 1.0  # one route per visit, stopwatch running
+    if K.compiled("route_partition") is not None:
+        call = [r for s, r in rows.items() if s.startswith("_route:") and "(bad, n_ev, status" in s]  # the compiled call
+        assert len(call) == 1 and call[0]["runs_per_visit"] == 1.0 and call[0]["counted_us_per_visit"] > 0
+    assert any(s.startswith("plan:") for s in rows)  # --controller: the decision's statements, counted
+    assert "counted statements" in capsys.readouterr().out
+    for bad in (["--system", "gpu-lru", "--layers", "0"], ["--system", "gpu-lru", "--json", str(tmp_path / "no" / "x")]):
+        with pytest.raises(SystemExit) as e:
+            visit_statements.main(bad)
+        assert e.value.code == 2
+    assert visit_statements.main(["--system", "no-such-system", *small]) == 2
