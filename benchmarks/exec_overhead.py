@@ -261,6 +261,35 @@ class VisitClock:
             yield self
 
 
+@contextmanager
+def stopwatches_reporting(running: set):
+    """The executor's stopwatches keep their ids in ``running`` while they run (``Stopwatch.start``, ``stop`` and
+    ``hand_to`` wrapped); yields the wrappers' code objects (for a profile hook that leaves them out)."""
+    watch = timing.Stopwatch
+    start, stop, hand_to = watch.start, watch.stop, watch.hand_to
+
+    def started(w):
+        running.add(id(w))
+        return start(w)
+
+    def stopped(w):
+        stop(w)
+        running.discard(id(w))
+
+    def handed(w, other):
+        out = hand_to(w, other)
+        running.discard(id(w))
+        running.add(id(other))
+        return out
+
+    with mock.patch.object(watch, "start", started), mock.patch.object(watch, "stop", stopped), \
+            mock.patch.object(watch, "hand_to", handed):
+        try:
+            yield {f.__code__ for f in (started, stopped, handed)}
+        finally:
+            running.clear()
+
+
 class CallCounter:
     """Calls made on this thread while any executor stopwatch runs (``--count-calls``), by function."""
 
@@ -282,32 +311,12 @@ class CallCounter:
     @contextmanager
     def counting(self):
         """The stopwatches report when they run; the profile hook counts meanwhile (this thread only)."""
-        watch, running = timing.Stopwatch, self._running
-        start, stop, hand_to = watch.start, watch.stop, watch.hand_to
-
-        def started(w):
-            running.add(id(w))
-            return start(w)
-
-        def stopped(w):
-            stop(w)
-            running.discard(id(w))
-
-        def handed(w, other):
-            out = hand_to(w, other)
-            running.discard(id(w))
-            running.add(id(other))
-            return out
-
-        self._own = {f.__code__ for f in (started, stopped, handed)}
-        with mock.patch.object(watch, "start", started), mock.patch.object(watch, "stop", stopped), \
-                mock.patch.object(watch, "hand_to", handed):
+        with stopwatches_reporting(self._running) as self._own:
             sys.setprofile(self._event)
             try:
                 yield self
             finally:
                 sys.setprofile(None)
-                running.clear()
 
 
 class SegmentClock:

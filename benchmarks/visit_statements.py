@@ -44,7 +44,6 @@ import pandas as pd
 from dali_exec.executor import Devices, ExecOptions, HostExpertStore, Replay, ReplayOptions, prepare_replay
 from dali_exec.executor import replay as replay_module
 from dali_exec.executor import runtime as runtime_module
-from dali_exec.executor import timing
 from dali_exec.executor.devices import cpu_name
 from dali_sim.runtime import controller as controller_module
 from dali_sim.sim.counters import COUNTERS
@@ -53,7 +52,7 @@ from dali_sim.trace.synth import SynthConfig, synthesize
 from dali_sim.workload.profiling import ProfileSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exec_overhead import LOOKAHEAD, no_tensor_work  # noqa: E402
+from exec_overhead import LOOKAHEAD, no_tensor_work, stopwatches_reporting  # noqa: E402
 
 #: the runtime's methods a layer visit runs in the replay's thread (and the closures inside them)
 RUNTIME_METHODS = ("start_layer", "run_experts", "_route", "_partition", "_accelerator_lane", "_copy_now", "_ready",
@@ -71,32 +70,9 @@ class Stamps:
         self.labels: list[str] = []
         self.running: set[int] = set()
 
-    @contextlib.contextmanager
     def watching(self):
-        """The stopwatches report when they run (as ``exec_overhead.CallCounter``)."""
-        watch, running = timing.Stopwatch, self.running
-        start, stop, hand_to = watch.start, watch.stop, watch.hand_to
-
-        def started(w):
-            running.add(id(w))
-            return start(w)
-
-        def stopped(w):
-            stop(w)
-            running.discard(id(w))
-
-        def handed(w, other):
-            out = hand_to(w, other)
-            running.discard(id(w))
-            running.add(id(other))
-            return out
-
-        with mock.patch.object(watch, "start", started), mock.patch.object(watch, "stop", stopped), \
-                mock.patch.object(watch, "hand_to", handed):
-            try:
-                yield self
-            finally:
-                running.clear()
+        """The stopwatches report when they run (``exec_overhead.stopwatches_reporting``)."""
+        return stopwatches_reporting(self.running)
 
     def table(self, visits: int) -> pd.DataFrame:
         """Per statement: counted and uncounted us per visit, runs per visit, the median us of a counted run."""
