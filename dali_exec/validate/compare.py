@@ -31,6 +31,10 @@ RUNTIME_COUNTS = (*(f"{k}_handoffs" for k in HANDOFF_KINDS), "prefetches_waited"
 RATES = ("hit_rate", "gpu_fraction", "prefetch_precision", "prefetch_recall")
 #: activity kinds of timeline intervals (docs/simulator.md, Timelines)
 KINDS = ("host", "dense", "block", "gpu_expert", "cpu_expert", "fetch", "prefetch", "swap", "other")
+#: kinds whose intervals are not the same work on the two sides, compared without an error: the executor's ``host``
+#: intervals are its decisions (``Controller.plan``), the simulator's a visit's whole modelled host work (the
+#: profile's host terms, docs/hardware.md), most of which the executor spends between its timed activities
+UNLIKE_KINDS = ("host",)
 #: placement policies whose decisions are not reproducible run to run (a solver under a time limit)
 NONDETERMINISTIC_PLACEMENTS = ("optimal", "optimal-mem")
 
@@ -198,7 +202,8 @@ def compare(executed: SimResult, simulated: SimResult, exec_step_s: np.ndarray |
     counters = {k: {"exec": se[k], "sim": ss[k]} for k in (*SHOWN_COUNTERS, *RATES)}
     be, bs = busy_by_kind(executed.intervals), busy_by_kind(simulated.intervals)
     busy = {k: {"exec_n": be[k][0], "sim_n": bs[k][0], "exec_s": be[k][1], "sim_s": bs[k][1],
-                "rel_err": rel_err(bs[k][1], be[k][1])} for k in KINDS if be[k][0] or bs[k][0]}
+                "rel_err": None if k in UNLIKE_KINDS else rel_err(bs[k][1], be[k][1])}
+            for k in KINDS if be[k][0] or bs[k][0]}
     return {"row": row, "counters": counters, "busy": busy, "overhead": dict(se.get("overhead", {})),
             "steps": steps}
 
@@ -274,6 +279,6 @@ def rank_agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "discordant_pairs": int(disc), "pairs": int(pairs)}
 
 
-__all__ = ["KINDS", "RATES", "RUNTIME_COUNTS", "SHOWN_COUNTERS", "Thresholds", "activity_kind", "busy_by_kind",
-           "compare", "counters_equal", "expected_exact", "idle_seconds", "lanes_overlap_seconds", "rank_agreement",
-           "rel_err", "runtime_count_columns", "speedup_error", "step_table", "verdict"]
+__all__ = ["KINDS", "RATES", "RUNTIME_COUNTS", "SHOWN_COUNTERS", "UNLIKE_KINDS", "Thresholds", "activity_kind",
+           "busy_by_kind", "compare", "counters_equal", "expected_exact", "idle_seconds", "lanes_overlap_seconds",
+           "rank_agreement", "rel_err", "runtime_count_columns", "speedup_error", "step_table", "verdict"]

@@ -157,7 +157,9 @@ def markdown(report) -> str:
                   "that found no free buffer as their layer visit started. The CPU lane's hand-overs and the waiting "
                   "prefetches must match; the copy thread's hand-overs depend on when its copies land, on both sides."]
     lines += ["", "## Busy time by activity (seconds, executor / simulator, error)", "",
-              "Summed interval lengths per kind; lanes overlap, so these do not add up to the total time.", ""]
+              "Summed interval lengths per kind; lanes overlap, so these do not add up to the total time. `host` is "
+              "not the same work on the two sides (no error): the executor's decisions against the simulator's "
+              "whole modelled host work of each visit.", ""]
     rows = []
     for s in report.systems:
         cells = [s["row"]["system"]]
