@@ -420,6 +420,16 @@ def _rank_order(ids, weights, rows):
     return out
 
 
+def staging_schedule(n_staged, buffers):
+    """(``per_turn``, ``halves``): the staging turns of ``n_staged`` experts through ``buffers`` free staging buffers
+    (``OffloadRuntime._accelerator_lane``, and the route call that starts them): all in one turn if they fit, else
+    turns of half the buffers each in two alternating sets (so a turn's copy overlaps the last turn's compute), or
+    one at a time through a single buffer."""
+    if n_staged <= buffers:
+        return n_staged, 1
+    return max(1, buffers // 2), (2 if buffers >= 2 else 1)
+
+
 #: rows of the int64 workspace of :func:`_route_partition` (see ``workspace.RouteWorkspace``)
 W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKENS, W_TURNS = 0, 1, 2, 3, 4, 5, 10, 11, 12, 13
 W_FIRST, W_FLAGS = 17, 19  # the first group's experts and rows; scratch flags (two rows each)
@@ -467,8 +477,8 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     staging order (the lane's row 2 and the table: they hold them, as the copies into them are about to be
     issued) and their group is written instead (the CPU device's one staging turn).
 
-    The staging schedule's start (``OffloadRuntime._accelerator_lane``'s rule: ``per_turn`` staged experts a turn,
-    in ``halves`` alternating sets of buffers), when the fetched experts are admitted (or there are none): the
+    The staging schedule's start (:func:`staging_schedule`: ``per_turn`` staged experts a turn, in ``halves``
+    alternating sets of buffers), when the fetched experts are admitted (or there are none): the
     first turns' staged experts take the first staging buffers in staging order (the lane's row 2 and the table,
     as for the one turn above), and the lane's first copies (the fetched experts and those, lane positions
     ascending) are listed in rows :data:`W_COPIES` .. + 2 (positions, slot rows, experts); their number is the
@@ -537,8 +547,8 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     n_copies = -1
     ns = g - nf  # the staged experts
     if pstatus == 0 and adm == OK and (ns == 0 or stage_n >= 1):
-        per_turn = ns if ns <= stage_n else max(1, stage_n // 2)
-        n_head = min(ns, per_turn * (1 if (ns <= stage_n or stage_n < 2) else 2))  # the first turns' experts
+        per_turn, halves = _staging_schedule_fn(ns, stage_n)
+        n_head = min(ns, per_turn * halves)  # the first turns' experts
         for t in range(n_head):  # (staging order: the lane order)
             i = lorder[nf + t]
             lane[2, i] = stage_lo + t
@@ -585,15 +595,18 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves
 _rows_ready_fn, _evict_into_fn = _rows_ready, _evict_into
 _group_routing_into_fn, _partition_into_fn, _group_index_into_fn = _group_routing_into, _partition_into, _group_index_into
+_staging_schedule_fn = staging_schedule
 
 _KERNELS = {"group_routing": _group_routing, "group_routing_into": _group_routing_into, "group_index": _group_index,
             "group_index_into": _group_index_into, "matches": _matches, "partition": _partition,
             "partition_into": _partition_into, "rank_order": _rank_order, "rows_ready": _rows_ready, "evict": _evict,
-            "evict_into": _evict_into, "admit": _admit, "swap": _swap, "route_partition": _route_partition}
+            "evict_into": _evict_into, "admit": _admit, "swap": _swap, "route_partition": _route_partition,
+            "staging_schedule": staging_schedule}
 #: the kernels each one calls (compiled before it: numba binds a global function when it compiles a caller)
 _CALLS = {"group_routing": ("group_routing_into",), "group_index": ("group_index_into",),
           "group_index_into": ("rows_ready",), "partition": ("partition_into",), "evict": ("evict_into",),
-          "route_partition": ("evict_into", "group_routing_into", "partition_into", "group_index_into")}
+          "route_partition": ("evict_into", "group_routing_into", "partition_into", "group_index_into",
+                              "staging_schedule")}
 _compiled: dict[str, object] = {}
 
 
@@ -643,4 +656,4 @@ class Entries:
 
 
 __all__ = ["Entries", "FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY",
-           "STAGED", "TOO_WIDE", "compiled"]
+           "STAGED", "TOO_WIDE", "compiled", "staging_schedule"]

@@ -446,8 +446,7 @@ class OffloadRuntime:
         S = pool.num_staging
         if n_staged and S < 1:
             raise AssertionError(f"step {step} layer {layer}: experts must be staged but there are no staging buffers")
-        per_turn = n_staged if n_staged <= S else max(1, S // 2)
-        halves = 1 if (n_staged <= S or S < 2) else 2  # buffer sets that alternate between turns
+        per_turn, halves = _kernels.staging_schedule(n_staged, S)  # (halves: buffer sets that alternate between turns)
         stage_rows = pool.take_staging_rows(min(S, per_turn * halves)) if n_staged else _EMPTY
         lanes.staging_used = len(stage_rows)
         # 1. the first copies: the admitted experts and the first turns (turn t < halves: the rows
