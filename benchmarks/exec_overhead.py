@@ -74,11 +74,13 @@ outputs are the normal replay's. For systems whose plans neither prefetch nor sw
 lanes it skips: a refusal names the first such visit); CPU device only; no limit applies to its rows.
 
 ``--handoffs`` adds ``handoffs_per_visit`` and ``handoff_cpu_us``: in one more replay of each system, every hand-over
-of the replay's thread to a thread asleep on its queue, per kind (``cpu_lane``: a job to the CPU lane's worker;
-``copy_thread``: background copies that wake the copy thread), per layer visit, and the median thread CPU of one.
-Waking a sleeping thread is a system call and an interrupt its waker pays for: on the 2-core VM about as much as
-the rest of a layer visit's bookkeeping of a system without one (benchmarks/README.md, "Hand-overs to sleeping
-threads"); the simulator charges it too (``lane_wake.host``, docs/hardware.md).
+of the replay's thread to a thread that waits for work, per kind (``cpu_lane``: a job to the CPU lane's worker;
+``cpu_lane_asleep``: those of them that found it asleep, its spin over, and woke it; ``copy_thread``: background
+copies that wake the copy thread), per layer visit, and the median thread CPU of one. Waking a sleeping thread is a
+system call and an interrupt its waker pays for: on the 2-core VM about as much as the rest of a layer visit's
+bookkeeping of a system without one (benchmarks/README.md, "Hand-overs to sleeping threads"); the simulator
+charges it too (``lane_wake.host``, docs/hardware.md). A job that finds the worker spinning (``--spin-us``) needs
+no wake.
 
 ``--sync-sites`` (CUDA) adds ``sync_sites_per_visit``: in one more replay of each system under torch's sync debug
 mode (``torch.cuda.set_sync_debug_mode("warn")``), the calls that made the host wait for the GPU, per Python call
@@ -382,17 +384,22 @@ def timed_segments(setup, devices, run: ExecOptions, store) -> dict:
 
 @contextmanager
 def timed_handoffs(seconds: dict[str, list[float]]):
-    """Every hand-over of this thread to a sleeping thread (``--handoffs``), its thread-CPU seconds appended to
-    ``seconds``: ``cpu_lane``, a job given to the CPU lane's worker (``CpuWorker.submit``); ``copy_thread``,
-    background copies that woke the copy thread (``CopyEngine._wake_loop`` finding it idle; not its close)."""
+    """Every hand-over of this thread to a thread that waits for work (``--handoffs``), its thread-CPU seconds
+    appended to ``seconds``: ``cpu_lane``, a job given to the CPU lane's worker (``CpuWorker.submit``), and to
+    ``cpu_lane_asleep`` too where that woke it (its spin over); ``copy_thread``, background copies that woke the
+    copy thread (``CopyEngine._wake_loop`` finding it idle; not its close)."""
     submit, wake, main = CpuWorker.submit, copies.CopyEngine._wake_loop, threading.main_thread()
 
     def submitted(worker, fn, *args, **kwargs):
         if threading.current_thread() is not main:
             return submit(worker, fn, *args, **kwargs)
+        woken_before = worker.wakes
         c0 = time.thread_time()
         job = submit(worker, fn, *args, **kwargs)
-        seconds["cpu_lane"].append(time.thread_time() - c0)
+        c1 = time.thread_time()
+        seconds["cpu_lane"].append(c1 - c0)
+        if worker.wakes != woken_before:
+            seconds["cpu_lane_asleep"].append(c1 - c0)
         return job
 
     def woken(engine):
@@ -409,7 +416,7 @@ def timed_handoffs(seconds: dict[str, list[float]]):
 def handoffs(setup, devices, run: ExecOptions, store) -> dict:
     """One replay with :func:`timed_handoffs`: per kind, hand-overs per layer visit and their median thread-CPU us
     (nan without any)."""
-    seconds: dict[str, list[float]] = {kind: [] for kind in HANDOFF_KINDS}
+    seconds: dict[str, list[float]] = {kind: [] for kind in (*HANDOFF_KINDS, "cpu_lane_asleep")}
     with timed_handoffs(seconds):
         result = run_once(setup, devices, run, store)
     visits = result.summary["overhead"]["layer_visits"]
@@ -651,7 +658,7 @@ def main(argv=None) -> int:
         top = list(row["segments_us_per_visit"].items())[:5]
         print(f"{row['system']} segments (thread-CPU us per visit): " + "; ".join(f"{n} {us:.1f}" for n, us in top))
     for row in rows if a.handoffs else ():
-        print(f"{row['system']} hand-overs to a sleeping thread per visit: " + "; ".join(
+        print(f"{row['system']} hand-overs to a waiting thread per visit: " + "; ".join(
             f"{kind.replace('_', ' ')} {n:.2f} (median {row['handoff_cpu_us'][kind]:.1f} us thread CPU)"
             for kind, n in row["handoffs_per_visit"].items()))
     for row in rows if a.sync_sites else ():

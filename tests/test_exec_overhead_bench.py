@@ -95,8 +95,8 @@ def test_segments_add_up_to_what_the_stopwatches_counted(system, tmp_path):
 
 @pytest.mark.parametrize("system", ["dali", "hybrimoe"])
 def test_handoffs_time_each_wake_of_the_cpu_worker_and_of_the_copy_thread(system, tmp_path):
-    """--handoffs: the replay's thread hands the CPU lane to its worker in every layer visit with experts on both
-    lanes (one thread each: a lane alone on the CPU runs inline) and nowhere else; it wakes the copy thread at most
+    """--handoffs: the replay's thread hands the CPU lane to its worker (asleep or spinning) in every layer visit
+    with experts on both lanes (one thread each: a lane alone on the CPU runs inline) and nowhere else; it wakes the copy thread at most
     per request of background copies (the prefetches, issued at once or when a buffer frees, and the swaps), and
     not at the end (``close``); each hand-over is timed (thread CPU), and the patches go."""
     path = tmp_path / "mix.parquet"
@@ -105,7 +105,7 @@ def test_handoffs_time_each_wake_of_the_cpu_worker_and_of_the_copy_thread(system
     trace = read_trace(path)
     opts, run = ReplayOptions(layers=3, scale=1 / 64, dtype="fp32"), ExecOptions(device="cpu", cpu_threads=1,
                                                                                 accel_threads=1)
-    records, seconds = [], {"cpu_lane": [], "copy_thread": []}
+    records, seconds = [], {"cpu_lane": [], "copy_thread": [], "cpu_lane_asleep": []}
     submit = exec_overhead.CpuWorker.submit
     with exec_overhead.timed_handoffs(seconds):
         execute(trace, system, opts, run, batch_size=2, on_layer=records.append)
@@ -113,18 +113,27 @@ def test_handoffs_time_each_wake_of_the_cpu_worker_and_of_the_copy_thread(system
     both = sum(bool((r.plan.source == CPU).any() and (r.plan.source != CPU).any()) for r in records)
     copying = sum(len(r.plan.prefetches) + bool(r.plan.swaps) for r in records)  # (each wake issues some)
     assert len(seconds["cpu_lane"]) == both and len(seconds["copy_thread"]) <= copying
+    assert set(seconds["cpu_lane_asleep"]) <= set(seconds["cpu_lane"])  # (those that woke the worker)
     assert (both or copying) and all(s > 0 for v in seconds.values() for s in v)
 
 
 @pytest.mark.parametrize("system", ["llamacpp", "dali"])
 def test_counted_calls_are_the_same_in_every_replay_and_leave_out_the_counter(system, tmp_path):
     """--count-calls: the calls a visit makes while a stopwatch runs are a count, not a time (the same replay
-    counts the same), the counter's own wrappers are not in it, and nothing is counted outside a stopwatch."""
+    counts the same), the counter's own wrappers are not in it, and nothing is counted outside a stopwatch.
+
+    Exactly the same where no other thread takes part (llamacpp); within 3% for dali, whose visits can take
+    another path as a background copy has landed or not, and whose hand-over of the CPU lane makes one more call
+    (the wake) where the worker has stopped spinning: measured 315.1-319.6 calls per visit over six replays."""
     setup, devices, run, store = _small_qwen_replay(system, tmp_path)
     with exec_overhead.no_tensor_work():
         exec_overhead.run_once(setup, devices, run, store)  # (first calls: imports, compilation)
         first, second = (exec_overhead.counted_calls(setup, devices, run, store, top=1000) for _ in range(2))
-    assert first == second and first["calls_per_visit"] > 20
+    if system == "llamacpp":
+        assert first == second
+    else:
+        assert abs(first["calls_per_visit"] / second["calls_per_visit"] - 1) <= 0.03
+    assert first["calls_per_visit"] > 20
     names = first["top_calls_per_visit"]
     assert abs(sum(names.values()) - first["calls_per_visit"]) < 1e-9
     assert "C:perf_counter" in names and not any(n.startswith("exec_overhead.py") for n in names)

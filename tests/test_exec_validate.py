@@ -389,6 +389,7 @@ def test_replays_are_round_by_round_and_compared_by_their_medians(mix_path, vali
     (dict(replay=ReplayOptions(layers=2, scale=1 / 64, dtype="bf16")), "dtype ('fp32' there, 'bf16' here)"),
     (dict(run=ExecOptions(device="cpu", cpu_threads=2, accel_threads=1)), "threads.cpu_lane (1 there, 2 here)"),
     (dict(run=ExecOptions(device="cpu", cpu_threads=1, accel_threads=2)), "threads.main_thread (1 there, 2 here)"),
+    (dict(run=ExecOptions(device="cpu", cpu_threads=1, accel_threads=1, spin_us=0.0)), "waiting.spin_s ("),
 ])
 def test_a_profile_of_another_replay_is_refused(mix_path, validated, tmp_path, change, message):
     _, first, _ = validated

@@ -285,6 +285,44 @@ def test_the_host_pays_its_hand_over_of_the_cpu_lane_to_a_sleeping_worker(tmp_pa
     assert CostModel(load_profile(prof), OVERLAP_MODEL).handoff_time() == 0.125
 
 
+@pytest.mark.parametrize("shortcut", [True, False])
+@pytest.mark.parametrize("spin_s, paid", [(0.0, 3), (1e-9, 2), (1e6, 1)])
+def test_a_worker_still_spinning_for_its_next_job_wakes_for_nothing(tmp_path, overlap_trace, shortcut, spin_s, paid):
+    """A worker that spins ``wait_spin_s`` after each job before it sleeps: a hand-over that comes within that time
+    of its last job's end pays neither the host's hand-over (0.125 s) nor the CPU lane's wake (0.25 s). E0 is on the
+    CPU lane in 3 of the 4 layer visits: with no spin all 3 pay; with a spin of a nanosecond 2 (the third visit starts
+    as the second one's CPU lane, the layer's last work, ends: no time to wait); with one longer than the whole run
+    only the first (the worker had no job before it). Every hand-over is counted, paid or not (what `dali exec
+    validate` compares with the executor's)."""
+    prof = round_number_profile(tmp_path / "spin.json", OVERLAP_MODEL, lane_wake={"host": 0.125, "cpu": 0.25})
+    impl = dataclasses.replace(get_implementation("bare"), name="spin", cpu_lane_wakes="always", wait_spin_s=spin_s)
+    out = _engine(overlap_trace, split_system([0]), prof, impl, shortcut)
+    got = _spans(out)
+    host = [s for s in got if s[0] == "host"]
+    assert len(host) == paid and all(b - a == 0.125 for _, _, a, b in host)
+    assert host[0] == ("host", "host L0", 0, 0.125)
+    e0 = [s for s in got if s[:2] == ("cpu", "L0 E0")][0]
+    assert e0[2] == 0.125 + 0.5 + 0.25  # (the first visit: hand-over, dense part, the worker's wake)
+    assert out.handoffs == {"cpu_lane": 3, "copy_thread": 0}
+    with pytest.raises(ValueError, match="wait_spin_s must be a finite number >= 0"):
+        dataclasses.replace(impl, wait_spin_s=-1.0)
+
+
+def test_a_spinning_worker_takes_a_dense_part_without_a_wake(tmp_path, overlap_trace):
+    """The dense parts on the CPU, handed to the worker ("always"), which spins longer than the run: only the
+    first of the 4 layer visits' dense parts wakes it (0.125 s on the host, 0.25 s more on the CPU); the other 3
+    find it spinning and take 0.5 s. All 4 hand-overs are counted."""
+    prof = round_number_profile(tmp_path / "dense.json", OVERLAP_MODEL, lane_wake={"host": 0.125, "cpu": 0.25})
+    impl = dataclasses.replace(get_implementation("bare"), name="dense-spin", cpu_lane_wakes="always", wait_spin_s=1e6)
+    system = dataclasses.replace(split_system([], slots=3), dense_device="cpu")
+    out = _engine(overlap_trace, system, prof, impl)
+    got = _spans(out)
+    dense = [s for s in got if s[1].startswith("dense")]
+    assert [b - a for _, _, a, b in dense] == [0.75, 0.5, 0.5, 0.5]
+    assert [s for s in got if s[0] == "host"] == [("host", "host L0", 0, 0.125)]
+    assert out.handoffs == {"cpu_lane": 4, "copy_thread": 0}
+
+
 @pytest.mark.parametrize("wakes, shortcut", [("never", True), ("always", True), ("always", False),
                                              ("beside-gpu", True)])
 def test_a_dense_part_on_the_cpu_is_handed_to_the_sleeping_cpu_worker_as_a_cpu_lane_call(tmp_path, overlap_trace,
@@ -490,6 +528,9 @@ def test_the_executor_wakes_its_cpu_lane_beside_accelerator_experts_only_where_i
         on_cpu = devices["gpu_is_cpu_device"]
         assert (got.compute_waits_copies, got.prefetch_buffers) == ((True, "in-order") if on_cpu else
                                                                     (impl.compute_waits_copies, "at-use")), threads
+        assert got.wait_spin_s == 0.0  # (profiles from before the worker could spin: it slept at once)
+    spinning = dataclasses.replace(base, provenance={**base.provenance, "waiting": {"spin_s": 0.001}})
+    assert executor_on(spinning, impl).wait_spin_s == 0.001
     assert executor_on(base, get_implementation("pytorch-eager")) == get_implementation("pytorch-eager")
 
 

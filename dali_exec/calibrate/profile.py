@@ -21,6 +21,7 @@ from dali_exec.calibrate.host import HostSettings, measure_host_costs
 from dali_exec.calibrate.micro import Microbench, MicroSettings
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices, cpu_name, host_memory_bytes, lane_threads
+from dali_exec.executor.doorbell import DEFAULT_SPIN_US, check_spin_us
 from dali_exec.executor.problem import DTYPE_PRECISION, scale_model
 from dali_exec.executor.replay import ExecOptions
 from dali_sim import __version__
@@ -47,6 +48,7 @@ class CalibrationConfig:
     device: str | None = None  # cuda | cpu; None = CUDA if present
     cpu_threads: int | None = None  # CPU lane threads (default as `dali exec run`)
     accel_threads: int | None = None  # accelerator lane threads on the CPU device (default: the rest)
+    spin_us: float = DEFAULT_SPIN_US  # the CPU lane's worker's spin (as `dali exec run --spin-us`)
     expert_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     dense_tokens: tuple[int, ...] = (1, 4, 16, 64)
     context_lens: tuple[int, ...] = (1, 256, 1024)
@@ -60,6 +62,10 @@ class CalibrationConfig:
     host: HostSettings | None = field(default_factory=HostSettings)  # the executor's host costs; None = skip
 
     def __post_init__(self) -> None:
+        check_spin_us(self.spin_us)
+        if self.contention and 1e-6 * self.spin_us >= self.settings.wake_gap_s:
+            raise ValueError(f"spin_us {self.spin_us:g} must be shorter than the wake measurement's gap "
+                             f"({1e6 * self.settings.wake_gap_s:g} us): lane_wake is what waking a sleeping worker costs")
         for key in ("expert_tokens", "dense_tokens", "context_lens", "transfer_sizes"):
             v = getattr(self, key)
             if len(v) < (1 if key == "context_lens" else 2) or any(b <= a for a, b in zip(v, v[1:])) or min(v) <= 0:
@@ -94,7 +100,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     model = cfg.model()
     devices = Devices.create(cfg.device, cfg.dtype)
     cpu_threads, accel_threads = lane_threads(devices.is_cuda, cfg.cpu_threads, cfg.accel_threads)
-    worker = CpuWorker(cpu_threads)
+    worker = CpuWorker(cpu_threads, 1e-6 * cfg.spin_us)
     prev = torch.get_num_threads()
     if accel_threads is not None:
         torch.set_num_threads(accel_threads)
@@ -127,7 +133,8 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         jobs.append(("lane_wake", lambda: {"cpu": bench.wake_seconds("cpu"), "gpu": bench.beside_wake_seconds(),
                                            "host": bench.handoff_seconds()}))
     if cfg.host is not None:
-        run = ExecOptions(device=str(devices.accel), cpu_threads=cpu_threads, accel_threads=accel_threads)
+        run = ExecOptions(device=str(devices.accel), cpu_threads=cpu_threads, accel_threads=accel_threads,
+                          spin_us=cfg.spin_us)
         # (after lane_wake, whose hand-over the simulator charges apart: the fit takes it out)
         jobs.append(("host", lambda: measure_host_costs(cfg.full_model(), cfg.scale, cfg.dtype, devices, run, cfg.host,
                                                         handoff_s=(results.get("lane_wake") or {}).get("host", 0.0))))
@@ -177,6 +184,9 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "model_shape": cfg.model_shape, "scale": cfg.scale, "dtype": cfg.dtype,
         "seconds": {k: round(v, 3) for k, v in spent.items()},
         "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads, "main_thread": main_threads},
+        # how long the CPU lane's worker spins for its next job before it sleeps (in effect: 0 where it cannot spin);
+        # the simulator charges lane_wake only to hand-overs that find it asleep (dali_sim.hardware.cost.executor_on)
+        "waiting": {"spin_s": worker.spin_s},
         "experts": f"each expert's share of a grouped call: the slope of a repeated-medians (Siegel) line through calls of "
                    f"{', '.join(map(str, bench.group_sizes()))} experts; its intercept is the lane's fixed part "
                    "per layer (lanes); the two lanes' calls interleaved, point by point",

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from dali_exec.executor.dense import DenseBlock, DenseWeights, KVCache, StepAttention
 from dali_exec.executor.devices import Devices, lane_threads, to_device_async
+from dali_exec.executor.doorbell import DEFAULT_SPIN_US, check_spin_us
 from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_replay
 from dali_exec.executor.result import assemble_result
 from dali_exec.executor.runtime import OffloadRuntime
@@ -43,6 +44,10 @@ class ExecOptions:
     accel_threads: int | None = None  # accelerator lane threads when it is the CPU device; default: the rest
     copy_delay_s: float = 0.0  # tests: hold every copy back this long
     progress: bool = False
+    spin_us: float = DEFAULT_SPIN_US  # the CPU lane's worker spins this long for its next job before it sleeps
+
+    def __post_init__(self) -> None:
+        check_spin_us(self.spin_us)
 
     def threads(self, devices: Devices) -> tuple[int, int | None]:
         return lane_threads(devices.is_cuda, self.cpu_threads, self.accel_threads)
@@ -103,6 +108,7 @@ class Replay:
         self._check_accelerator_memory()
         self.runtime = OffloadRuntime(self.store, devices, setup.memory.capacities, setup.memory.prefetch_slots,
                                       setup.memory.staging_slots, cpu_threads=self.cpu_threads, timer=self.timer,
+                                      spin_s=1e-6 * opts.spin_us,
                                       copy_delay_s=opts.copy_delay_s, pairs=w.config.batch_size * model.top_k)
         self.runtime.load(self.controller.initial_resident)
 
@@ -150,6 +156,7 @@ class Replay:
         starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
         prev_threads = torch.get_num_threads()
         handed = self.runtime.handoffs()  # (the runtime's counts so far: this run's are their growth)
+        woken = self.runtime.cpu.wakes
         waited = self.runtime.prefetches_waited
         if self.accel_threads is not None:
             torch.set_num_threads(self.accel_threads)
@@ -207,6 +214,9 @@ class Replay:
             "devices": dev.describe(),
             "options": {k: v for k, v in dataclasses.asdict(self.opts).items() if k != "progress"},
             "cpu_threads": self.cpu_threads, "accel_threads": self.accel_threads,
+            # the CPU lane's worker's spin in effect (0 where it cannot spin: doorbell.spin_available) and how many of
+            # the lane's hand-overs found it asleep (each woke it; the others found it spinning)
+            "cpu_lane_spin_s": self.runtime.cpu.spin_s, "cpu_lane_wakes": self.runtime.cpu.wakes - woken,
             "expert_activation": self.store.layout.activation,
             "host_weights_pinned": self.store.pinned,
             "slot_bytes": self.runtime.slot_bytes,

@@ -62,7 +62,8 @@ class OffloadRuntime:
 
     def __init__(self, store: HostExpertStore, devices: Devices, capacities: np.ndarray, prefetch_slots: int,
                  staging_slots: int, *, cpu_threads: int, timer: Timer | None = None, copy_delay_s: float = 0.0,
-                 cpu_inline: bool = False, pairs: int = 0):
+                 cpu_inline: bool = False, pairs: int = 0, spin_s: float = 0.0):
+        """``spin_s``: how long the CPU lane's worker spins for its next job before it sleeps (``CpuWorker``)."""
         self.store, self.dev = store, devices
         self._host_layers = list(store.weights.unbind(0))  # each layer's host weights (E x numel), made once
         self._host_experts = [list(w.unbind(0)) for w in self._host_layers]  # and each expert's (staging turns)
@@ -78,7 +79,7 @@ class OffloadRuntime:
         self.compute_stream = torch.cuda.current_stream(devices.accel) if devices.is_cuda else None
         self.copies = CopyEngine(devices.copy_stream, self.timer, delay_s=copy_delay_s, device=devices.accel,
                                  home=self.compute_stream)
-        self.cpu = CpuWorker(cpu_threads)
+        self.cpu = CpuWorker(cpu_threads, spin_s)
         #: CUDA: recorded after a layer's activations are queued to the host for the CPU lane (one per visit: the
         #: lane is done before the next visit)
         self._x_on_host = torch.cuda.Event() if devices.is_cuda else None
@@ -115,8 +116,9 @@ class OffloadRuntime:
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
         self.groups = {"gpu": 0, "cpu": 0}
         self.grouped_experts = {"gpu": 0, "cpu": 0}
-        #: CPU-lane jobs handed to the worker so far (each wakes it when it sleeps: a cost of the calling thread that
-        #: the simulator charges apart, ``lane_wake.host``, so the calibration's host fit takes it out)
+        #: CPU-lane jobs handed to the worker so far (each wakes it when it sleeps, ``cpu.wakes``: a cost of the
+        #: calling thread that the simulator charges apart, ``lane_wake.host``, so the calibration's host fit takes it
+        #: out; one that finds it spinning costs a counter's increment)
         self.cpu_handoffs = 0
         #: prefetches that found no free buffer as their layer visit started (the simulator's "at-use" prefetch
         #: buffers: dali_sim.sim.engine.buffers_at_use)
@@ -151,7 +153,9 @@ class OffloadRuntime:
         return torch.get_num_threads() == self.cpu.threads
 
     def handoffs(self) -> dict[str, int]:
-        """Hand-overs to a sleeping thread so far, per ``HANDOFF_KINDS`` (the simulator's ``summary["handoffs"]``)."""
+        """Hand-overs to a thread that waits for work so far, per ``HANDOFF_KINDS`` (the simulator's
+        ``summary["handoffs"]``): every CPU-lane job handed to the worker (asleep, or spinning for it: ``cpu.wakes``
+        counts those that woke it), every request of background copies that woke the sleeping copy thread."""
         return dict(zip(HANDOFF_KINDS, (self.cpu_handoffs, self.copies.wakes)))
 
     @property

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dali_exec.executor.devices import Devices, lane_threads
+from dali_exec.executor.doorbell import DEFAULT_SPIN_US, check_spin_us
 from dali_exec.executor.problem import DTYPE_PRECISION
 from dali_exec.executor.result import executor_summary, overhead_summary
 from dali_exec.executor.runtime import OffloadRuntime
@@ -68,8 +69,10 @@ class GenerateOptions:
     copy_delay_s: float = 0.0  # tests: hold every copy back this long
     padding: str = "exact"  # rows outside the workload (padding, stopped sequences): exact | skip (session.PADDING)
     progress: bool = False
+    spin_us: float = DEFAULT_SPIN_US  # the CPU lane's worker spins this long for its next job before it sleeps
 
     def __post_init__(self) -> None:
+        check_spin_us(self.spin_us)
         if self.padding not in PADDING:
             raise ValueError(f"padding must be one of {', '.join(PADDING)}, got {self.padding!r}")
         if self.batch_size < 1:
@@ -237,7 +240,7 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
     shared = not devices.is_cuda and cpu_threads == (accel_threads or torch.get_num_threads())
     runtime = OffloadRuntime(store, devices, mem.capacities, mem.prefetch_slots, mem.staging_slots,
                              cpu_threads=cpu_threads, timer=timer, copy_delay_s=options.copy_delay_s, cpu_inline=shared,
-                             pairs=options.batch_size * spec.top_k)
+                             pairs=options.batch_size * spec.top_k, spin_s=1e-6 * options.spin_us)
     session = None
     prev_threads = torch.get_num_threads()
     outputs: dict[int, list[int]] = {}
@@ -292,6 +295,7 @@ def generate(model, prompts: Sequence[Prompt | str | Sequence[int]], system: str
         "options": {k: (str(v) if isinstance(v, (Path, ResidualVectors)) else v)
                     for k, v in dataclasses.asdict(options).items() if k not in ("progress", "residual")},
         "cpu_threads": cpu_threads, "accel_threads": accel_threads if accel_threads is not None else prev_threads,
+        "cpu_lane_spin_s": runtime.cpu.spin_s, "cpu_lane_wakes": runtime.cpu.wakes,
         "dense_device": str(dense_device),
         "expert_layout": {"source": store.layout.source, "activation": store.layout.activation,
                           "transposed": store.layout.transposed, "bias": store.layout.bias,

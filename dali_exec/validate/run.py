@@ -29,6 +29,7 @@ from dali_exec.calibrate.host import HostSettings
 from dali_exec.calibrate.micro import llc_bytes
 from dali_exec.executor.dense import DenseWeights
 from dali_exec.executor.devices import Devices, cpu_name
+from dali_exec.executor.doorbell import spin_in_effect
 from dali_exec.executor.problem import ReplayOptions, ReplaySetup, prepare_replay
 from dali_exec.executor.replay import ExecOptions, Replay
 from dali_exec.executor.store import HostExpertStore
@@ -190,9 +191,10 @@ class _SpecCalibration(CalibrationConfig):
 
 
 def check_profile(profile: Any, model: ModelSpec, devices: Devices, threads: tuple[int, int | None],
-                  dtype: str, path: str) -> None:
+                  dtype: str, path: str, spin_s: float = 0.0) -> None:
     """A validation's profile must be measured (not analytic), for the replay model's shape, on this
-    machine's devices, with the replay's thread counts and dtype; raise naming every mismatch."""
+    machine's devices, with the replay's thread counts, dtype and CPU-lane worker's spin in effect (``spin_s``;
+    a profile from before the worker could spin was measured with none); raise naming every mismatch."""
     if not isinstance(profile, MeasuredProfile):
         raise ValueError(f"--profile {path}: an analytic profile; a validation needs a profile measured on this "
                          "machine (omit --profile to calibrate first, or use `dali exec calibrate`)")
@@ -212,13 +214,14 @@ def check_profile(profile: Any, model: ModelSpec, devices: Devices, threads: tup
                              ("threads.cpu_lane", thr.get("cpu_lane"), threads[0]),
                              ("threads.accelerator_lane", thr.get("accelerator_lane"), threads[1]),
                              ("threads.main_thread", thr.get("main_thread", main), main),
-                             ("dtype", prov.get("dtype"), dtype)):
+                             ("dtype", prov.get("dtype"), dtype),
+                             ("waiting.spin_s", prov.get("waiting", {}).get("spin_s", 0.0), spin_s)):
         if value != mine:
             wrong.append(f"{key} ({value!r} there, {mine!r} here)")
     if wrong:
         raise ValueError(f"--profile {path}: not measured for this replay on this machine: {'; '.join(wrong)}. "
-                         f"Calibrate with the replay's --scale, --dtype and thread counts (omit --profile to do so "
-                         "first)")
+                         f"Calibrate with the replay's --scale, --dtype, thread counts and --spin-us (omit --profile "
+                         "to do so first)")
 
 
 OVERRIDE_SECTIONS = ("placement", "cache", "prefetch", "memory", "system")
@@ -328,7 +331,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
             f"sequences {list(points['prefill_sequences'])} x tokens {list(points['prefill_queries'])})")
         cal = _SpecCalibration(opts.model_shape or setup0.full_model.name, scale=opts.scale, dtype=opts.dtype,
                                device=str(devices.accel), cpu_threads=threads[0], accel_threads=threads[1],
-                               settings=cfg.calibration, name=f"validation-{model.name}", spec=setup0.full_model,
+                               spin_us=run.spin_us, settings=cfg.calibration, name=f"validation-{model.name}", spec=setup0.full_model,
                                host=HostSettings(systems=tuple(cfg.systems)), **points)
         measured = calibrate(cal, command=command)
         spent = measured.provenance["seconds"]
@@ -337,7 +340,7 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
     else:
         profile_path = str(cfg.profile)
     profile = load_profile(profile_path)
-    check_profile(profile, model, devices, threads, opts.dtype, profile_path)
+    check_profile(profile, model, devices, threads, opts.dtype, profile_path, spin_s=spin_in_effect(run.spin_us))
 
     say(f"drawing the host weights of {model.name} ({model.num_moe_layers} x {model.num_experts} experts, "
         f"{model.expert_bytes * model.num_moe_layers * model.num_experts / 2**30:.2f} GiB)")

@@ -93,6 +93,14 @@ def exec_group() -> None:
     """
 
 
+#: dali_exec.executor.doorbell.DEFAULT_SPIN_US (this module imports no torch; a test keeps the two equal)
+DEFAULT_SPIN_US = 1000.0
+spin_option = click.option(
+    "--spin-us", type=click.FloatRange(min=0, max=1e6), default=DEFAULT_SPIN_US, show_default=True,
+    help="Microseconds the CPU lane's worker spins for its next job before it sleeps (0: it sleeps at once; a job "
+         "that finds it spinning needs no wake-up, at the price of a busy core meanwhile).")
+
+
 @exec_group.command("run")
 @click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path), help="Trace to replay (.parquet).")
 @click.option("--system", required=True, help="System preset (see `dali sim systems`).")
@@ -111,11 +119,13 @@ def exec_group() -> None:
               help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores, or half of them without CUDA).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device (default: the rest).")
+@spin_option
 @click.option("--timeline", type=click.Path(path_type=Path), help="Write a Chrome/Perfetto trace JSON here.")
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Write the per-layer table as CSV here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_tokens, device, dtype, precision, hardware,
-            batch_size, prefill_chunk, seed, cpu_threads, accel_threads, timeline, csv_path, as_json, **kw) -> None:
+            batch_size, prefill_chunk, seed, cpu_threads, accel_threads, spin_us, timeline, csv_path, as_json,
+            **kw) -> None:
     """Replay a trace's routing on real devices with random weights of the model's shape."""
     profiling = profile_spec(kw)
     check_outputs({"timeline": timeline, "CSV table": csv_path},
@@ -123,7 +133,8 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
     ex = _exec_module()
     options = ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
                                max_tokens=max_tokens, precision=precision, dtype=dtype)
-    run_opts = ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads, progress=True)
+    run_opts = ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads, spin_us=spin_us,
+                              progress=True)
     result = ex.execute(trace_path, system, options, run_opts, hardware=hardware, batch_size=batch_size,
                         prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, [system])[system],
                         profiling=profiling)
@@ -149,6 +160,7 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
               help="Weight storage, as `dali exec run --dtype` (bfloat16, float16, float32 also accepted).")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane.")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
+@spin_option
 @click.option("--expert-tokens", default="1,2,4,8,16,32,64,128,256", show_default=True, help="Token counts of the expert tables.")
 @click.option("--dense-tokens", default="1,4,16,64", show_default=True, help="Token counts of the dense tables.")
 @click.option("--context-lens", default="1,256,1024", show_default=True, help="Cached tokens per query of the dense tables.")
@@ -164,7 +176,7 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
                                  "replay of each; default: every preset that can run). A profile serves only these.")
 @click.option("--name", help="Profile name (default: measured-MODEL-DEVICE).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Profile JSON to write.")
-def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, expert_tokens, dense_tokens,
+def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, spin_us, expert_tokens, dense_tokens,
                   context_lens, prefill_sequences, prefill_tokens, repeats, warmup, rounds, systems, name, output) -> None:
     """Measure expert, transfer and dense times and write a measured hardware profile (docs/hardware.md)."""
     check_outputs({"profile": output}, [])
@@ -182,7 +194,7 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
                                      else "give at least one system", param_hint="--systems")
 
     cfg = CalibrationConfig(model_shape, scale=scale, dtype=dtype, device=device, cpu_threads=cpu_threads,
-                            accel_threads=accel_threads, expert_tokens=_ints(expert_tokens, "--expert-tokens"),
+                            accel_threads=accel_threads, spin_us=spin_us, expert_tokens=_ints(expert_tokens, "--expert-tokens"),
                             dense_tokens=_ints(dense_tokens, "--dense-tokens"),
                             context_lens=_ints(context_lens, "--context-lens"),
                             prefill_sequences=_ints(prefill_sequences, "--prefill-sequences"),
@@ -217,6 +229,7 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
               help="Seed of the policies and of the random weights.")
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default as `dali exec run`).")
 @click.option("--accel-threads", type=int, help="Threads of the accelerator lane when it is the CPU device.")
+@spin_option
 @click.option("--repeats", default=3, show_default=True, type=int, help="Calibration: timed runs per point.")
 @click.option("--rounds", default=3, show_default=True, type=int,
               help="Calibration: rounds of the tables; each point keeps its median over the rounds.")
@@ -240,7 +253,8 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @click.option("--no-drift-probe", is_flag=True, help="Do not time the speed probe before and after.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of the markdown table.")
 def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, scale, sequences, max_tokens, device,
-                 dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, repeats, rounds, no_warmup,
+                 dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, spin_us, repeats, rounds,
+                 no_warmup,
                  replays, time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, max_drift,
                  no_drift_probe, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
@@ -256,7 +270,7 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
         systems=names, profile=str(profile) if profile else None,
         replay=ex.ReplayOptions(model_shape=model_shape, layers=layers, scale=scale, sequences=sequences,
                                 max_tokens=max_tokens, precision=precision, dtype=dtype),
-        run=ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads),
+        run=ex.ExecOptions(device=device, cpu_threads=cpu_threads, accel_threads=accel_threads, spin_us=spin_us),
         batch_size=batch_size, prefill_chunk=prefill_chunk, seed=seed, overrides=overrides(kw, names),
         warmup=not no_warmup, replays=replays, calibration=_micro(repeats=repeats, warmup=1, table_rounds=rounds),
         time_budget_s=time_budget,
@@ -310,13 +324,14 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
 @click.option("--cpu-threads", type=int, help="Threads of the CPU lane (default: all cores but two with CUDA; "
                                               "the process's thread count on the CPU device).")
 @click.option("--accel-threads", type=int, help="Threads of the main thread on the CPU device (default: unchanged).")
+@spin_option
 @click.option("--timeline", type=click.Path(path_type=Path), help="Write a Chrome/Perfetto trace JSON here.")
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Write the per-layer table as CSV here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (result and generated tokens) instead of text.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def generate_cmd(model_path, system, prompts_file, batch_size, max_new_tokens, prefill_chunk, residual_file,
-                 frequencies_from, device, dtype, hardware, seed, cpu_threads, accel_threads, timeline, csv_path, as_json,
-                 quiet, **kw) -> None:
+                 frequencies_from, device, dtype, hardware, seed, cpu_threads, accel_threads, spin_us, timeline, csv_path,
+                 as_json, quiet, **kw) -> None:
     """Generate with a real transformers MoE model whose routed experts are offloaded by a system.
 
     The MoE blocks' experts are replaced by the offloading runtime; routing and the lookahead predictions
@@ -335,7 +350,8 @@ def generate_cmd(model_path, system, prompts_file, batch_size, max_new_tokens, p
     from dali_exec.generate import GenerateOptions, generate_from_path
     opts = GenerateOptions(batch_size=batch_size, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
                            residual=residual_file, frequencies_from=frequencies_from, device=device,
-                           cpu_threads=cpu_threads, accel_threads=accel_threads, progress=not quiet and not as_json)
+                           cpu_threads=cpu_threads, accel_threads=accel_threads, spin_us=spin_us,
+                           progress=not quiet and not as_json)
     result = generate_from_path(model_path, prompts_file, system, opts, dtype=dtype, hardware=hardware, seed=seed,
                                 overrides=overrides(kw, [system])[system])
     if _emit(result, timeline, csv_path, as_json, f"dali exec generate {system} on {model_path}"):

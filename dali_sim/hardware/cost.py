@@ -220,9 +220,15 @@ def executor_on(profile: Profile, impl: Implementation) -> Implementation:
     itself, before its grouped call (dali_exec/executor/copies.py ``CopyEngine.issue_now``: "on the CPU device ...
     they are done now"): its computes wait for them, as ``compute_waits_copies`` says (on CUDA they run on the copy
     stream beside the computes); and its thread does the layer's work in order, so a used prefetch's buffer frees
-    after the dense part or the accelerator lane (``prefetch_buffers = "in-order"``)."""
+    after the dense part or the accelerator lane (``prefetch_buffers = "in-order"``).
+
+    Its CPU lane's worker spins for its next job as long as the profile's ``waiting.spin_s`` says (the executor's
+    ``--spin-us`` it was calibrated with: ``wait_spin_s``), 0 in profiles from before the executor could spin."""
     if impl.name != EXECUTOR or profile.kind == "analytic":
         return impl
+    # the CPU lane's worker spun this long for its next job in the calibrated executor (profiles from before it
+    # could spin: it slept at once)
+    impl = dataclasses.replace(impl, wait_spin_s=float(profile.provenance.get("waiting", {}).get("spin_s", 0.0)))
     threads = profile.provenance.get("threads", {})
     main = threads.get("main_thread", threads.get("accelerator_lane"))
     inline = threads.get("cpu_lane") is not None and threads.get("cpu_lane") == main

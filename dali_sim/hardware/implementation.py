@@ -83,6 +83,9 @@ class Implementation:
     gpu_calls: str = "layer"  # the GPU lane's fixed part (lane overhead) once per layer, or per call on what has landed
     evict_writeback: bool = False  # an eviction copies the evicted expert back to the host (one more copy on the link)
     cpu_lane_wakes: str = "never"  # CPU_LANE_WAKES: which CPU-lane calls pay the profile's lane_wake (a sleeping worker)
+    #: seconds the CPU lane's worker spins for its next job before it sleeps: a hand-over within that time of its last
+    #: job's end finds it awake (no lane_wake, no host hand-over); dali's executor: set from the profile's record
+    wait_spin_s: float = 0.0
     prefetch_buffers: str = "at-plan"  # PREFETCH_BUFFERS: when a used prefetch's buffer takes the next prefetch
     cuda_graphs: str = "none"  # steps replayed from a captured graph: none | full-gpu (1-token steps, all on GPU) | decode
     host_op_us: float = 0.0  # framework host time per GPU kernel beyond the profile's launch_us (e.g. Python)
@@ -101,9 +104,10 @@ class Implementation:
             v = getattr(self, f.name)
             if f.type == "bool" and not isinstance(v, bool):
                 raise ValueError(f"{where}: {f.name} must be true or false, got {v!r}")
-        if isinstance(self.host_op_us, bool) or not isinstance(self.host_op_us, (int, float)) \
-                or not 0 <= self.host_op_us < float("inf"):
-            raise ValueError(f"{where}: host_op_us must be a finite number >= 0, got {self.host_op_us!r}")
+        for key in ("host_op_us", "wait_spin_s"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"{where}: {key} must be a finite number >= 0, got {v!r}")
         unknown = sorted(set(self.kernels) - set(KERNEL_KEYS))
         if unknown:
             raise ValueError(f"{where}: kernels: unknown key(s) {unknown}; keys: {', '.join(KERNEL_KEYS)}")

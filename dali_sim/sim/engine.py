@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,6 +133,7 @@ class _CpuLane:
     experts: list[tuple[int, int]]
     handoff_out: float
     counts: np.ndarray  # the experts' token counts (int64), in lane order
+    wakes: bool  # handed to the worker as it sleeps (overhead includes its lane_wake)
 
 
 class _GpuSide:
@@ -206,11 +208,14 @@ class SimEngine:
         #: the profile charges: ``dali exec validate`` compares them with the executor's)
         self.hands_over = impl.cpu_lane_wakes != "never"
         self.handoff = costs.handoff_time() if self.hands_over else 0.0
+        #: how long the CPU lane's worker spins for its next job before it sleeps (``wait_spin_s``): a hand-over
+        #: within that time of its last job's end wakes nothing and pays neither ``handoff`` nor ``lane_wake``
+        self.spin = impl.wait_spin_s
+        self.worker_free = -math.inf  # when the worker's last job ended
         self.handoffs = dict.fromkeys(HANDOFF_KINDS, 0)
         #: a dense part or block on the CPU is a CPU-lane call with no GPU expert beside it: handed to the worker
         #: (and paying its wake) where such a call is (cpu_lane_wakes "always"), inline with "beside-gpu"
         self.dense_handed = dense_device == "cpu" and self._hands_cpu_lane(beside_gpu=False)
-        self.dense_wake = self.cpu_wake if self.dense_handed else 0.0  # what such a call pays as the worker wakes
         #: prefetch buffers freed only once the runtime is done with them (``prefetch_buffers`` not ``at-plan``): the
         #: buffers held by prefetches issued and not yet adopted or released, as seen between layer visits
         self.buffers = impl.prefetch_buffers
@@ -360,7 +365,9 @@ class SimEngine:
         if link is not None:
             self.pcie.release(link)
 
-    def _cpu_work(self, plan: LayerPlan, gpu: _GpuSide) -> _CpuLane | None:
+    def _cpu_work(self, plan: LayerPlan, wakes: bool) -> _CpuLane | None:
+        """The layer's CPU lane (None: no CPU expert); ``wakes``: its call wakes the sleeping worker (pays
+        ``lane_wake``)."""
         on_cpu = plan.source == CPU
         if not on_cpu.any():
             return None
@@ -368,22 +375,27 @@ class SimEngine:
         experts = list(zip(plan.experts[on_cpu].tolist(), counts.tolist()))
         off_dense = self.dense_device != "cpu"  # the lane's activations live on the dense device
         pairs = int(counts.sum())
-        overhead = self.lane_overhead["cpu"] + (self.cpu_wake if self._hands_cpu_lane(gpu.n > 0) else 0.0)
+        overhead = self.lane_overhead["cpu"] + (self.cpu_wake if wakes else 0.0)
         return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, overhead,
-                        experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
+                        experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts, wakes)
 
     def _hands_cpu_lane(self, beside_gpu: bool) -> bool:
-        """Is a CPU-lane call (``beside_gpu``: with GPU experts in the same layer) handed to the lane's sleeping
-        worker, waking it (``cpu_lane_wakes``)? Else it runs inline or nothing sleeps."""
+        """Is a CPU-lane call (``beside_gpu``: with GPU experts in the same layer) handed to the lane's worker
+        (``cpu_lane_wakes``; waking it where it sleeps: :meth:`_worker_asleep`)? Else it runs inline or nothing sleeps."""
         return self.hands_over and (beside_gpu or not self.cpu_wake_beside_gpu)
 
-    def _cpu_handoff(self, handed: bool) -> float:
-        """Host seconds of handing a CPU-lane call to its sleeping worker: ``handoff`` where ``handed``
-        (:meth:`_hands_cpu_lane`; counted in ``handoffs``), else 0."""
+    def _worker_asleep(self) -> bool:
+        """Does the CPU lane's worker sleep now: it spins for no time, or it has waited longer than its spin since
+        its last job ended?"""
+        return self.spin <= 0 or self.env.now - self.worker_free > self.spin
+
+    def _cpu_handoff(self, handed: bool, wakes: bool) -> float:
+        """Host seconds of handing a CPU-lane call to the lane's worker (``handed``: :meth:`_hands_cpu_lane`; counted
+        in ``handoffs``): ``handoff`` where that wakes it (``wakes``: it sleeps), else 0."""
         if not handed:
             return 0.0
         self.handoffs["cpu_lane"] += 1
-        return self.handoff
+        return self.handoff if wakes else 0.0
 
     def _copy_request(self, asleep: bool) -> float:
         """Host seconds of handing one request of background copies (a visit's prefetches, those that waited for
@@ -479,8 +491,8 @@ class SimEngine:
             t += lane.handoff_out
         return t
 
-    def _cpu_lane(self, plan: LayerPlan, lane: _CpuLane):
-        """The CPU lane as SimPy activities (rates may change while it runs)."""
+    def _cpu_lane(self, plan: LayerPlan, lane: _CpuLane, handed: bool):
+        """The CPU lane as SimPy activities (rates may change while it runs); ``handed``: on the worker."""
         yield from self._compute("cpu", lane.handoff_in, Activity("handoff", plan.step, plan.layer))
         yield from self._compute("cpu", lane.overhead, Activity("overhead", plan.step, plan.layer))
         for e, n in lane.experts:
@@ -488,6 +500,8 @@ class SimEngine:
             yield self.lanes.run("cpu", self._expert_time("cpu", n), self.costs.host_demand("cpu", n))
             self._log_expert("cpu", start, self.env.now, "expert", plan, e, n)
         yield from self._compute("cpu", lane.handoff_out, Activity("handoff", plan.step, plan.layer))
+        if handed:
+            self.worker_free = self.env.now
 
     def _gpu_sources(self, plan: LayerPlan) -> _GpuSide:
         """The layer's GPU experts, the prefetched ones' arrivals taken (:class:`_GpuSide`)."""
@@ -702,9 +716,15 @@ class SimEngine:
         for e in plan.prefetch_wasted:
             self.arrivals.pop((layer, e), None)
         gpu = self._gpu_sources(plan)
-        cpu = self._cpu_work(plan, gpu)
-        dense = float(self.dense_moe[step]) + self.dense_wake
-        prologue = self._gpu_prologue(plan, gpu.n, cpu is not None)
+        # the hand-overs before the lanes (the dense part on the CPU, the CPU lane to the worker): each wakes the
+        # worker where it sleeps; the CPU lane's follows the dense part's, which the worker then runs
+        dense_wakes = self.dense_handed and self._worker_asleep()
+        hands = self._hands_cpu_lane(gpu.n > 0)
+        cpu = self._cpu_work(plan, hands and (self.spin <= 0 or (not self.dense_handed and self._worker_asleep())))
+        lane_handed = cpu is not None and hands
+        lane_wakes = lane_handed and cpu.wakes
+        dense = float(self.dense_moe[step]) + (self.cpu_wake if dense_wakes else 0.0)
+        prologue = self._gpu_prologue(plan, gpu.n, lane_wakes)
         device_s = 0.0
         if self.counts_launches:  # the GPU work the layer's launches start (a launch-bound layer takes longer)
             times = self._gpu_times(gpu)
@@ -714,10 +734,8 @@ class SimEngine:
         copies = gpu.n_fetch + len(plan.prefetches) + len(plan.swaps)  # every copy is issued by the host
         host = self.costs.host_layer_time(gpu.n, len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
-        # the hand-overs before the lanes: the dense part (on the CPU) and the CPU lane to its worker, the prefetches
-        # starting now
-        lane_handed = cpu is not None and self._hands_cpu_lane(gpu.n > 0)
-        host += (self._cpu_handoff(self.dense_handed) + self._cpu_handoff(lane_handed)
+        # the hand-overs before the lanes and the prefetches starting now
+        host += (self._cpu_handoff(self.dense_handed, dense_wakes) + self._cpu_handoff(lane_handed, lane_wakes)
                  + self._copy_request(bool(starting) and copies_asleep))
         if not waiting and self._uncontended(gpu.arrivals.values()) and \
                 not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
@@ -729,6 +747,8 @@ class SimEngine:
             self._log_layer(self.dense_device, t, t + dense, "dense", plan)
             lanes = t + dense
             cpu_end = self._cpu_lane_end(plan, cpu, lanes)
+            if self.dense_handed or lane_handed:
+                self.worker_free = cpu_end if lane_handed else lanes
             gpu_end = self._direct_gpu_lane(plan, cpu_end if self.serial_lanes[step] else lanes, gpu, prologue)
             end = max(cpu_end, gpu_end)
             swap = self._copy_request(bool(plan.swaps) and not self.background_open)  # (the swaps' request)
@@ -739,9 +759,11 @@ class SimEngine:
             yield from self._compute("host", host, Activity("host", step, layer))
             yield from self._compute(self.dense_device, dense, Activity("dense", step, layer),
                                      float(self.dense_demand[step]))
+            if self.dense_handed:
+                self.worker_free = env.now
             if waiting and adopted:  # in-order: the adopted experts' buffers are free once the routing is grouped
                 waiting = yield from self._start_waiting(plan, waiting, adopted)
-            cpu_proc = env.process(self._cpu_lane(plan, cpu)) if cpu is not None else None
+            cpu_proc = env.process(self._cpu_lane(plan, cpu, lane_handed)) if cpu is not None else None
             if self.serial_lanes[step] and cpu_proc is not None:
                 yield cpu_proc
                 cpu_proc = None
@@ -774,10 +796,13 @@ class SimEngine:
                     yield from self._layer(step, layer)
                     layer += 1
                 else:
+                    wakes = self.dense_handed and self._worker_asleep()
                     if self.dense_handed:  # (handed to the lane's worker as a layer's dense part is: host work)
-                        yield from self._compute("host", self._cpu_handoff(True), Activity("host", step))
-                    yield from self._compute(self.dense_device, self.dense_block[step] + self.dense_wake,
+                        yield from self._compute("host", self._cpu_handoff(True, wakes), Activity("host", step))
+                    yield from self._compute(self.dense_device, self.dense_block[step] + (self.cpu_wake if wakes else 0),
                                              Activity("block", step, block), float(demand[step]))
+                    if self.dense_handed:
+                        self.worker_free = self.env.now
             if self.lm_head is not None:
                 yield from self._compute(self.dense_device, float(self.lm_head[step]), Activity("lm_head", step))
             ends[step] = self.env.now
