@@ -436,6 +436,69 @@ def test_handoff_cost_is_the_median_submission_to_a_worker_asleep_after_a_flush(
     assert flushes == ["cpu"] * 6
 
 
+def test_the_spinning_costs_are_measured_with_the_worker_still_spinning(monkeypatch):
+    """Where the CPU lane's worker spins, the calibration also measures a hand-over that finds it spinning (its last
+    job half its spin before, ``spin_gap_s``): the submission alone (no wake: the worker's wake count does not
+    move), the CPU call after the worker spun instead of slept (the compiled spin, ``spin_for``), and the
+    profile's ``lane_wake`` gets ``*_spinning`` entries; a worker that does not spin has none."""
+    from dali_exec.calibrate import micro
+    from dali_exec.calibrate.profile import _lane_wakes
+    from dali_exec.executor.cpu_worker import CpuWorker
+    from dali_exec.executor.devices import Devices
+    from dali_exec.executor.doorbell import spin_available
+
+    model = scale_model(get_model("mixtral-8x7b"), 1 / 64, None, "fp32")
+    settings = MicroSettings(repeats=2, warmup=0, contention_rounds=2, wake_gap_s=0.05)
+    if spin_available():
+        class Worker(CpuWorker):
+            woke: list = []
+
+            def submit(self, fn, *args, **kwargs):
+                before = self.wakes
+                job = super().submit(fn, *args, **kwargs)
+                self.woke.append(self.wakes - before)
+                return job
+
+        worker = Worker(1, 0.02)
+        try:
+            bench = micro.Microbench(model, Devices.create("cpu", "fp32"), worker, settings)
+            assert bench.spin_gap_s() == 0.01
+            assert 0.0 < bench.handoff_seconds(spinning=True) < 0.1
+            # (each timed submission follows an untimed job, which may wake it after the flush: that starts its spin)
+            assert len(worker.woke) == 8 and worker.woke[1::2] == [0] * 4
+            spun, slept = [], []
+            monkeypatch.setattr(micro, "spin_for", spun.append)
+            monkeypatch.setattr(micro.time, "sleep", slept.append)
+            bench.wake_seconds("cpu", spinning=True)
+            assert spun == [0.01] * 4 and slept == []  # (2 rounds of 2 timed calls)
+        finally:
+            worker.close()
+    worker = CpuWorker(1, 0.0)
+    try:
+        bench = micro.Microbench(model, Devices.create("cpu", "fp32"), worker, settings)
+        with pytest.raises(ValueError, match="does not spin"):
+            bench.spin_gap_s()
+    finally:
+        worker.close()
+
+    class Bench:
+        def __init__(self, spin_s):
+            self.worker = type("W", (), {"spin_s": spin_s})()
+
+        def wake_seconds(self, lane, spinning=False):
+            return 2.0 if spinning else 1.0
+
+        def beside_wake_seconds(self, spinning=False):
+            return 4.0 if spinning else 3.0
+
+        def handoff_seconds(self, spinning=False):
+            return 6.0 if spinning else 5.0
+
+    assert _lane_wakes(Bench(0.0)) == {"cpu": 1.0, "gpu": 3.0, "host": 5.0}
+    assert _lane_wakes(Bench(1e-3)) == {"cpu": 1.0, "gpu": 3.0, "host": 5.0, "cpu_spinning": 2.0,
+                                        "gpu_spinning": 4.0, "host_spinning": 6.0}
+
+
 def test_host_decisions_are_the_median_host_interval_of_a_replay_of_each_named_system(monkeypatch):
     """The calibrated decision time per layer visit is measured where the executor pays it, inside a replay
     (caches cold after each layer's work): the median of the replay's ``host`` intervals, one per visit, for

@@ -286,24 +286,31 @@ def test_the_host_pays_its_hand_over_of_the_cpu_lane_to_a_sleeping_worker(tmp_pa
 
 
 @pytest.mark.parametrize("shortcut", [True, False])
-@pytest.mark.parametrize("spin_s, paid", [(0.0, 3), (1e-9, 2), (1e6, 1)])
-def test_a_worker_still_spinning_for_its_next_job_wakes_for_nothing(tmp_path, overlap_trace, shortcut, spin_s, paid):
-    """A worker that spins ``wait_spin_s`` after each job before it sleeps: a hand-over that comes within that time
-    of its last job's end pays neither the host's hand-over (0.125 s) nor the CPU lane's wake (0.25 s). E0 is on the
-    CPU lane in 3 of the 4 layer visits: with no spin all 3 pay; with a spin of a nanosecond 2 (the third visit starts
-    as the second one's CPU lane, the layer's last work, ends: no time to wait); with one longer than the whole run
-    only the first (the worker had no job before it). Every hand-over is counted, paid or not (what `dali exec
-    validate` compares with the executor's)."""
-    prof = round_number_profile(tmp_path / "spin.json", OVERLAP_MODEL, lane_wake={"host": 0.125, "cpu": 0.25})
+@pytest.mark.parametrize("spin_s, asleep", [(0.0, [True] * 3), (1e-9, [True, False, True]),
+                                             (1e6, [True, False, False])])
+def test_a_worker_still_spinning_for_its_next_job_pays_what_a_spinning_hand_over_costs(tmp_path, overlap_trace,
+                                                                                       shortcut, spin_s, asleep):
+    """A worker that spins ``wait_spin_s`` after each job before it sleeps: a hand-over within that time of its last
+    job's end pays the profile's ``*_spinning`` costs (host 0.0625 s, none for the CPU call) instead of waking it
+    (host 0.125 s, the CPU call 0.25 s more). E0 is on the CPU lane in 3 of the 4 layer visits: with no spin all 3
+    wake it; with a spin of a nanosecond the first and the third (the second visit starts as the first one's CPU
+    lane, the layer's last work, ends: no time to wait); with one longer than the whole run only the first (the worker had no
+    job before it). Every hand-over is counted, whatever it costs (what `dali exec validate` compares with the
+    executor's)."""
+    prof = round_number_profile(tmp_path / "spin.json", OVERLAP_MODEL,
+                                lane_wake={"host": 0.125, "cpu": 0.25, "host_spinning": 0.0625})
     impl = dataclasses.replace(get_implementation("bare"), name="spin", cpu_lane_wakes="always", wait_spin_s=spin_s)
     out = _engine(overlap_trace, split_system([0]), prof, impl, shortcut)
     got = _spans(out)
-    host = [s for s in got if s[0] == "host"]
-    assert len(host) == paid and all(b - a == 0.125 for _, _, a, b in host)
+    host = sorted(s for s in got if s[0] == "host")
+    assert [b - a for _, _, a, b in sorted(host, key=lambda s: s[2])] == [0.125 if a else 0.0625 for a in asleep]
     assert host[0] == ("host", "host L0", 0, 0.125)
     e0 = [s for s in got if s[:2] == ("cpu", "L0 E0")][0]
     assert e0[2] == 0.125 + 0.5 + 0.25  # (the first visit: hand-over, dense part, the worker's wake)
     assert out.handoffs == {"cpu_lane": 3, "copy_thread": 0}
+    costs = CostModel(load_profile(prof), OVERLAP_MODEL)
+    assert (costs.handoff_time(), costs.handoff_time(asleep=False), costs.lane_wake("cpu", asleep=False)) == \
+        (0.125, 0.0625, 0.0)
     with pytest.raises(ValueError, match="wait_spin_s must be a finite number >= 0"):
         dataclasses.replace(impl, wait_spin_s=-1.0)
 

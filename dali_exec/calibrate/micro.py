@@ -28,6 +28,7 @@ from dali_exec.executor.copies import ON_DEMAND, CopyEngine
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.dense import DenseBlock, KVCache, StepAttention
 from dali_exec.executor.devices import Devices
+from dali_exec.executor.doorbell import spin_for
 from dali_exec.executor.ffn import ExpertLayout
 from dali_exec.executor.store import drawing_pool
 from dali_exec.executor.timing import Timer
@@ -190,15 +191,18 @@ class Microbench:
         """The cache flush made before each timed call on ``lane`` (nothing when not ``cold``)."""
         return self._flush.get(lane) or (lambda: None)
 
-    def _timed(self, lane: str, fn, gap_s: float = 0.0) -> float:
+    def _timed(self, lane: str, fn, gap_s: float = 0.0, spinning: bool = False) -> float:
         """Median seconds of ``fn`` on ``lane``'s thread, caches flushed before each run (``cold``) and the
-        thread then asleep for ``gap_s``."""
+        thread then asleep for ``gap_s`` (``spinning``: in the waiting worker's compiled spin, not asleep)."""
         flush = self._flush.get(lane)
 
         def slept() -> None:
             if flush is not None:
                 flush()
-            time.sleep(gap_s)
+            if spinning:
+                spin_for(gap_s)
+            else:
+                time.sleep(gap_s)
         kw = dict(repeats=self.s.repeats, warmup=self.s.warmup, prepare=slept if gap_s > 0 else flush)
         if lane == "gpu":
             return time_call(fn, cuda=self.cuda, **kw)
@@ -284,30 +288,40 @@ class Microbench:
             out.append((per, float(np.median(fixed))))
         return tuple(out)
 
-    def wake_seconds(self, lane: str) -> float:
+    def spin_gap_s(self) -> float:
+        """The gap before a hand-over that finds the CPU lane's worker still spinning: half its spin."""
+        if self.worker.spin_s <= 0:
+            raise ValueError("the CPU lane's worker does not spin (its spin in effect is 0)")
+        return self.worker.spin_s / 2
+
+    def wake_seconds(self, lane: str, spinning: bool = False) -> float:
         """What a call of 2 one-token experts on ``lane`` costs more when the lane's thread slept
-        ``wake_gap_s`` before it than when it runs straight after the previous one: the median over
+        ``wake_gap_s`` before it (``spinning``: spun for :meth:`spin_gap_s`, as the worker does for its next job
+        before it sleeps) than when it runs straight after the previous one: the median over
         ``contention_rounds`` rounds of the difference, >= 0. The executor's CPU-lane worker sleeps on its
         queue between layers; on the 2-core VM (quiet, 6 rounds) a Mixtral expert's call (scale 1/4) took
         1.65 ms straight and 1.94 ms after 5 ms of sleep, a DeepSeek-V2-Lite call of 4 experts 0.59 and
         0.76 ms (a halted vCPU comes back on a cold, possibly slowed core; on bare metal C-states and
         frequency ramps do the same)."""
         op = self.expert_op(lane, 1, min(2, self.model.num_experts))
-        gap = self.s.wake_gap_s
-        diffs = [self._timed(lane, op, gap) - self._timed(lane, op) for _ in range(max(1, self.s.contention_rounds))]
+        gap = self.spin_gap_s() if spinning else self.s.wake_gap_s
+        diffs = [self._timed(lane, op, gap, spinning) - self._timed(lane, op)
+                 for _ in range(max(1, self.s.contention_rounds))]
         return max(0.0, float(np.median(diffs)))
 
-    def handoff_seconds(self) -> float:
+    def handoff_seconds(self, spinning: bool = False) -> float:
         """What handing a job to the CPU lane's worker costs the calling thread when the worker slept
-        ``wake_gap_s`` on its queue (``CpuWorker.submit`` of a call that does nothing; the executor hands the CPU
+        ``wake_gap_s`` on its queue (``spinning``: still spun for it, its last job :meth:`spin_gap_s` before) (``CpuWorker.submit`` of a call that does nothing; the executor hands the CPU
         lane to that worker and background copies to its copy thread through the same kind of queue): wall seconds
         of the hand-over alone, the median over ``contention_rounds`` x ``repeats`` hand-overs. Before each the
         host's caches are flushed and the calling thread stays busy for the gap (as a replay's thread runs the
         layer's dense part while the worker sleeps: a caller that slept too would pay its own wake-up)."""
-        flush, gap = self.flush("cpu"), self.s.wake_gap_s
+        flush, gap = self.flush("cpu"), self.spin_gap_s() if spinning else self.s.wake_gap_s
         times = []
         for _ in range(max(1, self.s.contention_rounds) * self.s.repeats):
             flush()
+            if spinning:  # (a job just before: the worker's spin starts after the flush)
+                self.worker.run(_nothing)
             _busy(gap)
             t0 = time.perf_counter()
             job = self.worker.submit(_nothing)
@@ -315,9 +329,10 @@ class Microbench:
             job.result()
         return float(np.median(times))
 
-    def beside_wake_seconds(self) -> float:
+    def beside_wake_seconds(self, spinning: bool = False) -> float:
         """What the accelerator lane's call of 2 one-token experts costs more when, as it starts, the CPU lane's
-        worker (asleep ``wake_gap_s``) is handed a call of its own, as a layer with experts on both lanes starts
+        worker (asleep ``wake_gap_s``; ``spinning``: its last job :meth:`spin_gap_s` before, still spinning) is
+        handed a call of its own, as a layer with experts on both lanes starts
         them (dali_exec/executor/runtime.py ``run_experts``), than when it runs beside the sleeping worker: the
         median over ``contention_rounds`` rounds of the difference, >= 0 (caches flushed before every call).
         On the 2-core VM (2026-12-02, ``benchmarks/lane_contention.py``) the accelerator's call took 0.2-0.4 ms
@@ -325,7 +340,8 @@ class Microbench:
         (:meth:`contention`: a loop keeps the other vCPU awake) measured 1.0-1.26x for the accelerator."""
         group = min(2, self.model.num_experts)
         acc, cpu = self.expert_op("gpu", 1, group), self.expert_op("cpu", 1, group)
-        flush_acc, flush_cpu, gap = self.flush("gpu"), self.flush("cpu"), self.s.wake_gap_s
+        flush_acc, flush_cpu = self.flush("gpu"), self.flush("cpu")
+        gap = self.spin_gap_s() if spinning else self.s.wake_gap_s
         jobs: list = []
 
         def asleep() -> None:

@@ -95,6 +95,17 @@ def median_of_rounds(rounds: list):
     return m.tolist() if m.ndim else float(m)
 
 
+def _lane_wakes(bench: Microbench) -> dict[str, float]:
+    """``lane_wake``: a hand-over that wakes the sleeping CPU-lane worker (its spin over), and where the worker
+    spins, one that finds it still spinning (``*_spinning``)."""
+    out = {"cpu": bench.wake_seconds("cpu"), "gpu": bench.beside_wake_seconds(), "host": bench.handoff_seconds()}
+    if bench.worker.spin_s > 0:
+        out |= {"cpu_spinning": bench.wake_seconds("cpu", spinning=True),
+                "gpu_spinning": bench.beside_wake_seconds(spinning=True),
+                "host_spinning": bench.handoff_seconds(spinning=True)}
+    return out
+
+
 def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress: bool = False) -> MeasuredProfile:
     """Measure every table for ``cfg.model_shape`` (scaled) on this machine."""
     model = cfg.model()
@@ -130,8 +141,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
     jobs = [(f"{key}#{r}", job) for r in range(rounds) for key, job in tables]  # round by round
     if cfg.contention:
         jobs.append(("contention", bench.contention))
-        jobs.append(("lane_wake", lambda: {"cpu": bench.wake_seconds("cpu"), "gpu": bench.beside_wake_seconds(),
-                                           "host": bench.handoff_seconds()}))
+        jobs.append(("lane_wake", lambda: _lane_wakes(bench)))
     if cfg.host is not None:
         run = ExecOptions(device=str(devices.accel), cpu_threads=cpu_threads, accel_threads=accel_threads,
                           spin_us=cfg.spin_us)
@@ -184,8 +194,9 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "model_shape": cfg.model_shape, "scale": cfg.scale, "dtype": cfg.dtype,
         "seconds": {k: round(v, 3) for k, v in spent.items()},
         "threads": {"cpu_lane": cpu_threads, "accelerator_lane": accel_threads, "main_thread": main_threads},
-        # how long the CPU lane's worker spins for its next job before it sleeps (in effect: 0 where it cannot spin);
-        # the simulator charges lane_wake only to hand-overs that find it asleep (dali_sim.hardware.cost.executor_on)
+        # how long the CPU lane's worker spins for its next job before it sleeps (in effect: 0 where it cannot spin):
+        # the simulator charges lane_wake to hand-overs that find it asleep, lane_wake.*_spinning to the others
+        # (dali_sim.hardware.cost.executor_on)
         "waiting": {"spin_s": worker.spin_s},
         "experts": f"each expert's share of a grouped call: the slope of a repeated-medians (Siegel) line through calls of "
                    f"{', '.join(map(str, bench.group_sizes()))} experts; its intercept is the lane's fixed part "
@@ -206,7 +217,9 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
                       "accelerator lane as the sleeping CPU lane's worker is handed one, minus it beside the "
                       f"sleeping worker; each the median over {cfg.settings.contention_rounds} rounds; host: the "
                       "calling thread's hand-over of a job to the worker asleep as long, the median of "
-                      f"{cfg.settings.contention_rounds * cfg.settings.repeats} hand-overs")
+                      f"{cfg.settings.contention_rounds * cfg.settings.repeats} hand-overs; *_spinning: the same "
+                      f"with the worker still spinning for its next job, its last one {worker.spin_s * 5e5:g} us "
+                      "before (half its spin)")
         if cfg.contention else "not measured",
     }
     gpu_name = accel if cuda else f"{accel} (measured as the executor's accelerator)"

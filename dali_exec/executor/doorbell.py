@@ -113,6 +113,17 @@ def _compiled() -> tuple | None:
     return spin, (c1 - c0) / (1e-9 * (t1 - t0))
 
 
+def spin_for(seconds: float) -> None:
+    """This thread in the waiting threads' compiled spin for ``seconds`` (as a worker spins for a job that does not
+    come; the calibration times a call after it); a sleep where spinning is off."""
+    compiled = _compiled()
+    if compiled is None:
+        time.sleep(seconds)
+        return
+    spin, per_s = compiled
+    spin(np.zeros(2, np.int64), 0, int(seconds * per_s))
+
+
 def check_spin_us(spin_us: float, name: str = "spin_us") -> None:
     """A spin must be a finite number of microseconds >= 0."""
     if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not 0 <= spin_us < float("inf"):

@@ -176,7 +176,7 @@ class RooflineCosts:
     def lane(self, device: str) -> float:
         return self._fixed[(device, "lane")]
 
-    def wake(self, device: str) -> float:
+    def wake(self, key: str) -> float:
         return 0.0  # (a measured effect of the executor's sleeping worker thread; no analytic counterpart)
 
     def dense_block(self, device: str, n: np.ndarray, ctx: np.ndarray, kv: np.ndarray) -> np.ndarray:
@@ -366,21 +366,23 @@ class CostModel:
         check_device(device)
         return float(self._costs.lane(device))
 
-    def lane_wake(self, device: str) -> float:
+    def lane_wake(self, device: str, asleep: bool = True) -> float:
         """Seconds a lane's call costs more when its thread slept before it (measured profiles:
-        ``MeasuredProfile.lane_wake``; 0 on analytic ones). Charged by the engine on the CPU-lane calls the
-        implementation's ``cpu_lane_wakes`` names."""
+        ``MeasuredProfile.lane_wake``; 0 on analytic ones); ``asleep=False``: when the CPU lane's worker still
+        spun for it (``lane_wake["<device>_spinning"]``, 0 where not measured). Charged by the engine on the
+        CPU-lane calls the implementation's ``cpu_lane_wakes`` names."""
         check_device(device)
-        return float(self._costs.wake(device))
+        return float(self._costs.wake(device if asleep else f"{device}_spinning"))
 
-    def handoff_time(self) -> float:
+    def handoff_time(self, asleep: bool = True) -> float:
         """Host seconds the calling thread spends handing work to a thread that sleeps on its queue (measured
         profiles: ``MeasuredProfile.lane_wake["host"]``; 0 on analytic ones). The executor hands the CPU lane to
         its worker and background copies to its copy thread so; the engine charges it on the host track where
         the implementation's ``cpu_lane_wakes`` says the CPU lane is handed over, and where a request of
         background copies (a visit's prefetches, those that waited for a buffer, its swaps) finds no background
-        copy in flight."""
-        return float(self._costs.wake("host"))
+        copy in flight. ``asleep=False``: handing a job to the CPU lane's worker while it still spins for one
+        (``lane_wake["host_spinning"]``, 0 where not measured)."""
+        return float(self._costs.wake("host" if asleep else "host_spinning"))
 
     def _need(self, ok: bool, what: str) -> None:
         if not ok:

@@ -31,8 +31,10 @@ DENSE_TABLES = ("gpu_dense", "cpu_dense")
 OPTIONAL_DENSE_TABLES = ("gpu_dense_block", "cpu_dense_block")
 #: the dense tables in prefill layout, each optional: without one, prefill steps use the decode-layout table
 PREFILL_TABLES = {f"{k}_prefill": k for k in DENSE_TABLES + OPTIONAL_DENSE_TABLES}
-#: ``lane_wake``'s entries: the two lanes' calls after their thread slept, the host's hand-over to such a thread
-WAKE_KEYS = ("gpu", "cpu", "host")
+#: ``lane_wake``'s entries: the two lanes' calls after their thread slept, the host's hand-over to such a thread;
+#: ``*_spinning``: the same where the CPU lane's worker still spins for its next job (a profile of an executor whose
+#: worker spins, ``provenance.waiting.spin_s``)
+WAKE_KEYS = ("gpu", "cpu", "host", "gpu_spinning", "cpu_spinning", "host_spinning")
 
 
 @dataclass(frozen=True)
@@ -437,10 +439,11 @@ class TableCosts:
         """A lane's fixed seconds per layer it computes in (``MeasuredProfile.lanes``; 0 when not measured)."""
         return float((self.profile.lanes or {}).get(device, 0.0))
 
-    def wake(self, device: str) -> float:
+    def wake(self, key: str) -> float:
         """What a lane's call costs more after its thread slept, or (``"host"``) what waking such a thread with
-        work costs the calling thread (``MeasuredProfile.lane_wake``; 0 when not measured)."""
-        return float((self.profile.lane_wake or {}).get(device, 0.0))
+        work costs the calling thread; ``*_spinning`` keys: the same where it still spun for the work
+        (``MeasuredProfile.lane_wake``, ``WAKE_KEYS``; 0 when not measured)."""
+        return float((self.profile.lane_wake or {}).get(key, 0.0))
 
     def transfer(self, n_bytes: np.ndarray) -> np.ndarray:
         return interp_extrap(n_bytes, *self._curves["h2d"])

@@ -133,7 +133,6 @@ class _CpuLane:
     experts: list[tuple[int, int]]
     handoff_out: float
     counts: np.ndarray  # the experts' token counts (int64), in lane order
-    wakes: bool  # handed to the worker as it sleeps (overhead includes its lane_wake)
 
 
 class _GpuSide:
@@ -200,16 +199,18 @@ class SimEngine:
         self.lane_overhead = {d: costs.lane_overhead(d) for d in ("gpu", "cpu")}
         #: what the CPU lane's call costs more when its worker slept, and whether only beside GPU experts; what
         #: the accelerator lane's call costs more when that worker is woken as it starts (a layer on both lanes)
-        self.cpu_wake = costs.lane_wake("cpu") if impl.cpu_lane_wakes != "never" else 0.0
-        self.gpu_wake = costs.lane_wake("gpu") if impl.cpu_lane_wakes != "never" else 0.0
+        #: (indexed by whether the worker sleeps: else it still spins for its next job, ``wait_spin_s``)
+        wakes = impl.cpu_lane_wakes != "never"
+        self.cpu_wake = tuple(costs.lane_wake("cpu", asleep) if wakes else 0.0 for asleep in (False, True))
+        self.gpu_wake = tuple(costs.lane_wake("gpu", asleep) if wakes else 0.0 for asleep in (False, True))
         self.cpu_wake_beside_gpu = impl.cpu_lane_wakes == "beside-gpu"
         #: whether the implementation hands work to threads that sleep between layers (the CPU lane's worker, the
         #: copy thread), what the host pays per hand-over, and how many it made (HANDOFF_KINDS; counted whatever
         #: the profile charges: ``dali exec validate`` compares them with the executor's)
         self.hands_over = impl.cpu_lane_wakes != "never"
-        self.handoff = costs.handoff_time() if self.hands_over else 0.0
+        self.handoff = tuple(costs.handoff_time(asleep) if self.hands_over else 0.0 for asleep in (False, True))
         #: how long the CPU lane's worker spins for its next job before it sleeps (``wait_spin_s``): a hand-over
-        #: within that time of its last job's end wakes nothing and pays neither ``handoff`` nor ``lane_wake``
+        #: within that time of its last job's end wakes nothing and pays the profile's ``*_spinning`` costs instead
         self.spin = impl.wait_spin_s
         self.worker_free = -math.inf  # when the worker's last job ended
         self.handoffs = dict.fromkeys(HANDOFF_KINDS, 0)
@@ -365,9 +366,9 @@ class SimEngine:
         if link is not None:
             self.pcie.release(link)
 
-    def _cpu_work(self, plan: LayerPlan, wakes: bool) -> _CpuLane | None:
-        """The layer's CPU lane (None: no CPU expert); ``wakes``: its call wakes the sleeping worker (pays
-        ``lane_wake``)."""
+    def _cpu_work(self, plan: LayerPlan, handed: bool, asleep: bool) -> _CpuLane | None:
+        """The layer's CPU lane (None: no CPU expert); ``handed`` to the worker, which sleeps (``asleep``: its call
+        pays ``lane_wake.cpu``) or still spins (``lane_wake.cpu_spinning``)."""
         on_cpu = plan.source == CPU
         if not on_cpu.any():
             return None
@@ -375,9 +376,9 @@ class SimEngine:
         experts = list(zip(plan.experts[on_cpu].tolist(), counts.tolist()))
         off_dense = self.dense_device != "cpu"  # the lane's activations live on the dense device
         pairs = int(counts.sum())
-        overhead = self.lane_overhead["cpu"] + (self.cpu_wake if wakes else 0.0)
+        overhead = self.lane_overhead["cpu"] + (self.cpu_wake[asleep] if handed else 0.0)
         return _CpuLane(self.costs.activation_copy_time(plan.tokens) if off_dense else 0.0, overhead,
-                        experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts, wakes)
+                        experts, self.costs.activation_copy_time(pairs) if off_dense else 0.0, counts)
 
     def _hands_cpu_lane(self, beside_gpu: bool) -> bool:
         """Is a CPU-lane call (``beside_gpu``: with GPU experts in the same layer) handed to the lane's worker
@@ -389,13 +390,13 @@ class SimEngine:
         its last job ended?"""
         return self.spin <= 0 or self.env.now - self.worker_free > self.spin
 
-    def _cpu_handoff(self, handed: bool, wakes: bool) -> float:
+    def _cpu_handoff(self, handed: bool, asleep: bool) -> float:
         """Host seconds of handing a CPU-lane call to the lane's worker (``handed``: :meth:`_hands_cpu_lane`; counted
-        in ``handoffs``): ``handoff`` where that wakes it (``wakes``: it sleeps), else 0."""
+        in ``handoffs``): ``lane_wake.host`` where that wakes it (``asleep``), else ``lane_wake.host_spinning``."""
         if not handed:
             return 0.0
         self.handoffs["cpu_lane"] += 1
-        return self.handoff if wakes else 0.0
+        return self.handoff[asleep]
 
     def _copy_request(self, asleep: bool) -> float:
         """Host seconds of handing one request of background copies (a visit's prefetches, those that waited for
@@ -404,7 +405,7 @@ class SimEngine:
         if not (self.hands_over and asleep):
             return 0.0
         self.handoffs["copy_thread"] += 1
-        return self.handoff
+        return self.handoff[True]
 
     def _prefetch_buffers(self, plan: LayerPlan) -> tuple[list, list, int]:
         """The visit's prefetches split into (those that start with it, those that wait for a buffer), and the
@@ -449,17 +450,18 @@ class SimEngine:
             self._issue(plan, now)
         return rest
 
-    def _gpu_prologue(self, plan: LayerPlan, n_gpu: int, cpu_too: bool) -> list[tuple[float, str]]:
+    def _gpu_prologue(self, plan: LayerPlan, n_gpu: int, handed: bool, asleep: bool) -> list[tuple[float, str]]:
         """What the GPU lane runs before its experts, as (seconds, activity kind): activations in (dense part on
-        the CPU), the per-layer overhead, the CPU lane's worker woken beside it (``cpu_too``: the layer has CPU
-        experts), the shared experts (when they overlap the CPU lane)."""
+        the CPU), the per-layer overhead, the CPU lane handed to its worker beside it (``handed``; the worker
+        ``asleep`` or still spinning: ``lane_wake.gpu`` or ``lane_wake.gpu_spinning``), the shared experts (when
+        they overlap the CPU lane)."""
         out = []
         if n_gpu and self.dense_device == "cpu":
             out.append((self.costs.activation_copy_time(plan.tokens), "handoff"))
         if n_gpu and not self.per_group:  # else paid per call on what has landed (_gpu_lane, _gpu_lane_end)
             out.append((self.lane_overhead["gpu"], "overhead"))
-        if self.gpu_wake and n_gpu and cpu_too:
-            out.append((self.gpu_wake, "overhead"))
+        if n_gpu and handed:
+            out.append((self.gpu_wake[asleep], "overhead"))
         if self.shared is not None:
             out.append((float(self.shared[plan.step]), "shared"))
         return [(d, kind) for d, kind in out if d > 0]
@@ -717,14 +719,14 @@ class SimEngine:
             self.arrivals.pop((layer, e), None)
         gpu = self._gpu_sources(plan)
         # the hand-overs before the lanes (the dense part on the CPU, the CPU lane to the worker): each wakes the
-        # worker where it sleeps; the CPU lane's follows the dense part's, which the worker then runs
-        dense_wakes = self.dense_handed and self._worker_asleep()
+        # worker where it sleeps; the CPU lane's follows the dense part's, which the worker then runs (awake)
+        dense_asleep = self._worker_asleep()
         hands = self._hands_cpu_lane(gpu.n > 0)
-        cpu = self._cpu_work(plan, hands and (self.spin <= 0 or (not self.dense_handed and self._worker_asleep())))
+        lane_asleep = self.spin <= 0 or (not self.dense_handed and dense_asleep)
+        cpu = self._cpu_work(plan, hands, lane_asleep)
         lane_handed = cpu is not None and hands
-        lane_wakes = lane_handed and cpu.wakes
-        dense = float(self.dense_moe[step]) + (self.cpu_wake if dense_wakes else 0.0)
-        prologue = self._gpu_prologue(plan, gpu.n, lane_wakes)
+        dense = float(self.dense_moe[step]) + (self.cpu_wake[dense_asleep] if self.dense_handed else 0.0)
+        prologue = self._gpu_prologue(plan, gpu.n, lane_handed, lane_asleep)
         device_s = 0.0
         if self.counts_launches:  # the GPU work the layer's launches start (a launch-bound layer takes longer)
             times = self._gpu_times(gpu)
@@ -735,7 +737,7 @@ class SimEngine:
         host = self.costs.host_layer_time(gpu.n, len(cpu.experts) if cpu else 0, copies, device_s=device_s,
                                           graph=bool(self.graph_steps[step]), dense_on_gpu=self.dense_device == "gpu")
         # the hand-overs before the lanes and the prefetches starting now
-        host += (self._cpu_handoff(self.dense_handed, dense_wakes) + self._cpu_handoff(lane_handed, lane_wakes)
+        host += (self._cpu_handoff(self.dense_handed, dense_asleep) + self._cpu_handoff(lane_handed, lane_asleep)
                  + self._copy_request(bool(starting) and copies_asleep))
         if not waiting and self._uncontended(gpu.arrivals.values()) and \
                 not self._interferes(plan, cpu, gpu.n_fetch > 0, step):
@@ -796,10 +798,11 @@ class SimEngine:
                     yield from self._layer(step, layer)
                     layer += 1
                 else:
-                    wakes = self.dense_handed and self._worker_asleep()
+                    asleep = self._worker_asleep()
                     if self.dense_handed:  # (handed to the lane's worker as a layer's dense part is: host work)
-                        yield from self._compute("host", self._cpu_handoff(True, wakes), Activity("host", step))
-                    yield from self._compute(self.dense_device, self.dense_block[step] + (self.cpu_wake if wakes else 0),
+                        yield from self._compute("host", self._cpu_handoff(True, asleep), Activity("host", step))
+                    wake = self.cpu_wake[asleep] if self.dense_handed else 0.0
+                    yield from self._compute(self.dense_device, self.dense_block[step] + wake,
                                              Activity("block", step, block), float(demand[step]))
                     if self.dense_handed:
                         self.worker_free = self.env.now
