@@ -315,6 +315,20 @@ def test_a_worker_still_spinning_for_its_next_job_pays_what_a_spinning_hand_over
         dataclasses.replace(impl, wait_spin_s=-1.0)
 
 
+def test_whether_the_worker_sleeps_is_a_python_bool_whatever_the_clock():
+    """The engine indexes its (spinning, asleep) costs by it: a clock of NumPy floats (times from the compiled lanes)
+    must not turn it into a NumPy bool, which no tuple takes as an index."""
+    from types import SimpleNamespace
+
+    from dali_sim.sim.engine import SimEngine
+
+    for now, free, want in ((np.float64(1.0), np.float64(0.5), True), (np.float64(1.0), 0.9995, False)):
+        engine = SimpleNamespace(spin=1e-3, env=SimpleNamespace(now=now), worker_free=free)
+        got = SimEngine._worker_asleep(engine)
+        assert type(got) is bool and got is want
+        assert (0.0, 1.0)[got] == float(want)
+
+
 def test_a_spinning_worker_takes_a_dense_part_without_a_wake(tmp_path, overlap_trace):
     """The dense parts on the CPU, handed to the worker ("always"), which spins longer than the run: only the
     first of the 4 layer visits' dense parts wakes it (0.125 s on the host, 0.25 s more on the CPU); the other 3

@@ -6,10 +6,10 @@ are per calling thread), so the CPU lane uses ``threads`` cores whatever the mai
 
 A job is handed over through a deque and a :class:`~.doorbell.Doorbell` (the worker spins for up to
 ``spin_s`` after each job before it sleeps: a job that comes meanwhile needs no wake) and its completion
-signalled by releasing a lock the submitter holds: C-level primitives only. A ``ThreadPoolExecutor``'s ``submit`` makes a future with
-a condition, a work item and a semaphore check in Python: on the 2-core development VM 4.6 us of the
-calling thread's CPU time warm and 20 us after a pass over 32 MB (the state of the caches after a layer's
-tensor work), against 2.8 and 8.6 us here (most of it waking the worker).
+signalled by releasing a lock the submitter holds: C-level primitives only. A ``ThreadPoolExecutor``'s
+``submit`` makes a future with a condition, a work item and a semaphore check in Python: on the 2-core
+development VM 4.6 us of the calling thread's CPU time warm and 20 us after a pass over 32 MB (the state of the
+caches after a layer's tensor work), against 2.8 and 8.6 us for a ``SimpleQueue`` (most of it waking the worker).
 """
 
 from __future__ import annotations

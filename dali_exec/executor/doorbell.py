@@ -1,5 +1,5 @@
-"""How a thread that waits for work (the CPU lane's worker, the copy thread) is told of new work: it spins
-for up to ``spin_s`` before it sleeps.
+"""How a thread that waits for work (the CPU lane's worker) is told of new work: it spins for up to ``spin_s``
+before it sleeps.
 
 Waking a thread that sleeps on a lock or queue is a system call and, where its core has halted, an
 interrupt to another core, which its waker pays for: on the 2-core development VM 15-25 us of the waking
@@ -40,7 +40,7 @@ from dali_sim.policies import kernels as _policy_kernels
 #: the executor's default spin (``--spin-us``): a millisecond covers the gap between two layers' jobs where a
 #: layer computes in 0.1-1 ms (a small-expert model on a GPU: Qwen3-30B-A3B, DeepSeek-V2-Lite, the issue's
 #: targets), and costs a core at most that long after each job; layers of several milliseconds find the
-#: worker asleep, as before (benchmarks/README.md, "Waiting threads that spin")
+#: worker asleep, as before (benchmarks/README.md, "A worker that spins for its next job")
 DEFAULT_SPIN_US = 1000.0
 
 RINGS, PHASE = 0, 1  # the state array's cells: rings so far, and the waiting thread's phase
@@ -87,7 +87,7 @@ if _intrinsic is not None:
 def _spin_until_rung(state, seen, cycles):
     """Spin until ``state[RINGS]`` differs from ``seen`` (True) or ``cycles`` time-stamp counts pass (False)."""
     start = _cycles()
-    while _load_acquire(state, 0) == seen:
+    while _load_acquire(state, RINGS) == seen:
         _relax()
         if _cycles() - start > cycles:
             return False

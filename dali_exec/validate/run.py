@@ -331,7 +331,8 @@ def validate(trace: Trace | str | Path, cfg: ValidationConfig, out: str | Path, 
             f"sequences {list(points['prefill_sequences'])} x tokens {list(points['prefill_queries'])})")
         cal = _SpecCalibration(opts.model_shape or setup0.full_model.name, scale=opts.scale, dtype=opts.dtype,
                                device=str(devices.accel), cpu_threads=threads[0], accel_threads=threads[1],
-                               spin_us=run.spin_us, settings=cfg.calibration, name=f"validation-{model.name}", spec=setup0.full_model,
+                               spin_us=run.spin_us, settings=cfg.calibration, name=f"validation-{model.name}",
+                               spec=setup0.full_model,
                                host=HostSettings(systems=tuple(cfg.systems)), **points)
         measured = calibrate(cal, command=command)
         spent = measured.provenance["seconds"]

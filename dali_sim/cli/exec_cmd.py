@@ -176,8 +176,9 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
                                  "replay of each; default: every preset that can run). A profile serves only these.")
 @click.option("--name", help="Profile name (default: measured-MODEL-DEVICE).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Profile JSON to write.")
-def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, spin_us, expert_tokens, dense_tokens,
-                  context_lens, prefill_sequences, prefill_tokens, repeats, warmup, rounds, systems, name, output) -> None:
+def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, spin_us, expert_tokens,
+                  dense_tokens, context_lens, prefill_sequences, prefill_tokens, repeats, warmup, rounds, systems, name,
+                  output) -> None:
     """Measure expert, transfer and dense times and write a measured hardware profile (docs/hardware.md)."""
     check_outputs({"profile": output}, [])
     _exec_module()
@@ -194,7 +195,8 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
                                      else "give at least one system", param_hint="--systems")
 
     cfg = CalibrationConfig(model_shape, scale=scale, dtype=dtype, device=device, cpu_threads=cpu_threads,
-                            accel_threads=accel_threads, spin_us=spin_us, expert_tokens=_ints(expert_tokens, "--expert-tokens"),
+                            accel_threads=accel_threads, spin_us=spin_us,
+                            expert_tokens=_ints(expert_tokens, "--expert-tokens"),
                             dense_tokens=_ints(dense_tokens, "--dense-tokens"),
                             context_lens=_ints(context_lens, "--context-lens"),
                             prefill_sequences=_ints(prefill_sequences, "--prefill-sequences"),

@@ -387,8 +387,8 @@ class SimEngine:
 
     def _worker_asleep(self) -> bool:
         """Does the CPU lane's worker sleep now: it spins for no time, or it has waited longer than its spin since
-        its last job ended?"""
-        return self.spin <= 0 or self.env.now - self.worker_free > self.spin
+        its last job ended? (A Python bool: it indexes the costs by state, and the clock can be a NumPy float.)"""
+        return bool(self.spin <= 0 or self.env.now - self.worker_free > self.spin)
 
     def _cpu_handoff(self, handed: bool, asleep: bool) -> float:
         """Host seconds of handing a CPU-lane call to the lane's worker (``handed``: :meth:`_hands_cpu_lane`; counted
