@@ -546,6 +546,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU device")
     ap.add_argument("--cpu-threads", type=int)
+    ap.add_argument("--spin-us", type=float, default=ExecOptions.spin_us,
+                    help="how long the CPU lane's worker spins for its next job before it sleeps (`dali exec run --spin-us`)")
     ap.add_argument("--precision", default="bf16",
                     help="the full model's weight format for the memory plan (default bf16, as the tables in "
                          "benchmarks/README.md were measured: at a model's 4-bit default the Qwen3 shape's experts "
@@ -598,7 +600,7 @@ def main(argv=None) -> int:
     dtype = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
     opts = ReplayOptions(layers=a.layers, scale=a.scale, sequences=a.sequences, max_tokens=a.max_tokens, dtype=dtype,
                          precision=a.precision)
-    run = ExecOptions(device=str(device), cpu_threads=a.cpu_threads)
+    run = ExecOptions(device=str(device), cpu_threads=a.cpu_threads, spin_us=a.spin_us)
     stores: dict = {}
     plain = [n for n in a.systems.split(",") if n]
     look = [n for n in a.lookahead_systems.split(",") if n]

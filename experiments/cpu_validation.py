@@ -63,7 +63,7 @@ def loadavg() -> float:
 
 
 def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, calibrate_each: bool,
-              replays: int) -> list[dict]:
+              replays: int, spin_us: float = ExecOptions.spin_us) -> list[dict]:
     spec = C.TraceSpec(shape.model, sequences=C.total_sequences(BATCH), prompt_len=8 if quick else 32, gen_len=4 if quick else 16,
                        seed=0)
     trace = C.get_trace(spec)
@@ -74,7 +74,8 @@ def run_shape(shape: Shape, repeats: int, out: Path, scale: float, quick: bool, 
     for rep in range(repeats):
         folder = out / f"{shape.model}-r{rep}"
         before = loadavg()
-        cfg = ValidationConfig(systems=SYSTEMS, replay=replay, run=ExecOptions(device="cpu"), profile=profile,
+        cfg = ValidationConfig(systems=SYSTEMS, replay=replay, run=ExecOptions(device="cpu", spin_us=spin_us),
+                               profile=profile,
                                batch_size=BATCH, gpu_memory_gib=shape.gpu_memory_gib, timelines=False, plot=False,
                                thresholds=THRESHOLDS, replays=replays)
         report = validate(trace, cfg, folder, command=f"experiments/cpu_validation.py ({shape.model}, repeat {rep})",
@@ -131,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=3,
                    help="measured replays per system in each repeat, round by round over the systems; each system "
                         "is compared by their medians (`dali exec validate --replays`)")
+    p.add_argument("--spin-us", type=float, default=ExecOptions.spin_us,
+                   help="the CPU lane's worker's spin before it sleeps (`dali exec validate --spin-us`)")
     args = p.parse_args(argv)
     unknown = set(args.shapes) - set(SHAPES)
     if unknown:
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.shapes:
         rows += run_shape(SHAPES[name], 1 if args.quick else args.repeats, work, args.scale, args.quick,
-                          args.calibrate_each, 1 if args.quick else args.replays)
+                          args.calibrate_each, 1 if args.quick else args.replays, args.spin_us)
     df = pd.DataFrame(rows)
     worst = df.groupby("shape").agg(max_abs_total=("total_err", lambda s: float(s.abs().max())),
                                     max_step_p90=("step_err_p90", "max"),
