@@ -547,7 +547,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU device")
     ap.add_argument("--cpu-threads", type=int)
     ap.add_argument("--spin-us", type=float, default=ExecOptions.spin_us,
-                    help="how long the CPU lane's worker spins for its next job before it sleeps (`dali exec run --spin-us`)")
+                    help="how long the CPU lane's worker spins for its next job before it sleeps "
+                         "(`dali exec run --spin-us`)")
     ap.add_argument("--precision", default="bf16",
                     help="the full model's weight format for the memory plan (default bf16, as the tables in "
                          "benchmarks/README.md were measured: at a model's 4-bit default the Qwen3 shape's experts "

@@ -96,9 +96,9 @@ def test_segments_add_up_to_what_the_stopwatches_counted(system, tmp_path):
 @pytest.mark.parametrize("system", ["dali", "hybrimoe"])
 def test_handoffs_time_each_wake_of_the_cpu_worker_and_of_the_copy_thread(system, tmp_path):
     """--handoffs: the replay's thread hands the CPU lane to its worker (asleep or spinning) in every layer visit
-    with experts on both lanes (one thread each: a lane alone on the CPU runs inline) and nowhere else; it wakes the copy thread at most
-    per request of background copies (the prefetches, issued at once or when a buffer frees, and the swaps), and
-    not at the end (``close``); each hand-over is timed (thread CPU), and the patches go."""
+    with experts on both lanes (one thread each: a lane alone on the CPU runs inline) and nowhere else; it wakes the
+    copy thread at most per request of background copies (the prefetches, issued at once or when a buffer frees, and
+    the swaps), and not at the end (``close``); each hand-over is timed (thread CPU), and the patches go."""
     path = tmp_path / "mix.parquet"
     synthesize(SynthConfig(model="mixtral-8x7b", sequences=3, prompt_len=4, gen_len=4, seed=5,
                            lookahead=exec_overhead.LOOKAHEAD), path)

@@ -294,8 +294,8 @@ def test_a_worker_still_spinning_for_its_next_job_pays_what_a_spinning_hand_over
     job's end pays the profile's ``*_spinning`` costs (host 0.0625 s, none for the CPU call) instead of waking it
     (host 0.125 s, the CPU call 0.25 s more). E0 is on the CPU lane in 3 of the 4 layer visits: with no spin all 3
     wake it; with a spin of a nanosecond the first and the third (the second visit starts as the first one's CPU
-    lane, the layer's last work, ends: no time to wait); with one longer than the whole run only the first (the worker had no
-    job before it). Every hand-over is counted, whatever it costs (what `dali exec validate` compares with the
+    lane, the layer's last work, ends: no time to wait); with one longer than the whole run only the first (the worker
+    had no job before it). Every hand-over is counted, whatever it costs (what `dali exec validate` compares with the
     executor's)."""
     prof = round_number_profile(tmp_path / "spin.json", OVERLAP_MODEL,
                                 lane_wake={"host": 0.125, "cpu": 0.25, "host_spinning": 0.0625})

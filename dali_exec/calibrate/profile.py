@@ -65,7 +65,8 @@ class CalibrationConfig:
         check_spin_us(self.spin_us)
         if self.contention and 1e-6 * self.spin_us >= self.settings.wake_gap_s:
             raise ValueError(f"spin_us {self.spin_us:g} must be shorter than the wake measurement's gap "
-                             f"({1e6 * self.settings.wake_gap_s:g} us): lane_wake is what waking a sleeping worker costs")
+                             f"({1e6 * self.settings.wake_gap_s:g} us): lane_wake is what waking a sleeping worker "
+                             "costs")
         for key in ("expert_tokens", "dense_tokens", "context_lens", "transfer_sizes"):
             v = getattr(self, key)
             if len(v) < (1 if key == "context_lens" else 2) or any(b <= a for a, b in zip(v, v[1:])) or min(v) <= 0:

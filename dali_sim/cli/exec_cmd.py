@@ -255,8 +255,8 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
 @click.option("--no-drift-probe", is_flag=True, help="Do not time the speed probe before and after.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of the markdown table.")
 def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, scale, sequences, max_tokens, device,
-                 dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, spin_us, repeats, rounds,
-                 no_warmup,
+                 dtype, precision, batch_size, prefill_chunk, seed, cpu_threads, accel_threads, spin_us, repeats,
+                 rounds, no_warmup,
                  replays, time_budget, no_timelines, no_plot, max_total_error, max_step_p90, order_margin, max_drift,
                  no_drift_probe, as_json, **kw) -> None:
     """Run the executor and the simulator on identical inputs and compare them (docs/validation.md)."""
@@ -332,8 +332,8 @@ def validate_cmd(trace_path, systems, profile, out_dir, model_shape, layers, sca
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (result and generated tokens) instead of text.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def generate_cmd(model_path, system, prompts_file, batch_size, max_new_tokens, prefill_chunk, residual_file,
-                 frequencies_from, device, dtype, hardware, seed, cpu_threads, accel_threads, spin_us, timeline, csv_path,
-                 as_json, quiet, **kw) -> None:
+                 frequencies_from, device, dtype, hardware, seed, cpu_threads, accel_threads, spin_us, timeline,
+                 csv_path, as_json, quiet, **kw) -> None:
     """Generate with a real transformers MoE model whose routed experts are offloaded by a system.
 
     The MoE blocks' experts are replaced by the offloading runtime; routing and the lookahead predictions

@@ -382,7 +382,8 @@ class SimEngine:
 
     def _hands_cpu_lane(self, beside_gpu: bool) -> bool:
         """Is a CPU-lane call (``beside_gpu``: with GPU experts in the same layer) handed to the lane's worker
-        (``cpu_lane_wakes``; waking it where it sleeps: :meth:`_worker_asleep`)? Else it runs inline or nothing sleeps."""
+        (``cpu_lane_wakes``; waking it where it sleeps: :meth:`_worker_asleep`)? Else it runs inline or nothing
+        sleeps."""
         return self.hands_over and (beside_gpu or not self.cpu_wake_beside_gpu)
 
     def _worker_asleep(self) -> bool:
