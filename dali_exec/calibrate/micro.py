@@ -310,12 +310,10 @@ class Microbench:
         return max(0.0, float(np.median(diffs)))
 
     def handoff_seconds(self, spinning: bool = False) -> float:
-        """What handing a job to the CPU lane's worker costs the calling thread when the worker slept
-        ``wake_gap_s`` on its queue (``spinning``: still spun for it, its last job :meth:`spin_gap_s` before; a
-        job just before each hand-over then restarts its spin) (``CpuWorker.submit`` of a call that does nothing;
-        the executor hands the CPU lane to that worker and background copies to its copy thread through the same
-        kind of queue): wall seconds
-        of the hand-over alone, the median over ``contention_rounds`` x ``repeats`` hand-overs. Before each the
+        """What handing a job to the CPU lane's worker (``CpuWorker.submit`` of a call that does nothing) costs the
+        calling thread when the worker slept ``wake_gap_s``; ``spinning``: when it still spins for it, its last job
+        :meth:`spin_gap_s` before (a job just before each hand-over restarts its spin). Wall seconds of the hand-over
+        alone, the median over ``contention_rounds`` x ``repeats`` hand-overs. Before each the
         host's caches are flushed and the calling thread stays busy for the gap (as a replay's thread runs the
         layer's dense part while the worker sleeps: a caller that slept too would pay its own wake-up)."""
         flush, gap = self.flush("cpu"), self.spin_gap_s() if spinning else self.s.wake_gap_s

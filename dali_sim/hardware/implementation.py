@@ -84,7 +84,8 @@ class Implementation:
     evict_writeback: bool = False  # an eviction copies the evicted expert back to the host (one more copy on the link)
     cpu_lane_wakes: str = "never"  # CPU_LANE_WAKES: which CPU-lane calls pay the profile's lane_wake (a sleeping worker)
     #: seconds the CPU lane's worker spins for its next job before it sleeps: a hand-over within that time of its last
-    #: job's end finds it awake (no lane_wake, no host hand-over); dali's executor: set from the profile's record
+    #: job's end finds it awake and pays the profile's lane_wake.*_spinning instead of lane_wake.*; dali's executor:
+    #: set from the profile's record (``executor_on``)
     wait_spin_s: float = 0.0
     prefetch_buffers: str = "at-plan"  # PREFETCH_BUFFERS: when a used prefetch's buffer takes the next prefetch
     cuda_graphs: str = "none"  # steps replayed from a captured graph: none | full-gpu (1-token steps, all on GPU) | decode
