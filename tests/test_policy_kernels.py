@@ -86,6 +86,29 @@ def test_impact_kernel_equals_the_prefix_by_prefix_orders(layer, xfer, seed, how
     assert kernels.python("impact")(by_load, cached, t_gpu, t_cpu, xfer, cand) == want
 
 
+def test_impact_kernel_equals_the_prefix_by_prefix_orders_at_a_models_size():
+    """As above with up to a layer's worth of experts (the kernel keeps its GPU and CPU ends from prefix to
+    prefix and moves the meeting point both ways), times of every scale, ties and zero-time experts, copies
+    from free to many experts' compute, few to most experts cached; 300 layers."""
+    rng = np.random.default_rng(7)
+    for case in range(300):
+        n = int(rng.integers(0, 131))
+        if case % 4 == 0:  # small integers: ties everywhere
+            t_gpu, t_cpu = rng.integers(0, 4, n).astype(float), rng.integers(0, 4, n).astype(float)
+            xfer = float(rng.integers(0, 4))
+        else:
+            t_gpu, t_cpu = rng.random(n) * rng.choice([1e-5, 1, 10]), rng.random(n) * rng.choice([1e-5, 1, 10, 100])
+            xfer = float(rng.random() * rng.choice([0, 1e-5, 1, 10]))
+        counts = rng.integers(1, 9, n)
+        cached = rng.random(n) < rng.random()
+        by_load = np.lexsort((np.arange(n), -counts))
+        uncached = by_load[~cached[by_load]]
+        cand = (uncached, rng.permutation(uncached), rng.integers(0, max(n, 1), rng.integers(0, n + 1)))[case % 3]
+        cand = cand[:0] if not n else cand
+        want = _impact_reference(by_load, cached, t_gpu, t_cpu, xfer, cand)
+        assert kernels.run("impact", by_load, cached, t_gpu, t_cpu, xfer, cand) == want, case
+
+
 def _hss_reference(counts, cached, t_gpu, t_cpu, xfer):
     """The released code's HSS as first written here, expert by expert (the kernel's specification)."""
     n = counts.shape[0]

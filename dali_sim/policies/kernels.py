@@ -104,8 +104,14 @@ def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
     GPU lowers the makespan by ``G_j``; returns (the largest G_j, its j: the shortest on ties), or (0, 0)
     if none gains. The HSS order for a cached mask is ``by_load`` (descending load, ties lower index)
     with the cached experts first, stably. The order is kept from prefix to prefix (each newly cached
-    expert moves from the uncached part into its place in the cached part) and each prefix's schedule
-    computes its ends only (:func:`_hss_into`): one pass per prefix, nothing allocated."""
+    expert moves from the uncached part into its place in the cached part).
+
+    HSS's two pointers merge two non-decreasing series, the GPU's end after the first a experts of the order
+    (``gpu[a]``) and the CPU's after the last b (``cpu[b]``), ties to the GPU, for n steps: the GPU ends up
+    with the largest a such that ``gpu[a] <= cpu[n - a + 1]`` (:func:`_hss_into` step by step). Both series
+    are kept from prefix to prefix, each recomputed (with the schedule's own float operations, in its order)
+    only from where the moved expert changed the order, and the meeting point is searched from the last
+    prefix's: the same ends as a schedule per prefix, without walking the whole order each time."""
     n = len(by_load)
     order = np.zeros(n, np.int64)
     mask = np.zeros(n, np.bool_)
@@ -125,7 +131,14 @@ def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
         else:
             order[u] = i
             u += 1
-    none = np.zeros(0, np.bool_)
+    moved = np.zeros(n + 1)  # moved[u]: the copies' clock after u copies (summed as the schedule sums it)
+    for i in range(n):
+        moved[i + 1] = moved[i] + xfer
+    gpu = np.zeros(n + 1)  # gpu[a]: the GPU's end after the first a experts of the order, valid to gv
+    cpu = np.zeros(n + 1)  # cpu[b]: the CPU's end after the last b, valid to cv
+    gv = 0
+    cv = 0
+    a = 0  # the meeting point: the GPU's share of the order
     best_gain = 0.0
     best_j = 0
     base = 0.0
@@ -136,6 +149,7 @@ def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
             p = n_cached
             while order[p] != x:  # x leaves the uncached part (which keeps its order)
                 p += 1
+            cv = min(cv, n - 1 - p)  # (the experts after x keep their places)
             while p > n_cached:
                 order[p] = order[p - 1]
                 p -= 1
@@ -144,11 +158,36 @@ def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
                 p -= 1
             order[p] = x
             n_cached += 1
-        g, c = _hss_into_fn(order, mask, t_gpu, t_cpu, xfer, none, none)
+            gv = min(gv, p)  # (the experts before x keep theirs)
+        while True:  # down to the largest a (or 0) with gpu[a] <= cpu[n - a + 1], then up while a + 1 has it
+            if a == 0:
+                break
+            while gv < a:
+                h = order[gv]
+                gpu[gv + 1] = gpu[gv] + t_gpu[h] if gv < n_cached else max(gpu[gv], moved[gv - n_cached + 1]) + t_gpu[h]
+                gv += 1
+            while cv < n - a + 1:
+                cpu[cv + 1] = cpu[cv] + t_cpu[order[n - 1 - cv]]
+                cv += 1
+            if gpu[a] <= cpu[n - a + 1]:
+                break
+            a -= 1
+        while a < n:
+            while gv < a + 1:
+                h = order[gv]
+                gpu[gv + 1] = gpu[gv] + t_gpu[h] if gv < n_cached else max(gpu[gv], moved[gv - n_cached + 1]) + t_gpu[h]
+                gv += 1
+            while cv < n - a:
+                cpu[cv + 1] = cpu[cv] + t_cpu[order[n - 1 - cv]]
+                cv += 1
+            if not gpu[a + 1] <= cpu[n - a]:
+                break
+            a += 1
+        span = max(gpu[a], cpu[n - a])
         if j == 0:
-            base = max(g, c)
-        elif base - max(g, c) > best_gain:
-            best_gain = base - max(g, c)
+            base = span
+        elif base - span > best_gain:
+            best_gain = base - span
             best_j = j
     return best_gain, best_j
 
@@ -170,8 +209,13 @@ def _impact_prefix(pred, cached, gpu_table, cpu_table, xfer):
         t_gpu[i] = gpu_table[k]
         t_cpu[i] = cpu_table[k]
     by_load = np.argsort(-counts, kind="mergesort")  # descending load, ties: lower index
-    unc = np.flatnonzero(~c)
-    cand = unc[np.argsort(-counts[unc], kind="mergesort")]
+    cand = np.empty(n, np.int64)  # the uncached ones in that order (a stable sort of them alone)
+    m = 0
+    for i in by_load:
+        if not c[i]:
+            cand[m] = i
+            m += 1
+    cand = cand[:m]
     gain, j = _impact_fn(by_load, c, t_gpu, t_cpu, xfer, cand)
     return gain, j, experts[cand]
 
