@@ -381,6 +381,7 @@ def test_staged_experts_with_a_buffer_each_are_one_group_after_their_copies(mix,
     ("gpu-lru", {"staging_slots": "8", "cache_experts": "0"}, "the staged experts' group, written by the route call"),
     ("gpu-static", {"cache_experts": "7"}, "every expert a hit"),
     ("mixtral-offloading-best", {}, "landed prefetches"),
+    ("dali", {}, "landed prefetches, some declined by the cache: their buffers freed ahead"),
 ])
 def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypatch, system, over, kind):
     """On the CPU device a lane whose device work runs in one pause (its copies, then its groups or one-expert turns)
@@ -388,14 +389,14 @@ def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypa
     writes its stamps into the records as it runs. Copies held back: a compute that did not wait would read stale
     buffers. Outputs as the reference's, counts as the simulator's, an interval per expert computed. With prefetches,
     a visit's background copies land before it (drained): a lane with prefetched experts is settled once they have
-    landed (and the cache admits them)."""
+    landed; the buffers of those the cache declines are freed with it where no prefetch waits for one."""
     settle, group, run_experts = OffloadRuntime._settle_ahead, OffloadRuntime._group, OffloadRuntime.run_experts
     settled, built = [], []
 
     def spy(self, plan, lanes, stage_rows):
         settle(self, plan, lanes, stage_rows)
         settled.append((self.pool.staging_taken, lanes.staging_used, lanes.settled, lanes.all_cached,
-                        bool((plan.source == PREFETCHED).any())))
+                        bool((plan.source == PREFETCHED).any()), len(lanes.freed)))
 
     def landed_first(self, *a, **k):
         self.copies.drain()
@@ -419,7 +420,9 @@ def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypa
         assert not built
     if system == "gpu-static":
         assert any(s[3] for s in settled)  # (every expert a hit: one group, nothing copied)
-    if not over:
+    if system == "dali":  # (declined: prefetched, on the GPU, not admitted)
+        assert sum(s[5] for s in settled) > 0
+    elif not over:
         assert sum(s[4] for s in settled) == sum(bool((rec.plan.source == PREFETCHED).any()) for rec in records) > 0
     computed = [iv for iv in result.intervals if iv.track == "gpu" and iv.name.startswith("L")]
     assert len(computed) == result.summary["executor"]["grouped_calls"]["gpu"]["experts"]

@@ -319,11 +319,17 @@ class OffloadRuntime:
         layer's end checked (:meth:`_layer_checked`) ahead of that work, its records made (their stamps written as
         it runs). Bookkeeping after it would start on the caches its computes emptied. The rows were checked
         when the groups and turns were built, and nothing writes them before the computes read them (no
-        background copy writes a staging buffer or a cache row, and the lane's prefetched experts have landed;
-        a lane that frees a prefetch buffer, which a waiting prefetch would take at once, is not settled ahead)."""
+        background copy writes a staging buffer or a cache row, and the lane's prefetched experts have landed).
+        The prefetch buffers of experts the cache declined are freed here too when no prefetch waits for one:
+        nothing can take them before the next visit's plan, and only this thread computes from them (a lane
+        whose freed buffer a waiting prefetch would take at once is not settled ahead)."""
         if len(stage_rows):
             self.pool.release_staging_rows(stage_rows)
             lanes.staging_used = 0
+        if lanes.freed:
+            pool, rows = self.pool, lanes.rows
+            for i in lanes.freed:
+                pool.release_prefetch(pool.slots[int(rows[i])])
         self._layer_checked(plan.step, plan.layer, 0)
         lanes.settled = True
 
@@ -438,8 +444,8 @@ class OffloadRuntime:
            runs in this thread) is done before that first wait.
 
         On the CPU device, where this thread does the copies and the computes, a lane with no prefetch in flight,
-        no prefetch buffer to free and its staged experts in one turn or one at a time is settled ahead of that
-        work (:meth:`_settle_ahead`), which then runs to the layer's end with the stopwatch stopped."""
+        no prefetch waiting for a buffer it frees and its staged experts in one turn or one at a time is settled
+        ahead of that work (:meth:`_settle_ahead`), which then runs to the layer's end with the stopwatch stopped."""
         pool, layer, step = self.pool, plan.layer, plan.step
         experts, rows, seg = lanes.experts, lanes.rows, lanes.seg
         if lanes.all_cached and not self._first_in_route:  # (CUDA, every one a hit: one group, nothing to copy or free)
@@ -475,10 +481,10 @@ class OffloadRuntime:
         # (the route call wrote the ready and fetched experts' group, or, with only staged experts in one turn, theirs
         # in the staging buffers it gave them, which are these stage_rows: the first free ones)
         written = fg is not None and fg[3] == (n_staged if fg[4] else len(ready) + nf)
-        if self._first_in_route and not lanes.prefetched_in_flight and not lanes.freed and \
+        if self._first_in_route and not lanes.prefetched_in_flight and not (lanes.freed and self.deferred) and \
                 (not n_staged or one_staged_turn or per_turn == 1):
-            # the CPU device, every prefetched expert landed and admitted, the staged ones in one turn or one at a
-            # time: the stopwatch stopped once for the copies and the computes after them, to the layer's end. The
+            # the CPU device, every prefetched expert landed, no prefetch waiting for the buffer of one the cache
+            # declined, the staged ones in one turn or one at a time: the stopwatch stopped once for the copies and the computes after them, to the layer's end. The
             # group of the ready and fetched experts (hits, landed prefetches, admissions) is the route call's when
             # it wrote it (taken before the copies: its indices do not depend on the copies' data), else built with
             # the staged experts' group or turns once the copies are issued (the rows then hold them); then the
