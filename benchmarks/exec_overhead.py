@@ -31,7 +31,12 @@ caches cold (benchmarks/cold_host.py), and this column, not ``plan_only_us``, is
 ``overhead_cpu_us`` is decision + bookkeeping in thread CPU per visit, their mean over the visits (as the
 columns before it); ``overhead_cpu_median_us`` is the median visit's (each visit's decision and bookkeeping
 summed, then the median over the visits; ``overhead_cpu_p90_us`` in ``--json``: the 90th percentile), also the
-median over the runs. ``--shape PRESET`` runs every system (``--systems`` and ``--lookahead-systems``) on a
+median over the runs. For a system whose plans issue prefetches in some visits, the printed line and ``--json``
+add the share of those visits (``prefetching_visits``) and the median of each kind
+(``overhead_cpu_median_prefetching_us``, ``overhead_cpu_median_other_us``): such a visit also runs the prefetcher's
+search and hands its copies to the copy thread, and where the two kinds are about as many and twofold apart
+(hybrimoe on the Qwen3 shape) the median of all visits lies between them and moves with a few visits from run to
+run. ``--shape PRESET`` runs every system (``--systems`` and ``--lookahead-systems``) on a
 synthetic trace of that model preset (decode only, lookahead columns residual, next-gate, gate2 and gate3)
 instead of ``--trace``. ``limit_us`` is the target of the runtime issue for the thread-CPU overhead per layer
 visit (decision + bookkeeping, the median visit): 60 us for cpu-only, gpu-lru, llamacpp, fiddler and
@@ -515,6 +520,10 @@ def measure(trace, system: str, opts: ReplayOptions, run: ExecOptions, batch: in
         "overhead_cpu_us": overhead_cpu,
         "overhead_cpu_median_us": overhead_cpu_median,
         "overhead_cpu_p90_us": median("overhead_cpu_us_p90"),
+        **({"prefetching_visits": median("prefetching_visits"),
+            "overhead_cpu_median_prefetching_us": median("overhead_cpu_us_median_prefetching"),
+            "overhead_cpu_median_other_us": median("overhead_cpu_us_median_other")}
+           if "prefetching_visits" in s["overhead"] else {}),
         "overhead_cpu_pct": 100 * median("fraction_cpu_of_layer_time"),
         "plan_only_us": plan_only_us(setup),
         "plan_after_layer_us": plan_only_us(setup, spin_s=1e-6 * median("layer_time_us")),
@@ -624,8 +633,11 @@ def main(argv=None) -> int:
                 row |= {"limit_us": float("nan"), "ok": ""}
             limit = "no limit" if np.isnan(row["limit_us"]) else f"limit {row['limit_us']:g}"
             # one line as each system ends: a run stopped by a time limit (scripts/gpu_check.sh) keeps those
+            split = "" if "prefetching_visits" not in row else (
+                f"; the {100 * row['prefetching_visits']:.0f}% of visits that issue prefetches "
+                f"{row['overhead_cpu_median_prefetching_us']:.1f}, the others {row['overhead_cpu_median_other_us']:.1f}")
             print(f"{row['system']}: {row['overhead_cpu_median_us']:.1f} us decision + bookkeeping (median visit, "
-                  f"thread CPU; {limit}), layer {row['layer_us']:.0f} us", flush=True)
+                  f"thread CPU; {limit}{split}), layer {row['layer_us']:.0f} us", flush=True)
             return row
 
         try:

@@ -172,15 +172,22 @@ def test_result_has_every_simulator_key(mix):
 
 def test_each_visits_host_work_is_recorded(mix):
     """Each layer visit's decision + bookkeeping, recorded as the sums grow: they add up to the per-layer sums,
-    and the summary's median and 90th percentile are theirs."""
+    and the summary's median and 90th percentile are theirs; so are the medians of the visits whose plans issue
+    prefetches and of the others (recorded from the plans, in visit order)."""
     from unittest import mock
 
     from dali_exec.executor import replay as replay_module
 
+    records = []
     with mock.patch.object(replay_module, "assemble_result", wraps=replay_module.assemble_result) as spy:
-        result = execute(mix, "dali", TINY, CPU_RUN, batch_size=BATCH)
-    per_visit = spy.call_args.kwargs["per_visit_s"]
+        result = execute(mix, "dali", TINY, CPU_RUN, batch_size=BATCH, on_layer=records.append)
+    per_visit, prefetching = spy.call_args.kwargs["per_visit_s"], spy.call_args.kwargs["prefetching"]
     ov, per_layer = result.summary["overhead"], result.per_layer
+    assert prefetching.tolist() == [bool(rec.plan.prefetches) for rec in records]
+    assert 0 < prefetching.sum() < len(prefetching)  # (both kinds: the split below means something)
+    assert ov["prefetching_visits"] == pytest.approx(prefetching.mean())
+    for kind, which in (("prefetching", prefetching), ("other", ~prefetching)):
+        assert ov[f"overhead_cpu_us_median_{kind}"] == pytest.approx(1e6 * np.median(per_visit[1][which]))
     assert per_visit.shape == (2, ov["layer_visits"]) and (per_visit > 0).all()
     for i, suffix in enumerate(("", "_cpu")):
         total = per_layer[f"decision{suffix}_s"].sum() + per_layer[f"bookkeeping{suffix}_s"].sum()
@@ -188,6 +195,22 @@ def test_each_visits_host_work_is_recorded(mix):
         assert ov[f"overhead{suffix}_us_median"] == pytest.approx(1e6 * np.median(per_visit[i]))
         assert ov[f"overhead{suffix}_us_p90"] == pytest.approx(1e6 * np.percentile(per_visit[i], 90))
         assert ov[f"overhead{suffix}_us_median"] <= ov[f"overhead{suffix}_us_p90"]
+
+
+def test_the_split_by_prefetching_visits_is_given_only_where_some_visits_prefetch():
+    from dali_exec.executor.result import overhead_summary
+
+    per_layer = pd.DataFrame({k: [1e-3] for k in ("time_s", "decision_s", "bookkeeping_s", "decision_cpu_s",
+                                                   "bookkeeping_cpu_s")})
+    per_visit = np.array([[1e-5, 2e-5, 3e-5, 4e-5]] * 2)
+    none = overhead_summary(per_layer, 4, per_visit, np.zeros(4, bool))
+    assert "prefetching_visits" not in none and none["overhead_cpu_us_median"] == pytest.approx(25.0)
+    some = overhead_summary(per_layer, 4, per_visit, np.array([False, True, False, True]))
+    assert some["prefetching_visits"] == 0.5
+    assert (some["overhead_cpu_us_median_prefetching"], some["overhead_cpu_us_median_other"]) == \
+        (pytest.approx(30.0), pytest.approx(20.0))
+    every = overhead_summary(per_layer, 4, per_visit, np.ones(4, bool))
+    assert every["prefetching_visits"] == 1.0 and math.isnan(every["overhead_us_median_other"])
 
 
 def test_slot_table_follows_the_controller_and_stays_within_the_budget(mix):

@@ -151,6 +151,7 @@ class Replay:
         decision = LayerSeconds(L)  # wall, thread CPU
         host = self.runtime.bookkeeping_seconds  # (the runtime's own sums: with the decisions', a visit's host work)
         per_visit = np.zeros((2, w.num_steps * L))  # decision + bookkeeping of each layer visit: wall, thread CPU
+        prefetching = np.zeros(w.num_steps * L, bool)  # whether its plan issued prefetches
         visit = 0
         layer_time = np.zeros(L)
         starts, ends = np.zeros(w.num_steps), np.zeros(w.num_steps)
@@ -193,6 +194,7 @@ class Replay:
                         x = residual + self.runtime.run_experts(plan, gate_input, (ids, weights))
                         after = decision.sum_at(layer, host)
                         per_visit[0, visit], per_visit[1, visit] = after[0] - before[0], after[1] - before[1]
+                        prefetching[visit] = bool(plan.prefetches)
                         visit += 1
                         dev.synchronize()
                         layer_time[layer] += self.timer.now() - t0
@@ -229,6 +231,7 @@ class Replay:
         bookkeeping = np.stack([rt.layer_bookkeeping, rt.layer_bookkeeping_cpu])
         return assemble_result(setup, self.controller, counters, out, decision_s=decision.array(),
                                bookkeeping_s=bookkeeping, per_visit_s=per_visit[:, :visit],
+                               prefetching=prefetching[:visit],
                                batch_size=w.config.batch_size, prefill_chunk=w.config.prefill_chunk,
                                seed=self.seed, executor=executor)
 
