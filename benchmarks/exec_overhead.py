@@ -635,7 +635,8 @@ def main(argv=None) -> int:
             # one line as each system ends: a run stopped by a time limit (scripts/gpu_check.sh) keeps those
             split = "" if "prefetching_visits" not in row else (
                 f"; the {100 * row['prefetching_visits']:.0f}% of visits that issue prefetches "
-                f"{row['overhead_cpu_median_prefetching_us']:.1f}, the others {row['overhead_cpu_median_other_us']:.1f}")
+                f"{row['overhead_cpu_median_prefetching_us']:.1f}, "
+                f"the others {row['overhead_cpu_median_other_us']:.1f}")
             print(f"{row['system']}: {row['overhead_cpu_median_us']:.1f} us decision + bookkeeping (median visit, "
                   f"thread CPU; {limit}{split}), layer {row['layer_us']:.0f} us", flush=True)
             return row

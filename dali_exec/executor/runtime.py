@@ -484,11 +484,12 @@ class OffloadRuntime:
         if self._first_in_route and not lanes.prefetched_in_flight and not (lanes.freed and self.deferred) and \
                 (not n_staged or one_staged_turn or per_turn == 1):
             # the CPU device, every prefetched expert landed, no prefetch waiting for the buffer of one the cache
-            # declined, the staged ones in one turn or one at a time: the stopwatch stopped once for the copies and the computes after them, to the layer's end. The
-            # group of the ready and fetched experts (hits, landed prefetches, admissions) is the route call's when
-            # it wrote it (taken before the copies: its indices do not depend on the copies' data), else built with
-            # the staged experts' group or turns once the copies are issued (the rows then hold them); then the
-            # lane's records are made and the lane settled (:meth:`_settle_ahead`).
+            # declined, the staged ones in one turn or one at a time: the stopwatch stopped once for the copies and
+            # the computes after them, to the layer's end. The group of the ready and fetched experts (hits, landed
+            # prefetches, admissions) is the route call's when it wrote it (taken before the copies: its indices do
+            # not depend on the copies' data), else built with the staged experts' group or turns once the copies
+            # are issued (the rows then hold them); then the lane's records are made and the lane settled
+            # (:meth:`_settle_ahead`, which also frees the declined ones' buffers).
             n_first = len(ready) + nf
             written_staged = written and fg[4]
             groups = [self._written(fg[3])] if written else []  # (checked above: it is this group)

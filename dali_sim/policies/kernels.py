@@ -63,19 +63,11 @@ def _hss(order, cached, t_gpu, t_cpu, xfer):
     n = len(order)
     on_gpu = np.zeros(n, np.bool_)
     fetched = np.zeros(n, np.bool_)
-    g, c = _hss_into_fn(order, cached, t_gpu, t_cpu, xfer, on_gpu, fetched)
-    return on_gpu, fetched, g, c
-
-
-def _hss_into(order, cached, t_gpu, t_cpu, xfer, on_gpu, fetched):
-    """:func:`_hss` writing ``on_gpu`` and ``fetched`` (given arrays; both empty: only the ends are wanted, and
-    nothing is allocated: the impact prefix runs one schedule per prefix); returns (GPU end, CPU end)."""
-    record = len(on_gpu) > 0
     g = 0.0
     c = 0.0
     moved = 0.0
     lo = 0
-    hi = len(order) - 1
+    hi = n - 1
     while lo <= hi:
         head = order[lo]
         tail = order[hi]
@@ -87,16 +79,14 @@ def _hss_into(order, cached, t_gpu, t_cpu, xfer, on_gpu, fetched):
         if g_next <= c_next:
             if not cached[head]:
                 moved += xfer
-                if record:
-                    fetched[head] = True
-            if record:
-                on_gpu[head] = True
+                fetched[head] = True
+            on_gpu[head] = True
             g = g_next
             lo += 1
         else:
             c = c_next
             hi -= 1
-    return g, c
+    return on_gpu, fetched, g, c
 
 
 def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
@@ -108,7 +98,7 @@ def _impact(by_load, cached, t_gpu, t_cpu, xfer, cand):
 
     HSS's two pointers merge two non-decreasing series, the GPU's end after the first a experts of the order
     (``gpu[a]``) and the CPU's after the last b (``cpu[b]``), ties to the GPU, for n steps: the GPU ends up
-    with the largest a such that ``gpu[a] <= cpu[n - a + 1]`` (:func:`_hss_into` step by step). Both series
+    with the largest a such that ``gpu[a] <= cpu[n - a + 1]`` (:func:`_hss` step by step). Both series
     are kept from prefix to prefix, each recomputed (with the schedule's own float operations, in its order)
     only from where the moved expert changed the order, and the meeting point is searched from the last
     prefix's: the same ends as a schedule per prefix, without walking the whole order each time."""
@@ -340,7 +330,6 @@ def _mrs_update(score, experts, counts, tokens, a):
 
 _PYTHON = {"greedy": _greedy, "hss": _hss, "impact": _impact}
 _hss_fn = _hss  # what the plan kernel calls: the compiled _hss
-_hss_into_fn = _hss_into  # what _hss and _impact call: replaced by the compiled _hss_into before they are compiled
 _impact_fn = _impact  # what _impact_prefix calls: the compiled _impact
 _impact_prefix_fn = _impact_prefix  # what _impact_requests calls: the compiled _impact_prefix
 _top_predicted_fn = _top_predicted  # what _top_pairs calls: the compiled _top_predicted
@@ -355,14 +344,13 @@ def _on_lists(fn: Callable) -> Callable:
 
 
 def _load() -> dict[str, Callable]:
-    global _impls, _hss_fn, _hss_into_fn, _impact_fn, _impact_prefix_fn, _top_predicted_fn, _ranked_fn, _as_pairs_fn
+    global _impls, _hss_fn, _impact_fn, _impact_prefix_fn, _top_predicted_fn, _ranked_fn, _as_pairs_fn
     nb = _numba()
     _fused.clear()
     if nb is None:
-        _hss_fn, _hss_into_fn, _impact_fn, _impact_prefix_fn = _hss, _hss_into, _impact, _impact_prefix
+        _hss_fn, _impact_fn, _impact_prefix_fn = _hss, _impact, _impact_prefix
         _impls = {name: _on_lists(fn) for name, fn in _PYTHON.items()}
     else:
-        _hss_into_fn = jit(_hss_into)
         _hss_fn = jit(_hss)
         _impact_fn = jit(_impact)
         _impls = {"greedy": jit(_greedy), "hss": _hss_fn, "impact": _impact_fn}
