@@ -94,8 +94,8 @@ def main(argv=None) -> int:
         for mode in MODES:
             row = replay_once(trace, mode, replay, batch, memory_gib) | {"round": r}
             rows.append(row)
-            print(f"round {r} {mode:6s}: {row['calls']} CPU-lane calls, median wall {row['wall_us']:.0f} us, thread CPU "
-                  f"{row['cpu_us']:.0f} us; the run {row['run_s']:.3f} s", flush=True)
+            print(f"round {r} {mode:6s}: {row['calls']} CPU-lane calls, median wall {row['wall_us']:.0f} us, "
+                  f"thread CPU {row['cpu_us']:.0f} us; the run {row['run_s']:.3f} s", flush=True)
     med = {m: {k: float(np.median([r[k] for r in rows if r["mode"] == m])) for k in ("wall_us", "cpu_us")}
            for m in MODES}
     print(f"medians over the rounds: beside/alone thread CPU {med['beside']['cpu_us'] / med['alone']['cpu_us']:.2f}x, "
