@@ -399,27 +399,42 @@ def test_staged_experts_with_a_buffer_each_are_one_group_after_their_copies(mix,
     assert gpu == {"calls": len(records), "experts": sum(int(rec.plan.on_gpu.sum()) for rec in records)}
 
 
-@pytest.mark.parametrize("system,over,kind", [
-    ("gpu-lru", {"staging_slots": "2", "cache_experts": "3"}, "first group, one-expert turns"),
-    ("gpu-lru", {"staging_slots": "8", "cache_experts": "0"}, "the staged experts' group, written by the route call"),
-    ("gpu-static", {"cache_experts": "7"}, "every expert a hit"),
-    ("mixtral-offloading-best", {}, "landed prefetches"),
-    ("dali", {}, "landed prefetches, some declined by the cache: their buffers freed ahead"),
+@pytest.mark.parametrize("system,over,drained,kind", [
+    ("gpu-lru", {"staging_slots": "2", "cache_experts": "3"}, False, "first group, one-expert turns"),
+    ("gpu-lru", {"staging_slots": "8", "cache_experts": "0"}, False,
+     "the staged experts' group, written by the route call"),
+    ("gpu-static", {"cache_experts": "7"}, False, "every expert a hit"),
+    ("mixtral-offloading-best", {}, True, "landed prefetches"),
+    ("dali", {}, True, "landed prefetches, some declined by the cache: their buffers freed ahead"),
+    ("moe-lightning-best", {"prefetch_slots": "1"}, True,
+     "declined prefetches whose buffers waiting prefetches take: freed after the device work"),
 ])
-def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypatch, system, over, kind):
+def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypatch, system, over, drained, kind):
     """On the CPU device a lane whose device work runs in one pause (its copies, then its groups or one-expert turns)
     is settled before that work: its records made, its staging buffers returned, the layer's end checked; the work
     writes its stamps into the records as it runs. Copies held back: a compute that did not wait would read stale
     buffers. Outputs as the reference's, counts as the simulator's, an interval per expert computed. With prefetches,
-    a visit's background copies land before it (drained): a lane with prefetched experts is settled once they have
-    landed; the buffers of those the cache declines are freed with it where no prefetch waits for one."""
+    a visit's background copies land before it (``drained``): a lane with prefetched experts is settled once they
+    have landed; the buffers of those the cache declines are freed with it, or, where a prefetch waits for one,
+    after the device work (a copy into a buffer before its compute had read it would change the outputs)."""
     settle, group, run_experts = OffloadRuntime._settle_ahead, OffloadRuntime._group, OffloadRuntime.run_experts
-    settled, built = [], []
+    issue, forward = OffloadRuntime._issue_deferred, OffloadRuntime._forward_group
+    settled, built, events = [], [], []
 
-    def spy(self, plan, lanes, stage_rows):
-        settle(self, plan, lanes, stage_rows)
+    def spy(self, plan, lanes, stage_rows, late=False):
+        waiting = bool(self.deferred)
+        events.append("late" if late else "settled")
+        settle(self, plan, lanes, stage_rows, late)
         settled.append((self.pool.staging_taken, lanes.staging_used, lanes.settled, lanes.all_cached,
-                        bool((plan.source == PREFETCHED).any()), len(lanes.freed)))
+                        bool((plan.source == PREFETCHED).any()), len(lanes.freed), waiting, late))
+
+    def issued(self):
+        events.append("issue" if self.deferred and self.pool.prefetch_free else "nothing to issue")
+        return issue(self)
+
+    def computed(self, *a):
+        events.append("compute")
+        return forward(self, *a)
 
     def landed_first(self, *a, **k):
         self.copies.drain()
@@ -427,7 +442,9 @@ def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypa
 
     monkeypatch.setattr(OffloadRuntime, "_settle_ahead", spy)
     monkeypatch.setattr(OffloadRuntime, "_group", lambda self, *a: built.append(1) or group(self, *a))
-    if not over:
+    monkeypatch.setattr(OffloadRuntime, "_issue_deferred", issued)
+    monkeypatch.setattr(OffloadRuntime, "_forward_group", computed)
+    if drained:
         monkeypatch.setattr(OffloadRuntime, "run_experts", landed_first)
     records = []
     slow = dataclasses.replace(CPU_RUN, copy_delay_s=0.001)
@@ -439,13 +456,19 @@ def test_a_lane_settled_ahead_of_its_device_work_records_that_work(mix, monkeypa
     assert {k: result.summary[k] for k in COUNTERS} == {k: sim.summary[k] for k in COUNTERS}
     assert len(settled) > len(records) // 2, kind
     assert all(s[:3] == (0, 0, True) for s in settled)
+    assert all(s[7] == (s[5] > 0 and s[6]) for s in settled)  # (late: declined ones' buffers, a prefetch waiting)
     if over.get("cache_experts") == "0":  # (every group written by the route call: none built by the lane)
         assert not built
     if system == "gpu-static":
         assert any(s[3] for s in settled)  # (every expert a hit: one group, nothing copied)
     if system == "dali":  # (declined: prefetched, on the GPU, not admitted)
         assert sum(s[5] for s in settled) > 0
-    elif not over:
+    elif system == "moe-lightning-best":
+        assert sum(s[7] for s in settled) > 0
+        for i in (i for i, e in enumerate(events) if e == "late"):  # the waiting prefetches start after the computes
+            first_issue = events.index("issue", i)
+            assert "compute" in events[i:first_issue] and "settled" not in events[i:first_issue]
+    elif drained:
         assert sum(s[4] for s in settled) == sum(bool((rec.plan.source == PREFETCHED).any()) for rec in records) > 0
     computed = [iv for iv in result.intervals if iv.track == "gpu" and iv.name.startswith("L")]
     assert len(computed) == result.summary["executor"]["grouped_calls"]["gpu"]["experts"]

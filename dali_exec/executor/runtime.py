@@ -313,25 +313,31 @@ class OffloadRuntime:
         if self.deferred:
             raise AssertionError(f"step {step} layer {layer}: prefetches still wait for a buffer at the layer's end")
 
-    def _settle_ahead(self, plan: LayerPlan, lanes: "_AccelLane", stage_rows: np.ndarray) -> None:
+    def _settle_ahead(self, plan: LayerPlan, lanes: "_AccelLane", stage_rows: np.ndarray, late: bool = False) -> None:
         """The CPU device, a lane whose device work (its copies, then its computes, all in this thread) runs in one
         pause of the stopwatch, to the layer's end (``lanes.settled``): the staging buffers released and the
         layer's end checked (:meth:`_layer_checked`) ahead of that work, its records made (their stamps written as
         it runs). Bookkeeping after it would start on the caches its computes emptied. The rows were checked
         when the groups and turns were built, and nothing writes them before the computes read them (no
         background copy writes a staging buffer or a cache row, and the lane's prefetched experts have landed).
-        The prefetch buffers of experts the cache declined are freed here too when no prefetch waits for one:
-        nothing can take them before the next visit's plan, and only this thread computes from them (a lane
-        whose freed buffer a waiting prefetch would take at once is not settled ahead)."""
+        The prefetch buffers of experts the cache declined are freed here too (nothing can take them before the
+        next visit's plan, and only this thread computes from them), unless a prefetch waits for a buffer
+        (``late``): it would take one at once, so they are freed after the device work, and the layer checked then
+        (:meth:`_accelerator_lane`)."""
         if len(stage_rows):
             self.pool.release_staging_rows(stage_rows)
             lanes.staging_used = 0
+        if not late:
+            self._free_declined(lanes)
+            self._layer_checked(plan.step, plan.layer, 0)
+        lanes.settled = True
+
+    def _free_declined(self, lanes: "_AccelLane") -> None:
+        """The prefetch buffers of the lane's experts the cache declined (computed from them), free again."""
         if lanes.freed:
             pool, rows = self.pool, lanes.rows
             for i in lanes.freed:
                 pool.release_prefetch(pool.slots[int(rows[i])])
-        self._layer_checked(plan.step, plan.layer, 0)
-        lanes.settled = True
 
     def _combine_buffer(self, pairs: int, hidden: int, zeroed: bool) -> torch.Tensor:
         """The (pairs x hidden) buffer a layer's outputs are combined in, on the accelerator: the last layer's
@@ -443,9 +449,10 @@ class OffloadRuntime:
            host waits: the copy thread may not have issued it yet); ``inline`` (the CPU lane's work when it
            runs in this thread) is done before that first wait.
 
-        On the CPU device, where this thread does the copies and the computes, a lane with no prefetch in flight,
-        no prefetch waiting for a buffer it frees and its staged experts in one turn or one at a time is settled
-        ahead of that work (:meth:`_settle_ahead`), which then runs to the layer's end with the stopwatch stopped."""
+        On the CPU device, where this thread does the copies and the computes, a lane with no prefetch in flight
+        and its staged experts in one turn or one at a time is settled ahead of that work (:meth:`_settle_ahead`),
+        which then runs to the layer's end with the stopwatch stopped; where a prefetch waits for the buffer of an
+        expert the cache declined, that buffer is freed (and the prefetch started) in one more segment after it."""
         pool, layer, step = self.pool, plan.layer, plan.step
         experts, rows, seg = lanes.experts, lanes.rows, lanes.seg
         if lanes.all_cached and not self._first_in_route:  # (CUDA, every one a hit: one group, nothing to copy or free)
@@ -481,15 +488,16 @@ class OffloadRuntime:
         # (the route call wrote the ready and fetched experts' group, or, with only staged experts in one turn, theirs
         # in the staging buffers it gave them, which are these stage_rows: the first free ones)
         written = fg is not None and fg[3] == (n_staged if fg[4] else len(ready) + nf)
-        if self._first_in_route and not lanes.prefetched_in_flight and not (lanes.freed and self.deferred) and \
+        if self._first_in_route and not lanes.prefetched_in_flight and \
                 (not n_staged or one_staged_turn or per_turn == 1):
-            # the CPU device, every prefetched expert landed, no prefetch waiting for the buffer of one the cache
-            # declined, the staged ones in one turn or one at a time: the stopwatch stopped once for the copies and
-            # the computes after them, to the layer's end. The group of the ready and fetched experts (hits, landed
-            # prefetches, admissions) is the route call's when it wrote it (taken before the copies: its indices do
-            # not depend on the copies' data), else built with the staged experts' group or turns once the copies
-            # are issued (the rows then hold them); then the lane's records are made and the lane settled
-            # (:meth:`_settle_ahead`, which also frees the declined ones' buffers).
+            # the CPU device, every prefetched expert landed, the staged ones in one turn or one at a time: the
+            # stopwatch stopped once for the copies and the computes after them, to the layer's end. The group of the
+            # ready and fetched experts (hits, landed prefetches, admissions) is the route call's when it wrote it
+            # (taken before the copies: its indices do not depend on the copies' data), else built with the staged
+            # experts' group or turns once the copies are issued (the rows then hold them); then the lane's records
+            # are made and the lane settled (:meth:`_settle_ahead`, which also frees the declined ones' buffers,
+            # unless a prefetch waits for one: ``late``, freed after the computes have read them)
+            late = bool(lanes.freed) and bool(self.deferred)
             n_first = len(ready) + nf
             written_staged = written and fg[4]
             groups = [self._written(fg[3])] if written else []  # (checked above: it is this group)
@@ -506,7 +514,7 @@ class OffloadRuntime:
                 elif n_staged:
                     singles.append(self._single_prepare(plan, routing, lanes, stage_rows, halves, None, first))
                 records.extend([self._group_booked(plan, g) for g in groups])
-                self._settle_ahead(plan, lanes, stage_rows)
+                self._settle_ahead(plan, lanes, stage_rows, late)
 
             def run():  # the first stamp of the lane's device work
                 for g, rec in zip(groups, records):
@@ -523,6 +531,12 @@ class OffloadRuntime:
                 prepare()
                 sw.stop()
                 run()
+            if late:  # the declined ones' buffers, now read: the waiting prefetches take them
+                sw.start()
+                self._free_declined(lanes)
+                self._issue_deferred()
+                self._layer_checked(step, layer, 0)
+                sw.stop()
             return
         fetched_events = self._copy_now(plan, first, experts, rows, sw, listed=listed >= 0)
         ready, after, waiting = self._ready(lanes, rows, fetched_events)
@@ -556,8 +570,7 @@ class OffloadRuntime:
             waiting = waiting[~landed]
             self._compute(plan, routing, seg[now], rows[now], x, out_buf, sw)
         if lanes.freed:  # prefetch buffers of experts the cache declined: free, and waiting prefetches start
-            for i in lanes.freed:
-                pool.release_prefetch(pool.slots[int(rows[i])])
+            self._free_declined(lanes)
             self._issue_deferred()
 
     def _ready(self, lanes: "_AccelLane", rows: np.ndarray, fetched_events) -> tuple:
