@@ -8,13 +8,13 @@ span of ``--rows`` rows of a layer's host store (up-projection, SiLU gate, down-
 ``per_expert``, two ``mm`` calls and the gate per expert (``grouped._loop_mm``, the executor's form for a sparse
 span), and ``grouped``, one grouped product per projection over the whole span (``torch`` grouped mm, the
 executor's form for a dense one; the same results). Each is timed (wall and this thread's CPU, medians over
-``--rounds`` calls) alone and while another thread runs one of three loads:
+``--rounds`` x ``--calls`` calls) alone and while another thread runs one of three loads:
 
 * ``python``: pure Python (the replay's bookkeeping between its calls). A torch call gives the GIL up and takes
   it back, so each of the group's calls waits for the other thread, here up to the switch interval (5 ms);
 * ``torch``: short torch calls with a little Python between;
 * ``accel``: an accelerator lane on the CPU device: one expert after another from another table, a little
-  Python between. Its cost to the group is mostly in the group's own instructions (thread CPU), not waits.
+  Python between (the replay's situation, which ``cpu_lane_beside.py`` measures in a replay itself).
 
 The loads take turns within each of ``--rounds`` rounds (``--calls`` calls of each form each), so that a machine
 whose speed drifts over seconds weighs on every load alike.
