@@ -3,6 +3,7 @@
     python benchmarks/lane_contention.py                                   # DeepSeek-V2-Lite shape, scale 1/4, bf16
     python benchmarks/lane_contention.py --shape mixtral-8x7b --groups 1,2,3 --rounds 24 --json out.json
     python benchmarks/lane_contention.py --groups 10 --rounds 40 --blocks 6 --gap-ms 0.5   # the patterns in blocks
+    python benchmarks/lane_contention.py --shape qwen3-30b-a3b --groups 15 --unflushed 6   # calibration unflushed
 
 A layer of a system with experts on both lanes (``dali``) starts them together: the CPU lane's grouped call
 goes to its worker, which has slept since the last layer, and the accelerator lane's call runs in this
@@ -116,6 +117,9 @@ def main(argv=None) -> int:
     p.add_argument("--gap-ms", type=float, default=2.0, help="the worker's sleep before each call (between layers)")
     p.add_argument("--blocks", type=int, default=0,
                    help="instead: this many blocks of --rounds layers per pattern (blocks()), for the first group size")
+    p.add_argument("--unflushed", type=int, default=0, metavar="N",
+                   help="also N interleaved pairs of the calibration's factors with its cache flush and without it "
+                        "(MicroSettings.cold)")
     p.add_argument("--json", help="write the rows, the calibration's factors and the machine here")
     a = p.parse_args(argv)
     groups = [int(g) for g in a.groups.split(",") if g.strip()]
@@ -149,11 +153,23 @@ def main(argv=None) -> int:
         calibration = bench.contention()["cpu+gpu"]
         print(f"calibration (Microbench.contention, cpu+gpu, {a.tokens}-token expert against a loop): accelerator "
               f"{calibration['gpu']:.2f}x, cpu {calibration['cpu']:.2f}x")
+        pairs = []
+        for _ in range(a.unflushed):  # (the calibration flushes the caches before every measured call)
+            pair = {}
+            for cold in (True, False):
+                settings = MicroSettings(repeats=5, warmup=1, contention_tokens=a.tokens, cold=cold)
+                bench_of = Microbench(model, devices, worker, settings, 1)
+                pair["flushed" if cold else "unflushed"] = bench_of.contention()["cpu+gpu"]
+            pairs.append(pair)
+            print("calibration's cpu+gpu, flushed / unflushed: " + "; ".join(
+                f"{lane} {pair['flushed'][lane]:.2f}x / {pair['unflushed'][lane]:.2f}x" for lane in ("gpu", "cpu")),
+                flush=True)
     finally:
         worker.close()
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"settings": vars(a), "rows": rows, "calibration_cpu+gpu": calibration,
+                       "flushed_unflushed": pairs,
                        "machine": {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
                                    "torch": torch.__version__, "python": sys.version.split()[0]}}, f, indent=1)
     return 0
