@@ -23,7 +23,10 @@ none, it calls :meth:`Doorbell.wait` with that count, which marks it spinning, s
 a token in its queue. Whatever the order in which the two threads' steps interleave, a ring made after the
 count was read is seen: either by the spin or the last look, or, where the ring saw the mark, by its token.
 A token can be left over (the last look saw the ring that also put it): the next wait then returns at once and
-the thread looks for work again.
+the thread looks for work again. The ring and the mark-then-look are Python steps made holding the GIL, whose
+hand-over between the two threads orders their memory accesses: the ringer's count cannot be missed by a look that
+follows the mark, as it could be on x86 without that ordering (a store may pass a later load); a Python without a
+GIL would need a fence there.
 """
 
 from __future__ import annotations
