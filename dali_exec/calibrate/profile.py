@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import platform
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from dali_exec.calibrate.host import HostSettings, measure_host_costs
+from dali_exec.calibrate.lanes import LaneSettings, measure_lane_slowdowns
 from dali_exec.calibrate.micro import Microbench, MicroSettings
 from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices, cpu_name, host_memory_bytes, lane_threads
@@ -59,6 +61,9 @@ class CalibrationConfig:
     settings: MicroSettings = field(default_factory=MicroSettings)
     name: str | None = None
     contention: bool = True  # measure how the lanes slow each other (MeasuredProfile.contention)
+    #: the compute lanes side by side (the ``cpu+gpu`` entry) measured in replays (``calibrate.lanes``) on the host
+    #: measurement's workload; None = by the loops, as the combinations with the copy lane are
+    lanes: LaneSettings | None = field(default_factory=LaneSettings)
     host: HostSettings | None = field(default_factory=HostSettings)  # the executor's host costs; None = skip
 
     def __post_init__(self) -> None:
@@ -140,12 +145,15 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         tables.append(("d2h", lambda: bench.d2h_seconds(act_sizes)))
     rounds = cfg.settings.table_rounds
     jobs = [(f"{key}#{r}", job) for r in range(rounds) for key, job in tables]  # round by round
+    run = ExecOptions(device=str(devices.accel), cpu_threads=cpu_threads, accel_threads=accel_threads,
+                      spin_us=cfg.spin_us)
     if cfg.contention:
         jobs.append(("contention", bench.contention))
+        if cfg.lanes is not None:
+            jobs.append(("lanes", lambda: measure_lane_slowdowns(cfg.full_model(), cfg.scale, cfg.dtype, devices, run,
+                                                                 cfg.host or HostSettings(), cfg.lanes)))
         jobs.append(("lane_wake", lambda: _lane_wakes(bench)))
     if cfg.host is not None:
-        run = ExecOptions(device=str(devices.accel), cpu_threads=cpu_threads, accel_threads=accel_threads,
-                          spin_us=cfg.spin_us)
         # (after lane_wake, whose hand-over the simulator charges apart: the fit takes it out)
         jobs.append(("host", lambda: measure_host_costs(cfg.full_model(), cfg.scale, cfg.dtype, devices, run, cfg.host,
                                                         handoff_s=(results.get("lane_wake") or {}).get("host", 0.0))))
@@ -167,6 +175,14 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
                      for j, lane in enumerate(("gpu", "cpu"))}
     for key, _ in tables:
         results[key] = median_of_rounds([results.pop(f"{key}#{r}") for r in range(rounds)])
+    lanes = results.pop("lanes", None)
+    if lanes is not None:  # the compute lanes side by side as a replay runs them, instead of the loops' reading
+        lanes["loops_cpu+gpu"] = results["contention"]["cpu+gpu"]
+        if isinstance(lanes["slowdowns"], dict):
+            results["contention"] = results["contention"] | {"cpu+gpu": lanes["slowdowns"]}
+        else:  # (kept from the loops, and said: in the provenance and here)
+            warnings.warn(f"calibration: the lanes side by side were not measured ({lanes['slowdowns']}); cpu+gpu "
+                          "contention is the loops' reading", RuntimeWarning, stacklevel=2)
     (gpu_expert, gpu_fixed), (cpu_expert, cpu_fixed) = results.pop("experts")
     tables = {
         "gpu_expert": CurveTable(tuple(map(float, toks)), tuple(gpu_expert)),
@@ -207,7 +223,16 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
                      f"median of {cfg.settings.repeats} runs after {cfg.settings.warmup} warm-up runs"
                      + (", caches flushed before each run" if cfg.settings.cold else ""),
         "contention": (f"each lane with a {cfg.settings.contention_tokens}-token expert (copy lane: one expert's "
-                       "copy) while the other lanes of each combination loop theirs") if cfg.contention else "not measured",
+                       "copy) while the other lanes of each combination loop theirs"
+                       + ("; cpu+gpu: the compute lanes' expert calls side by side against apart in replays of "
+                          f"{cfg.lanes.system} (half of each layer's experts resident) at batch {cfg.lanes.batch_size} "
+                          f"on the host measurement's random workload, {cfg.lanes.rounds} rounds "
+                          "(dali_exec/calibrate/lanes.py; lanes_beside, which says why where the loops' reading is "
+                          "kept)" if lanes is not None else "")
+                       ) if cfg.contention else "not measured",
+        # the slowdowns (or why there are none), each round's seconds of each lane's expert calls and of both at once,
+        # and what the loops read for the pair
+        **({"lanes_beside": lanes} if lanes is not None else {}),
         "host": "dali_exec/calibrate/host.py (replays of cpu-only, all-resident gpu-static and serial gpu-lru on a "
                 "random workload; the decisions per layer visit in a replay of each preset)" if cfg.host is not None
                 else "not measured",

@@ -72,6 +72,10 @@ class OffloadRuntime:
         #: run the CPU lane in the calling thread (when it has the lane's thread count) instead of the worker:
         #: for an accelerator that is the CPU device and shares its threads, where the lanes cannot overlap
         self.cpu_inline = cpu_inline
+        #: the lanes one after the other, each on its own thread: a layer's CPU-lane job is waited for before the
+        #: accelerator lane starts (the calibration's reference for how much the lanes slow each other side by
+        #: side: ``dali_exec.calibrate.lanes``)
+        self.lanes_apart = False
         self.layout = store.layout
         self.timer = timer or Timer(devices.accel if devices.is_cuda else None)
         self.pool = SlotPool(capacities, prefetch_slots, staging_slots, self.layout.numel, devices.dtype, devices.accel,
@@ -269,6 +273,12 @@ class OffloadRuntime:
             else:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing, ready)
                 self.cpu_handoffs += 1
+                if self.lanes_apart:  # (a wait, not bookkeeping: the stopwatch stopped, if it runs)
+                    if not moves:
+                        sw.stop()
+                    cpu_job.result()
+                    if not moves:
+                        sw.start()
         x_acc = x if (on_accel or not lanes.n) else x.to(dev.accel, non_blocking=True)
         # every pair is computed by one lane unless uncounted tokens' own experts are left out: then those stay 0
         every_pair = uncounted_on_cpu or routing.counted is None

@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from dali_sim.sim.counters import COUNTERS
-from dali_sim.sim.engine import HANDOFF_KINDS, Interval
+from dali_sim.sim.busy import KINDS, activity_kind, busy_by_kind, idle_seconds, lanes_overlap_seconds
+from dali_sim.sim.engine import HANDOFF_KINDS
 from dali_sim.sim.simulate import SimResult
 
 #: the counters shown side by side (all of COUNTERS are checked for the "exact" flag)
@@ -29,8 +30,6 @@ SHOWN_COUNTERS = ("hits", "on_demand", "prefetch_issued", "prefetch_used", "admi
 RUNTIME_COUNTS = (*(f"{k}_handoffs" for k in HANDOFF_KINDS), "prefetches_waited")
 #: derived rates that follow from the counters (equal when the counters are)
 RATES = ("hit_rate", "gpu_fraction", "prefetch_precision", "prefetch_recall")
-#: activity kinds of timeline intervals (docs/simulator.md, Timelines)
-KINDS = ("host", "dense", "block", "gpu_expert", "cpu_expert", "fetch", "prefetch", "swap", "other")
 #: kinds whose intervals are not the same work on the two sides, compared without an error: the executor's ``host``
 #: intervals are its decisions (``Controller.plan``), the simulator's a visit's whole modelled host work (the
 #: profile's host terms, docs/hardware.md), most of which the executor spends between its timed activities
@@ -54,59 +53,6 @@ def speedup_error(row: dict[str, Any], base: dict[str, Any]) -> float:
     if not (row["sim_s"] and row["exec_s"]):
         return float("nan")
     return rel_err(base["sim_s"] / row["sim_s"], base["exec_s"] / row["exec_s"])
-
-
-def activity_kind(iv: Interval) -> str:
-    """The kind of a timeline interval from its track and name (``dense L3``, ``dense block 0``,
-    ``L3 E17``, ``fetch L3 E17``, ``prefetch L4 E2``, ``swap L3 +E5 -E9``)."""
-    name = iv.name
-    if name.startswith("dense block"):
-        return "block"
-    if name.startswith("dense"):
-        return "dense"
-    head = name.split(" ", 1)[0]
-    if head in ("fetch", "prefetch", "swap", "host"):
-        return head
-    if head.startswith("L") and " E" in name:
-        return "gpu_expert" if iv.track == "gpu" else "cpu_expert"
-    return "other"  # LM head, lane overheads, activation hand-overs, shared experts
-
-
-def busy_by_kind(intervals: Iterable[Interval]) -> dict[str, tuple[int, float]]:
-    """Per activity kind: (number of intervals, seconds summed)."""
-    out = {k: [0, 0.0] for k in KINDS}
-    for iv in intervals:
-        c = out[activity_kind(iv)]
-        c[0] += 1
-        c[1] += iv.end - iv.start
-    return {k: (int(n), float(s)) for k, (n, s) in out.items()}
-
-
-def _covered_seconds(spans: Iterable[tuple[float, float]], since: float = -math.inf,
-                     until: float = math.inf) -> float:
-    """Length of the union of ``(start, end)`` spans within ``[since, until]``."""
-    covered, end = 0.0, since
-    for a, b in sorted(spans):
-        a, b = max(a, end), min(b, until)
-        if b > a:
-            covered += b - a
-        end = max(end, min(b, until))
-    return covered
-
-
-def lanes_overlap_seconds(intervals: Iterable[Interval]) -> float:
-    """Seconds during which the CPU lane (track ``cpu``) and the accelerator lane (track ``gpu``) were busy at
-    once: the time a change in how the machine runs two threads side by side can move."""
-    ivs = list(intervals)
-    cpu = [(iv.start, iv.end) for iv in ivs if iv.track == "cpu"]
-    gpu = [(iv.start, iv.end) for iv in ivs if iv.track == "gpu"]
-    return max(0.0, _covered_seconds(cpu) + _covered_seconds(gpu) - _covered_seconds(cpu + gpu))
-
-
-def idle_seconds(intervals: Iterable[Interval], makespan: float) -> float:
-    """Time within ``[0, makespan]`` when no track (GPU, CPU, PCIe) is busy: in a simulation only waits
-    the model has (none, in most layers); in an executed run also the host's own work between them."""
-    return max(0.0, makespan - _covered_seconds(((iv.start, iv.end) for iv in intervals), 0.0, makespan))
 
 
 def _quantile(x: np.ndarray, q: float) -> float:
