@@ -43,8 +43,8 @@ def test_slowdowns_say_why_the_rounds_cannot_give_one():
     assert "never busy at once in round 1" in lanes_mod.slowdowns(_rounds((12, 11, 8, 10, 10), (12, 11, 0, 10, 10)))
     noisy = lanes_mod.slowdowns(_rounds((19, 11, 8, 10, 10)))  # 9 s more than apart, within 8 s together
     assert "gpu lane's calls grew by more than the lanes overlapped" in noisy and "-0.125" in noisy
-    with pytest.raises(ValueError, match="rounds and batch_size must be >= 1"):
-        lanes_mod.LaneSettings(rounds=0)
+    with pytest.raises(ValueError, match="rounds, batch_size and layers must be >= 1"):
+        lanes_mod.LaneSettings(layers=0)
 
 
 def _split_replay(tmp: str):
@@ -110,7 +110,8 @@ def test_the_measurement_alternates_the_modes_and_reads_each_lanes_expert_second
 def _quick_config(**kw):
     return CalibrationConfig("mixtral-8x7b", scale=1 / 64, dtype="fp32", device="cpu", cpu_threads=1, accel_threads=1,
                              expert_tokens=(1, 4), dense_tokens=(1, 4), context_lens=(1,), prefill_sequences=(),
-                             prefill_queries=(), settings=MicroSettings(repeats=1, warmup=0, contention_rounds=1, table_rounds=1),
+                             prefill_queries=(),
+                             settings=MicroSettings(repeats=1, warmup=0, contention_rounds=1, table_rounds=1),
                              host=None, **kw)
 
 

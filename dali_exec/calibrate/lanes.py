@@ -11,12 +11,13 @@ side by side").
 
 So this pair is measured as a replay incurs it: short replays of a static split (``LaneSettings.system``, by default
 ``ktransformers-best``: each layer's resident half of the experts on the accelerator lane, the rest on the CPU lane,
-nothing copied) on the host calibration's random workload (``host.workload_trace``), round by round with the lanes
-side by side (as the executor runs them) and apart (``OffloadRuntime.lanes_apart``: each layer's CPU-lane job waited
-for before the accelerator lane starts; the same calls on the same threads, one after the other). Per round and lane,
-with ``d`` the lane's expert seconds side by side minus apart and ``O`` the seconds both lanes were busy at once side
-by side: the simulator slows a lane to a rate ``r`` while the other is busy, so the lane did ``O - d`` seconds of its
-alone work within ``O``, and ``r = (O - d) / O``. The slowdown is one over the median rate of the rounds (at least 1).
+nothing copied) on the first MoE layers of the host calibration's random workload (``host.workload_trace``), round
+by round with the lanes side by side (as the executor runs them) and apart (``OffloadRuntime.lanes_apart``: each
+layer's CPU-lane job waited for before the accelerator lane starts; the same calls on the same threads, one after the
+other). Per round and lane, with ``d`` the lane's expert seconds side by side minus apart and ``O`` the seconds both
+lanes were busy at once side by side: the simulator slows a lane to a rate ``r`` while the other is busy, so the lane
+did ``O - d`` seconds of its alone work within ``O``, and ``r = (O - d) / O``. The slowdown is one over the median rate
+of the rounds (at least 1).
 """
 
 from __future__ import annotations
@@ -46,20 +47,22 @@ LANE_KINDS = {"gpu": "gpu_expert", "cpu": "cpu_expert"}
 class LaneSettings:
     rounds: int = 5  # rounds of the two replays (the modes' order alternates from round to round)
     batch_size: int = 4
+    layers: int = 2  # MoE layers replayed (a slowdown per call: more layers only lengthen the replays)
     #: a preset whose placement splits every layer without costs or copies: its resident experts (half of each
     #: layer's, ``memory.cache_experts``) on the accelerator lane, the others on the CPU lane
     system: str = "ktransformers-best"
 
     def __post_init__(self) -> None:
-        if self.rounds < 1 or self.batch_size < 1:
-            raise ValueError(f"lane measurement: rounds and batch_size must be >= 1, got {self.rounds} and "
-                             f"{self.batch_size}")
+        if min(self.rounds, self.batch_size, self.layers) < 1:
+            raise ValueError(f"lane measurement: rounds, batch_size and layers must be >= 1, got {self.rounds}, "
+                             f"{self.batch_size} and {self.layers}")
 
 
 def lane_busy(result) -> dict[str, float]:
     """Seconds of each lane's expert calls in a replay's timeline, and (``"both"``) the seconds both were busy."""
     kinds = busy_by_kind(result.intervals)
-    return {lane: kinds[kind][1] for lane, kind in LANE_KINDS.items()} | {"both": lanes_overlap_seconds(result.intervals)}
+    both = lanes_overlap_seconds(result.intervals)
+    return {lane: kinds[kind][1] for lane, kind in LANE_KINDS.items()} | {"both": both}
 
 
 def slowdowns(rounds: list[dict[str, dict[str, float]]]) -> dict[str, float] | str:
@@ -85,11 +88,11 @@ def slowdowns(rounds: list[dict[str, dict[str, float]]]) -> dict[str, float] | s
 def measure_lane_slowdowns(model: ModelSpec, scale: float, dtype: str, devices: Devices, run: ExecOptions,
                            host: HostSettings = HostSettings(), s: LaneSettings = LaneSettings()) -> dict:
     """``{"slowdowns": {"cpu": ..., "gpu": ...} or why there are none (:func:`slowdowns`), "rounds": [{"beside":
-    lane_busy, "apart": lane_busy}, ...]}`` for ``model`` (full size) replayed at ``scale`` in ``dtype`` on the
-    workload of ``host`` (its layers, sequences and tokens)."""
+    lane_busy, "apart": lane_busy}, ...]}`` for ``model`` (full size) replayed at ``scale`` in ``dtype`` on its
+    first ``s.layers`` MoE layers of the workload of ``host`` (its sequences and tokens)."""
     with tempfile.TemporaryDirectory(prefix="dali-lanes-") as tmp:
         trace = workload_trace(model, host, Path(tmp))
-        opts = ReplayOptions(scale=scale, layers=min(host.layers, model.num_moe_layers), dtype=dtype)
+        opts = ReplayOptions(scale=scale, layers=min(s.layers, model.num_moe_layers), dtype=dtype)
         half = {"memory": {"gpu_memory_gib": repr(float(1 << 20)), "cache_experts": str(trace.num_experts // 2)}}
         setup = prepare_replay(trace, s.system, opts, batch_size=s.batch_size, overrides=half)
         store = HostExpertStore.random(setup.model, devices.dtype, host.seed, pin=devices.is_cuda)
