@@ -82,6 +82,10 @@ def test_calibrate_writes_a_measured_profile_of_the_scaled_shape(profile):
     prov = p.provenance
     assert prov["command"].startswith("dali exec calibrate") and prov["versions"]["torch"] == torch.__version__
     assert prov["scale"] == 1 / 64 and prov["model_shape"] == "mixtral-8x7b"
+    lanes = prov["lanes_beside"]  # the compute lanes side by side, measured in replays (or why not, and the loops')
+    assert len(lanes["rounds"]) == 5
+    assert p.contention["cpu+gpu"] == (lanes["slowdowns"] if isinstance(lanes["slowdowns"], dict) else
+                                       lanes["loops_cpu+gpu"])
     if not torch.cuda.is_available():  # said honestly: the "gpu" is the CPU device, the link a host copy
         assert prov["devices"]["gpu_is_cpu_device"] and "no CUDA" in p.gpu.name and "no CUDA" in p.link_name
     CostModel(p, model)  # the simulator's cost model accepts it for this shape
@@ -564,6 +568,14 @@ def test_calibrate_systems_option_names_the_presets_whose_decisions_are_measured
     assert seen[0].host.systems == ("dali", "cpu-only")
     r = _invoke("exec", "calibrate", "--model-shape", "mixtral-8x7b", "--systems", "dali,no-such", "-o", str(out))
     assert r.exit_code == 2 and "--systems" in r.output and "'no-such'" in r.output and not out.exists()
+    assert seen[0].lanes.rounds == 5  # (the default: the two compute lanes measured in replays)
+    for args, rounds in ((["--lane-rounds", "3"], 3), (["--lane-rounds", "0"], None)):
+        seen.clear()
+        r = CliRunner().invoke(cli, ["exec", "calibrate", "--model-shape", "mixtral-8x7b", *args, "-o", str(out)])
+        assert isinstance(r.exception, Stop), r.output
+        assert (seen[0].lanes.rounds if rounds else seen[0].lanes) == rounds
+    r = _invoke("exec", "calibrate", "--model-shape", "mixtral-8x7b", "--lane-rounds", "-1", "-o", str(out))
+    assert r.exit_code == 2 and "--lane-rounds" in r.output and not out.exists()
 
 
 def _host_fit_rows(run, **kw):

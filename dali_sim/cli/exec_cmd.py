@@ -172,18 +172,22 @@ def run_cmd(trace_path, system, model_shape, layers, scale, sequences, max_token
 @click.option("--warmup", default=2, show_default=True, type=int, help="Untimed runs before each point.")
 @click.option("--rounds", default=3, show_default=True, type=int,
               help="Rounds of the tables (every table in turn); each point keeps its median over the rounds.")
+@click.option("--lane-rounds", default=5, show_default=True, type=click.IntRange(min=0),
+              help="Rounds of the replays that measure how the two compute lanes slow each other side by side (the "
+                   "cpu+gpu contention, docs/hardware.md); 0: the contention loops measure that pair too.")
 @click.option("--systems", help="Comma-separated system presets whose decision time per layer visit is measured (a "
                                  "replay of each; default: every preset that can run). A profile serves only these.")
 @click.option("--name", help="Profile name (default: measured-MODEL-DEVICE).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Profile JSON to write.")
 def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads, spin_us, expert_tokens,
-                  dense_tokens, context_lens, prefill_sequences, prefill_tokens, repeats, warmup, rounds, systems, name,
-                  output) -> None:
+                  dense_tokens, context_lens, prefill_sequences, prefill_tokens, repeats, warmup, rounds, lane_rounds,
+                  systems, name, output) -> None:
     """Measure expert, transfer and dense times and write a measured hardware profile (docs/hardware.md)."""
     check_outputs({"profile": output}, [])
     _exec_module()
     from dali_exec.calibrate import CalibrationConfig, calibrate_to
     from dali_exec.calibrate.host import HostSettings
+    from dali_exec.calibrate.lanes import LaneSettings
     from dali_sim.policies.systems import system_names
 
     names = None
@@ -202,6 +206,7 @@ def calibrate_cmd(model_shape, scale, device, dtype, cpu_threads, accel_threads,
                             prefill_sequences=_ints(prefill_sequences, "--prefill-sequences"),
                             prefill_queries=_ints(prefill_tokens, "--prefill-tokens"),
                             settings=_micro(repeats=repeats, warmup=warmup, table_rounds=rounds), name=name,
+                            lanes=LaneSettings(rounds=lane_rounds) if lane_rounds else None,
                             host=HostSettings(systems=names))
     path = calibrate_to(output, cfg, command=command_line(), progress=True)
     from dali_sim.hardware.profile import load_profile
