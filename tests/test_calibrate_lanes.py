@@ -97,9 +97,10 @@ def test_the_measurement_alternates_the_modes_and_reads_each_lanes_expert_second
         return real_run(self, *a, **kw)
 
     monkeypatch.setattr(Replay, "run", run)
+    # (a workload of 2 sequences: every one replayed, the batch cut to them)
     out = lanes_mod.measure_lane_slowdowns(get_model("mixtral-8x7b"), 1 / 64, "fp32", Devices.create("cpu", "fp32"),
-                                           ExecOptions(device="cpu", cpu_threads=1, accel_threads=1), SMALL,
-                                           lanes_mod.LaneSettings(rounds=3, batch_size=2))
+                                           ExecOptions(device="cpu", cpu_threads=1, accel_threads=1),
+                                           dataclasses.replace(SMALL, sequences=2), lanes_mod.LaneSettings(rounds=3))
     assert modes == [False, False, True, True, False, False, True]  # warm-up, then beside/apart, apart/beside, ...
     assert len(out["rounds"]) == 3
     for r in out["rounds"]:

@@ -36,6 +36,7 @@ from dali_exec.executor.replay import ExecOptions, Replay
 from dali_exec.executor.store import HostExpertStore
 from dali_sim.models.spec import ModelSpec
 from dali_sim.sim.busy import busy_by_kind, lanes_overlap_seconds
+from dali_sim.workload.profiling import ProfileSpec
 
 #: the modes of a round: the lanes as the executor runs them, and one after the other
 MODES = ("beside", "apart")
@@ -46,7 +47,7 @@ LANE_KINDS = {"gpu": "gpu_expert", "cpu": "cpu_expert"}
 @dataclass(frozen=True)
 class LaneSettings:
     rounds: int = 5  # rounds of the two replays (the modes' order alternates from round to round)
-    batch_size: int = 4
+    batch_size: int = 4  # (at most the workload's sequences)
     layers: int = 2  # MoE layers replayed (a slowdown per call: more layers only lengthen the replays)
     #: a preset whose placement splits every layer without costs or copies: its resident experts (half of each
     #: layer's, ``memory.cache_experts``) on the accelerator lane, the others on the CPU lane
@@ -94,7 +95,9 @@ def measure_lane_slowdowns(model: ModelSpec, scale: float, dtype: str, devices: 
         trace = workload_trace(model, host, Path(tmp))
         opts = ReplayOptions(scale=scale, layers=min(s.layers, model.num_moe_layers), dtype=dtype)
         half = {"memory": {"gpu_memory_gib": repr(float(1 << 20)), "cache_experts": str(trace.num_experts // 2)}}
-        setup = prepare_replay(trace, s.system, opts, batch_size=s.batch_size, overrides=half)
+        # (every sequence replayed: the split needs no profile, and a short workload still fills the batch)
+        setup = prepare_replay(trace, s.system, opts, batch_size=min(s.batch_size, host.sequences), overrides=half,
+                               profiling=ProfileSpec(share=0.0))
         store = HostExpertStore.random(setup.model, devices.dtype, host.seed, pin=devices.is_cuda)
         dense = DenseWeights(setup.model, devices.dtype, host.seed)
         replay = Replay(setup, devices, dataclasses.replace(run, progress=False), seed=host.seed, store=store,
