@@ -102,7 +102,7 @@ def test_the_measurement_alternates_the_modes_and_reads_each_lanes_expert_second
                                            ExecOptions(device="cpu", cpu_threads=1, accel_threads=1),
                                            dataclasses.replace(SMALL, sequences=2), lanes_mod.LaneSettings(rounds=3))
     assert modes == [False, False, True, True, False, False, True]  # warm-up, then beside/apart, apart/beside, ...
-    assert len(out["rounds"]) == 3
+    assert len(out["rounds"]) == 3 and out["batch_size"] == 2  # (LaneSettings' 4, cut to the 2 sequences)
     for r in out["rounds"]:
         assert r["apart"]["both"] == 0.0 and all(r[m][lane] > 0 for m in lanes_mod.MODES for lane in ("gpu", "cpu"))
     assert out["slowdowns"] == lanes_mod.slowdowns(out["rounds"])
@@ -119,18 +119,20 @@ def _quick_config(**kw):
 def test_the_profiles_cpu_gpu_contention_is_the_lanes_measurement(monkeypatch):
     rounds = _rounds((12, 11, 8, 10, 10))
     monkeypatch.setattr(profile_mod, "measure_lane_slowdowns",
-                        lambda *a, **k: {"slowdowns": {"gpu": 1.3, "cpu": 1.2}, "rounds": rounds})
+                        lambda *a, **k: {"slowdowns": {"gpu": 1.3, "cpu": 1.2}, "rounds": rounds, "batch_size": 4})
     p = calibrate(_quick_config())
     assert p.contention["cpu+gpu"] == {"gpu": 1.3, "cpu": 1.2}
     beside = p.provenance["lanes_beside"]
     assert beside["rounds"] == rounds and set(beside["loops_cpu+gpu"]) == {"gpu", "cpu"}
     assert "cpu+gpu: the compute lanes' expert calls side by side" in p.provenance["contention"]
+    assert "at batch 4 " in p.provenance["contention"]
     assert all(set(f) == set(key.split("+")) for key, f in p.contention.items())  # the other combinations: the loops'
 
 
 def test_a_lanes_measurement_without_slowdowns_keeps_the_loops_reading_and_says_so(monkeypatch):
     monkeypatch.setattr(profile_mod, "measure_lane_slowdowns",
-                        lambda *a, **k: {"slowdowns": "the lanes were never busy at once in round 0", "rounds": []})
+                        lambda *a, **k: {"slowdowns": "the lanes were never busy at once in round 0", "rounds": [],
+                                         "batch_size": 4})
     with pytest.warns(RuntimeWarning, match="never busy at once in round 0.*the loops' reading"):
         p = calibrate(_quick_config())
     assert p.contention["cpu+gpu"] == p.provenance["lanes_beside"]["loops_cpu+gpu"]

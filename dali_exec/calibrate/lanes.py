@@ -5,9 +5,9 @@ The executor computes a layer's experts on both lanes at once: the CPU lane's gr
 while the replay's thread computes the accelerator lane's (dali_exec/executor/runtime.py). Side by side, the two
 threads take the GIL from each other between their torch calls and share the caches and the memory. The
 microbenchmark loops (``Microbench.contention``: one one-token expert timed with the caches flushed while the other
-lane loops its own) do not see it: on the 2-core development VM they read 1.0 for both lanes, while the same lanes'
-calls in replays of two-lane systems took 1.03-1.25x their time with the lanes apart (docs/validation.md, "Two lanes
-side by side").
+lane loops its own) do not see it: on the 2-core development VM they read 1.00-1.09 for the two lanes, while the
+same lanes' calls in replays of two-lane systems took 1.03-1.25x their time with the lanes apart
+(docs/validation.md, "Two lanes side by side").
 
 So this pair is measured as a replay incurs it: short replays of a static split (``LaneSettings.system``, by default
 ``ktransformers-best``: each layer's resident half of the experts on the accelerator lane, the rest on the CPU lane,
@@ -89,14 +89,16 @@ def slowdowns(rounds: list[dict[str, dict[str, float]]]) -> dict[str, float] | s
 def measure_lane_slowdowns(model: ModelSpec, scale: float, dtype: str, devices: Devices, run: ExecOptions,
                            host: HostSettings = HostSettings(), s: LaneSettings = LaneSettings()) -> dict:
     """``{"slowdowns": {"cpu": ..., "gpu": ...} or why there are none (:func:`slowdowns`), "rounds": [{"beside":
-    lane_busy, "apart": lane_busy}, ...]}`` for ``model`` (full size) replayed at ``scale`` in ``dtype`` on its
-    first ``s.layers`` MoE layers of the workload of ``host`` (its sequences and tokens)."""
+    lane_busy, "apart": lane_busy}, ...], "batch_size": the batch replayed}`` for ``model`` (full size) replayed at
+    ``scale`` in ``dtype`` on its first ``s.layers`` MoE layers of the workload of ``host`` (its sequences and
+    tokens)."""
     with tempfile.TemporaryDirectory(prefix="dali-lanes-") as tmp:
         trace = workload_trace(model, host, Path(tmp))
         opts = ReplayOptions(scale=scale, layers=min(s.layers, model.num_moe_layers), dtype=dtype)
         half = {"memory": {"gpu_memory_gib": repr(float(1 << 20)), "cache_experts": str(trace.num_experts // 2)}}
         # (every sequence replayed: the split needs no profile, and a short workload still fills the batch)
-        setup = prepare_replay(trace, s.system, opts, batch_size=min(s.batch_size, host.sequences), overrides=half,
+        batch = min(s.batch_size, host.sequences)
+        setup = prepare_replay(trace, s.system, opts, batch_size=batch, overrides=half,
                                profiling=ProfileSpec(share=0.0))
         store = HostExpertStore.random(setup.model, devices.dtype, host.seed, pin=devices.is_cuda)
         dense = DenseWeights(setup.model, devices.dtype, host.seed)
@@ -113,7 +115,7 @@ def measure_lane_slowdowns(model: ModelSpec, scale: float, dtype: str, devices: 
                 rounds.append(measured)
         finally:
             replay.close()
-    return {"slowdowns": slowdowns(rounds), "rounds": rounds}
+    return {"slowdowns": slowdowns(rounds), "rounds": rounds, "batch_size": batch}
 
 
 __all__ = ["LANE_KINDS", "LaneSettings", "MODES", "lane_busy", "measure_lane_slowdowns", "slowdowns"]

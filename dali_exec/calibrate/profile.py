@@ -225,7 +225,7 @@ def calibrate(cfg: CalibrationConfig, *, command: str = "(python API)", progress
         "contention": (f"each lane with a {cfg.settings.contention_tokens}-token expert (copy lane: one expert's "
                        "copy) while the other lanes of each combination loop theirs"
                        + ("; cpu+gpu: the compute lanes' expert calls side by side against apart in replays of "
-                          f"{cfg.lanes.system} (half of each layer's experts resident) at batch {cfg.lanes.batch_size} "
+                          f"{cfg.lanes.system} (half of each layer's experts resident) at batch {lanes['batch_size']} "
                           f"on the host measurement's random workload, {cfg.lanes.rounds} rounds "
                           "(dali_exec/calibrate/lanes.py; lanes_beside, which says why where the loops' reading is "
                           "kept)" if lanes is not None else "")
