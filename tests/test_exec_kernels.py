@@ -116,7 +116,7 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
 
     import torch
 
-    from dali_exec.executor.runtime import _ROUTE_LOOSE, OffloadRuntime
+    from dali_exec.executor.runtime import _ROUTE_LOOSE, OffloadRuntime, _AccelLane
     from dali_exec.executor.slots import SlotPool
     from dali_exec.executor.workspace import RouteWorkspace
     from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED
@@ -125,6 +125,14 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
 
     def strided(a):  # the same values in a view with a step (read by its strides)
         return np.repeat(a, 2)[::2]
+
+    def pool_of(experts, source):  # the hits cached, the prefetched ones in their buffers (some copies in flight)
+        pool = SlotPool(np.array([30]), 30, 0, 4, torch.float32, torch.device("cpu"), num_experts=30)
+        pool.admit_many(0, experts[source == HIT].astype(np.int64))
+        for j, e in enumerate(experts[source == PREFETCHED].tolist()):
+            pool.inflight[pool.take_prefetch(0, e).index] = j % 3 == 1
+        return pool
+    adoptions = declines = 0
     for trial in range(RNG_TRIALS):
         ids, w, mask, _ = _layer(rng, counted=trial % 2 == 1, order=False)
         r = LayerRouting.group(ids, w, counted=mask)
@@ -132,8 +140,7 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
         touch = rng.permutation(int((own > 0).sum()))
         experts = r.experts[own > 0][touch]
         source = rng.choice([HIT, FETCH, CPU, PREFETCHED], len(experts)).astype(np.int8)
-        pool = SlotPool(np.array([30]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=30)
-        pool.admit_many(0, experts[source == HIT].astype(np.int64))
+        pool = pool_of(experts, source)
         plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=own[own > 0][touch].astype(
             np.int32), source=source, admitted=rng.random(len(experts)) < 0.5)
         if trial % 3 == 2:
@@ -147,37 +154,34 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
             m.setattr(K, "compiled", lambda name: None)
             want = OffloadRuntime._partition(runtime, plan, r, flag)
         splits = [(got, want)]
-        if mask is None and not flag:  # the replay's call: evictions, grouping, split and admissions in one call
+        if mask is None and not flag:  # the replay's call: evictions, grouping, split, adoptions and admissions
             plan.evicted = rng.choice(np.setdiff1d(np.arange(30), experts), 3, replace=False).tolist()
-            twin = SlotPool(np.array([30]), 0, 0, 4, torch.float32, torch.device("cpu"), num_experts=30)
-            twin.admit_many(0, experts[source == HIT].astype(np.int64))
+            twin = pool_of(experts, source)
             pool.admit_many(0, np.array(plan.evicted, np.int64))
             twin.admit_many(0, np.array(plan.evicted, np.int64))
             routed, cpu_seg, split, admitted = OffloadRuntime._route(runtime, plan, ids, w)
             for field in ("experts", "ptr", "positions", "weights"):
                 _same(getattr(routed, field), getattr(r, field))
             _same(routed.counts(), r.counts())
-            # the same table as evict_many, the prefetched adoptions (the first free rows) and admit_many
+            assert admitted is not None  # (room for all)
+            # the same table, free lists and lane as evict_many and _AccelLane.of's own adoptions and admit_many
             twin.evict_many(0, np.array(plan.evicted, np.int64))
             lane, order, hits, ready, fetched = split
-            adopted = sum(bool(plan.admitted[lane[0, g]]) for g in order[:ready] if lane[4, g] == K.PREFETCHED_KIND)
-            for _ in range(adopted):
-                twin.cache_free[0].popleft()
-            fetched_pos = order[ready:ready + fetched]
-            rows = twin.admit_many(0, lane[3, fetched_pos])
-            assert admitted  # (room for all)
-            pool.took_free(0, adopted + fetched)  # what the adoptions and _AccelLane.of leave to the pool
-            twin.n_cached[0] += adopted  # (adopt counts them)
-            if fetched:
-                _same(lane[2, fetched_pos], rows)
-                lane = lane.copy()
-                lane[2, fetched_pos] = -1  # as _partition leaves them
-            for a, b in ((pool.row_of, twin.row_of), (pool.hold_layer, twin.hold_layer),
-                         (pool.hold_expert, twin.hold_expert)):
+            unset = lane.copy()  # (as _partition leaves them: the rows of the prefetched and fetched ones unknown)
+            unset[2, (lane[4] == K.PREFETCHED_KIND) | (lane[4] == K.FETCHED)] = -1
+            mine = _AccelLane.of(plan, pool, lane, order, hits, ready, fetched, admitted=admitted)
+            theirs = _AccelLane.of(plan, twin, unset.copy(), order, hits, ready, fetched)
+            _same(mine.rows, theirs.rows)
+            assert mine.freed == theirs.freed and mine.prefetched_in_flight == theirs.prefetched_in_flight
+            for a, b in ((pool.row_of, twin.row_of), (pool.prefetch_row, twin.prefetch_row),
+                         (pool.hold_layer, twin.hold_layer), (pool.hold_expert, twin.hold_expert)):
                 _same(a, b)
-            assert pool.n_cached == twin.n_cached
+            assert pool.n_cached == twin.n_cached and pool.n_prefetched == twin.n_prefetched
             assert list(pool.cache_free[0]) == list(twin.cache_free[0])
-            splits.append(((cpu_seg, (lane, order, hits, ready, fetched)), want))
+            assert list(pool.prefetch_free) == list(twin.prefetch_free)
+            adoptions += len(pool.prefetch_free) - 30 + int((source == PREFETCHED).sum())
+            declines += len(mine.freed)
+            splits.append(((cpu_seg, (unset, order, hits, ready, fetched)), want))
         for got, want in splits:
             _same(got[0], want[0])
             for a, b in zip(got[1], want[1]):
@@ -185,6 +189,7 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
                     _same(a, b)
                 else:
                     assert a == b
+    assert adoptions and declines  # (both kinds were compared)
 
 
 def test_rank_order_is_the_stable_descending_sort():
@@ -346,7 +351,7 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
     from dali_exec.executor.runtime import _ROUTE_LOOSE, OffloadRuntime, _AccelLane
     from dali_exec.executor.slots import SlotPool
     from dali_exec.executor.workspace import RouteWorkspace
-    from dali_sim.runtime.controller import CPU, FETCH, HIT
+    from dali_sim.runtime.controller import CPU, FETCH, HIT, PREFETCHED
 
     if not numba_on:
         monkeypatch.setattr(K, "compiled", lambda name: None)
@@ -385,6 +390,31 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
     assert not admitted and (runtime.pool.row_of[0] >= 0).sum() == 2
     with pytest.raises(AssertionError, match="layer 0: all 4 cache slots are taken"):
         _AccelLane.of(five, runtime.pool, *split)
+    # and so are adoptions: a prefetched expert without a buffer, or none of the layer's cache rows free to exchange
+    pool = SlotPool(np.array([1]), 2, 0, 4, torch.float32, torch.device("cpu"), num_experts=8)
+    runtime.pool = pool
+    pool.take_prefetch(0, 4)
+    pre = plan([4, 1, 2], [2, 1, 1], [PREFETCHED, PREFETCHED, CPU])
+    pre.admitted[:] = True
+    _, _, split, admitted = OffloadRuntime._route(runtime, pre, ids, w)
+    assert admitted is None and pool.prefetch_row[0, 4] >= 0  # (nothing taken)
+    with pytest.raises(AssertionError, match="layer 0 expert 1 was not prefetched"):
+        _AccelLane.of(pre, pool, *split)
+    pool = runtime.pool = SlotPool(np.array([1]), 2, 0, 4, torch.float32, torch.device("cpu"), num_experts=8)
+    for e in (4, 1):
+        pool.take_prefetch(0, e)
+    _, _, split, admitted = OffloadRuntime._route(runtime, pre, ids, w)
+    assert admitted is None and (pool.prefetch_row[0, [1, 4]] >= 0).all() and (pool.row_of[0] < 0).all()
+    with pytest.raises(AssertionError, match="layer 0: no free cache slot to exchange for a prefetch buffer"):
+        _AccelLane.of(pre, pool, *split)
+    pre.admitted[1] = False  # (one admitted: its buffer exchanged for the one free cache row, the other declined)
+    pool = runtime.pool = SlotPool(np.array([1]), 2, 0, 4, torch.float32, torch.device("cpu"), num_experts=8)
+    rows = [pool.take_prefetch(0, e).index for e in (4, 1)]
+    _, _, split, admitted = OffloadRuntime._route(runtime, pre, ids, w)
+    assert admitted is None if not numba_on else (admitted[0] == 1 and len(admitted[1]) == 1)
+    lane = _AccelLane.of(pre, pool, *split, admitted=admitted)
+    assert pool.row_of[0, 4] == rows[0] and list(pool.prefetch_free) == [0] and pool.n_prefetched == 0
+    assert lane.rows[lane.freed[0]] == rows[1] and pool.n_cached == [1]
 
 
 def test_entries_read_loose_arrays_by_their_strides_and_type_each_dtype_once():

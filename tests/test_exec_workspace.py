@@ -116,6 +116,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         admitted = (source == FETCH) & (rng.random(len(experts)) < (0 if staged_only else 0.5))
         plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=r.counts()[touch],
                                source=source, admitted=admitted, evicted=[])
+        buffers = pool.prefetch_row[0].copy()
         routed, _, split, _ = OffloadRuntime._route(runtime, plan, ids, w)
         assert runtime._ws_routing is routed
         wi = runtime._route_ws.wi
@@ -139,7 +140,8 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         # which hold them
         pre = order[:ready][lane[4, order[:ready]] == K.PREFETCHED_KIND]
         assert len(pre) == ready - hits
-        assert np.array_equal(lane[2, pre], pool.prefetch_row[0, lane[3, pre]]) and (lane[2, pre] >= 0).all()
+        assert np.array_equal(lane[2, pre], buffers[lane[3, pre]]) and (lane[2, pre] >= 0).all()
+        assert (pool.prefetch_row[0, lane[3, pre]] == -1).all()  # (taken from their buffers)
         first = order[:ready + fetched]
         staged_group = not len(first) and 0 < len(staged) <= pool.num_staging
         staged_groups += staged_group

@@ -434,7 +434,9 @@ def staging_schedule(n_staged, buffers):
 W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKENS, W_TURNS = 0, 1, 2, 3, 4, 5, 10, 11, 12, 13
 W_FIRST, W_FLAGS = 17, 19  # the first group's experts and rows; scratch flags (two rows each)
 W_COPIES = 21  # the accelerator lane's first copies: lane positions, slot rows, experts (three rows)
-W_ROWS = 24
+W_DECLINED = 24  # lane positions of the prefetched experts the cache declined (their buffers freed after the compute)
+W_ROWS = 25
+NOT_PREFETCHED = 3  # _route_partition's admission status: a plan's prefetched expert has no prefetch buffer
 #: the plan's source codes in the order :func:`_partition` takes them (CPU, HIT, PREFETCHED, FETCH); a global
 #: array, which numba compiles in as a constant
 PLAN_CODES = np.array([_CPU, _HIT, _PREFETCHED, _FETCH], np.int64)
@@ -444,34 +446,38 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
                      free, layer, state, wi, wf, gi, gw, goffs, stage_lo, stage_n):
     """A replay's layer in one call: the plan's evictions (:func:`_evict`; ``row_of_all[layer]`` is the layer's
     row of the slot table), :func:`_group_routing` of the trace's ids (no given order, every token counted),
-    :func:`_partition` of the result, and the admissions of the fetched experts: they take the free cache
-    rows ``free`` (the layer's free list, then the rows just evicted) after the first ones, which go to
-    the admitted prefetched experts (``SlotPool.adopt``, the caller's, in lane order). ``state``: the slot
-    table's (hold_layer, hold_expert, inflight) rows (``SlotPool.state``); the plan's source codes are
-    :data:`PLAN_CODES`. Few arguments: with cold caches numba's dispatch costs about a microsecond per argument.
+    :func:`_partition` of the result, the prefetched experts taken from their buffers (``prefetch_row_all[layer]``,
+    ``SlotPool.prefetch_row``: the buffer's row in the lane's row 2, the entry cleared) and the admitted ones adopted
+    (their buffer becomes their cache row; ``SlotPool.adopt`` gives one of the first free cache rows to the prefetch
+    buffers in exchange, in lane order, which is the caller's: :meth:`SlotPool.took_prefetched`), and the admissions
+    of the fetched experts: they take the free cache rows ``free`` (the layer's free list, then the rows just
+    evicted) after those. ``state``: the slot table's (hold_layer, hold_expert, inflight) rows (``SlotPool.state``);
+    the plan's source codes are :data:`PLAN_CODES`. Few arguments: with cold caches numba's dispatch costs about a
+    microsecond per argument.
 
     Everything is written into a preallocated workspace (no array is made or returned: each would cost
     an allocation and a Python object per layer): ``wi`` (int64, :data:`W_ROWS` x at least n + 1 columns,
     n the pairs, and at least the evictions) holds the evicted rows (row :data:`W_EVICTED`), the grouping's
     order, ptr, experts and pairs per expert (:data:`W_ORDER` ..), the lane split (the five rows from
-    :data:`W_LANE`), its order, the CPU experts, the token of each sorted pair (:data:`W_TOKENS`) and, from
+    :data:`W_LANE`), its order, the CPU experts, the lane positions of the prefetched experts the cache declined
+    (:data:`W_DECLINED`), the token of each sorted pair (:data:`W_TOKENS`) and, from
     :data:`W_TURNS`, the staged experts' ids and pairs (in staging order: the staging turns') and those
     experts' pairs in that order, as flat positions and tokens (one gather and one scatter serve every turn);
     ``wf`` (float32, 2 x at least n) the sorted weights and the staged pairs' weights in staging order.
     Returns (index of an evicted expert that is not cached or -1, the number of evicted rows, grouping status,
     the number of experts m, partition status, the number of CPU experts c, of accelerator experts g, hits,
-    ready, fetched, admission status: ``OK`` (the fetched experts' rows are in the lane's row 2 and the
-    table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not enough free rows), nothing
-    admitted: the caller's ``SlotPool.admit_many`` refuses as it does), the first group's (pairs, lo,
-    span, ready) or (-1, 0, 0, False), whether the first group is of staged experts, and the number of the
-    lane's first copies listed (see below) or -1.
+    ready, fetched, admission status: ``OK`` (the prefetched and fetched experts' rows are in the lane's row 2 and
+    the table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not enough free rows) /
+    :data:`NOT_PREFETCHED`, nothing adopted or admitted: the caller's ``SlotPool`` calls refuse as they do), the
+    number of prefetched experts adopted, of those declined and whether a prefetched one's copy is in flight, the
+    first group's (pairs, lo, span, ready) or (-1, 0, 0, False), whether the first group is of staged experts, and
+    the number of the lane's first copies listed (see below) or -1.
 
     The first group: when ``gi`` (``GroupWorkspace.gi``, with ``gw`` and ``goffs``: at least the pairs and
     the slot table's rows wide; empty to skip) is given and the fetched experts are admitted, the group of the
     ready and fetched experts (at least two; what the CPU device's accelerator lane computes first,
     :func:`_group_index_into` of them, their rows checked now: a prefetch still in flight leaves it unwritten)
-    is written there: one compiled call per layer instead of two. A prefetched expert's row is its prefetch
-    buffer's, ``prefetch_row_all[layer]`` (``SlotPool.prefetch_row``), also written into the lane's row 2.
+    is written there: one compiled call per layer instead of two.
     When there are none of those but staged experts, and the ``stage_n`` free staging buffers (consecutive rows
     from ``stage_lo``: ``SlotPool.take_staging_rows``) hold them all, the staged experts take those rows in
     staging order (the lane's row 2 and the table: they hold them, as the copies into them are about to be
@@ -491,11 +497,11 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     n_ev = evicted.shape[0]
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
-        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, False, -1
+        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, False, -1, 0, 0, False, False, -1
     status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf[0],
                                        wb[0], wi[W_PER])
     if status != OK:
-        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, -1, 0, 0, False, False, -1
+        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, False, -1, 0, 0, False, False, -1
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
     for j in range(flat.shape[0]):
         tokens[j] = order[j] // k
@@ -516,12 +522,18 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
                 wf[1, q] = wf[0, j]
                 q += 1
     adm = OK
-    if pstatus == 0 and fetched:
-        n_adopt = 0
-        for i in range(ready):  # the prefetched ones the cache admits adopt the first free rows
-            g_ = lorder[i]
-            if lane[4, g_] == PREFETCHED_KIND and admitted[lane[0, g_]]:
-                n_adopt += 1
+    n_adopt, n_declined, in_flight = 0, 0, False
+    if pstatus == 0 and (fetched or ready > hits):
+        # checked first, then written (all or nothing: a refusal leaves the table to the caller's SlotPool calls)
+        prow = prefetch_row_all[layer]
+        for t in range(ready):  # the prefetched ones: in their buffers (``SlotPool.pop_prefetched``)
+            i = lorder[t]
+            if lane[4, i] == PREFETCHED_KIND:
+                e = lane[3, i]
+                if e >= prow.shape[0] or prow[e] < 0:
+                    adm = NOT_PREFETCHED
+                elif admitted[lane[0, i]]:
+                    n_adopt += 1
         width = row_of.shape[0]
         m_free = free.shape[0]
         for i in range(ready, ready + fetched):
@@ -533,6 +545,21 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
         if adm == OK and n_adopt + fetched > m_free + n_ev:
             adm = 2
         if adm == OK:
+            inflight = state[2]
+            for t in range(ready):  # the admitted prefetched ones adopt their buffers (SlotPool.adopt), in lane order
+                i = lorder[t]
+                if lane[4, i] == PREFETCHED_KIND:
+                    e = lane[3, i]
+                    r = prow[e]
+                    prow[e] = -1
+                    lane[2, i] = r
+                    if inflight[r] != 0:
+                        in_flight = True
+                    if admitted[lane[0, i]]:
+                        row_of[e] = r
+                    else:
+                        wi[W_DECLINED, n_declined] = i
+                        n_declined += 1
             for j in range(fetched):
                 g_ = lorder[ready + j]
                 f = n_adopt + j
@@ -568,17 +595,6 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
         n_copies = nf - ready + n_head
     staged = pstatus == 0 and nf == 0 and 0 < g <= stage_n  # (then every accelerator expert is staged)
     first = pstatus == 0 and adm == OK and nf >= 2
-    if first and ready > hits:  # the prefetched experts' rows: their buffers'
-        prow = prefetch_row_all[layer]
-        for t in range(ready):
-            i = lorder[t]
-            if lane[4, i] == PREFETCHED_KIND:
-                e = lane[3, i]
-                r = prow[e] if e < prow.shape[0] else -1
-                if r < 0:  # (not prefetched: the caller's SlotPool.pop_prefetched says so)
-                    first = False
-                    break
-                lane[2, i] = r
     if (first or staged) and gi.shape[1] >= flat.shape[0]:
         seg = wi[W_FIRST]
         rows = wi[W_FIRST + 1]
@@ -589,7 +605,8 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
             rows[i] = lane[2, lorder[i]]
         fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf[0], wi[W_EXPERTS], seg[:nf], rows[:nf], k,
                                                               layer, state, gi[0:3], gw, gi[3:6], gi[6], goffs)
-    return -1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, staged, n_copies
+    return (-1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, n_adopt, n_declined, in_flight, fg_n, fg_lo,
+            fg_span, fg_ready, staged, n_copies)
 
 
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves
@@ -655,5 +672,5 @@ class Entries:
         return fn
 
 
-__all__ = ["Entries", "FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_SORTED", "OK", "PREFETCHED_KIND", "READY",
-           "STAGED", "TOO_WIDE", "compiled", "staging_schedule"]
+__all__ = ["Entries", "FETCHED", "NEGATIVE", "NOT_PERMUTATION", "NOT_PREFETCHED", "NOT_SORTED", "OK", "PREFETCHED_KIND",
+           "READY", "STAGED", "TOO_WIDE", "compiled", "staging_schedule"]

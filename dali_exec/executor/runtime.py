@@ -244,8 +244,8 @@ class OffloadRuntime:
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
-            admitted = False
-        else:  # (with the evictions and, where it can, the admissions)
+            admitted = None
+        else:  # (with the evictions and, where it can, the adoptions and admissions)
             routing, cpu_seg, split, admitted = self._route(plan, *routing)
         T, k, H = routing.num_tokens, routing.top_k, self.layout.hidden
         lanes = _AccelLane.of(plan, pool, *split, admitted=admitted)
@@ -360,17 +360,18 @@ class OffloadRuntime:
         return buf.zero_() if zeroed else buf
 
     def _route(self, plan: LayerPlan, ids: np.ndarray, weights: np.ndarray | None):
-        """The plan's evictions, then (the routing grouped, :meth:`_partition` of it, whether the fetched experts
-        are admitted already), from the router's ids and weights in one compiled call
-        (``kernels._route_partition``; without numba :meth:`SlotPool.evict_many`, :meth:`LayerRouting.group`
-        and :meth:`_partition`)."""
+        """The plan's evictions, then (the routing grouped, :meth:`_partition` of it, what the compiled call adopted
+        and admitted: (prefetched experts adopted, lane positions of those declined, whether a prefetched one's copy is
+        in flight) when it took the prefetched experts from their buffers and admitted the fetched ones, else None),
+        from the router's ids and weights in one compiled call (``kernels._route_partition``; without numba
+        :meth:`SlotPool.evict_many`, :meth:`LayerRouting.group` and :meth:`_partition`)."""
         pool, layer = self.pool, plan.layer
         if _kernels.compiled("route_partition") is None:
             self._first, self._copies = None, -1
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             routing = LayerRouting.group(ids, weights)
-            return (routing, *self._partition(plan, routing, False), False)
+            return (routing, *self._partition(plan, routing, False), None)
         ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
         n = T * k
@@ -391,8 +392,8 @@ class OffloadRuntime:
                 np.fromiter(free, np.int64, len(free)) if free else _EMPTY, layer, pool.state, wi, ws.wf, gi, gw, go,
                 pool.staging_first + taken, pool.num_staging - taken)
         key = (flat.dtype, pe.dtype, pc.dtype, ps.dtype, pa.dtype)  # (_ROUTE_LOOSE's; the weights are float32)
-        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, fg_n, fg_lo, fg_span, fg_ready, fg_staged,
-         self._copies) = self._route_entries.get(key, args)(*args)
+        (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, n_adopt, n_declined, in_flight, fg_n, fg_lo,
+         fg_span, fg_ready, fg_staged, self._copies) = self._route_entries.get(key, args)(*args)
         # the first group (the ready and fetched experts, or the staged ones in the first free staging buffers),
         # when written and its rows ready: (pairs, lo, span, experts, whether staged), used by _group / _written
         self._first = (fg_n, fg_lo, fg_span, g if fg_staged else ready + fetched, fg_staged) \
@@ -410,7 +411,10 @@ class OffloadRuntime:
         routing = LayerRouting(T, k, experts, ptr, order, w, None, per)
         self._ws_routing = routing
         split = _checked_split(plan, routing, pstatus, cpu, lane, lane_order, hits, ready, fetched)
-        return (routing, *split, adm == _kernels.OK)
+        if adm != _kernels.OK:
+            return (routing, *split, None)
+        declined = wi[_kernels.W_DECLINED, :n_declined].tolist() if n_declined else []
+        return (routing, *split, (n_adopt, declined, in_flight))
 
     def _partition(self, plan: LayerPlan, routing: LayerRouting, uncounted_on_cpu: bool):
         """The routing checked against the plan and split between the lanes: (the CPU lane's experts as ascending
@@ -801,7 +805,7 @@ class OffloadRuntime:
                  out_buf: torch.Tensor, sw: Stopwatch):
         """The experts ``seg`` (indices into the routing's experts) from slot ``rows`` as one group; returns the
         compute's end event on CUDA (a later copy into these rows waits for it), else None."""
-        pool, dev = self.pool, self.dev
+        pool = self.pool
         stream = self.compute_stream
         if len(seg) == 1:  # one expert (a staging turn): slices of the layer's routing, sent once per layer
             i, row = int(seg[0]), int(rows[0])
@@ -1031,11 +1035,12 @@ class _AccelLane:
 
     @classmethod
     def of(cls, plan: LayerPlan, pool: SlotPool, split: np.ndarray, order: np.ndarray, hits: int, ready: int,
-           fetched: int, *, admitted: bool = False) -> "_AccelLane":
+           fetched: int, *, admitted: tuple | None = None) -> "_AccelLane":
         """``split``, ``order`` and the counts: the lane split of ``kernels._partition``. ``admitted``: the
-        fetched experts hold their cache rows already (``split[2]``, the table set; ``kernels._route_partition``):
-        only the free list and the count are left, after the prefetched experts' adoptions. Without accelerator
-        experts the one empty lane (nothing reads or writes its arrays)."""
+        prefetched experts were taken from their buffers and adopted or declined, and the fetched ones hold their
+        cache rows (``split[2]``, the table set; ``kernels._route_partition``): (adopted, declined lane positions,
+        whether a prefetched one's copy is in flight); only the free lists and the counts are left. Without
+        accelerator experts the one empty lane (nothing reads or writes its arrays)."""
         if not split.shape[1]:
             return _NO_LANE
         lane = cls()
@@ -1051,6 +1056,13 @@ class _AccelLane:
             return lane
         layer, rows = plan.layer, lane.rows
         lane.ready, lane.fetched, lane.staged = order[:ready], order[ready:ready + fetched], order[ready + fetched:]
+        if admitted is not None:
+            if ready > hits:
+                pool.took_prefetched(layer, ready - hits, admitted[0])
+                lane.freed, lane.prefetched_in_flight = admitted[1], admitted[2]
+            if fetched:
+                pool.took_free(layer, fetched)
+            return lane
         if ready > hits:  # prefetched ones (at most the prefetch buffers), in touch order
             r = lane.ready
             for i in r[split[4][r] == _kernels.PREFETCHED_KIND].tolist():
@@ -1062,9 +1074,7 @@ class _AccelLane:
                     lane.freed.append(i)
                 rows[i] = slot.index
                 lane.prefetched_in_flight |= bool(pool.inflight[slot.index])
-        if fetched and admitted:
-            pool.took_free(layer, fetched)
-        elif fetched:
+        if fetched:
             rows[lane.fetched] = pool.admit_many(layer, lane.experts[lane.fetched])
         return lane
 

@@ -312,6 +312,17 @@ class SlotPool:
         self.row_of[layer, expert] = slot.index
         self.n_cached[layer] += 1
 
+    def took_prefetched(self, layer: int, prefetched: int, adopted: int) -> None:
+        """``prefetched`` experts of ``layer`` were taken from their buffers and the first ``adopted`` of them
+        adopted (the table set by a compiled loop: ``kernels._route_partition``): what :meth:`pop_prefetched` and
+        :meth:`adopt` leave to the pool, the first ``adopted`` free cache rows of the layer becoming prefetch
+        buffers."""
+        self.n_prefetched -= prefetched
+        free, buffers = self.cache_free[layer], self.prefetch_free
+        for _ in range(adopted):
+            buffers.append(free.popleft())
+        self.n_cached[layer] += adopted
+
     # ---- staging buffers ----------------------------------------------------------------------
     @property
     def staging_free(self) -> list[int]:
