@@ -954,9 +954,14 @@ class OffloadRuntime:
         pool, todo = self.pool, self.deferred
         if not (todo and pool.prefetch_free):
             return
-        take = [todo.popleft() for _ in range(min(len(todo), len(pool.prefetch_free)))]
-        rows = [pool.take_prefetch(t, e).index for t, e, _ in take]
-        self._copy_many(rows, [t for t, _, _ in take], [e for _, e, _ in take], BACKGROUND, ("prefetch", take[0][2]))
+        rows, layers, experts = [], [], []  # (one loop: each comprehension is a function call in Python 3.11)
+        step = todo[0][2]
+        for _ in range(min(len(todo), len(pool.prefetch_free))):
+            t, e, _ = todo.popleft()
+            rows.append(pool.take_prefetch(t, e).index)
+            layers.append(t)
+            experts.append(e)
+        self._copy_many(rows, layers, experts, BACKGROUND, ("prefetch", step))
 
     def _cpu_lane(self, step: int, layer: int, seg: np.ndarray, x: torch.Tensor, r: LayerRouting, ready=None):
         """The CPU experts (``seg``: their indices in ``r.experts``, ascending, unique) as one grouped call from
