@@ -488,7 +488,8 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     first turns' staged experts take the first staging buffers in staging order (the lane's row 2 and the table,
     as for the one turn above), and the lane's first copies (the fetched experts and those, lane positions
     ascending) are listed in rows :data:`W_COPIES` .. + 2 (positions, slot rows, experts); their number is the
-    last value returned (-1: not done, the caller's own code does it)."""
+    last value returned (-1: not done, the caller's own code does it). With one-expert turns each of those buffers is
+    then held by the expert of its last turn (``OffloadRuntime._single_prepare``'s holds)."""
     row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
     wb = wi[W_FLAGS:W_FLAGS + 2]  # scratch (the workspace's: nothing is allocated in this call)
     none = wi[W_EVICTED, :0]  # (no given order, every token counted)
@@ -581,6 +582,10 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
             lane[2, i] = stage_lo + t
             hold_layer[stage_lo + t] = layer
             hold_expert[stage_lo + t] = lane[3, i]
+        if per_turn == 1:  # one-expert turns: each buffer holds the expert of its last turn (the later copies are the loop's)
+            for h in range(n_head):
+                last = ns - 1 if halves == 1 else ((ns - 1) & ~1 if h == 0 else (ns - 2) | 1)
+                hold_expert[stage_lo + h] = lane[3, lorder[nf + last]]
         a, b, end = ready, nf, nf + n_head  # the fetched ones and those, each ascending, merged
         for j in range(nf - ready + n_head):
             if b >= end or (a < nf and lorder[a] < lorder[b]):

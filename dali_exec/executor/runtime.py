@@ -526,8 +526,10 @@ class OffloadRuntime:
                     if not written_staged:
                         groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws))
                 elif n_staged:
-                    singles.append(self._single_prepare(plan, routing, lanes, stage_rows, halves, None, first))
-                records.extend([self._group_booked(plan, g) for g in groups])
+                    singles.append(self._single_prepare(plan, routing, lanes, stage_rows, halves, None, first,
+                                                        held=listed >= 0))
+                for g in groups:  # (a loop: a comprehension is a function call in Python 3.11)
+                    records.append(self._group_booked(plan, g))
                 self._settle_ahead(plan, lanes, stage_rows, late)
 
             def run():  # the first stamp of the lane's device work
@@ -561,8 +563,12 @@ class OffloadRuntime:
             self._compute(plan, routing, seg[after], rows[after], x, out_buf, sw)
         # 3. staging turns
         if n_staged:
-            turns = self._single_turns if per_turn == 1 else self._staging_turns
-            turns(plan, routing, lanes, stage_rows, per_turn, halves, fetched_events, first, x, out_buf, sw)
+            if per_turn == 1:
+                self._single_turns(plan, routing, lanes, stage_rows, halves, fetched_events, first, x, out_buf, sw,
+                                   held=listed >= 0)
+            else:
+                self._staging_turns(plan, routing, lanes, stage_rows, per_turn, halves, fetched_events, first, x,
+                                    out_buf, sw)
             pool.release_staging_rows(stage_rows)
             lanes.staging_used = 0
         # 4. prefetches still in flight
@@ -622,13 +628,15 @@ class OffloadRuntime:
             r, e = ri.tolist(), ei.tolist()
         tickets = pool.tickets
         held = () if staging else pool.ticketed.intersection(r)  # rows a background copy wrote
-        previous = [t for i in held if not (t := tickets[i]).done]
+        previous = []  # (their copies not done yet: these follow them)
+        if held:
+            for i in held:
+                if not (t := tickets[i]).done:
+                    previous.append(t)
+                tickets[i] = None
+            pool.ticketed.difference_update(held)
         if self.dev.is_cuda and after is None:
             after = [pool.last_use[i] for i in r]
-        for i in held:
-            tickets[i] = None
-        if held:
-            pool.ticketed.difference_update(held)
         if prepare is not None:
             prepare()
         w0 = time.perf_counter()
@@ -675,24 +683,25 @@ class OffloadRuntime:
                     events[nxt] = ends
 
     def _single_turns(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: np.ndarray,
-                      per_turn: int, halves: int, first_events, first: np.ndarray, x: torch.Tensor,
-                      out_buf: torch.Tensor, sw: Stopwatch) -> None:
+                      halves: int, first_events, first: np.ndarray, x: torch.Tensor, out_buf: torch.Tensor,
+                      sw: Stopwatch, *, held: bool = False) -> None:
         """:meth:`_staging_turns` of one expert each (few staging buffers, many staged experts). The slot table
         is checked and settled and the turns' records made (:meth:`_single_prepare`) before one loop that issues
         nothing but the device work (:meth:`_single_loop`) and keeps its stamps; the stopwatch is stopped across
         that loop and the intervals are recorded as one series per track (:meth:`Timer.add_turns`)."""
-        turns = self._single_prepare(plan, routing, lanes, stage_rows, halves, first_events, first)
+        turns = self._single_prepare(plan, routing, lanes, stage_rows, halves, first_events, first, held=held)
         sw.stop()  # the device work of every turn
         self._single_loop(turns, x, out_buf)
         sw.start()
         self._single_after(plan, turns)
 
     def _single_prepare(self, plan: LayerPlan, routing: LayerRouting, lanes: "_AccelLane", stage_rows: np.ndarray,
-                        halves: int, first_events, first: np.ndarray) -> "_Turns":
+                        halves: int, first_events, first: np.ndarray, *, held: bool = False) -> "_Turns":
         """What the loop of one-expert turns needs, the first turns' buffers checked (after their copies are issued:
         they hold their experts, with no copy in flight; the later turns' copies are the loop's own, as no
         background copy writes a staging buffer); then each buffer holds the expert of its last turn, and the turns'
-        intervals are recorded as one series per track, of the stamp lists the loop fills."""
+        intervals are recorded as one series per track, of the stamp lists the loop fills. ``held``: the route call
+        started the staging schedule (``kernels._route_partition``), which gave the buffers those holds already."""
         pool, layer, dev = self.pool, plan.layer, self.dev
         idx = lanes.staged
         n = len(idx)
@@ -716,12 +725,13 @@ class OffloadRuntime:
             pairs = self._pairs_on_accel(pos, pos // routing.top_k, routing.weights[sel])
         R = stage_rows[:halves].tolist()  # turn t's buffer: R[t % halves]
         last = [n - 1] if halves == 1 else [(n - 1) & ~1, (n - 2) | 1]  # each buffer's last turn: the last even, odd one
-        hold_l, hold_e, inflight = pool.hold_layer, pool.hold_expert, pool.inflight
-        for j, lt in enumerate(last):
-            r = R[j]
-            if hold_l[r] != layer or hold_e[r] != E[j] or inflight[r]:
-                pool.check_rows(np.array([r]), layer, np.array([E[j]]))  # raises, naming what is wrong
-            hold_e[r] = E[lt]
+        if not held:
+            hold_l, hold_e, inflight = pool.hold_layer, pool.hold_expert, pool.inflight
+            for j, lt in enumerate(last):
+                r = R[j]
+                if hold_l[r] != layer or hold_e[r] != E[j] or inflight[r]:
+                    pool.check_rows(np.array([r]), layer, np.array([E[j]]))  # raises, naming what is wrong
+                hold_e[r] = E[lt]
         views, bufs = self._turn_buffers(R)
         events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if dev.is_cuda else None
         turns = _Turns(E, tokens, R, halves, last, views, bufs, self._host_experts[layer], pairs, events)
