@@ -9,7 +9,10 @@ The model (default ``models/dali-tiny-moe``) is loaded once; per repeat, plain `
 run one after another on the first ``--prompts`` prompts of ``--prompts-file``, ``--max-new-tokens`` each.
 Times are the best of ``--repeats`` runs after one warm-up of each: process CPU time on the CPU (every
 thread of the process: the main thread, the copy lane and the CPU lane; steadier than the wall clock on a
-machine shared with other jobs) and wall time on CUDA. ``x plain`` is the ratio to plain ``generate``.
+machine shared with other jobs) and wall time on CUDA. ``x plain`` is the ratio of the best times to plain
+``generate``'s; ``paired`` the median over the repeats of each repeat's own ratio (a system's run over the plain
+run of the same repeat, which ran just before it): a machine whose speed drifts between repeats moves the first,
+one slow plain run can move it by a tenth, and the second less.
 Every system's generated tokens are compared with the plain run's (``same``). The default memory
 settings are those of docs/executor.md's example (``--cache-experts 8`` for systems with a uniform cache);
 ``dali``/``dali-plus`` read the model's ``residual.safetensors``.
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -100,6 +104,7 @@ def main(argv=None) -> int:
             overhead[name] = out[1].summary["overhead"]
     wall = dict.fromkeys(cases, float("inf"))
     cpu = dict.fromkeys(cases, float("inf"))
+    rounds: dict[str, list[float]] = {name: [] for name in cases}  # each repeat's time (wall on CUDA, else CPU)
     for r in range(a.repeats):
         if r:  # the best so far after each round: a run stopped by a time limit (scripts/gpu_check.sh) keeps it
             best = wall if cuda else cpu
@@ -110,22 +115,25 @@ def main(argv=None) -> int:
             t0, c0 = time.perf_counter(), time.process_time()
             out = fn()
             sync()
-            wall[name] = min(wall[name], time.perf_counter() - t0)
-            cpu[name] = min(cpu[name], time.process_time() - c0)
+            w, c = time.perf_counter() - t0, time.process_time() - c0
+            wall[name], cpu[name] = min(wall[name], w), min(cpu[name], c)
+            rounds[name].append(w if cuda else c)
             if name != "plain generate":
                 same[name] = same[name] and out[0] == reference
                 overhead[name] = out[1].summary["overhead"]  # of the last timed run (the warm-up compiles)
     times, measure = (wall, "wall time") if cuda else (cpu, "process CPU time")
     base = times["plain generate"]
+    paired = {name: [t / p for t, p in zip(rounds[name], rounds["plain generate"])] for name in cases}
+    paired_median = {name: statistics.median(v) if v else float("nan") for name, v in paired.items()}
     load = os.getloadavg()
     print(f"model {a.model}; {len(prompts)} prompts, batch {a.batch_size}, {a.max_new_tokens} new tokens; "
           f"{a.device} {a.dtype}, {a.threads} thread(s); best of {a.repeats} ({measure}); load average "
           f"{', '.join(f'{x:.2f}' for x in load)}")
-    print(f"{'system':16s} {'seconds':>8s} {'x plain':>8s} {'wall s':>8s} {'same':>5s} {'decision us':>12s} "
-          f"{'bookkeeping us':>15s} (per layer visit, thread CPU)")
+    print(f"{'system':16s} {'seconds':>8s} {'x plain':>8s} {'paired':>7s} {'wall s':>8s} {'same':>5s} "
+          f"{'decision us':>12s} {'bookkeeping us':>15s} (per layer visit, thread CPU)")
     for name in cases:
         ov = overhead.get(name, {})
-        print(f"{name:16s} {times[name]:8.3f} {times[name] / base:8.2f} {wall[name]:8.3f} "
+        print(f"{name:16s} {times[name]:8.3f} {times[name] / base:8.2f} {paired_median[name]:7.2f} {wall[name]:8.3f} "
               f"{('yes' if same[name] else 'NO') if name in same else '':>5s} "
               f"{ov.get('decision_cpu_us_per_layer', float('nan')):12.1f} "
               f"{ov.get('bookkeeping_cpu_us_per_layer', float('nan')):15.1f}")
@@ -133,7 +141,8 @@ def main(argv=None) -> int:
         a.json.write_text(json.dumps({
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, "measure": measure,
             "seconds": times, "wall_seconds": wall, "cpu_seconds": cpu,
-            "ratio_to_plain": {k: v / base for k, v in times.items()}, "same_tokens": same, "overhead": overhead,
+            "ratio_to_plain": {k: v / base for k, v in times.items()}, "paired_ratio_median": paired_median,
+            "paired_ratios": paired, "round_seconds": rounds, "same_tokens": same, "overhead": overhead,
             "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
                         "load_average": load, "torch": torch.__version__,
                         "device": torch.cuda.get_device_name() if cuda else "cpu"},
