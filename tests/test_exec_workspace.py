@@ -154,7 +154,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
             per_turn = ns if ns <= S else max(1, S // 2)
             head = staged[:per_turn * (1 if ns <= S or S < 2 else 2)]
             rows = pool.staging_first + np.arange(len(head))
-            held = lane[3, head]  # (with one-expert turns, each buffer's last turn's expert: the loop copies the others)
+            held = lane[3, head]  # (one-expert turns: each buffer's last turn's expert; the loop copies the others)
             if per_turn == 1:
                 held = lane[3, staged[[ns - 1] if len(head) == 1 else [(ns - 1) & ~1, (ns - 2) | 1]]]
                 singles += ns > 2

@@ -582,7 +582,7 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
             lane[2, i] = stage_lo + t
             hold_layer[stage_lo + t] = layer
             hold_expert[stage_lo + t] = lane[3, i]
-        if per_turn == 1:  # one-expert turns: each buffer holds the expert of its last turn (the later copies are the loop's)
+        if per_turn == 1:  # one-expert turns: each buffer holds its last turn's expert (the loop copies the others)
             for h in range(n_head):
                 last = ns - 1 if halves == 1 else ((ns - 1) & ~1 if h == 0 else (ns - 2) | 1)
                 hold_expert[stage_lo + h] = lane[3, lorder[nf + last]]
