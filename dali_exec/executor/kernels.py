@@ -36,7 +36,7 @@ def _group_routing(flat, order_in, weights, counted, k):
     w = np.empty(n, np.float32)
     c = np.empty(n if counted.shape[0] else 0, np.bool_)
     per = np.empty(n, np.int64)
-    status, m = _group_routing_into_fn(flat, order_in, weights, counted, k, order, ptr, experts, w, c, per)
+    status, m = _group_routing_into_fn(flat, order_in, weights, counted, k, order, ptr, experts, w, c, per, per[:0])
     if status != OK:
         return status, order_in, order_in, order_in, weights, counted, order_in
     if order_in.shape[0]:
@@ -44,11 +44,12 @@ def _group_routing(flat, order_in, weights, counted, k):
     return OK, order, ptr[:m + 1], experts[:m], w, c if counted.shape[0] else np.zeros(0, np.bool_), per[:m]
 
 
-def _group_routing_into(flat, order_in, weights, counted, k, order, ptr, experts, w, c, per):
+def _group_routing_into(flat, order_in, weights, counted, k, order, ptr, experts, w, c, per, scratch):
     """:func:`_group_routing` into given arrays (``order``, ``experts``, ``w``, ``per``: at least n long,
     ``ptr`` n + 1, ``c`` n with ``counted``; a replay's layer writes a preallocated workspace instead of
     allocating seven arrays): returns (status, the number of experts m); ``ptr[:m + 1]``, ``experts[:m]``,
-    ``per[:m]``, ``order[:n]``, ``w[:n]`` and ``c[:n]`` are the result."""
+    ``per[:m]``, ``order[:n]``, ``w[:n]`` and ``c[:n]`` are the result. ``scratch`` (int64): the counting
+    sort's, where it is longer than the largest id (else one is allocated)."""
     n = flat.shape[0]
     top = 0
     for i in range(n):
@@ -58,7 +59,12 @@ def _group_routing_into(flat, order_in, weights, counted, k, order, ptr, experts
         if v + 1 > top:
             top = v + 1
     if order_in.shape[0] == 0:
-        start = np.zeros(top + 1, np.int64)
+        if scratch.shape[0] > top:
+            start = scratch[:top + 1]
+            for e in range(top + 1):
+                start[e] = 0
+        else:
+            start = np.zeros(top + 1, np.int64)
         for i in range(n):
             start[flat[i] + 1] += 1
         for e in range(top):
@@ -153,41 +159,71 @@ def _group_index_into(ptr, positions, weights, experts, seg, rows, k, layer, sta
     inflight) rows (``SlotPool.state``: one argument, not three). ``ints`` rows 0-2 the pairs, their tokens and rows
     within the span, ``w`` their weights (each at least the group's pairs long), ``small`` rows 0-2 the
     sorted rows, experts and counts (at least g), ``table_counts`` and ``offs`` (int32; at least the span).
-    Returns (pairs, lo, span, ready)."""
-    order = np.argsort(rows, kind="mergesort")
+    Returns (pairs, lo, span, ready).
+
+    The members are taken in row order from a bucket per row of the span (``table_counts`` the buckets: rows are
+    distinct, one expert a slot), not by a sort; a repeated row (an error the readiness check reports) falls back
+    to the stable sort, for the same result."""
     g = seg.shape[0]
-    rows_s, experts_s, counts = small[0], small[1], small[2]
-    total = 0
-    for i in range(g):
-        s = seg[order[i]]
-        rows_s[i] = rows[order[i]]
-        experts_s[i] = experts[s]
-        counts[i] = ptr[s + 1] - ptr[s]
-        total += counts[i]
-    lo = rows_s[0]
-    span = rows_s[g - 1] - lo + 1
+    lo = rows[0]
+    hi = rows[0]
+    for i in range(1, g):
+        lo = min(lo, rows[i])
+        hi = max(hi, rows[i])
+    span = hi - lo + 1
     for r in range(span):
-        table_counts[r] = 0
-    pairs, tok, pair_rows = ints[0], ints[1], ints[2]
-    a = 0
+        table_counts[r] = -1
+    distinct = True
     for i in range(g):
-        s = seg[order[i]]
-        table_counts[rows_s[i] - lo] = counts[i]
-        for j in range(ptr[s], ptr[s + 1]):
-            p = positions[j]
-            pairs[a] = p
-            w[a] = weights[j]
-            tok[a] = p // k
-            pair_rows[a] = rows_s[i] - lo
-            a += 1
+        b = rows[i] - lo
+        if table_counts[b] >= 0:
+            distinct = False
+            break
+        table_counts[b] = i
+    total = 0
+    if distinct:
+        j = 0
+        for r in range(span):
+            i = table_counts[r]
+            table_counts[r] = 0
+            if i >= 0:
+                total = _group_member_fn(ptr, positions, weights, experts, seg[i], rows[i], lo, k, j, total, ints, w,
+                                         small, table_counts)
+                j += 1
+    else:
+        order = np.argsort(rows, kind="mergesort")
+        for r in range(span):
+            table_counts[r] = 0
+        for j in range(g):
+            total = _group_member_fn(ptr, positions, weights, experts, seg[order[j]], rows[order[j]], lo, k, j, total,
+                                     ints, w, small, table_counts)
     acc = 0
     for r in range(span):
         acc += table_counts[r]
         offs[r] = acc
     ready = True
     if state.shape[1]:
-        ready = _rows_ready_fn(rows_s[:g], experts_s[:g], layer, state[0], state[1], state[2])
+        ready = _rows_ready_fn(small[0, :g], small[1, :g], layer, state[0], state[1], state[2])
     return total, lo, span, ready
+
+
+def _group_member(ptr, positions, weights, experts, s, row, lo, k, j, a, ints, w, small, table_counts):
+    """:func:`_group_index_into`'s member ``j`` in row order (the routing's expert ``s``, in table ``row``): its row,
+    expert and pairs written, its pairs from position ``a`` on; returns the position after them."""
+    c = ptr[s + 1] - ptr[s]
+    small[0, j] = row
+    small[1, j] = experts[s]
+    small[2, j] = c
+    table_counts[row - lo] = c
+    pairs, tok, pair_rows = ints[0], ints[1], ints[2]
+    for q in range(ptr[s], ptr[s + 1]):
+        p = positions[q]
+        pairs[a] = p
+        w[a] = weights[q]
+        tok[a] = p // k
+        pair_rows[a] = row - lo
+        a += 1
+    return a
 
 
 def _evict(row_of, experts, hold_layer, hold_expert):
@@ -302,7 +338,7 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, admitted, row_o
     cpu = np.empty(n, np.int64)
     status, c, g, hits, ready, fetched = _partition_into_fn(r_experts, r_counts, p_experts, p_counts, source, admitted,
                                                          row_of, codes, uncounted_on_cpu, np.empty((2, n), np.bool_),
-                                                         lane, order, cpu)
+                                                         lane, order, cpu, order[:0])
     empty = np.zeros(0, np.int64)
     if status == 2:
         bad = np.zeros((5, 1), np.int64)
@@ -314,11 +350,13 @@ def _partition(r_experts, r_counts, p_experts, p_counts, source, admitted, row_o
 
 
 def _partition_into(r_experts, r_counts, p_experts, p_counts, source, admitted, row_of, codes, uncounted_on_cpu,
-                    flags, lane, order, cpu):
+                    flags, lane, order, cpu, scratch):
     """:func:`_partition` into given arrays (``flags``: (2, n) bool scratch, ``lane``: (5, at least m), ``order``:
     at least m, ``cpu``: at least n; a replay's layer writes the runtime's workspace): returns (status, the
     number of CPU experts c, of accelerator experts g, hits, ready, fetched); ``cpu[:c]``, ``lane[:, :g]``
-    and ``order[:g]`` are the result (on status 2 ``lane[3, 0]`` names the expert)."""
+    and ``order[:g]`` are the result (on status 2 ``lane[3, 0]`` names the expert). ``scratch`` (int64): the
+    routing's position of each expert id, where it is longer than the largest (else one is allocated): a plan's
+    expert is found by one read, not a binary search (whose branches a new layer's ids mispredict)."""
     cpu_code, hit_code, prefetched_code = codes[0], codes[1], codes[2]
     n = r_experts.shape[0]
     m = p_experts.shape[0]
@@ -332,21 +370,20 @@ def _partition_into(r_experts, r_counts, p_experts, p_counts, source, admitted, 
     for i in range(n):
         on_cpu[i] = False
         seen[i] = False
+    top = r_experts[n - 1] + 1 if n else 0  # (the routing's experts: ascending, distinct, >= 0)
+    at = scratch[:top] if scratch.shape[0] >= top else np.empty(top, np.int64)
+    for e in range(top):
+        at[e] = -1
+    for i in range(n):
+        at[r_experts[i]] = i
     g = 0
     hits = 0
     ready = 0
     fetched = 0
     for j in range(m):
         e = p_experts[j]
-        lo = 0
-        hi = n
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if r_experts[mid] < e:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo == n or r_experts[lo] != e or seen[lo] or p_counts[j] <= 0 or r_counts[lo] != p_counts[j]:
+        lo = at[e] if 0 <= e < top else -1
+        if lo < 0 or seen[lo] or p_counts[j] <= 0 or r_counts[lo] != p_counts[j]:
             return 1, 0, 0, 0, 0, 0
         seen[lo] = True
         src = source[j]
@@ -435,7 +472,8 @@ W_EVICTED, W_ORDER, W_PTR, W_EXPERTS, W_PER, W_LANE, W_LANE_ORDER, W_CPU, W_TOKE
 W_FIRST, W_FLAGS = 17, 19  # the first group's experts and rows; scratch flags (two rows each)
 W_COPIES = 21  # the accelerator lane's first copies: lane positions, slot rows, experts (three rows)
 W_DECLINED = 24  # lane positions of the prefetched experts the cache declined (their buffers freed after the compute)
-W_ROWS = 25
+W_SCRATCH = 25  # the grouping's counting sort and the partition's positions of expert ids (RouteWorkspace: wide enough)
+W_ROWS = 26
 NOT_PREFETCHED = 3  # _route_partition's admission status: a plan's prefetched expert has no prefetch buffer
 #: the plan's source codes in the order :func:`_partition` takes them (CPU, HIT, PREFETCHED, FETCH); a global
 #: array, which numba compiles in as a constant
@@ -499,8 +537,9 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
         return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, False, -1, 0, 0, False, False, -1
+    scratch = wi[W_SCRATCH]
     status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf[0],
-                                       wb[0], wi[W_PER])
+                                       wb[0], wi[W_PER], scratch)
     if status != OK:
         return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, False, -1, 0, 0, False, False, -1
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
@@ -509,7 +548,7 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     lane, lorder = wi[W_LANE:W_LANE + 5], wi[W_LANE_ORDER]
     pstatus, c, g, hits, ready, fetched = _partition_into_fn(
         wi[W_EXPERTS, :m], wi[W_PER, :m], p_experts, p_counts, source, admitted, row_of, codes, False, wb, lane,
-        lorder, wi[W_CPU])
+        lorder, wi[W_CPU], scratch)
     if pstatus == 0:
         q = 0
         for t in range(g - ready - fetched):  # the staged experts, in staging order, and their pairs in that order
@@ -615,7 +654,7 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
 
 
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves
-_rows_ready_fn, _evict_into_fn = _rows_ready, _evict_into
+_rows_ready_fn, _evict_into_fn, _group_member_fn = _rows_ready, _evict_into, _group_member
 _group_routing_into_fn, _partition_into_fn, _group_index_into_fn = _group_routing_into, _partition_into, _group_index_into
 _staging_schedule_fn = staging_schedule
 
@@ -623,10 +662,11 @@ _KERNELS = {"group_routing": _group_routing, "group_routing_into": _group_routin
             "group_index_into": _group_index_into, "matches": _matches, "partition": _partition,
             "partition_into": _partition_into, "rank_order": _rank_order, "rows_ready": _rows_ready, "evict": _evict,
             "evict_into": _evict_into, "admit": _admit, "swap": _swap, "route_partition": _route_partition,
+            "group_member": _group_member,
             "staging_schedule": staging_schedule}
 #: the kernels each one calls (compiled before it: numba binds a global function when it compiles a caller)
 _CALLS = {"group_routing": ("group_routing_into",), "group_index": ("group_index_into",),
-          "group_index_into": ("rows_ready",), "partition": ("partition_into",), "evict": ("evict_into",),
+          "group_index_into": ("rows_ready", "group_member"), "partition": ("partition_into",), "evict": ("evict_into",),
           "route_partition": ("evict_into", "group_routing_into", "partition_into", "group_index_into",
                               "staging_schedule")}
 _compiled: dict[str, object] = {}

@@ -96,7 +96,7 @@ class OffloadRuntime:
         self.deferred: deque[tuple[int, int, int]] = deque()  # prefetches waiting for a free buffer: (layer, expert, step)
         self._wait = [0.0] * L  # seconds the accelerator lane waited for weights, per layer
         self._bookkeeping = LayerSeconds(L)
-        self._route_ws = RouteWorkspace(devices.accel, pairs)
+        self._route_ws = RouteWorkspace(devices.accel, pairs, store.num_experts)
         self._route_entries = _kernels.Entries("route_partition", _ROUTE_LOOSE)
         self._ws_routing: LayerRouting | None = None  # the routing made of the route workspace's views
         self._out_buf: torch.Tensor | None = None  # the last layer's combine buffer (_combine_buffer)

@@ -28,13 +28,16 @@ class RouteWorkspace:
     then the staged pairs' positions, tokens and weights in staging order (``turn_views``). ``pairs``: the
     (token, rank) pairs of a typical layer visit; the staged pairs' views of every length up to them are made
     with the tensors, not at their first use within a layer visit (the staged pairs vary from visit to visit:
-    a new length cost 3-5 us per visit on average on the development VM, benchmarks/README.md)."""
+    a new length cost 3-5 us per visit on average on the development VM, benchmarks/README.md). ``experts``: the
+    model's experts per layer; every row is longer than that, so the route call's scratch row
+    (``kernels.W_SCRATCH``) holds a slot per expert id and the call allocates nothing."""
 
-    __slots__ = ("wi", "wf", "tensors", "_wrap", "_views", "_turn_views", "_cached", "_eager")
+    __slots__ = ("wi", "wf", "tensors", "_wrap", "_views", "_turn_views", "_cached", "_eager", "_experts")
 
-    def __init__(self, device: torch.device = torch.device("cpu"), pairs: int = 0):
+    def __init__(self, device: torch.device = torch.device("cpu"), pairs: int = 0, experts: int = 0):
         self._wrap = device.type == "cpu"
         self._eager = pairs
+        self._experts = experts
         self.wi = np.zeros((_kernels.W_ROWS, 0), np.int64)
         self.wf = np.zeros((2, 0), np.float32)
         self.tensors = None
@@ -44,8 +47,9 @@ class RouteWorkspace:
         self.fit(pairs, 0)
 
     def fit(self, pairs: int, evicted: int) -> "RouteWorkspace":
-        """Room for ``pairs`` (token, rank) pairs and ``evicted`` evictions (twice the need when it grows)."""
-        need = max(pairs + 1, evicted)
+        """Room for ``pairs`` (token, rank) pairs and ``evicted`` evictions (twice the need when it grows), and the
+        scratch row's slot per expert id."""
+        need = max(pairs + 1, evicted, self._experts + 1)
         if need > self.wi.shape[1]:
             cap = 2 * need
             self.wi = np.zeros((_kernels.W_ROWS, cap), np.int64)
