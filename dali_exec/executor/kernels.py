@@ -67,8 +67,13 @@ def _group_routing_into(flat, order_in, weights, counted, k, order, ptr, experts
             start = np.zeros(top + 1, np.int64)
         for i in range(n):
             start[flat[i] + 1] += 1
-        for e in range(top):
+        m = 0
+        for e in range(top):  # (the experts and their starts from the counts: no branch on the data)
+            experts[m] = e
+            ptr[m] = start[e]
+            m += start[e + 1] > 0
             start[e + 1] += start[e]
+        ptr[m] = n
         for i in range(n):
             e = flat[i]
             order[start[e]] = i
@@ -87,16 +92,16 @@ def _group_routing_into(flat, order_in, weights, counted, k, order, ptr, experts
                 return NOT_SORTED, 0
         for j in range(n):
             order[j] = order_in[j]
-    m = 0
-    prev = -1
-    for j in range(n):
-        e = flat[order[j]]
-        if e != prev:
-            experts[m] = e
-            ptr[m] = j
-            m += 1
-            prev = e
-    ptr[m] = n
+        m = 0
+        prev = -1
+        for j in range(n):
+            e = flat[order[j]]
+            if e != prev:
+                experts[m] = e
+                ptr[m] = j
+                m += 1
+                prev = e
+        ptr[m] = n
     for j in range(n):
         w[j] = weights[order[j]]
     if counted.shape[0] == 0:
@@ -360,10 +365,11 @@ def _partition_into(r_experts, r_counts, p_experts, p_counts, source, admitted, 
     cpu_code, hit_code, prefetched_code = codes[0], codes[1], codes[2]
     n = r_experts.shape[0]
     m = p_experts.shape[0]
+    # (the loops below write every step and count by comparisons, without a branch on the data: each branch on a
+    # layer's experts is mispredicted about half the time, at its cold caches the larger part of the call)
     nonzero = 0
     for i in range(n):
-        if r_counts[i] > 0:
-            nonzero += 1
+        nonzero += r_counts[i] > 0
     if nonzero != m:
         return 1, 0, 0, 0, 0, 0
     on_cpu, seen = flags[0], flags[1]
@@ -376,6 +382,7 @@ def _partition_into(r_experts, r_counts, p_experts, p_counts, source, admitted, 
         at[e] = -1
     for i in range(n):
         at[r_experts[i]] = i
+    width = row_of.shape[0]
     g = 0
     hits = 0
     ready = 0
@@ -387,51 +394,38 @@ def _partition_into(r_experts, r_counts, p_experts, p_counts, source, admitted, 
             return 1, 0, 0, 0, 0, 0
         seen[lo] = True
         src = source[j]
-        if src == cpu_code:
-            on_cpu[lo] = True
-            continue
-        row = -1
-        if src == hit_code:
-            row = row_of[e] if e < row_of.shape[0] else -1
-            if row < 0:
-                lane[3, 0] = e
-                return 2, 0, 0, 0, 0, 0
-            kind = READY
-            hits += 1
-            ready += 1
-        elif src == prefetched_code:
-            kind = PREFETCHED_KIND
-            ready += 1
-        elif admitted[j]:
-            kind = FETCHED
-            fetched += 1
-        else:
-            kind = STAGED
-        lane[0, g] = j
+        is_cpu, is_hit, is_pf = src == cpu_code, src == hit_code, src == prefetched_code
+        is_fetch = not (is_cpu | is_hit | is_pf)
+        adm = admitted[j]
+        on_cpu[lo] = is_cpu
+        row = row_of[e if e < width else 0] if width else -1
+        row = row if is_hit & (e < width) else -1
+        if is_hit & (row < 0):
+            lane[3, 0] = e
+            return 2, 0, 0, 0, 0, 0
+        lane[0, g] = j  # (a CPU expert's column is written over by the next one)
         lane[1, g] = lo
         lane[2, g] = row
         lane[3, g] = e
-        lane[4, g] = kind
-        g += 1
-    a = 0
+        lane[4, g] = READY * is_hit + PREFETCHED_KIND * is_pf + (FETCHED if adm else STAGED) * is_fetch
+        g += not is_cpu
+        hits += is_hit
+        ready += is_hit | is_pf
+        fetched += is_fetch & adm
+    a = 0  # the ready ones (hits and prefetched), then the fetched ones, then the staged ones
     b = ready
     c = ready + fetched
     for i in range(g):
         kind = lane[4, i]
-        if kind == READY or kind == PREFETCHED_KIND:
-            order[a] = i
-            a += 1
-        elif kind == FETCHED:
-            order[b] = i
-            b += 1
-        else:
-            order[c] = i
-            c += 1
+        first, second = (kind == READY) | (kind == PREFETCHED_KIND), kind == FETCHED
+        order[a if first else (b if second else c)] = i
+        a += first
+        b += second
+        c += not (first | second)
     c = 0
     for i in range(n):
-        if on_cpu[i] or (uncounted_on_cpu and r_counts[i] == 0):
-            cpu[c] = i
-            c += 1
+        cpu[c] = i  # (written over unless it is one)
+        c += on_cpu[i] | (uncounted_on_cpu & (r_counts[i] == 0))
     return 0, c, g, hits, ready, fetched
 
 
