@@ -41,6 +41,7 @@ from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
 from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
 from dali_sim.sim.engine import HANDOFF_KINDS
 
+_FLOAT32 = np.dtype(np.float32)
 _EMPTY = np.zeros(0, np.int64)
 _NO_SLOTS = np.zeros((3, 0), np.int64)  # a slot table's state (SlotPool.state) for the host store's rows: none
 _NO_GROUP = (np.zeros((7, 0), np.int64), np.zeros(0, np.float32), np.zeros(0, np.int32))  # (the route call's)
@@ -372,7 +373,9 @@ class OffloadRuntime:
                 pool.evict_many(layer, np.asarray(plan.evicted))
             routing = LayerRouting.group(ids, weights)
             return (routing, *self._partition(plan, routing, False), None)
-        ids, weights = LayerRouting.checked(ids, weights)
+        if type(ids) is not np.ndarray or type(weights) is not np.ndarray or weights.dtype is not _FLOAT32 or \
+                weights.shape != ids.shape:  # (a trace's ids and weights pass as they are)
+            ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
         n = T * k
         evicted = np.array(plan.evicted, np.int64) if len(plan.evicted) else _EMPTY  # (a new, contiguous array)

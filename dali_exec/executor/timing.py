@@ -120,17 +120,15 @@ class Timer:
     def add_turns(self, step: int, layer: int, experts: list[int], tokens: list[int], halves: int, starts: list,
                   ends: list, copy_starts: list, copy_ends: list) -> None:
         """A layer's loop of one-expert staging turns cycling through ``halves`` buffers, as one series per track
-        (one entry each, under one lock): ``starts[i]`` .. ``ends[i]`` the compute of ``experts[i]`` (a grouped call
+        (both in one entry: each object a visit keeps to the end is a cost later in the visit, whose allocations then
+        find fresh memory): ``starts[i]`` .. ``ends[i]`` the compute of ``experts[i]`` (a grouped call
         of that one expert with ``tokens[i]`` rows, on ``gpu``, as :meth:`add_group` records it), and
         ``copy_starts[i]`` .. ``copy_ends[i]`` the copy of ``experts[halves + i]`` (a ``pcie`` fetch of one expert,
         as :meth:`add_copies` records a single copy) into the buffer turn i computed from. The lists may still be
         filled (by the loop) until the intervals are read."""
-        gpu = ("gpu", _Series("expert", step, layer, experts, tokens, starts, ends), None, None)
+        loop = (None, _Turns(step, layer, experts, tokens, halves, starts, ends, copy_starts, copy_ends), None, None)
         with self._lock:
-            self._raw.append(gpu)
-            if len(experts) > halves:
-                self._raw.append(("pcie", _Series("fetch", step, layer, experts[halves:], None, copy_starts, copy_ends),
-                                  None, None))
+            self._raw.append(loop)
 
     def add_group(self, track: str, step: int, layer: int, experts: np.ndarray, tokens: np.ndarray, start,
                   end) -> None:
@@ -176,9 +174,10 @@ class Timer:
         count = 0
         seconds = self.seconds
         for track, what, a, b in raw:
-            if type(what) is _Series:
-                busy[track] += sum(seconds(e) - seconds(s) for s, e in zip(what.starts, what.ends))
-                count += len(what.experts)
+            if type(what) is _Turns:
+                for track, experts, _, starts, ends in what.series():
+                    busy[track] += sum(seconds(e) - seconds(s) for s, e in zip(starts, ends))
+                    count += len(experts)
                 continue
             busy[track] += seconds(b) - seconds(a)  # a group's or a batch's intervals split its span exactly
             count += 1 if isinstance(what, Activity) or len(what) < 4 else len(what[-1] if isinstance(what[0], str)
@@ -189,8 +188,8 @@ class Timer:
         out = []
         seconds = self.seconds
         for track, what, a, b in raw:
-            if type(what) is _Series:
-                out += what.intervals(track, lambda stamp: seconds(stamp, origin))
+            if type(what) is _Turns:
+                out += what.intervals(lambda stamp: seconds(stamp, origin))
                 continue
             a, b = seconds(a, origin), seconds(b, origin)
             if isinstance(what, Activity):
@@ -223,25 +222,35 @@ class Timer:
         return out
 
 
-class _Series:
-    """What :meth:`Timer.add_turns` records per track: one loop's intervals, resolved when they are read."""
+class _Turns:
+    """What :meth:`Timer.add_turns` records: one loop of one-expert turns, resolved into its intervals on the
+    ``gpu`` track (the computes) and the ``pcie`` track (the copies of the turns after the first ``halves``)
+    when they are read."""
 
-    __slots__ = ("kind", "step", "layer", "experts", "tokens", "starts", "ends")
+    __slots__ = ("step", "layer", "experts", "tokens", "halves", "starts", "ends", "copy_starts", "copy_ends")
 
-    def __init__(self, kind, step, layer, experts, tokens, starts, ends):
-        self.kind, self.step, self.layer, self.experts, self.tokens = kind, step, layer, experts, tokens
-        self.starts, self.ends = starts, ends
+    def __init__(self, step, layer, experts, tokens, halves, starts, ends, copy_starts, copy_ends):
+        self.step, self.layer, self.experts, self.tokens, self.halves = step, layer, experts, tokens, halves
+        self.starts, self.ends, self.copy_starts, self.copy_ends = starts, ends, copy_starts, copy_ends
 
-    def intervals(self, track: str, seconds) -> list[Interval]:
+    def series(self):
+        """(track, experts, tokens or None, starts, ends) of each track with intervals."""
+        out = [("gpu", self.experts, self.tokens, self.starts, self.ends)]
+        if len(self.experts) > self.halves:
+            out.append(("pcie", self.experts[self.halves:], None, self.copy_starts, self.copy_ends))
+        return out
+
+    def intervals(self, seconds) -> list[Interval]:
         out = []
-        for i, e in enumerate(self.experts):
-            a, b = seconds(self.starts[i]), seconds(self.ends[i])
-            if self.tokens is None:
-                act = Activity(self.kind, self.step, self.layer, int(e))
-                out.append(Interval(track, act.name(), a, b, act.args() | {"batch": 1}))
-            else:
-                act = Activity(self.kind, self.step, self.layer, int(e), tokens=int(self.tokens[i]))
-                out.append(Interval(track, act.name(), a, b, act.args() | {"group": 1}))
+        for track, experts, tokens, starts, ends in self.series():
+            for i, e in enumerate(experts):
+                a, b = seconds(starts[i]), seconds(ends[i])
+                if tokens is None:
+                    act = Activity("fetch", self.step, self.layer, int(e))
+                    out.append(Interval(track, act.name(), a, b, act.args() | {"batch": 1}))
+                else:
+                    act = Activity("expert", self.step, self.layer, int(e), tokens=int(tokens[i]))
+                    out.append(Interval(track, act.name(), a, b, act.args() | {"group": 1}))
         return out
 
 
