@@ -37,35 +37,34 @@ TALLY_FIRST_FETCH = TALLY_LEN  # where the kernel's answer gives the first exper
 
 def _victims(resident, activated, primary, stamp, want, out):
     """Up to ``want`` victims into ``out``: the evictable entries (resident, not activated) by ascending
-    (``primary``, ``stamp``, id), as ``np.lexsort``; returns how many. A few by selection, more by two
-    stable sorts (the cost of selection grows with ``want``)."""
+    (``primary``, ``stamp``, id), as ``np.lexsort``; returns how many. The evictable entries are listed first;
+    a few victims (or few entries) by selection among them, more by two stable sorts (the cost of selection
+    grows with the victims). A full cache whose layer touches most of it has few evictable entries, however
+    many misses want victims."""
     E = resident.shape[0]
-    if want <= 4:
-        taken = np.zeros(E, np.bool_)
-        n = 0
-        while n < want:
-            best = -1
-            for x in range(E):  # the smallest key left; ties: the lower id (x ascending)
-                if resident[x] and not activated[x] and not taken[x]:
-                    if best < 0 or primary[x] < primary[best] or (
-                            primary[x] == primary[best] and stamp[x] < stamp[best]):
-                        best = x
-            if best < 0:
-                break  # no evictable entry left: the rest are staged
-            taken[best] = True
-            out[n] = best
-            n += 1
-        return n
     cand = np.empty(E, np.int64)
     m = 0
-    for x in range(E):
-        if resident[x] and not activated[x]:
-            cand[m] = x
-            m += 1
-    cand = cand[:m]  # ascending ids
+    for x in range(E):  # (ascending ids; written over unless evictable)
+        cand[m] = x
+        m += resident[x] and not activated[x]
+    n = min(want, m)
+    if n <= 4:
+        for j in range(n):  # the smallest key left moved to j (keys are distinct: the id breaks ties)
+            best = j
+            for y in range(j + 1, m):
+                c = cand[y]
+                b = cand[best]
+                if primary[c] < primary[b] or (primary[c] == primary[b] and (
+                        stamp[c] < stamp[b] or (stamp[c] == stamp[b] and c < b))):
+                    best = y
+            c = cand[best]
+            cand[best] = cand[j]
+            cand[j] = c
+            out[j] = c
+        return n
+    cand = cand[:m]
     cand = cand[np.argsort(stamp[cand], kind="mergesort")]  # stable: by stamp, then id
     cand = cand[np.argsort(primary[cand], kind="mergesort")]  # then by primary
-    n = min(want, m)
     out[:n] = cand[:n]
     return n
 
