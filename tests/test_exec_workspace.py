@@ -95,7 +95,7 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
     if K.compiled("route_partition") is None:
         pytest.skip("the route call is compiled code (numba)")
     rng = np.random.default_rng(7)
-    staged_groups = prefetched_groups = staged_heads = singles = 0
+    staged_groups = prefetched_groups = staged_heads = singles = settled_heads = held_heads = 0
     for trial in range(60):
         T, k, E = int(rng.integers(1, 30)), int(rng.integers(1, 5)), 24
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
@@ -158,8 +158,18 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
             if per_turn == 1:
                 held = lane[3, staged[[ns - 1] if len(head) == 1 else [(ns - 1) & ~1, (ns - 2) | 1]]]
                 singles += ns > 2
-            assert np.array_equal(lane[2, head], rows) and np.array_equal(pool.hold_expert[rows], held)
-            assert (pool.hold_layer[rows] == 0).all() and (pool.hold_layer[pool.staging_rows[len(head):]] == -1).all()
+            assert np.array_equal(lane[2, head], rows)
+            # the CPU device's lane is settled ahead of its device work (nothing in flight here) unless its staged
+            # experts take turns of several: then the first turns' buffers are held, else none is
+            settled = not ns or per_turn in (1, ns)
+            assert runtime._settled == settled
+            if settled:
+                assert (pool.hold_layer[pool.staging_rows] == -1).all()
+                settled_heads += 0 < len(head)
+            else:
+                assert np.array_equal(pool.hold_expert[rows], held) and (pool.hold_layer[rows] == 0).all()
+                assert (pool.hold_layer[pool.staging_rows[len(head):]] == -1).all()
+                held_heads += 1
             copies = np.sort(np.concatenate([order[ready:ready + fetched], head]))
             assert runtime._copies == len(copies)
             assert np.array_equal(wi[K.W_COPIES:K.W_COPIES + 3, :len(copies)],
@@ -174,13 +184,15 @@ def test_the_route_call_writes_token_rows_and_staging_slices_as_the_arrays_give(
         pairs, lo, span, g, is_staged = runtime._first
         prefetched_groups += len(pre) > 0
         gws = runtime._group_ws
-        assert (pairs, lo, span, g) == (len(gi.pairs), gi.lo, len(gi.table_counts), len(first)) and gi.rows_ready
+        assert (pairs, lo, span, g) == (len(gi.pairs), gi.lo, len(gi.table_counts), len(first))
+        assert gi.rows_ready != staged_group  # (the staged ones' buffers, given to a settled lane, are not held)
         assert is_staged == staged_group
         assert np.array_equal(gws.ints[:, :pairs], np.stack([gi.pairs, gi.pairs // k, gi.row_of_pairs()]))
         assert np.array_equal(gws.w[:pairs], gi.weights) and np.array_equal(gws.offs[:span], gi.offs)
         assert np.array_equal(gws.small[:, :g], np.stack([gi.rows, gi.experts, gi.counts]))
         assert np.array_equal(gws.table_counts[:span], gi.table_counts)
     assert staged_groups >= 3 and prefetched_groups >= 3 and staged_heads >= 3 and singles >= 3
+    assert settled_heads >= 3 and held_heads >= 3
 
 
 def test_the_route_call_writes_the_first_group_only_when_its_rows_are_ready():

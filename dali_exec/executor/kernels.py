@@ -502,8 +502,8 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     the table), else :data:`TOO_WIDE` / 1 (an expert already cached) / 2 (not enough free rows) /
     :data:`NOT_PREFETCHED`, nothing adopted or admitted: the caller's ``SlotPool`` calls refuse as they do), the
     number of prefetched experts adopted, of those declined and whether a prefetched one's copy is in flight, the
-    first group's (pairs, lo, span, ready) or (-1, 0, 0, False), whether the first group is of staged experts, and
-    the number of the lane's first copies listed (see below) or -1.
+    first group's (pairs, lo, span, ready) or (-1, 0, 0, False), whether the first group is of staged experts,
+    the number of the lane's first copies listed (see below) or -1, and whether the lane is settled ahead (below).
 
     The first group: when ``gi`` (``GroupWorkspace.gi``, with ``gw`` and ``goffs``: at least the pairs and
     the slot table's rows wide; empty to skip) is given and the fetched experts are admitted, the group of the
@@ -521,7 +521,12 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     as for the one turn above), and the lane's first copies (the fetched experts and those, lane positions
     ascending) are listed in rows :data:`W_COPIES` .. + 2 (positions, slot rows, experts); their number is the
     last value returned (-1: not done, the caller's own code does it). With one-expert turns each of those buffers is
-    then held by the expert of its last turn (``OffloadRuntime._single_prepare``'s holds)."""
+    then held by the expert of its last turn (``OffloadRuntime._single_prepare``'s holds).
+
+    Settled ahead: on the CPU device (``gi`` given), with the schedule started here, no prefetched copy in flight and
+    the staged experts in one turn or one at a time, the lane's device work runs in one pause of the stopwatch
+    (``OffloadRuntime._settle_ahead``) and its staging buffers are released before it; nothing reads their holds
+    in between, so they are not taken at all and none of them is held (the rows are given all the same)."""
     row_of, hold_layer, hold_expert = row_of_all[layer], state[0], state[1]
     wb = wi[W_FLAGS:W_FLAGS + 2]  # scratch (the workspace's: nothing is allocated in this call)
     none = wi[W_EVICTED, :0]  # (no given order, every token counted)
@@ -530,12 +535,12 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     n_ev = evicted.shape[0]
     bad = _evict_into_fn(row_of, evicted, hold_layer, hold_expert, ev_rows)
     if bad >= 0:
-        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, False, -1, 0, 0, False, False, -1
+        return bad, 0, OK, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, False, -1, 0, 0, False, False, -1, False
     scratch = wi[W_SCRATCH]
     status, m = _group_routing_into_fn(flat, none, weights, none, k, wi[W_ORDER], wi[W_PTR], wi[W_EXPERTS], wf[0],
                                        wb[0], wi[W_PER], scratch)
     if status != OK:
-        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, False, -1, 0, 0, False, False, -1
+        return -1, n_ev, status, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, False, -1, 0, 0, False, False, -1, False
     order, tokens, ptr = wi[W_ORDER], wi[W_TOKENS], wi[W_PTR]
     for j in range(flat.shape[0]):
         tokens[j] = order[j] // k
@@ -607,16 +612,21 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     nf = ready + fetched
     n_copies = -1
     ns = g - nf  # the staged experts
+    settled = False
     if pstatus == 0 and adm == OK and (ns == 0 or stage_n >= 1):
         per_turn, halves = _staging_schedule_fn(ns, stage_n)
         n_head = min(ns, per_turn * halves)  # the first turns' experts
+        # the CPU device's lane settled ahead of its device work (OffloadRuntime._accelerator_lane's rule): its staging
+        # buffers are never taken, so none is held (nothing reads a hold before the buffers are free again)
+        settled = gi.shape[1] > 0 and not in_flight and (ns == 0 or per_turn == ns or per_turn == 1)
         for t in range(n_head):  # (staging order: the lane order)
             i = lorder[nf + t]
             lane[2, i] = stage_lo + t
-            hold_layer[stage_lo + t] = layer
-            hold_expert[stage_lo + t] = lane[3, i]
-        if per_turn == 1:  # one-expert turns: each buffer holds its last turn's expert (the loop copies the others)
-            for h in range(n_head):
+            if not settled:
+                hold_layer[stage_lo + t] = layer
+                hold_expert[stage_lo + t] = lane[3, i]
+        if per_turn == 1 and not settled:  # one-expert turns: each buffer holds its last turn's expert (the loop
+            for h in range(n_head):  # copies the others)
                 last = ns - 1 if halves == 1 else ((ns - 1) & ~1 if h == 0 else (ns - 2) | 1)
                 hold_expert[stage_lo + h] = lane[3, lorder[nf + last]]
         a, b, end = ready, nf, nf + n_head  # the fetched ones and those, each ascending, merged
@@ -641,10 +651,12 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
         for i in range(nf):
             seg[i] = lane[1, lorder[i]]
             rows[i] = lane[2, lorder[i]]
-        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(ptr, order, wf[0], wi[W_EXPERTS], seg[:nf], rows[:nf], k,
-                                                              layer, state, gi[0:3], gw, gi[3:6], gi[6], goffs)
+        fg_n, fg_lo, fg_span, fg_ready = _group_index_into_fn(
+            ptr, order, wf[0], wi[W_EXPERTS], seg[:nf], rows[:nf], k, layer,
+            state[:, :0] if staged and settled else state,  # (unheld staging buffers: given just above)
+            gi[0:3], gw, gi[3:6], gi[6], goffs)
     return (-1, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, n_adopt, n_declined, in_flight, fg_n, fg_lo,
-            fg_span, fg_ready, staged, n_copies)
+            fg_span, fg_ready, staged, n_copies, settled)
 
 
 #: what the kernels call (``_<name>_fn``): the compiled kernels once compiled (:func:`compiled`), else themselves

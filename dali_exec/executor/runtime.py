@@ -116,6 +116,9 @@ class OffloadRuntime:
         #: the accelerator lane's first copies listed by the route call for this layer visit (their number, in the route
         #: workspace's rows ``kernels.W_COPIES``..), -1: none listed, until _accelerator_lane takes them
         self._copies = -1
+        #: whether the route call settled this layer visit's lane ahead of its device work (``kernels._route_partition``:
+        #: its staging buffers neither taken nor held), until _accelerator_lane takes it
+        self._settled = False
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
         #: grouped calls per lane (``gpu``, ``cpu``) and the experts they computed
@@ -241,7 +244,7 @@ class OffloadRuntime:
         layer, step = plan.layer, plan.step
         dev, pool = self.dev, self.pool
         if isinstance(routing, LayerRouting):
-            self._first, self._copies = None, -1
+            self._first, self._copies, self._settled = None, -1, False
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             cpu_seg, split = self._partition(plan, routing, uncounted_on_cpu)
@@ -335,7 +338,7 @@ class OffloadRuntime:
         next visit's plan, and only this thread computes from them), unless a prefetch waits for a buffer
         (``late``): it would take one at once, so they are freed after the device work, and the layer checked then
         (:meth:`_accelerator_lane`)."""
-        if len(stage_rows):
+        if lanes.staging_used:  # (taken: not by a lane the route call settled)
             self.pool.release_staging_rows(stage_rows)
             lanes.staging_used = 0
         if not late:
@@ -368,7 +371,7 @@ class OffloadRuntime:
         :meth:`SlotPool.evict_many`, :meth:`LayerRouting.group` and :meth:`_partition`)."""
         pool, layer = self.pool, plan.layer
         if _kernels.compiled("route_partition") is None:
-            self._first, self._copies = None, -1
+            self._first, self._copies, self._settled = None, -1, False
             if len(plan.evicted):
                 pool.evict_many(layer, np.asarray(plan.evicted))
             routing = LayerRouting.group(ids, weights)
@@ -396,7 +399,7 @@ class OffloadRuntime:
                 pool.staging_first + taken, pool.num_staging - taken)
         key = (flat.dtype, pe.dtype, pc.dtype, ps.dtype, pa.dtype)  # (_ROUTE_LOOSE's; the weights are float32)
         (bad, n_ev, status, m, pstatus, c, g, hits, ready, fetched, adm, n_adopt, n_declined, in_flight, fg_n, fg_lo,
-         fg_span, fg_ready, fg_staged, self._copies) = self._route_entries.get(key, args)(*args)
+         fg_span, fg_ready, fg_staged, self._copies, self._settled) = self._route_entries.get(key, args)(*args)
         # the first group (the ready and fetched experts, or the staged ones in the first free staging buffers),
         # when written and its rows ready: (pairs, lo, span, experts, whether staged), used by _group / _written
         self._first = (fg_n, fg_lo, fg_span, g if fg_staged else ready + fetched, fg_staged) \
@@ -481,8 +484,14 @@ class OffloadRuntime:
         if n_staged and S < 1:
             raise AssertionError(f"step {step} layer {layer}: experts must be staged but there are no staging buffers")
         per_turn, halves = _kernels.staging_schedule(n_staged, S)  # (halves: buffer sets that alternate between turns)
-        stage_rows = pool.take_staging_rows(min(S, per_turn * halves)) if n_staged else _EMPTY
-        lanes.staging_used = len(stage_rows)
+        settled, self._settled = self._settled, False
+        if not n_staged:
+            stage_rows = _EMPTY
+        elif settled:  # (by the route call: the buffers are used, not taken, as the lane is settled before they are)
+            stage_rows = pool.free_staging_rows(min(S, per_turn * halves))
+        else:
+            stage_rows = pool.take_staging_rows(min(S, per_turn * halves))
+            lanes.staging_used = len(stage_rows)
         # 1. the first copies: the admitted experts and the first turns (turn t < halves: the rows
         # t * per_turn ..), in touch order
         nf = len(lanes.fetched)  # (fetched and staged are consecutive in the lane order)
@@ -505,8 +514,8 @@ class OffloadRuntime:
         # (the route call wrote the ready and fetched experts' group, or, with only staged experts in one turn, theirs
         # in the staging buffers it gave them, which are these stage_rows: the first free ones)
         written = fg is not None and fg[3] == (n_staged if fg[4] else len(ready) + nf)
-        if self._first_in_route and not lanes.prefetched_in_flight and \
-                (not n_staged or one_staged_turn or per_turn == 1):
+        if settled or (self._first_in_route and not lanes.prefetched_in_flight and
+                       (not n_staged or one_staged_turn or per_turn == 1)):
             # the CPU device, every prefetched expert landed, the staged ones in one turn or one at a time: the
             # stopwatch stopped once for the copies and the computes after them, to the layer's end. The group of the
             # ready and fetched experts (hits, landed prefetches, admissions) is the route call's when it wrote it
@@ -527,7 +536,7 @@ class OffloadRuntime:
                     groups.append(self._group(plan, routing, seg[both], rows[both]))
                 if one_staged_turn:
                     if not written_staged:
-                        groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws))
+                        groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws, settled))
                 elif n_staged:
                     singles.append(self._single_prepare(plan, routing, lanes, stage_rows, halves, None, first,
                                                         held=listed >= 0))
@@ -874,13 +883,14 @@ class OffloadRuntime:
         return self.timer.add_group_open("gpu", plan.step, plan.layer, group[4], group[5])
 
     def _group(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray,
-               ws: GroupWorkspace | None = None) -> tuple:
+               ws: GroupWorkspace | None = None, unheld: bool = False) -> tuple:
         """A group of the accelerator lane (the experts ``seg`` in slot ``rows``), its rows checked: (its rows
         sorted, the first row lo of its span, the tokens per row of the span, its index tensors on the
         accelerator (:func:`_device_indices`), its experts and their tokens (lists, for the timeline)). With
         numba written into the group workspace (on the CPU device its tensors are views of it), else a
         :class:`GroupIndex`. The layer's first group may have been written by the route call (``_first``). ``ws``:
-        another workspace than the lane's (a group built while the last one's views are still to be read)."""
+        another workspace than the lane's (a group built while the last one's views are still to be read).
+        ``unheld``: staging buffers the route call gave a lane it settled (none is held), not checked."""
         pool, dev, layer = self.pool, self.dev, plan.layer
         g = len(seg)
         first = self._first
@@ -888,10 +898,10 @@ class OffloadRuntime:
             return self._written(g)  # the route call
         ws = self._group_ws if ws is None else ws
         if (kernel := _kernels.compiled("group_index_into")) is not None:
-            n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, pool.state)
+            n, lo, span, ready = ws.build(kernel, routing, seg, rows, layer, _NO_SLOTS if unheld else pool.state)
         else:
             gi = GroupIndex.build(routing, seg, rows, (layer, pool.hold_layer, pool.hold_expert, pool.inflight))
-            if not gi.rows_ready:
+            if not (gi.rows_ready or unheld):
                 pool.check_rows(gi.rows, layer, gi.experts)  # raises, naming what is wrong (or checks)
             tensors = _device_indices(gi.pairs, gi.token_rows(routing.top_k), gi.offs, gi.row_of_pairs, gi.weights,
                                       self._send, dev.dtype, self.layout.bias)

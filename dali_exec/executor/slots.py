@@ -349,6 +349,14 @@ class SlotPool:
         self.staging_taken = top + n
         return self.staging_rows[top:top + n]
 
+    def free_staging_rows(self, n: int) -> np.ndarray:
+        """The first ``n`` free staging buffers, not taken: for a lane settled before its device work uses them (the
+        CPU device's, ``kernels._route_partition``), when nothing else can take a staging buffer."""
+        top = self.staging_taken
+        if n > self.num_staging - top:
+            raise AssertionError(f"{n} staging buffers asked, {self.num_staging - top} of {self.num_staging} free")
+        return self.staging_rows[top:top + n]
+
     def release_staging_rows(self, rows: np.ndarray) -> None:
         """Return the last staging buffers taken (:meth:`take_staging_rows`'s block), cleared."""
         n, top = len(rows), self.staging_taken
