@@ -15,7 +15,7 @@ from dali_exec.executor.cpu_worker import CpuWorker  # noqa: E402
 from dali_exec.executor.ffn import ExpertLayout  # noqa: E402
 from dali_exec.executor.routing import LayerRouting  # noqa: E402
 from dali_exec.executor.slots import SlotNotReady, SlotPool  # noqa: E402
-from dali_exec.executor.timing import Timer  # noqa: E402
+from dali_exec.executor.timing import Timer, TurnLoop  # noqa: E402
 from dali_sim.sim.engine import Activity  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
@@ -193,12 +193,12 @@ def test_timer_summary_equals_the_resolved_intervals():
     timer.add("cpu", Activity("expert", 0, 1, 2, tokens=1), a + 0.001, a + 0.002)
     # a loop of staging turns through one buffer: one series per track, one interval per turn (the stamp lists
     # filled after they are recorded, as the loop does)
-    starts, ends, c0, c1 = [], [], [], []
-    timer.add_turns(0, 1, [7, 9], [4, 1], 1, starts, ends, c0, c1)
-    starts += [a + 0.005, a + 0.007]
-    ends += [a + 0.006, a + 0.008]
-    c0.append(a + 0.0055)
-    c1.append(a + 0.0065)
+    loop = TurnLoop(0, 1, [7, 9], [4, 1], 1)
+    timer.add_turns(loop)
+    loop.starts += [a + 0.005, a + 0.007]
+    loop.ends += [a + 0.006, a + 0.008]
+    loop.copy_starts.append(a + 0.0055)
+    loop.copy_ends.append(a + 0.0065)
     busy, count, lazy = timer.summary()
     resolved = timer.intervals()
     assert count == len(resolved) == 10 and list(lazy) == resolved and len(lazy) == 10
@@ -221,9 +221,14 @@ def test_timer_turns_that_fit_their_buffers_record_no_copy():
     copies), so the loop's record has computes only; more turns add one fetch per later turn."""
     timer = Timer()
     a = timer.mark()
-    timer.add_turns(0, 2, [4, 6], [1, 3], 2, [a, a + 0.002], [a + 0.001, a + 0.003], [], [])
-    timer.add_turns(0, 3, [1, 2, 5], [2, 2, 2], 2, [a, a + 0.01, a + 0.02], [a + 0.005, a + 0.015, a + 0.025],
-                    [a + 0.006], [a + 0.008])
+    for layer, experts, tokens, starts, ends, copies in (
+            (2, [4, 6], [1, 3], [a, a + 0.002], [a + 0.001, a + 0.003], []),
+            (3, [1, 2, 5], [2, 2, 2], [a, a + 0.01, a + 0.02], [a + 0.005, a + 0.015, a + 0.025],
+             [(a + 0.006, a + 0.008)])):
+        loop = TurnLoop(0, layer, experts, tokens, 2)
+        loop.starts, loop.ends = starts, ends
+        loop.copy_starts, loop.copy_ends = [c for c, _ in copies], [c for _, c in copies]
+        timer.add_turns(loop)
     got = [(iv.track, iv.name) for iv in timer.intervals()]
     assert got == [("gpu", "L2 E4"), ("gpu", "L3 E1"), ("gpu", "L2 E6"), ("pcie", "fetch L3 E5"), ("gpu", "L3 E2"),
                    ("gpu", "L3 E5")]

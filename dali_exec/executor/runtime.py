@@ -36,7 +36,7 @@ from dali_exec.executor.packed import PinnedRing
 from dali_exec.executor.routing import LayerRouting
 from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
-from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer
+from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer, TurnLoop
 from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
 from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
 from dali_sim.sim.engine import HANDOFF_KINDS
@@ -383,8 +383,10 @@ class OffloadRuntime:
         n = T * k
         evicted = np.array(plan.evicted, np.int64) if len(plan.evicted) else _EMPTY  # (a new, contiguous array)
         free = pool.cache_free[layer]
-        ws = self._route_ws.fit(n, len(evicted))
+        ws = self._route_ws
         wi = ws.wi
+        if n >= wi.shape[1] or len(evicted) > wi.shape[1]:  # (room for the pairs and the evictions: else grown)
+            wi = ws.fit(n, len(evicted)).wi
         if self._first_in_route:  # (the CPU device: the route call writes the layer's first group)
             gws = self._group_ws
             if n > gws.ints.shape[1]:
@@ -746,9 +748,9 @@ class OffloadRuntime:
                 hold_e[r] = E[lt]
         views, bufs = self._turn_buffers(R)
         events = [first_events[int(i)] for i in np.searchsorted(first, idx[:halves])] if dev.is_cuda else None
-        turns = _Turns(E, tokens, R, halves, last, views, bufs, self._host_experts[layer], pairs, events)
-        self.timer.add_turns(plan.step, layer, E, tokens, halves, turns.starts, turns.ends, turns.copy_starts,
-                             turns.copy_ends)
+        turns = _Turns(plan.step, layer, E, tokens, R, halves, last, views, bufs, self._host_experts[layer], pairs,
+                       events)
+        self.timer.add_turns(turns)
         self.groups["gpu"] += n
         self.grouped_experts["gpu"] += n
         return turns
@@ -822,6 +824,7 @@ class OffloadRuntime:
                 last_use[r] = ends[last]
         elif turns.copy_starts:
             self._wait[plan.layer] += sum(turns.copy_ends) - sum(turns.copy_starts)
+        turns.release()
 
     def _compute(self, plan: LayerPlan, routing: LayerRouting, seg: np.ndarray, rows: np.ndarray, x: torch.Tensor,
                  out_buf: torch.Tensor, sw: Stopwatch):
@@ -1033,20 +1036,24 @@ class OffloadRuntime:
 
 
 
-class _Turns:
-    """A layer's one-expert staging turns (:meth:`OffloadRuntime._single_prepare`): their experts and tokens (turn
-    order), the ``halves`` buffers they cycle through (turn t in ``rows[t % halves]``) and each used buffer's last
+class _Turns(TurnLoop):
+    """A layer's one-expert staging turns (:meth:`OffloadRuntime._single_prepare`), the timeline's record of their
+    loop (:class:`~.timing.TurnLoop`: experts and tokens in turn order, the stamp lists the loop fills) with what the
+    loop needs: the ``halves`` buffers they cycle through (turn t in ``rows[t % halves]``) and each used buffer's last
     turn, the buffers' prepared weights (``views``) and tensors (``bufs``), the layer's host weights (``src``), the
-    turns' pairs on the accelerator (flat positions, tokens, weights), on CUDA the end events of the first turns'
-    copies (the loop appends its own), and the stamp lists the loop fills (the timeline's series hold them)."""
+    turns' pairs on the accelerator (flat positions, tokens, weights) and, on CUDA, the end events of the first turns'
+    copies (the loop appends its own). The timeline keeps the record to the run's end: :meth:`release` lets go of
+    the buffers once the loop is done."""
 
-    __slots__ = ("experts", "tokens", "rows", "halves", "last", "views", "bufs", "src", "pairs", "events", "starts",
-                 "ends", "copy_starts", "copy_ends")
+    __slots__ = ("rows", "last", "views", "bufs", "src", "pairs", "events")
 
-    def __init__(self, experts, tokens, rows, halves, last, views, bufs, src, pairs, events):
-        self.experts, self.tokens, self.rows, self.halves, self.last = experts, tokens, rows, halves, last
-        self.views, self.bufs, self.src, self.pairs, self.events = views, bufs, src, pairs, events
-        self.starts, self.ends, self.copy_starts, self.copy_ends = [], [], [], []
+    def __init__(self, step, layer, experts, tokens, rows, halves, last, views, bufs, src, pairs, events):
+        TurnLoop.__init__(self, step, layer, experts, tokens, halves)
+        self.rows, self.last, self.views, self.bufs, self.src, self.pairs, self.events = \
+            rows, last, views, bufs, src, pairs, events
+
+    def release(self) -> None:
+        self.views = self.bufs = self.src = self.pairs = self.events = None
 
 
 class _AccelLane:

@@ -117,18 +117,11 @@ class Timer:
         with self._lock:
             self._raw.append(("pcie", (kind, step, layer, experts), start, end))
 
-    def add_turns(self, step: int, layer: int, experts: list[int], tokens: list[int], halves: int, starts: list,
-                  ends: list, copy_starts: list, copy_ends: list) -> None:
-        """A layer's loop of one-expert staging turns cycling through ``halves`` buffers, as one series per track
-        (both in one entry: each object a visit keeps to the end is a cost later in the visit, whose allocations then
-        find fresh memory): ``starts[i]`` .. ``ends[i]`` the compute of ``experts[i]`` (a grouped call
-        of that one expert with ``tokens[i]`` rows, on ``gpu``, as :meth:`add_group` records it), and
-        ``copy_starts[i]`` .. ``copy_ends[i]`` the copy of ``experts[halves + i]`` (a ``pcie`` fetch of one expert,
-        as :meth:`add_copies` records a single copy) into the buffer turn i computed from. The lists may still be
-        filled (by the loop) until the intervals are read."""
-        loop = (None, _Turns(step, layer, experts, tokens, halves, starts, ends, copy_starts, copy_ends), None, None)
+    def add_turns(self, loop: "TurnLoop") -> None:
+        """A layer's loop of one-expert staging turns (:class:`TurnLoop`), recorded as it starts: its stamp lists
+        may still be filled (by the loop) until the intervals are read."""
         with self._lock:
-            self._raw.append(loop)
+            self._raw.append((None, loop, None, None))
 
     def add_group(self, track: str, step: int, layer: int, experts: np.ndarray, tokens: np.ndarray, start,
                   end) -> None:
@@ -174,7 +167,7 @@ class Timer:
         count = 0
         seconds = self.seconds
         for track, what, a, b in raw:
-            if type(what) is _Turns:
+            if isinstance(what, TurnLoop):
                 for track, experts, _, starts, ends in what.series():
                     busy[track] += sum(seconds(e) - seconds(s) for s, e in zip(starts, ends))
                     count += len(experts)
@@ -188,7 +181,7 @@ class Timer:
         out = []
         seconds = self.seconds
         for track, what, a, b in raw:
-            if type(what) is _Turns:
+            if isinstance(what, TurnLoop):
                 out += what.intervals(lambda stamp: seconds(stamp, origin))
                 continue
             a, b = seconds(a, origin), seconds(b, origin)
@@ -222,16 +215,20 @@ class Timer:
         return out
 
 
-class _Turns:
-    """What :meth:`Timer.add_turns` records: one loop of one-expert turns, resolved into its intervals on the
-    ``gpu`` track (the computes) and the ``pcie`` track (the copies of the turns after the first ``halves``)
-    when they are read."""
+class TurnLoop:
+    """A layer's loop of one-expert staging turns cycling through ``halves`` buffers, as the timeline records it
+    (:meth:`Timer.add_turns`: one entry for both tracks, as each object a visit keeps to the end costs the visit's
+    later allocations fresh memory): ``starts[i]`` .. ``ends[i]`` the compute of ``experts[i]`` (a grouped call of
+    that one expert with ``tokens[i]`` rows, on ``gpu``, as :meth:`Timer.add_group` records it), and
+    ``copy_starts[i]`` .. ``copy_ends[i]`` the copy of ``experts[halves + i]`` (a ``pcie`` fetch of one expert, as
+    :meth:`Timer.add_copies` records a single copy) into the buffer turn i computed from; the loop fills the four
+    lists."""
 
     __slots__ = ("step", "layer", "experts", "tokens", "halves", "starts", "ends", "copy_starts", "copy_ends")
 
-    def __init__(self, step, layer, experts, tokens, halves, starts, ends, copy_starts, copy_ends):
+    def __init__(self, step: int, layer: int, experts: list[int], tokens: list[int], halves: int):
         self.step, self.layer, self.experts, self.tokens, self.halves = step, layer, experts, tokens, halves
-        self.starts, self.ends, self.copy_starts, self.copy_ends = starts, ends, copy_starts, copy_ends
+        self.starts, self.ends, self.copy_starts, self.copy_ends = [], [], [], []
 
     def series(self):
         """(track, experts, tokens or None, starts, ends) of each track with intervals."""
