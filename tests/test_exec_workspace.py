@@ -227,6 +227,8 @@ def test_the_route_workspace_grows_and_rewraps_its_tensors():
     assert ws.fit(4, 3).wi is small  # room already
     ws.fit(40, 0)
     assert ws.wi.shape[1] == 82 and ws.wf.shape == (2, 82)
+    # a model's experts per layer: the rows longer than that (the route call's scratch, a slot per expert id)
+    assert RouteWorkspace(torch.device("cpu"), pairs=4, experts=128).wi.shape[1] > 128
     pos, tok, w, tpos, ttok, tw = ws.tensors
     ws.wi[K.W_ORDER, 5], ws.wi[K.W_TOKENS, 6], ws.wf[0, 7] = 11, 12, 0.5
     ws.wi[K.W_TURNS + 2, 1], ws.wi[K.W_TURNS + 3, 2], ws.wf[1, 3] = 13, 14, 0.25

@@ -672,7 +672,8 @@ _KERNELS = {"group_routing": _group_routing, "group_routing_into": _group_routin
             "staging_schedule": staging_schedule}
 #: the kernels each one calls (compiled before it: numba binds a global function when it compiles a caller)
 _CALLS = {"group_routing": ("group_routing_into",), "group_index": ("group_index_into",),
-          "group_index_into": ("rows_ready", "group_member"), "partition": ("partition_into",), "evict": ("evict_into",),
+          "group_index_into": ("rows_ready", "group_member"), "partition": ("partition_into",),
+          "evict": ("evict_into",),
           "route_partition": ("evict_into", "group_routing_into", "partition_into", "group_index_into",
                               "staging_schedule")}
 _compiled: dict[str, object] = {}

@@ -116,8 +116,8 @@ class OffloadRuntime:
         #: the accelerator lane's first copies listed by the route call for this layer visit (their number, in the route
         #: workspace's rows ``kernels.W_COPIES``..), -1: none listed, until _accelerator_lane takes them
         self._copies = -1
-        #: whether the route call settled this layer visit's lane ahead of its device work (``kernels._route_partition``:
-        #: its staging buffers neither taken nor held), until _accelerator_lane takes it
+        #: whether the route call settled this layer visit's lane ahead of its device work
+        #: (``kernels._route_partition``: its staging buffers neither taken nor held), until _accelerator_lane takes it
         self._settled = False
         self._droute_of: LayerRouting | None = None  # the routing whose accelerator copy _droute_list is
         self._droute_list: list = []
