@@ -122,9 +122,11 @@ def test_counted_calls_are_the_same_in_every_replay_and_leave_out_the_counter(sy
     """--count-calls: the calls a visit makes while a stopwatch runs are a count, not a time (the same replay
     counts the same), the counter's own wrappers are not in it, and nothing is counted outside a stopwatch.
 
-    Exactly the same where no other thread takes part (llamacpp); within 3% for dali, whose visits can take
-    another path as a background copy has landed or not, and whose hand-over of the CPU lane makes one more call
-    (the wake) where the worker has stopped spinning: measured 315.1-319.6 calls per visit over six replays."""
+    Exactly the same where no other thread takes part (llamacpp); within 7% for dali, whose visits can take
+    another path as a background copy has landed or not (a visit with a prefetch still in flight is not settled
+    ahead: about 75 calls more, 3% of the mean over this replay's 8 visits), and whose hand-over of the CPU lane
+    makes one more call (the wake) where the worker has stopped spinning: measured 295.4-304.8 calls per visit over
+    eight replays (302.6-313.2 before the route call settled lanes, which made the two paths further apart)."""
     setup, devices, run, store = _small_qwen_replay(system, tmp_path)
     with exec_overhead.no_tensor_work():
         exec_overhead.run_once(setup, devices, run, store)  # (first calls: imports, compilation)
@@ -132,7 +134,7 @@ def test_counted_calls_are_the_same_in_every_replay_and_leave_out_the_counter(sy
     if system == "llamacpp":
         assert first == second
     else:
-        assert abs(first["calls_per_visit"] / second["calls_per_visit"] - 1) <= 0.03
+        assert abs(first["calls_per_visit"] / second["calls_per_visit"] - 1) <= 0.07
     assert first["calls_per_visit"] > 20
     names = first["top_calls_per_visit"]
     assert abs(sum(names.values()) - first["calls_per_visit"]) < 1e-9
