@@ -532,35 +532,35 @@ class OffloadRuntime:
             singles = []  # the one-expert turns (:class:`_Turns`)
             records = []  # the groups' records
 
-            def prepare():
-                if n_first and not (written and not written_staged):  # (else the written group is theirs)
-                    both = lanes.order[:n_first]
-                    groups.append(self._group(plan, routing, seg[both], rows[both]))
-                if one_staged_turn:
-                    if not written_staged:
-                        groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws, settled))
-                elif n_staged:
-                    singles.append(self._single_prepare(plan, routing, lanes, stage_rows, halves, None, first,
-                                                        held=listed >= 0))
-                for g in groups:  # (a loop: a comprehension is a function call in Python 3.11)
-                    records.append(self._group_booked(plan, g))
-                self._settle_ahead(plan, lanes, stage_rows, late)
-
-            def run():  # the first stamp of the lane's device work
-                for g, rec in zip(groups, records):
-                    rec[2], rec[3] = self._forward_group(g, x, out_buf)
-                if singles:
-                    self._single_loop(singles[0], x, out_buf)
-                    self._single_after(plan, singles[0])
-                return records[0][2] if records else singles[0].starts[0]
-
-            if len(first):
-                self._copy_now(plan, first, experts, rows, sw, then=run, prepare=prepare, staging=not nf,
-                               listed=listed >= 0)
+            copying = len(first) > 0
+            if copying:  # (their rows hold their experts before the groups are built)
+                r, e, previous = self._copies_held(plan, first, experts, rows, not nf, listed >= 0)
+            # (inline, not in functions: a function defined here would make every local it reads a cell, in each call)
+            if n_first and not (written and not written_staged):  # (else the written group is theirs)
+                both = lanes.order[:n_first]
+                groups.append(self._group(plan, routing, seg[both], rows[both]))
+            if one_staged_turn:
+                if not written_staged:
+                    groups.append(self._group(plan, routing, seg[staged], rows[staged], self._staged_ws, settled))
+            elif n_staged:
+                singles.append(self._single_prepare(plan, routing, lanes, stage_rows, halves, None, first,
+                                                    held=listed >= 0))
+            for g in groups:  # (a loop: a comprehension is a function call in Python 3.11)
+                records.append(self._group_booked(plan, g))
+            self._settle_ahead(plan, lanes, stage_rows, late)
+            w0 = time.perf_counter()
+            if copying:  # (the stopwatch stopped as they are issued, not started again)
+                self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, step, previous=previous,
+                                      pause=sw, resume=False)
             else:  # (nothing to copy: landed prefetches and hits)
-                prepare()
                 sw.stop()
-                run()
+            for g, rec in zip(groups, records):
+                rec[2], rec[3] = self._forward_group(g, x, out_buf)
+            if singles:
+                self._single_loop(singles[0], x, out_buf)
+                self._single_after(plan, singles[0])
+            if copying:  # the lane waited for its copies until its first stamp
+                self._wait[layer] += (records[0][2] if records else singles[0].starts[0]) - w0
             if late:  # the declined ones' buffers, now read: the waiting prefetches take them
                 sw.start()
                 self._free_declined(lanes)
@@ -624,21 +624,34 @@ class OffloadRuntime:
         return ready, after, waiting
 
     def _copy_now(self, plan: LayerPlan, idx: np.ndarray, experts: np.ndarray, rows: np.ndarray, sw: Stopwatch,
-                  after: list | None = None, staging: bool = False, then=None, prepare=None, listed: bool = False):
+                  after: list | None = None, staging: bool = False, listed: bool = False):
         """On-demand copies of lane positions ``idx`` into their rows, from this thread; on CUDA their end
-        events (aligned with ``idx``), else None (done). ``staging``: the rows are staging buffers, which
-        no background copy writes. ``then`` (the CPU device): device work run right after the copies, which returns its
-        first host stamp; the stopwatch is not started again (``prepare`` did the bookkeeping). ``prepare``: called
-        (bookkeeping) once the rows hold their experts, before the copies are issued. ``listed``: ``idx`` are the
-        copies the route call listed (``kernels.W_COPIES``), whose rows it made hold their experts."""
+        events (aligned with ``idx``), else None (done). ``staging``, ``listed``: as :meth:`_copies_held`."""
         if not len(idx):
             return None if not self.dev.is_cuda else []
         pool, layer = self.pool, plan.layer
+        r, e, previous = self._copies_held(plan, idx, experts, rows, staging, listed)
+        if self.dev.is_cuda and after is None:
+            after = [pool.last_use[i] for i in r]
+        w0 = time.perf_counter()
+        ends = self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, plan.step, after=after,
+                                     previous=previous, pause=sw)
+        if ends is None:  # the CPU device: the lane waited for its copies while they were made
+            self._wait[layer] += time.perf_counter() - w0
+        return ends
+
+    def _copies_held(self, plan: LayerPlan, idx: np.ndarray, experts: np.ndarray, rows: np.ndarray, staging: bool,
+                     listed: bool) -> tuple:
+        """The on-demand copies of lane positions ``idx`` made ready to issue: their rows hold their experts, and the
+        background copies into them not done yet are to go first: (rows, experts, those copies' tickets).
+        ``staging``: the rows are staging buffers, which no background copy writes. ``listed``: ``idx`` are the
+        copies the route call listed (``kernels.W_COPIES``), whose rows it made hold their experts."""
+        pool = self.pool
         if listed:
             r, e = self._route_ws.wi[_kernels.W_COPIES + 1:_kernels.W_COPIES + 3, :len(idx)].tolist()
         else:
             ri, ei = rows[idx], experts[idx]
-            pool.hold_rows(ri, layer, ei)
+            pool.hold_rows(ri, plan.layer, ei)
             r, e = ri.tolist(), ei.tolist()
         tickets = pool.tickets
         held = () if staging else pool.ticketed.intersection(r)  # rows a background copy wrote
@@ -649,19 +662,7 @@ class OffloadRuntime:
                     previous.append(t)
                 tickets[i] = None
             pool.ticketed.difference_update(held)
-        if self.dev.is_cuda and after is None:
-            after = [pool.last_use[i] for i in r]
-        if prepare is not None:
-            prepare()
-        w0 = time.perf_counter()
-        ends = self.copies.issue_now(pool.rows_view, self.store.weights, r, layer, e, plan.step, after=after,
-                                     previous=previous, pause=sw, resume=then is None)
-        if then is not None:  # the CPU device: the lane waited for its copies until then's start
-            self._wait[layer] += then() - w0
-            return None
-        if ends is None:  # the CPU device: the lane waited for its copies while they were made
-            self._wait[layer] += time.perf_counter() - w0
-        return ends
+        return r, e, previous
 
     def _wait_events(self, events, issued: np.ndarray, idx: np.ndarray) -> None:
         """CUDA: the compute stream waits for the copies of lane positions ``idx`` (issued as ``issued`` in
