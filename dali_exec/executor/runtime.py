@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -272,8 +273,8 @@ class OffloadRuntime:
             if not on_host:  # (queued: the CPU lane waits for it, not this thread, which goes on issuing its work)
                 x_host, ready = x.to(dev.host, non_blocking=True), self._x_on_host
                 ready.record(self.compute_stream)
-            if (self.cpu_inline or not lanes.n) and self._has_cpu_lane_threads():
-                inline.append(lambda: self._cpu_lane(step, layer, cpu_seg, x_host, routing, ready))
+            if (self.cpu_inline or not lanes.n) and self._has_cpu_lane_threads():  # (a partial: a lambda would
+                inline.append(partial(self._cpu_lane, step, layer, cpu_seg, x_host, routing, ready))  # make cells)
             else:
                 cpu_job = self.cpu.submit(self._cpu_lane, step, layer, cpu_seg, x_host, routing, ready)
                 self.cpu_handoffs += 1
@@ -918,11 +919,16 @@ class OffloadRuntime:
             tensors = (t_pos, t_tok, t_offs, t_rows if self.layout.bias else None,
                        t_w if t_w.dtype == dev.dtype else t_w.to(dev.dtype))
         else:
-            ints = ws.ints
-            tensors = _device_indices(ints[0, :n], ints[1, :n], ws.offs[:span], lambda: ints[2, :n], ws.w[:n],
-                                      self._send, dev.dtype, self.layout.bias)
+            tensors = self._sent_indices(ws, n, span)
         experts, counts = ws.small[1:, :g].tolist()
         return g_rows, lo, ws.table_counts[:span], tensors, experts, counts
+
+    def _sent_indices(self, ws: GroupWorkspace, n: int, span: int) -> tuple:
+        """:func:`_device_indices` of a group of ``n`` pairs over ``span`` rows built in ``ws``, sent to the accelerator
+        (a method of its own: the function it passes would make ``_group``'s locals cells at every call)."""
+        ints = ws.ints
+        return _device_indices(ints[0, :n], ints[1, :n], ws.offs[:span], lambda: ints[2, :n], ws.w[:n], self._send,
+                               self.dev.dtype, self.layout.bias)
 
     def _written(self, g: int) -> tuple:
         """:meth:`_group` of the layer's first group (``g`` experts), as the route call wrote and checked it (the CPU
