@@ -1055,7 +1055,9 @@ class _Turns(TurnLoop):
     __slots__ = ("rows", "last", "views", "bufs", "src", "pairs", "events")
 
     def __init__(self, step, layer, experts, tokens, rows, halves, last, views, bufs, src, pairs, events):
-        TurnLoop.__init__(self, step, layer, experts, tokens, halves)
+        # (TurnLoop's fields set here too: its __init__ would be one more call each layer visit)
+        self.step, self.layer, self.experts, self.tokens, self.halves = step, layer, experts, tokens, halves
+        self.starts, self.ends, self.copy_starts, self.copy_ends = [], [], [], []
         self.rows, self.last, self.views, self.bufs, self.src, self.pairs, self.events = \
             rows, last, views, bufs, src, pairs, events
 
