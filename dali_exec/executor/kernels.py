@@ -511,17 +511,19 @@ def _route_partition(flat, weights, k, p_experts, p_counts, source, admitted, ro
     :func:`_group_index_into` of them, their rows checked now: a prefetch still in flight leaves it unwritten)
     is written there: one compiled call per layer instead of two.
     When there are none of those but staged experts, and the ``stage_n`` free staging buffers (consecutive rows
-    from ``stage_lo``: ``SlotPool.take_staging_rows``) hold them all, the staged experts take those rows in
-    staging order (the lane's row 2 and the table: they hold them, as the copies into them are about to be
-    issued) and their group is written instead (the CPU device's one staging turn).
+    from ``stage_lo``: ``SlotPool.free_staging_rows``) hold them all, the staged experts take those rows in
+    staging order (the lane's row 2) and their group is written instead (the CPU device's one staging turn, a lane
+    settled ahead: below).
 
     The staging schedule's start (:func:`staging_schedule`: ``per_turn`` staged experts a turn, in ``halves``
     alternating sets of buffers), when the fetched experts are admitted (or there are none): the
-    first turns' staged experts take the first staging buffers in staging order (the lane's row 2 and the table,
-    as for the one turn above), and the lane's first copies (the fetched experts and those, lane positions
+    first turns' staged experts take the first staging buffers in staging order (the lane's row 2 and, unless the
+    lane is settled ahead, the table: they hold them, as the copies into them are about to be issued), and the lane's
+    first copies (the fetched experts and those, lane positions
     ascending) are listed in rows :data:`W_COPIES` .. + 2 (positions, slot rows, experts); their number is the
-    last value returned (-1: not done, the caller's own code does it). With one-expert turns each of those buffers is
-    then held by the expert of its last turn (``OffloadRuntime._single_prepare``'s holds).
+    last value returned (-1: not done, the caller's own code does it). With one-expert turns (and a lane not settled
+    ahead) each of those buffers is then held by the expert of its last turn (``OffloadRuntime._single_prepare``'s
+    holds).
 
     Settled ahead: on the CPU device (``gi`` given), with the schedule started here, no prefetched copy in flight and
     the staged experts in one turn or one at a time, the lane's device work runs in one pause of the stopwatch

@@ -22,7 +22,7 @@ import numpy as np
 from dali_exec.executor import kernels as _kernels
 
 _NO_ORDER = np.zeros(0, np.int64)
-_FLOAT32 = np.dtype(np.float32)
+FLOAT32 = np.dtype(np.float32)  # (checked by identity: no conversion per call)
 _NO_COUNTED = np.zeros(0, bool)
 
 
@@ -71,7 +71,7 @@ class LayerRouting:
         T, k = ids.shape
         if weights is None:
             weights = np.full((T, k), 1.0 / k, np.float32)
-        elif type(weights) is not np.ndarray or weights.dtype is not _FLOAT32:  # (identity: no dtype conversion per call)
+        elif type(weights) is not np.ndarray or weights.dtype is not FLOAT32:  # (identity: no dtype conversion per call)
             weights = np.asarray(weights, np.float32)
         if weights.shape != ids.shape:
             raise ValueError(f"routing weights {weights.shape} do not match expert ids {ids.shape}")

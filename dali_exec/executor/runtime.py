@@ -34,7 +34,7 @@ from dali_exec.executor.cpu_worker import CpuWorker
 from dali_exec.executor.devices import Devices
 from dali_exec.executor.grouped import GroupIndex
 from dali_exec.executor.packed import PinnedRing
-from dali_exec.executor.routing import LayerRouting
+from dali_exec.executor.routing import FLOAT32, LayerRouting
 from dali_exec.executor.slots import Slot, SlotPool
 from dali_exec.executor.store import HostExpertStore
 from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer, TurnLoop
@@ -42,7 +42,6 @@ from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
 from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
 from dali_sim.sim.engine import HANDOFF_KINDS
 
-_FLOAT32 = np.dtype(np.float32)
 _EMPTY = np.zeros(0, np.int64)
 _NO_SLOTS = np.zeros((3, 0), np.int64)  # a slot table's state (SlotPool.state) for the host store's rows: none
 _NO_GROUP = (np.zeros((7, 0), np.int64), np.zeros(0, np.float32), np.zeros(0, np.int32))  # (the route call's)
@@ -377,17 +376,15 @@ class OffloadRuntime:
                 pool.evict_many(layer, np.asarray(plan.evicted))
             routing = LayerRouting.group(ids, weights)
             return (routing, *self._partition(plan, routing, False), None)
-        if type(ids) is not np.ndarray or type(weights) is not np.ndarray or weights.dtype is not _FLOAT32 or \
+        if type(ids) is not np.ndarray or type(weights) is not np.ndarray or weights.dtype is not FLOAT32 or \
                 weights.shape != ids.shape:  # (a trace's ids and weights pass as they are)
             ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
         n = T * k
         evicted = np.array(plan.evicted, np.int64) if len(plan.evicted) else _EMPTY  # (a new, contiguous array)
         free = pool.cache_free[layer]
-        ws = self._route_ws
+        ws = self._route_ws.fit(n, len(evicted))
         wi = ws.wi
-        if n >= wi.shape[1] or len(evicted) > wi.shape[1]:  # (room for the pairs and the evictions: else grown)
-            wi = ws.fit(n, len(evicted)).wi
         if self._first_in_route:  # (the CPU device: the route call writes the layer's first group)
             gws = self._group_ws
             if n > gws.ints.shape[1]:
@@ -1055,9 +1052,7 @@ class _Turns(TurnLoop):
     __slots__ = ("rows", "last", "views", "bufs", "src", "pairs", "events")
 
     def __init__(self, step, layer, experts, tokens, rows, halves, last, views, bufs, src, pairs, events):
-        # (TurnLoop's fields set here too: its __init__ would be one more call each layer visit)
-        self.step, self.layer, self.experts, self.tokens, self.halves = step, layer, experts, tokens, halves
-        self.starts, self.ends, self.copy_starts, self.copy_ends = [], [], [], []
+        TurnLoop.__init__(self, step, layer, experts, tokens, halves)
         self.rows, self.last, self.views, self.bufs, self.src, self.pairs, self.events = \
             rows, last, views, bufs, src, pairs, events
 

@@ -343,11 +343,9 @@ class SlotPool:
         """``n`` free staging buffers for a layer's staged experts, consecutive rows (a view of
         ``staging_rows``; they hold nothing until a copy is issued into them: :meth:`hold_rows`); returned with
         :meth:`release_staging_rows`."""
-        top = self.staging_taken
-        if n > self.num_staging - top:
-            raise AssertionError(f"{n} staging buffers asked, {self.num_staging - top} of {self.num_staging} free")
-        self.staging_taken = top + n
-        return self.staging_rows[top:top + n]
+        rows = self.free_staging_rows(n)
+        self.staging_taken += n
+        return rows
 
     def free_staging_rows(self, n: int) -> np.ndarray:
         """The first ``n`` free staging buffers, not taken: for a lane settled before its device work uses them (the

@@ -188,16 +188,6 @@ class Controller:
             experts, counts, ranks = readonly(experts), readonly(counts), readonly(ranks)
         return experts, counts, ranks, int(w.step_phase[step]), int(w.step_tokens[step])
 
-    def _plan_segment(self, step: int, layer: int) -> tuple[np.ndarray, np.ndarray, int, int]:
-        """:meth:`_segment` without the ranks, which the compiled plans do not read (a view less per plan)."""
-        seg = self._segments
-        if seg is not None:
-            i = step * self._num_layers + layer
-            lo, hi = seg[0][i], seg[0][i + 1]
-            return seg[1][lo:hi], seg[2][lo:hi], seg[4][step], seg[5][step]
-        experts, counts, _, phase, tokens = self._segment(step, layer)
-        return experts, counts, phase, tokens
-
     def _ruled_args(self) -> tuple | None:
         """The view-free plan: for a placement with a rule form (``PlacementPolicy.rule_form``), a cache with a
         keyed form asked once per layer and nothing to observe, and no prefetches or swaps, every plan is one
@@ -389,7 +379,7 @@ class Controller:
         :meth:`plan_reference`: the same plans."""
         ruled = self._ruled
         if ruled is not None:
-            experts, counts, phase, tokens = self._plan_segment(step, layer)
+            experts, counts, _, phase, tokens = self._segment(step, layer)
             source, flags, out = ruled[0](experts, counts, tokens, *ruled[1][layer])
             row = out.tolist()  # as the keyed path's below; nothing prefetched, so the victims end it
             if row:  # (empty: the rule left an expert to the placement's place(), nothing changed)
@@ -400,7 +390,7 @@ class Controller:
                                  flags[2], row[TALLY_LEN + 1:], [], [], [], [], tuple(row[:TALLY_LEN]))
         fused = self._fused
         if fused is not None:
-            experts, counts, phase, tokens = self._plan_segment(step, layer)
+            experts, counts, _, phase, tokens = self._segment(step, layer)
             row_step = 0 if self._online else step  # (the step's segments of the prediction columns)
             if fused[2]:
                 source, flags, out = fused[0](experts, counts, row_step, phase, tokens, *fused[1][layer])
