@@ -15,6 +15,7 @@ from dali_exec.executor.grouped import GroupIndex  # noqa: E402
 from dali_exec.executor.routing import LayerRouting  # noqa: E402
 from dali_sim.models.presets import get_model  # noqa: E402
 from dali_sim.policies import placement_dali as PD  # noqa: E402
+from dali_sim.runtime.plan_kernel import TALLY_LEN  # noqa: E402
 from dali_sim.workload import online  # noqa: E402
 
 if K.compiled("group_routing") is None:  # (DALI_NUMBA=0: nothing compiled to compare with the NumPy code)
@@ -142,7 +143,7 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
         source = rng.choice([HIT, FETCH, CPU, PREFETCHED], len(experts)).astype(np.int8)
         pool = pool_of(experts, source)
         plan = SimpleNamespace(layer=0, step=0, experts=experts.astype(np.int16), counts=own[own > 0][touch].astype(
-            np.int32), source=source, admitted=rng.random(len(experts)) < 0.5)
+            np.int32), source=source, admitted=rng.random(len(experts)) < 0.5, answer=None)
         if trial % 3 == 2:
             plan.experts, plan.counts, plan.source, plan.admitted = map(
                 strided, (plan.experts, plan.counts, plan.source, plan.admitted))
@@ -156,6 +157,8 @@ def test_partition_splits_a_layer_as_the_array_code(monkeypatch):
         splits = [(got, want)]
         if mask is None and not flag:  # the replay's call: evictions, grouping, split, adoptions and admissions
             plan.evicted = rng.choice(np.setdiff1d(np.arange(30), experts), 3, replace=False).tolist()
+            if trial % 2:  # (a compiled plan's: the victims read from its answer, between its tally and what follows)
+                plan.answer = np.array([-1] * (TALLY_LEN + 1) + plan.evicted + [-1, -1], np.int64)
             twin = pool_of(experts, source)
             pool.admit_many(0, np.array(plan.evicted, np.int64))
             twin.admit_many(0, np.array(plan.evicted, np.int64))
@@ -363,7 +366,8 @@ def test_a_routing_that_is_not_the_plans_is_refused_by_both_calls(numba_on, monk
 
     def plan(experts, counts, source):
         return SimpleNamespace(layer=0, step=3, experts=np.array(experts, np.int16), counts=np.array(counts, np.int32),
-                               source=np.array(source, np.int8), admitted=np.zeros(len(experts), bool), evicted=[])
+                               source=np.array(source, np.int8), admitted=np.zeros(len(experts), bool), evicted=[],
+                               answer=None)
 
     ok = plan([4, 1, 2], [2, 1, 1], [CPU] * 3)
     routed, cpu_seg, _, _ = OffloadRuntime._route(runtime, ok, ids, w)

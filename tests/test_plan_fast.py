@@ -79,6 +79,9 @@ def _run(monkeypatch, trace, system: str, batch: int, ratio, seed: int, *, compi
             p = plan(self, step, layer)
             plans.append(p)
             tallied.append(p.tally is not None)
+            # the compiled path's answer holds the victims where the executor's route call reads them
+            assert p.answer is None if p.tally is None else \
+                p.answer[plan_kernel.TALLY_LEN + 1:][:len(p.evicted)].tolist() == p.evicted, (step, layer)
             return p
 
         m.setattr(ctl.Controller, "plan", recorded)

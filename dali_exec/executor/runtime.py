@@ -40,9 +40,11 @@ from dali_exec.executor.store import HostExpertStore
 from dali_exec.executor.timing import LayerSeconds, Stopwatch, Timer, TurnLoop
 from dali_exec.executor.workspace import GroupWorkspace, RouteWorkspace
 from dali_sim.runtime.controller import CPU, HIT, PREFETCHED, LayerPlan
+from dali_sim.runtime.plan_kernel import TALLY_LEN
 from dali_sim.sim.engine import HANDOFF_KINDS
 
 _EMPTY = np.zeros(0, np.int64)
+_VICTIMS = TALLY_LEN + 1  # where a compiled plan's answer lists its victims (LayerPlan.answer)
 _NO_SLOTS = np.zeros((3, 0), np.int64)  # a slot table's state (SlotPool.state) for the host store's rows: none
 _NO_GROUP = (np.zeros((7, 0), np.int64), np.zeros(0, np.float32), np.zeros(0, np.int32))  # (the route call's)
 #: the route call's arguments whose types the runtime does not fix: the trace's ids and the plan's four arrays
@@ -381,7 +383,9 @@ class OffloadRuntime:
             ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
         n = T * k
-        evicted = np.array(plan.evicted, np.int64) if len(plan.evicted) else _EMPTY  # (a new, contiguous array)
+        victims = len(plan.evicted)  # (the compiled plan's answer holds them as an array: LayerPlan.answer)
+        evicted = _EMPTY if not victims else plan.answer[_VICTIMS:_VICTIMS + victims] if plan.answer is not None \
+            else np.array(plan.evicted, np.int64)
         free = pool.cache_free[layer]
         ws = self._route_ws.fit(n, len(evicted))
         wi = ws.wi

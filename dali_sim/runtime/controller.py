@@ -71,6 +71,9 @@ class LayerPlan:
     swaps: list[tuple[int, int]] = field(default_factory=list)  # cache-initiated (in, out) transfers
     #: the plan's row of counters (``PlanCounters``), when the controller's compiled path counted them
     tally: tuple[int, ...] | None = None
+    #: the compiled path's int64 answer (``plan_kernel``), the victims after the tally and the first fetch:
+    #: ``evicted`` as an array is ``answer[TALLY_LEN + 1:][:len(evicted)]`` (the executor's route call takes that view)
+    answer: np.ndarray | None = None
 
 
 class Controller:
@@ -387,7 +390,7 @@ class Controller:
                         (self.staging_slots < 1 and row[TALLY_STAGED]):
                     self._refuse(step, layer, experts, row)
                 return LayerPlan(step, layer, phase, tokens, experts, counts, flags[3], source, flags[0], flags[1],
-                                 flags[2], row[TALLY_LEN + 1:], [], [], [], [], tuple(row[:TALLY_LEN]))
+                                 flags[2], row[TALLY_LEN + 1:], [], [], [], [], tuple(row[:TALLY_LEN]), out)
         fused = self._fused
         if fused is not None:
             experts, counts, _, phase, tokens = self._segment(step, layer)
@@ -398,7 +401,7 @@ class Controller:
                 source, flags, out = fused[0](experts, counts, row_step, *fused[1][layer])
             row = out.tolist()
             if row:  # (empty: a workload beyond the cost tables, left to the policies with a view; nothing changed)
-                return self._fused_plan(step, layer, phase, tokens, experts, counts, source, flags, row)
+                return self._fused_plan(step, layer, phase, tokens, experts, counts, source, flags, row, out)
         kernel = self._kernel
         if kernel is None:
             return self.plan_reference(step, layer)
@@ -427,9 +430,9 @@ class Controller:
         lists = TALLY_LEN + 1 + n_evicted  # where the prefetches used start
         return LayerPlan(step, layer, view.phase, view.tokens, experts, view.counts, on_gpu, source, flags[0],
                          flags[1], flags[2], row[TALLY_LEN + 1:lists], prefetches, row[lists:lists + n_used],
-                         row[lists + n_used:], swaps, tuple(row[:TALLY_LEN]))
+                         row[lists + n_used:], swaps, tuple(row[:TALLY_LEN]), out)
 
-    def _fused_plan(self, step, layer, phase, tokens, experts, counts, source, flags, row) -> LayerPlan:
+    def _fused_plan(self, step, layer, phase, tokens, experts, counts, source, flags, row, out) -> LayerPlan:
         """The :class:`LayerPlan` of ``plan_kernel._greedy_plan``'s or ``_impact_plan``'s answer (its checks as
         :meth:`plan`'s)."""
         if (row[TALLY_FIRST_FETCH] >= 0 and not self.placement.may_fetch) or \
@@ -447,7 +450,7 @@ class Controller:
         return LayerPlan(step, layer, phase, tokens, experts, counts, flags[3], source, flags[0], flags[1], flags[2],
                          row[TALLY_LEN + 1:lists], list(zip(row[issued:swapped:2], row[issued + 1:swapped:2])),
                          row[lists:lists + n_used], row[lists + n_used:issued],
-                         list(zip(row[swapped::2], row[swapped + 1::2])), tuple(row[:TALLY_LEN]))
+                         list(zip(row[swapped::2], row[swapped + 1::2])), tuple(row[:TALLY_LEN]), out)
 
     def _place(self, view: LayerView) -> np.ndarray:
         """The placement's (n,) bool mask, checked."""
