@@ -447,10 +447,13 @@ class Controller:
             self._bad_prefetch(SimpleNamespace(layer=layer), row[issued], row[issued + 1])
         self._pending_total += n_issued - n_used - n_wasted
         swapped = issued + 2 * n_issued
+        # (most visits issue nothing and swap nothing: their empty lists without the slices and zips)
         return LayerPlan(step, layer, phase, tokens, experts, counts, flags[3], source, flags[0], flags[1], flags[2],
-                         row[TALLY_LEN + 1:lists], list(zip(row[issued:swapped:2], row[issued + 1:swapped:2])),
+                         row[TALLY_LEN + 1:lists],
+                         list(zip(row[issued:swapped:2], row[issued + 1:swapped:2])) if n_issued else [],
                          row[lists:lists + n_used], row[lists + n_used:issued],
-                         list(zip(row[swapped::2], row[swapped + 1::2])), tuple(row[:TALLY_LEN]), out)
+                         list(zip(row[swapped::2], row[swapped + 1::2])) if len(row) > swapped else [],
+                         tuple(row[:TALLY_LEN]), out)
 
     def _place(self, view: LayerView) -> np.ndarray:
         """The placement's (n,) bool mask, checked."""
