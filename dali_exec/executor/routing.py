@@ -66,7 +66,8 @@ class LayerRouting:
 
     @staticmethod
     def checked(ids: np.ndarray, weights: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """(T, k) expert ids and float32 gate weights (default 1 / k), checked to match."""
+        """(T, k) expert ids and float32 gate weights (default 1 / k), checked to match. (``OffloadRuntime._route``
+        makes the same tests inline and calls this only where they fail: keep the two in step.)"""
         ids = np.asarray(ids)
         T, k = ids.shape
         if weights is None:

@@ -379,13 +379,14 @@ class OffloadRuntime:
             routing = LayerRouting.group(ids, weights)
             return (routing, *self._partition(plan, routing, False), None)
         if type(ids) is not np.ndarray or type(weights) is not np.ndarray or weights.dtype is not FLOAT32 or \
-                weights.shape != ids.shape:  # (a trace's ids and weights pass as they are)
+                weights.shape != ids.shape:  # (a trace's ids and weights pass as they are: checked's own tests)
             ids, weights = LayerRouting.checked(ids, weights)
         T, k = ids.shape
         n = T * k
         victims = len(plan.evicted)  # (the compiled plan's answer holds them as an array: LayerPlan.answer)
-        evicted = _EMPTY if not victims else plan.answer[_VICTIMS:_VICTIMS + victims] if plan.answer is not None \
-            else np.array(plan.evicted, np.int64)
+        evicted = (_EMPTY if not victims else
+                   plan.answer[_VICTIMS:_VICTIMS + victims] if plan.answer is not None else
+                   np.array(plan.evicted, np.int64))
         free = pool.cache_free[layer]
         ws = self._route_ws.fit(n, len(evicted))
         wi = ws.wi
